@@ -1,0 +1,79 @@
+"""ckptd: a per-node asynchronous checkpoint daemon for PyTorch training.
+
+The module-level functions use one default :class:`Client` per process, configured by
+``CKPTD_ENDPOINT`` and ``CKPTD_JOB``; create a :class:`Client` to choose them explicitly.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+__version__ = "0.1.0"
+
+from .client import Client, SnapshotHandle  # noqa: E402
+from .errors import CheckpointError, DaemonUnavailable, FormatError, ProtocolError  # noqa: E402
+
+__all__ = [
+    "CheckpointError",
+    "Client",
+    "DaemonUnavailable",
+    "FormatError",
+    "ProtocolError",
+    "SnapshotHandle",
+    "latest",
+    "restore",
+    "snapshot",
+    "wait",
+]
+
+_default: Client | None = None
+_default_lock = threading.Lock()
+
+
+def _client() -> Client:
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = Client()
+        return _default
+
+
+def snapshot(
+    model: torch.nn.Module,
+    optim: torch.optim.Optimizer | None = None,
+    *,
+    step: int,
+    extra: dict[str, Any] | None = None,
+    blocking: bool = False,
+) -> SnapshotHandle:
+    """Checkpoint ``model`` and ``optim`` as of this call; see :meth:`Client.snapshot`."""
+    return _client().snapshot(model, optim, step=step, extra=extra, blocking=blocking)
+
+
+def wait(timeout: float | None = None) -> list[str]:
+    """Wait until every snapshot of this process is durable; return their directories."""
+    return _client().wait(timeout)
+
+
+def restore(
+    model: torch.nn.Module,
+    optim: torch.optim.Optimizer | None = None,
+    *,
+    step: int | None = None,
+    path: str | None = None,
+) -> dict[str, Any]:
+    """Load the newest committed step (or ``step``, or ``path``) in place; return ``extra``."""
+    if path is not None and _default is None:
+        from .client import _dist_rank_world
+        from .restore import restore_state
+
+        return restore_state(path, model, optim, _dist_rank_world()[0])  # no daemon needed
+    return _client().restore(model, optim, step=step, path=path)
+
+
+def latest() -> int | None:
+    """The newest committed step of this job (asks the daemon), or ``None``."""
+    return _client().latest()

@@ -1,0 +1,444 @@
+"""The in-process client: state → staging slot → commit, snapshot handles and the copy guard.
+
+Who runs what, in a training process:
+
+* ``snapshot()`` on the training thread: captures the state dicts (torch's ``get_state_dict``),
+  plans which chunks this rank writes (one small collective, foreground only), leases a slot from
+  the daemon, writes the shard header and copies every tensor the optimizer does not own.
+* With ``blocking=False`` the tensors that only ``optimizer.step()`` mutates (parameters and
+  optimizer state) are copied by a background thread, which then commits; an optimizer step
+  pre-hook, the next ``snapshot()``, ``restore()`` and ``wait()`` all wait for that copy first.
+  The background thread makes no collectives and touches nothing but the slot and the socket.
+* ``SnapshotHandle.wait()`` / ``Client.wait()``: any thread; block on the daemon's answer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+import warnings
+import weakref
+from collections import OrderedDict
+from typing import Any
+
+import torch
+import zmq
+
+from . import shm
+from ._config import default_endpoint, default_job, env_float, validate_job
+from .errors import CheckpointError, DaemonUnavailable, ProtocolError
+from .format import ShardLayout, build_layout
+from .plan import WritePlan
+from .protocol import decode_reply, request
+from .state import LocalChunk, flatten
+
+log = logging.getLogger("ckptd.client")
+
+_MAPPINGS_KEPT = 4  # warm mappings per client: the slots a rank alternates between
+
+
+def _dist_rank_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class SnapshotHandle:
+    """One snapshot in flight. ``wait()`` blocks until the step is durable and returns its path."""
+
+    def __init__(self, client: Client, step: int) -> None:
+        self.client = client
+        self.step = step
+        self.job = client.job
+        self._copied = threading.Event()
+        self._error: BaseException | None = None
+        self._path: str | None = None
+
+    def copied(self) -> bool:
+        """True once every byte is in the daemon's shared memory and committed (or the copy failed)."""
+        return self._copied.is_set()
+
+    def wait_copied(self, timeout: float | None = None) -> None:
+        if not self._copied.wait(timeout):
+            raise TimeoutError(f"snapshot of step {self.step} still copying after {timeout} s")
+        if self._error is not None:
+            raise CheckpointError(f"snapshot of step {self.step} failed: {self._error}") from self._error
+
+    def wait(self, timeout: float | None = None) -> str:
+        """Block until step ``step`` is committed (manifest written); return its directory.
+
+        Raises :class:`CheckpointError` if the copy failed or the daemon reported a failure, and
+        ``TimeoutError`` after ``timeout`` seconds.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.wait_copied(timeout)
+        if self._path is not None:
+            return self._path
+        while True:
+            left = 30.0 if deadline is None else max(0.0, min(30.0, deadline - time.monotonic()))
+            rep = self.client._call("wait", rpc_timeout=left + 10.0, job=self.job, step=self.step, timeout=left)
+            if rep["state"] == "durable":
+                self._path = rep["path"]
+                return rep["path"]
+            if rep["state"] == "failed":
+                raise CheckpointError(f"step {self.step} of job {self.job} failed: {rep['error']}")
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"step {self.step} of job {self.job} not durable after {timeout} s")
+
+    def __repr__(self) -> str:
+        return f"SnapshotHandle(job={self.job!r}, step={self.step}, copied={self.copied()})"
+
+
+class Client:
+    """Talks to the node's daemon. Methods are safe to call from any thread.
+
+    ``endpoint`` defaults to ``CKPTD_ENDPOINT`` (else a per-user ipc socket), ``job`` to
+    ``CKPTD_JOB`` (else torchrun's run id, else ``default``). ``timeout`` bounds each request to
+    the daemon except ``alloc``, which waits up to ``alloc_timeout`` while the daemon's
+    shared-memory budget is full (``CKPTD_TIMEOUT``, ``CKPTD_ALLOC_TIMEOUT``).
+    """
+
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        job: str | None = None,
+        *,
+        timeout: float | None = None,
+        alloc_timeout: float | None = None,
+    ) -> None:
+        self.endpoint = endpoint or default_endpoint()
+        self.job = validate_job(job) if job is not None else default_job()
+        self.timeout = timeout if timeout is not None else env_float("CKPTD_TIMEOUT", 30.0)
+        self.alloc_timeout = alloc_timeout if alloc_timeout is not None else env_float("CKPTD_ALLOC_TIMEOUT", 600.0)
+        self._ctx = zmq.Context()
+        self._tls = threading.local()
+        self._sockets: list[zmq.Socket] = []
+        self._sock_lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._maps: OrderedDict[str, shm.Mapping] = OrderedDict()
+        self._plan = WritePlan()
+        self._layout_key: Any = None
+        self._layout: ShardLayout | None = None
+        self._inflight: threading.Thread | None = None
+        self._inflight_handle: SnapshotHandle | None = None
+        self._pending: list[SnapshotHandle] = []
+        self._hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._closed = False
+
+    # ------------------------------------------------------------------ RPC
+
+    def _socket(self) -> zmq.Socket:
+        s = getattr(self._tls, "sock", None)
+        if s is None:
+            s = self._ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(self.endpoint)
+            self._tls.sock = s
+            with self._sock_lock:
+                self._sockets.append(s)
+        return s
+
+    def _drop_socket(self) -> None:
+        s = getattr(self._tls, "sock", None)
+        if s is not None:
+            self._tls.sock = None
+            with self._sock_lock:
+                if s in self._sockets:
+                    self._sockets.remove(s)
+            s.close(0)
+
+    def _call(self, op: str, rpc_timeout: float | None = None, **fields: Any) -> dict[str, Any]:
+        """Send one request and wait for its reply; raise on an error reply or no answer."""
+        if self._closed:
+            raise CheckpointError("client is closed")
+        timeout = self.timeout if rpc_timeout is None else rpc_timeout
+        req_id = next(self._ids)
+        s = self._socket()
+        s.send(request(op, req_id, **fields))
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not s.poll(int(left * 1000) + 1):
+                # a late reply must not be read as the answer to a later request
+                self._drop_socket()
+                raise DaemonUnavailable(
+                    f"no answer from the ckptd daemon at {self.endpoint} within {timeout:.0f} s (op {op}); is `ckptd serve` running?"
+                )
+            rep = decode_reply(s.recv())
+            if rep.get("id") not in (req_id, None):
+                continue  # stale reply to an earlier, abandoned request
+            if not rep["ok"]:
+                raise ProtocolError(f"daemon refused {op}: {rep.get('error')}")
+            return rep
+
+    def hello(self) -> dict[str, Any]:
+        return self._call("hello")
+
+    def status(self) -> dict[str, Any]:
+        return self._call("status")
+
+    def latest(self) -> int | None:
+        """The newest committed step of this job, or ``None``."""
+        return self._call("latest", job=self.job)["step"]
+
+    # ------------------------------------------------------------------ snapshot
+
+    def snapshot(
+        self,
+        model: torch.nn.Module,
+        optim: torch.optim.Optimizer | None = None,
+        *,
+        step: int,
+        extra: dict[str, Any] | None = None,
+        blocking: bool = False,
+    ) -> SnapshotHandle:
+        """Capture model and optimizer state as of this call and hand it to the daemon.
+
+        Every rank of a distributed job must call it with the same ``step``. ``extra`` (JSON-able
+        values and tensors) is this rank's own state, returned by :meth:`restore`.
+        """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        self._finish_inflight()  # the previous copy must end before we reuse the layout or slot
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        rank, world = _dist_rank_world()
+        if optim is not None:
+            msd, osd = get_state_dict(model, optim)
+            root: dict[str, Any] = {"model": msd, "optim": osd}
+        else:
+            root = {"model": get_model_state_dict(model)}
+        if extra is not None:
+            if not isinstance(extra, dict):
+                raise TypeError("extra must be a dict")
+            root["extra"] = {str(rank): extra}
+        tree, chunks = flatten(root)
+        for ch in chunks:
+            if ch.tensor.dtype not in _COPYABLE:
+                raise TypeError(f"tensor {ch.key!r} has dtype {ch.tensor.dtype}, which ckptd cannot store")
+        mine = self._plan.mine([((c.key, c.offsets, c.sizes), c.nbytes) for c in chunks])
+        chunks = [c for c in chunks if (c.key, c.offsets, c.sizes) in mine]
+        layout = self._layout_for(chunks)
+        by_name = {c.name: c for c in chunks}
+
+        handle = SnapshotHandle(self, step)
+        rep = self._call(
+            "alloc",
+            rpc_timeout=self.alloc_timeout,
+            job=self.job,
+            rank=rank,
+            world_size=world,
+            step=step,
+            nbytes=layout.file_size,
+            pid=os.getpid(),
+        )
+        segment = rep["segment"]
+        try:
+            m = self._mapping(segment)
+            m.view[: layout.data_start] = layout.header
+            guarded = _optimizer_storages(model, optim) if (optim is not None and not blocking) else set()
+            now, later = [], []
+            for spec in layout.chunks:
+                ch = by_name[spec.name]
+                dst = m.tensor[layout.data_start + spec.begin : layout.data_start + spec.end]
+                (later if _storage(ch.tensor) in guarded else now).append((dst, ch))
+            _copy(now)
+        except BaseException:
+            self._release(segment)
+            raise
+        commit = dict(job=self.job, rank=rank, world_size=world, step=step, segment=segment, nbytes=layout.file_size, tree=tree)
+        if not later:
+            self._commit(handle, commit)
+            if handle._error is not None:
+                raise CheckpointError(f"snapshot of step {step} failed: {handle._error}") from handle._error
+        else:
+            self._hook(optim)  # type: ignore[arg-type]
+            t = threading.Thread(target=self._background, args=(handle, later, commit), name=f"ckptd-copy-{step}", daemon=False)
+            self._inflight, self._inflight_handle = t, handle
+            t.start()
+        self._pending.append(handle)
+        return handle
+
+    def _layout_for(self, chunks: list[LocalChunk]) -> ShardLayout:
+        key = tuple((c.name, c.key, c.tensor.dtype, c.sizes, c.global_shape, c.offsets) for c in chunks)
+        if key != self._layout_key:
+            self._layout = build_layout(list(key))
+            self._layout_key = key
+        assert self._layout is not None
+        return self._layout
+
+    def _mapping(self, name: str) -> shm.Mapping:
+        m = self._maps.get(name)
+        if m is None:
+            m = shm.Mapping(name)
+            self._maps[name] = m
+            while len(self._maps) > _MAPPINGS_KEPT:
+                _, old = self._maps.popitem(last=False)
+                old.close()
+        self._maps.move_to_end(name)
+        return m
+
+    def _release(self, segment: str) -> None:
+        try:
+            self._call("release", segment=segment)
+        except CheckpointError as e:
+            log.warning("could not release %s: %s", segment, e)
+
+    def _commit(self, handle: SnapshotHandle, commit: dict[str, Any]) -> None:
+        try:
+            self._call("commit", **commit)
+        except BaseException as e:
+            handle._error = e
+            if not isinstance(e, DaemonUnavailable):
+                self._release(commit["segment"])
+        finally:
+            handle._copied.set()
+
+    def _background(self, handle: SnapshotHandle, later: list[tuple[torch.Tensor, LocalChunk]], commit: dict[str, Any]) -> None:
+        # off the main thread: no collectives, only the copy and the socket
+        try:
+            _copy(later)
+        except BaseException as e:
+            handle._error = e
+            self._release(commit["segment"])
+            handle._copied.set()
+            return
+        self._commit(handle, commit)
+
+    def _finish_inflight(self) -> None:
+        t, h = self._inflight, self._inflight_handle
+        if t is not None:
+            t.join()
+            self._inflight = self._inflight_handle = None
+            if h is not None and h._error is not None:
+                raise CheckpointError(f"background copy of step {h.step} failed: {h._error}") from h._error
+
+    def _hook(self, optim: torch.optim.Optimizer) -> None:
+        if optim in self._hooked:
+            return
+        ref = weakref.ref(self)
+
+        def pre_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            client = ref()
+            if client is not None and client._inflight is not None:
+                client._inflight.join()  # errors surface from wait() / the next snapshot
+
+        optim.register_step_pre_hook(pre_step)
+        self._hooked.add(optim)
+
+    # ------------------------------------------------------------------ wait / restore
+
+    def wait(self, timeout: float | None = None) -> list[str]:
+        """Wait until every snapshot this client took is durable; return their directories."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        paths = []
+        try:
+            while self._pending:
+                h = self._pending[0]
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                paths.append(h.wait(left))
+                self._pending.pop(0)
+        except BaseException:
+            self._pending.pop(0)
+            raise
+        return paths
+
+    def restore(
+        self,
+        model: torch.nn.Module,
+        optim: torch.optim.Optimizer | None = None,
+        *,
+        step: int | None = None,
+        path: str | None = None,
+    ) -> dict[str, Any]:
+        """Load the newest committed step (or ``step``, or the checkpoint at ``path``) in place.
+
+        Returns this rank's ``extra``. With ``path`` no daemon is needed.
+        """
+        from .restore import restore_state
+
+        self._finish_inflight()
+        if path is None:
+            rep = self._call("latest", job=self.job) if step is None else self._call("locate", job=self.job, step=step)
+            if rep["path"] is None:
+                raise CheckpointError(f"job {self.job!r} has no committed checkpoint")
+            path = rep["path"]
+        rank, _ = _dist_rank_world()
+        return restore_state(path, model, optim, rank)
+
+    def close(self) -> None:
+        """Finish the background copy, then drop mappings and sockets. Pending durability is the daemon's."""
+        if self._closed:
+            return
+        try:
+            self._finish_inflight()
+        except CheckpointError as e:
+            warnings.warn(str(e), stacklevel=2)
+        for m in self._maps.values():
+            m.close()
+        self._maps.clear()
+        with self._sock_lock:
+            for s in self._sockets:
+                s.close(0)
+            self._sockets.clear()
+        self._closed = True
+        self._ctx.term()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_COPYABLE = {
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.complex64,
+}
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _optimizer_storages(model: torch.nn.Module, optim: torch.optim.Optimizer) -> set[int]:
+    """Storages that only ``optim.step()`` mutates: its parameters and its state tensors."""
+    out = set()
+    for group in optim.param_groups:
+        for p in group["params"]:
+            out.add(_storage(_local(p)))
+    for st in optim.state.values():
+        for v in st.values():
+            if isinstance(v, torch.Tensor):
+                out.add(_storage(_local(v)))
+    out.discard(0)
+    return out
+
+
+def _copy(pairs: list[tuple[torch.Tensor, LocalChunk]]) -> None:
+    for dst, ch in pairs:
+        src = ch.tensor
+        dst.view(src.dtype).view(src.shape).copy_(src)

@@ -1,0 +1,533 @@
+"""The node daemon: a ZeroMQ ROUTER loop that leases staging slots, records commits, and hands
+durable persistence to worker threads.
+
+Threads: the main thread owns the socket, the slot table and the step table and never blocks on
+disk; ``workers`` persist threads write shards and finalize steps (:mod:`ckptd.persist`) and report
+back through a queue plus an inproc wake-up socket. Nothing here talks to the trainer's process
+groups: agreement that a step is complete is read off storage (every rank's fragment present).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from . import __version__, persist, shm
+from .errors import CheckpointError, ProtocolError
+from .protocol import decode_request, reply_error, reply_ok
+
+log = logging.getLogger("ckptd.daemon")
+
+WAIT_CAP_S = 30.0
+HOUSEKEEPING_S = 0.5
+
+
+@dataclass
+class Slot:
+    name: str
+    size: int
+    state: str = "free"  # free | leased | committed
+    owner: tuple[str, int] | None = None  # (job, rank) that used it last: reused first by them
+    pid: int | None = None
+    lease: dict[str, Any] | None = None
+    used_at: float = 0.0
+    mapping: shm.Mapping | None = None
+
+
+@dataclass
+class StepTrack:
+    world_size: int
+    committed: set[int] = field(default_factory=set)
+    inflight: int = 0
+    state: str = "pending"  # pending | durable | failed
+    error: str | None = None
+    path: str | None = None
+    waiters: list[tuple[bytes, Any, float]] = field(default_factory=list)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def default_budget() -> int:
+    """Half of the shared-memory filesystem: room to stage while the rest of the node runs."""
+    st = os.statvfs(shm.SHM_DIR)
+    return st.f_frsize * st.f_blocks // 2
+
+
+class Daemon:
+    """One per node. Construct, then :meth:`serve` (blocks until :meth:`stop` or SIGTERM)."""
+
+    def __init__(
+        self,
+        root: str,
+        endpoint: str,
+        *,
+        shm_budget: int | None = None,
+        keep: int = 3,
+        workers: int = 2,
+        write_rate_limit: float = 0.0,
+    ) -> None:
+        self.root = os.path.abspath(root)
+        os.makedirs(self.root, exist_ok=True)
+        self.endpoint = endpoint
+        self.budget = shm_budget if shm_budget is not None else default_budget()
+        self.keep = keep
+        self.write_rate_limit = write_rate_limit
+        self.ns = shm.namespace(self.root)
+        self.slots: dict[str, Slot] = {}
+        self.tracks: dict[tuple[str, int], StepTrack] = {}
+        self.deferred: list[tuple[bytes, dict[str, Any]]] = []
+        self._counter = 0
+        self._running = False
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptd-persist")
+        self._done: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._job_locks: dict[str, threading.Lock] = {}
+        self._locks_guard = threading.Lock()
+        self._tls = threading.local()
+        self.stats = {"persisted_bytes": 0, "persist_seconds": 0.0, "steps_committed": 0, "last_error": None}
+        self._ctx = zmq.Context()
+        self._wake_addr = f"inproc://ckptd-wake-{id(self)}"
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def serve(self) -> None:
+        self._bind()
+        self._recover()
+        self._running = True
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: self.stop())
+        log.info("ckptd %s serving %s, root %s, shm budget %.2f GiB", __version__, self.endpoint, self.root, self.budget / 2**30)
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake, zmq.POLLIN)
+        last_house = 0.0
+        try:
+            while self._running:
+                events = dict(poller.poll(int(HOUSEKEEPING_S * 1000)))
+                if self._wake in events:
+                    while self._wake.poll(0):
+                        self._wake.recv()
+                self._drain_done()
+                if self._sock in events:
+                    for _ in range(256):
+                        try:
+                            frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._handle(frames)
+                now = time.monotonic()
+                if now - last_house >= HOUSEKEEPING_S:
+                    last_house = now
+                    self._housekeeping(now)
+        finally:
+            self._shutdown()
+
+    def stop(self) -> None:
+        self._running = False
+
+    def _bind(self) -> None:
+        if self.endpoint.startswith("ipc://"):
+            path = self.endpoint[len("ipc://") :]
+            d = os.path.dirname(path)
+            if d:
+                os.makedirs(d, mode=0o700, exist_ok=True)
+            if os.path.exists(path):
+                # a live daemon answers on it; a dead one left a stale socket file behind
+                if self._endpoint_answers():
+                    raise CheckpointError(f"another daemon is already serving {self.endpoint}")
+                os.unlink(path)
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
+        self._sock.bind(self.endpoint)
+        if self.endpoint.startswith("ipc://"):
+            os.chmod(self.endpoint[len("ipc://") :], 0o600)
+        self._wake = self._ctx.socket(zmq.PULL)
+        self._wake.setsockopt(zmq.LINGER, 0)
+        self._wake.bind(self._wake_addr)
+
+    def _endpoint_answers(self) -> bool:
+        from .protocol import request
+
+        s = self._ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        try:
+            s.connect(self.endpoint)
+            s.send(request("hello", 0))
+            return bool(s.poll(500))
+        finally:
+            s.close(0)
+
+    def _shutdown(self) -> None:
+        log.info("shutting down: finishing %d pending persist(s)", sum(t.inflight for t in self.tracks.values()))
+        self._pool.shutdown(wait=True)
+        self._drain_done()
+        for slot in list(self.slots.values()):
+            if slot.state != "committed":
+                self._unlink(slot)
+            elif slot.mapping is not None:
+                slot.mapping.close()
+                slot.mapping = None
+        self._sock.close(0)
+        self._wake.close(0)
+        self._ctx.term()
+        if self.endpoint.startswith("ipc://"):
+            try:
+                os.unlink(self.endpoint[len("ipc://") :])
+            except FileNotFoundError:
+                pass
+
+    def _recover(self) -> None:
+        """Adopt committed-but-not-durable segments; finish or remove partial step directories."""
+        for name in shm.list_segments(self.ns):
+            self._counter = max(self._counter, int(name.rsplit("-", 1)[1]) + 1)
+            rec = shm.read_record(name)
+            if rec is None:
+                shm.unlink(name)
+                continue
+            try:
+                slot = Slot(name, shm.size_of(name), state="committed", owner=(rec["job"], rec["rank"]), lease=rec)
+                track = self.tracks.setdefault((rec["job"], rec["step"]), StepTrack(rec["world_size"]))
+                track.committed.add(rec["rank"])
+            except (KeyError, TypeError, OSError):
+                log.warning("dropping segment %s with an unreadable commit record", name)
+                shm.unlink(name)
+                continue
+            self.slots[name] = slot
+            log.info("recovered committed shard %s: job %s step %s rank %s", name, rec["job"], rec["step"], rec["rank"])
+        for job in persist.list_jobs(self.root):
+            for step in persist.partial_steps(self.root, job):
+                present = persist.fragments_present(self.root, job, step)
+                track = self.tracks.get((job, step))
+                ws = track.world_size if track else self._fragment_world_size(job, step)
+                if ws and present >= set(range(ws)):
+                    try:
+                        path = persist.finalize_step(self.root, job, step, ws)
+                        log.info("finalized step %s of job %s left complete by a previous run: %s", step, job, path)
+                    except (CheckpointError, OSError, ValueError) as e:
+                        log.error("cannot finalize leftover step %s of job %s: %s; removing it", step, job, e)
+                        persist.remove_partial(self.root, job, step)
+                elif track is None:
+                    log.info("removing partial step %s of job %s (no staged shard can complete it)", step, job)
+                    persist.remove_partial(self.root, job, step)
+                else:
+                    track.committed |= present
+        for slot in self.slots.values():
+            self._submit_persist(slot)
+
+    def _fragment_world_size(self, job: str, step: int) -> int | None:
+        import json
+
+        d = persist.tmp_dir(self.root, job, step)
+        for r in sorted(persist.fragments_present(self.root, job, step)):
+            try:
+                with open(os.path.join(d, f"rank-{r:05d}.json"), "rb") as f:
+                    return int(json.loads(f.read())["world_size"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        return None
+
+    # ------------------------------------------------------------------ requests
+
+    def _handle(self, frames: list[bytes]) -> None:
+        ident = frames[0]
+        if len(frames) != 2:
+            self._send(ident, reply_error(None, "bad_request", f"expected one message frame, got {len(frames) - 1}"))
+            return
+        try:
+            msg = decode_request(frames[1])
+        except ProtocolError as e:
+            self._send(ident, reply_error(None, "bad_request", str(e)))
+            return
+        op = msg["op"]
+        try:
+            out = getattr(self, f"_op_{op}")(ident, msg)
+        except CheckpointError as e:
+            self._send(ident, reply_error(msg["id"], "refused", str(e)))
+            return
+        except Exception as e:  # a bug or an OS error must not take the daemon down
+            log.exception("op %s failed", op)
+            self._send(ident, reply_error(msg["id"], "internal", f"{type(e).__name__}: {e}"))
+            return
+        if out is not None:
+            self._send(ident, reply_ok(msg["id"], **out))
+
+    def _send(self, ident: bytes, data: bytes) -> None:
+        try:
+            self._sock.send_multipart([ident, data], zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            log.warning("reply dropped: %s", e)
+
+    def _op_hello(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
+        return {"server_version": __version__, "root": self.root, "pid": os.getpid()}
+
+    def _op_status(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
+        states: dict[str, int] = {}
+        for s in self.slots.values():
+            states[s.state] = states.get(s.state, 0) + 1
+        jobs: dict[str, Any] = {}
+        for (job, step), t in self.tracks.items():
+            if t.state == "pending":
+                jobs.setdefault(job, {"in_flight": []})["in_flight"].append(step)
+        for job in persist.list_jobs(self.root):
+            jobs.setdefault(job, {"in_flight": []})["latest"] = persist.latest_path(self.root, job)[0]
+        return {
+            "root": self.root,
+            "pid": os.getpid(),
+            "shm_budget": self.budget,
+            "shm_bytes": sum(s.size for s in self.slots.values()),
+            "slots": states,
+            "deferred_allocs": len(self.deferred),
+            "jobs": jobs,
+            **self.stats,
+        }
+
+    def _op_alloc(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any] | None:
+        if msg["nbytes"] > self.budget:
+            raise ProtocolError(f"a shard of {msg['nbytes']} bytes exceeds the shared-memory budget of {self.budget} bytes")
+        slot = self._try_lease(msg)
+        if slot is None:
+            self.deferred.append((ident, msg))  # backpressure: answered when a slot frees up
+            return None
+        return {"segment": slot.name, "size": slot.size}
+
+    def _try_lease(self, msg: dict[str, Any]) -> Slot | None:
+        owner = (msg["job"], msg["rank"])
+        need = msg["nbytes"]
+        free = [s for s in self.slots.values() if s.state == "free" and s.size >= need]
+        # the rank's own slot first: the trainer already holds a warm mapping of it
+        slot = min((s for s in free if s.owner == owner), key=lambda s: s.size, default=None)
+        if slot is None:
+            used = sum(s.size for s in self.slots.values())
+            rounded = max(shm.ALIGN, -(-need // shm.ALIGN) * shm.ALIGN)
+            if used + rounded > self.budget:
+                slot = min(free, key=lambda s: s.size, default=None)
+        if slot is None:
+            # evict free slots, least recently used first, until a new one fits the budget
+            for victim in sorted((s for s in self.slots.values() if s.state == "free"), key=lambda s: s.used_at):
+                if used + rounded <= self.budget:
+                    break
+                used -= victim.size
+                self._unlink(victim)
+            if used + rounded > self.budget:
+                return None
+            name = f"{self.ns}-{self._counter:08d}"
+            self._counter += 1
+            size = shm.create(name, need)
+            slot = Slot(name, size)
+            self.slots[name] = slot
+        slot.state, slot.owner, slot.pid, slot.used_at = "leased", owner, msg["pid"], time.monotonic()
+        slot.lease = {k: msg[k] for k in ("job", "rank", "world_size", "step")}
+        return slot
+
+    def _leased(self, name: str) -> Slot:
+        slot = self.slots.get(name)
+        if slot is None:
+            raise ProtocolError(f"unknown segment {name!r}")
+        if slot.state != "leased":
+            raise ProtocolError(f"segment {name!r} is not leased (it is {slot.state})")
+        return slot
+
+    def _op_release(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
+        self._free(self._leased(msg["segment"]))
+        return {}
+
+    def _op_commit(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
+        slot = self._leased(msg["segment"])
+        lease = slot.lease or {}
+        if any(lease.get(k) != msg[k] for k in ("job", "rank", "world_size", "step")):
+            raise ProtocolError(f"commit for {msg['job']}/{msg['step']}/rank {msg['rank']} does not match the lease of {slot.name}")
+        if msg["nbytes"] > slot.size:
+            raise ProtocolError(f"commit of {msg['nbytes']} bytes exceeds segment size {slot.size}")
+        key = (msg["job"], msg["step"])
+        if os.path.isdir(persist.step_dir(self.root, *key)):
+            raise ProtocolError(f"step {msg['step']} of job {msg['job']} is already committed")
+        track = self.tracks.setdefault(key, StepTrack(msg["world_size"]))
+        if track.world_size != msg["world_size"]:
+            raise ProtocolError(f"step {msg['step']}: world_size {msg['world_size']} differs from {track.world_size} of other ranks")
+        if msg["rank"] in track.committed:
+            raise ProtocolError(f"rank {msg['rank']} already committed step {msg['step']} of job {msg['job']}")
+        if track.state == "failed":
+            raise ProtocolError(f"step {msg['step']} of job {msg['job']} already failed: {track.error}")
+        record = {k: msg[k] for k in ("job", "rank", "world_size", "step", "nbytes", "tree")}
+        shm.write_record(slot.name, record)  # from here on the shard survives a trainer or daemon crash
+        slot.state, slot.lease = "committed", record
+        track.committed.add(msg["rank"])
+        self._submit_persist(slot)
+        return {}
+
+    def _op_wait(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any] | None:
+        key = (msg["job"], msg["step"])
+        track = self.tracks.get(key)
+        if track is None or track.state != "pending":
+            return self._step_state(key, track)
+        deadline = time.monotonic() + max(0.0, min(float(msg["timeout"]), WAIT_CAP_S))
+        track.waiters.append((ident, msg["id"], deadline))
+        return None
+
+    def _step_state(self, key: tuple[str, int], track: StepTrack | None) -> dict[str, Any]:
+        if track is not None:
+            return {"state": track.state, "path": track.path, "error": track.error}
+        path = persist.step_dir(self.root, *key)
+        if os.path.exists(os.path.join(path, "manifest.json")):
+            return {"state": "durable", "path": path, "error": None}
+        return {"state": "failed", "path": None, "error": f"the daemon has no record of step {key[1]} of job {key[0]}"}
+
+    def _op_latest(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
+        step, path = persist.latest_path(self.root, msg["job"])
+        return {"step": step, "path": path}
+
+    def _op_locate(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
+        path = persist.step_dir(self.root, msg["job"], msg["step"])
+        if not os.path.exists(os.path.join(path, "manifest.json")):
+            raise ProtocolError(f"step {msg['step']} of job {msg['job']} is not a committed checkpoint under {self.root}")
+        return {"step": msg["step"], "path": path}
+
+    # ------------------------------------------------------------------ persistence
+
+    def _job_lock(self, job: str) -> threading.Lock:
+        with self._locks_guard:
+            return self._job_locks.setdefault(job, threading.Lock())
+
+    def _submit_persist(self, slot: Slot) -> None:
+        rec = dict(slot.lease or {})
+        key = (rec["job"], rec["step"])
+        self.tracks[key].inflight += 1
+        if slot.mapping is None:
+            slot.mapping = shm.Mapping(slot.name, writable=False)
+        self._pool.submit(self._persist_worker, slot.name, slot.mapping.view, rec)
+
+    def _persist_worker(self, name: str, view: memoryview, rec: dict[str, Any]) -> None:
+        """Worker thread: write one shard, and finalize its step if every rank's fragment is there."""
+        job, step, ws = rec["job"], rec["step"], rec["world_size"]
+        final = None
+        try:
+            t0 = time.monotonic()
+            persist.write_shard(self.root, job, step, rec["rank"], ws, view, rec["nbytes"], rec["tree"], self.write_rate_limit)
+            dt = time.monotonic() - t0
+            with self._job_lock(job):
+                if persist.fragments_present(self.root, job, step) >= set(range(ws)) and os.path.isdir(
+                    persist.tmp_dir(self.root, job, step)
+                ):
+                    final = persist.finalize_step(self.root, job, step, ws)
+            self._notify("persisted", name, job, step, None, final, rec["nbytes"], dt)
+        except Exception as e:  # reported to every waiter of the step, never swallowed
+            log.error("persisting %s (job %s step %s rank %s) failed: %s", name, job, step, rec["rank"], e)
+            self._notify("persisted", name, job, step, f"{e}", None, 0, 0.0)
+
+    def _notify(self, *item: Any) -> None:
+        self._done.put(item)
+        sock = getattr(self._tls, "wake", None)
+        if sock is None:
+            sock = self._tls.wake = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self._wake_addr)
+        sock.send(b"", zmq.NOBLOCK)
+
+    def _drain_done(self) -> None:
+        while True:
+            try:
+                _, name, job, step, err, final, nbytes, dt = self._done.get_nowait()
+            except queue.Empty:
+                return
+            slot = self.slots.get(name)
+            if slot is not None:
+                shm.drop_record(name)
+                self._free(slot)
+            track = self.tracks.get((job, step))
+            if track is None:
+                continue
+            track.inflight -= 1
+            self.stats["persisted_bytes"] += nbytes
+            self.stats["persist_seconds"] += dt
+            if err is not None and track.state == "pending":
+                track.state, track.error = "failed", err
+                self.stats["last_error"] = f"job {job} step {step}: {err}"
+            if final is not None:
+                track.state, track.path = "durable", final
+                self.stats["steps_committed"] += 1
+                log.info("committed job %s step %s -> %s", job, step, final)
+                self._after_commit(job, step)
+            if track.state == "failed" and track.inflight == 0:
+                persist.remove_partial(self.root, job, step)
+            if track.state != "pending":
+                self._answer_waiters((job, step), track)
+
+    def _after_commit(self, job: str, step: int) -> None:
+        # older steps some rank never committed can no longer complete: fail them, free their shards
+        for (j, s), t in list(self.tracks.items()):
+            if j == job and s < step and t.state == "pending" and len(t.committed) < t.world_size:
+                t.state, t.error = "failed", f"superseded: step {step} was committed before every rank committed step {s}"
+                if t.inflight == 0:
+                    persist.remove_partial(self.root, job, s)
+                self._answer_waiters((j, s), t)
+        busy = {s for (j, s), t in self.tracks.items() if j == job and t.state == "pending"}
+        removed = persist.apply_retention(self.root, job, self.keep, busy)
+        if removed:
+            log.info("retention: removed steps %s of job %s", removed, job)
+        # forget old finished tracks; the disk answers for them
+        for (j, s), t in list(self.tracks.items()):
+            if j == job and s < step and t.state != "pending" and not t.waiters:
+                del self.tracks[(j, s)]
+
+    def _answer_waiters(self, key: tuple[str, int], track: StepTrack) -> None:
+        for ident, req_id, _ in track.waiters:
+            self._send(ident, reply_ok(req_id, **self._step_state(key, track)))
+        track.waiters.clear()
+
+    # ------------------------------------------------------------------ slots
+
+    def _free(self, slot: Slot) -> None:
+        slot.state, slot.pid, slot.lease, slot.used_at = "free", None, None, time.monotonic()
+        self._retry_deferred()
+
+    def _unlink(self, slot: Slot) -> None:
+        if slot.mapping is not None:
+            slot.mapping.close()
+            slot.mapping = None
+        shm.unlink(slot.name)
+        self.slots.pop(slot.name, None)
+
+    def _retry_deferred(self) -> None:
+        waiting, self.deferred = self.deferred, []
+        for ident, msg in waiting:
+            try:
+                slot = self._try_lease(msg)
+            except CheckpointError as e:
+                self._send(ident, reply_error(msg["id"], "refused", str(e)))
+                continue
+            if slot is None:
+                self.deferred.append((ident, msg))
+            else:
+                self._send(ident, reply_ok(msg["id"], segment=slot.name, size=slot.size))
+
+    def _housekeeping(self, now: float) -> None:
+        for slot in list(self.slots.values()):
+            if slot.state == "leased" and slot.pid is not None and not _pid_alive(slot.pid):
+                log.warning("trainer pid %s died holding %s uncommitted: slot freed, nothing of it is persisted", slot.pid, slot.name)
+                self._free(slot)
+        self.deferred = [(i, m) for i, m in self.deferred if _pid_alive(m["pid"])]
+        for key, track in self.tracks.items():
+            if track.waiters:
+                due = [w for w in track.waiters if w[2] <= now]
+                if due:
+                    track.waiters = [w for w in track.waiters if w[2] > now]
+                    for ident, req_id, _ in due:
+                        self._send(ident, reply_ok(req_id, **self._step_state(key, track)))

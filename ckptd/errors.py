@@ -1,0 +1,19 @@
+"""Exceptions raised by ckptd. Every failure a user can see is a :class:`CheckpointError`."""
+
+from __future__ import annotations
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be taken, made durable or restored."""
+
+
+class ProtocolError(CheckpointError):
+    """A message to or from the daemon is malformed or refused."""
+
+
+class FormatError(CheckpointError):
+    """A shard file or manifest on disk is malformed, of an unknown version, or corrupt."""
+
+
+class DaemonUnavailable(CheckpointError):
+    """No daemon answered at the configured endpoint in time."""

@@ -1,0 +1,270 @@
+"""Shard files and manifests: the on-disk format, specified here in prose and tested byte for byte.
+
+Shard file (one per rank and step, ``rank-RRRRR.safetensors``) — a valid safetensors file:
+
+* bytes ``[0, 8)``: ``N``, the header length, unsigned 64-bit little-endian;
+* bytes ``[8, 8+N)``: a UTF-8 JSON object, right-padded with spaces (0x20) so that ``8+N`` is a
+  multiple of 64. Each key except ``__metadata__`` names one tensor chunk and maps to
+  ``{"dtype": D, "shape": [..], "data_offsets": [b, e]}``; ``b``/``e`` count from byte ``8+N``.
+  ``__metadata__`` maps ``"ckptd"`` to a JSON string ``{"format_version": 1, "chunks": {name:
+  {"key": K, "global_shape": [..], "offsets": [..]}}}`` that places each chunk in its global tensor.
+* bytes ``[8+N, end)``: the chunks' raw little-endian bytes, packed without gaps in header order,
+  larger element sizes first, so every chunk is aligned to its element size.
+
+The trainer writes exactly these bytes into the daemon's shared-memory slot, so persisting a slot
+is one sequential write and the daemon never deserializes tensors.
+
+Manifest (``manifest.json``, written last; a step directory without it is not a checkpoint):
+a JSON object with ``format_version`` (integer, this module's :data:`FORMAT_VERSION`), ``kind``
+``"ckptd-manifest"``, ``job``, ``step``, ``world_size``, ``created_unix``, ``files`` (file name →
+``{"rank", "size", "header_xxh3_64"}``), ``tensors`` (state key → ``{"dtype", "shape", "chunks":
+[{"file", "name", "offsets", "sizes", "byte_range", "xxh3_64"}]}``, ``byte_range`` absolute in the
+file) and ``ranks`` (one ``{"rank", "file", "tree"}`` per saving rank: the non-tensor state as a
+tagged JSON tree, see :mod:`ckptd.state`). Checksums are XXH3-64 as 16 lowercase hex digits.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import xxhash
+
+from .errors import FormatError
+
+FORMAT_VERSION = 1
+HEADER_ALIGN = 64
+MAX_HEADER_BYTES = 256 << 20  # refuse absurd headers from untrusted shared memory or disk
+
+_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.complex64: "C64",
+}
+_BY_NAME = {v: k for k, v in _DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise FormatError(f"tensors of dtype {dtype} cannot be checkpointed") from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return _BY_NAME[name]
+    except (KeyError, TypeError):
+        raise FormatError(f"unknown dtype {name!r} in checkpoint") from None
+
+
+def itemsize(name: str) -> int:
+    return dtype_from_name(name).itemsize
+
+
+def digest(buf: Any) -> str:
+    """XXH3-64 of a buffer, as 16 hex digits (releases the GIL: safe to run on worker threads)."""
+    return xxhash.xxh3_64_hexdigest(buf)
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """One tensor chunk in a shard file: ``name`` in the file, state ``key``, placement, bytes."""
+
+    name: str
+    key: str
+    dtype: str
+    sizes: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    begin: int  # relative to the data section
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """The layout of one shard file: header bytes and where every chunk's data goes."""
+
+    header: bytes  # the full prefix: 8-byte length + padded JSON
+    chunks: tuple[ChunkSpec, ...]
+
+    @property
+    def data_start(self) -> int:
+        return len(self.header)
+
+    @property
+    def file_size(self) -> int:
+        return self.data_start + (self.chunks[-1].end if self.chunks else 0)
+
+
+def build_layout(items: list[tuple[str, str, torch.dtype, tuple[int, ...], tuple[int, ...], tuple[int, ...]]]) -> ShardLayout:
+    """Lay out chunks ``(name, key, dtype, sizes, global_shape, offsets)`` as a shard file.
+
+    Order: larger element sizes first (keeps every chunk aligned), then by name, so the layout
+    depends only on the set of chunks.
+    """
+    order = sorted(items, key=lambda it: (-it[2].itemsize, it[0]))
+    pos = 0
+    specs = []
+    for name, key, dtype, sizes, gshape, offs in order:
+        nbytes = math.prod(sizes) * dtype.itemsize
+        specs.append(ChunkSpec(name, key, dtype_name(dtype), tuple(sizes), tuple(gshape), tuple(offs), pos, pos + nbytes))
+        pos += nbytes
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "chunks": {s.name: {"key": s.key, "global_shape": list(s.global_shape), "offsets": list(s.offsets)} for s in specs},
+    }
+    header_obj: dict[str, Any] = {"__metadata__": {"ckptd": json.dumps(meta, separators=(",", ":"))}}
+    for s in specs:
+        header_obj[s.name] = {"dtype": s.dtype, "shape": list(s.sizes), "data_offsets": [s.begin, s.end]}
+    body = json.dumps(header_obj, separators=(",", ":")).encode()
+    pad = (-(8 + len(body))) % HEADER_ALIGN
+    body += b" " * pad
+    return ShardLayout(struct.pack("<Q", len(body)) + body, tuple(specs))
+
+
+def _int_list(v: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
+        raise FormatError(f"{what} must be a list of non-negative integers, got {v!r}")
+    return tuple(v)
+
+
+def parse_header(buf: Any, limit: int) -> ShardLayout:
+    """Parse and validate a shard header from ``buf`` (untrusted) holding at least ``limit`` bytes.
+
+    Checks: header length in bounds, JSON well formed, ckptd metadata of a known version, every
+    chunk's dtype known, its byte size matching its shape, chunks packed without overlap, and the
+    data inside ``limit``.
+    """
+    if limit < 8:
+        raise FormatError("shard too small to hold a header")
+    (n,) = struct.unpack_from("<Q", buf, 0)
+    if n > MAX_HEADER_BYTES or 8 + n > limit:
+        raise FormatError(f"shard header length {n} out of bounds (shard holds {limit} bytes)")
+    raw = bytes(buf[8 : 8 + n])
+    try:
+        obj = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FormatError(f"shard header is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise FormatError("shard header is not a JSON object")
+    try:
+        meta = json.loads(obj["__metadata__"]["ckptd"])
+    except (KeyError, TypeError, json.JSONDecodeError):
+        raise FormatError("shard header lacks ckptd metadata (not a ckptd shard)") from None
+    version = meta.get("format_version") if isinstance(meta, dict) else None
+    if version != FORMAT_VERSION:
+        raise FormatError(f"shard format_version {version!r} is not supported (this ckptd reads {FORMAT_VERSION})")
+    cmeta = meta.get("chunks")
+    if not isinstance(cmeta, dict):
+        raise FormatError("shard metadata 'chunks' is not an object")
+    names = [k for k in obj if k != "__metadata__"]
+    if set(names) != set(cmeta):
+        raise FormatError("shard header and its ckptd metadata list different chunks")
+    specs = []
+    for name in names:
+        ent, cm = obj[name], cmeta[name]
+        if not isinstance(ent, dict) or not isinstance(cm, dict):
+            raise FormatError(f"chunk {name!r}: entry is not an object")
+        dt = ent.get("dtype")
+        sizes = _int_list(ent.get("shape"), f"chunk {name!r} shape")
+        b, e = _int_list(ent.get("data_offsets"), f"chunk {name!r} data_offsets") if len(ent.get("data_offsets", ())) == 2 else (None, None)
+        if b is None:
+            raise FormatError(f"chunk {name!r}: data_offsets must be [begin, end]")
+        gshape = _int_list(cm.get("global_shape"), f"chunk {name!r} global_shape")
+        offs = _int_list(cm.get("offsets"), f"chunk {name!r} offsets")
+        key = cm.get("key")
+        if not isinstance(key, str):
+            raise FormatError(f"chunk {name!r}: key must be a string")
+        if len(gshape) != len(sizes) or len(offs) != len(sizes) or any(o + s > g for o, s, g in zip(offs, sizes, gshape)):
+            raise FormatError(f"chunk {name!r}: offsets {offs} + sizes {sizes} do not fit global shape {gshape}")
+        if e - b != math.prod(sizes) * itemsize(dt):
+            raise FormatError(f"chunk {name!r}: {e - b} bytes do not match shape {list(sizes)} of {dt}")
+        specs.append(ChunkSpec(name, key, dt, sizes, gshape, offs, b, e))
+    specs.sort(key=lambda s: s.begin)
+    pos = 0
+    for s in specs:
+        if s.begin != pos:
+            raise FormatError(f"chunk {s.name!r}: data not packed (starts at {s.begin}, expected {pos})")
+        pos = s.end
+    if 8 + n + pos > limit:
+        raise FormatError(f"shard data ends at byte {8 + n + pos}, beyond the {limit} bytes present")
+    return ShardLayout(bytes(buf[: 8 + n]), tuple(specs))
+
+
+# ----------------------------------------------------------------------------- manifest
+
+MANIFEST = "manifest.json"
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_durable(path: str, obj: Any) -> None:
+    """Write ``obj`` to ``path`` atomically: temporary file, fsync, rename, fsync of the directory."""
+    tmp = path + ".tmp"
+    data = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path) or ".")
+
+
+def read_manifest(step_dir: str) -> dict[str, Any]:
+    """Read and validate ``step_dir/manifest.json``; raise :class:`FormatError` naming what is wrong."""
+    path = os.path.join(step_dir, MANIFEST)
+    try:
+        with open(path, "rb") as f:
+            obj = json.loads(f.read())
+    except FileNotFoundError:
+        raise FormatError(f"{step_dir} has no {MANIFEST}: not a complete ckptd checkpoint") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FormatError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(obj, dict) or obj.get("kind") != "ckptd-manifest":
+        raise FormatError(f"{path} is not a ckptd manifest")
+    if obj.get("format_version") != FORMAT_VERSION:
+        raise FormatError(f"{path}: format_version {obj.get('format_version')!r} is not supported (this ckptd reads {FORMAT_VERSION})")
+    for field, typ in (("job", str), ("step", int), ("world_size", int), ("files", dict), ("tensors", dict), ("ranks", list)):
+        if not isinstance(obj.get(field), typ):
+            raise FormatError(f"{path}: field {field!r} missing or not a {typ.__name__}")
+    for key, ent in obj["tensors"].items():
+        if not isinstance(ent, dict) or not isinstance(ent.get("chunks"), list):
+            raise FormatError(f"{path}: tensor {key!r} has no chunk list")
+        dtype_from_name(ent.get("dtype"))
+        for c in ent["chunks"]:
+            if not isinstance(c, dict) or c.get("file") not in obj["files"]:
+                raise FormatError(f"{path}: tensor {key!r} names a file not listed in the manifest")
+    return obj

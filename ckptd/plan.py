@@ -1,0 +1,86 @@
+"""Who writes which chunk: replicated chunks (DDP parameters, replicated experts, scalars) are
+written once, by one of their holders, with the bytes spread evenly over holders.
+
+Runs on the trainer's main thread inside ``snapshot()`` (foreground: collectives are safe there,
+never from the background copy). Each call costs one ``all_gather`` of a layout hash; the full
+exchange of chunk lists runs only at the first snapshot and whenever some rank's layout changed.
+The assignment is a pure function of every rank's chunk list, so all ranks agree without a
+further round.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.distributed as dist
+import xxhash
+
+ChunkId = tuple[str, tuple[int, ...], tuple[int, ...]]  # key, offsets, sizes
+
+
+def _device() -> torch.device:
+    backend = str(dist.get_backend())
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def assign(per_rank: list[list[tuple[ChunkId, int]]]) -> list[set[ChunkId]]:
+    """Given each rank's ``(chunk id, nbytes)`` list, the set of chunk ids each rank writes.
+
+    Each distinct chunk goes to the holder with the fewest bytes assigned so far (ties: lowest
+    rank), largest chunks first.
+    """
+    holders: dict[ChunkId, list[int]] = {}
+    size: dict[ChunkId, int] = {}
+    for r, items in enumerate(per_rank):
+        for cid, nbytes in items:
+            holders.setdefault(cid, []).append(r)
+            size[cid] = nbytes
+    load = [0] * len(per_rank)
+    out: list[set[ChunkId]] = [set() for _ in per_rank]
+    for cid in sorted(holders, key=lambda c: (-size[c], c)):
+        r = min(holders[cid], key=lambda h: (load[h], h))
+        load[r] += size[cid]
+        out[r].add(cid)
+    return out
+
+
+class WritePlan:
+    """Caches the assignment while no rank's layout changes."""
+
+    def __init__(self) -> None:
+        self._hashes: list[int] | None = None
+        self._mine: set[ChunkId] | None = None
+
+    def mine(self, items: list[tuple[ChunkId, int]]) -> set[ChunkId]:
+        """This rank's chunks to write. Collective over the default group: call on every rank."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return {cid for cid, _ in items}
+        blob = json.dumps([[list(c[0:1]) + [list(c[1]), list(c[2])], n] for c, n in items], separators=(",", ":")).encode()
+        h = xxhash.xxh3_64_intdigest(blob) & 0x7FFFFFFFFFFFFFFF
+        dev = _device()
+        world = dist.get_world_size()
+        mine = torch.tensor([h], dtype=torch.int64, device=dev)
+        gathered = [torch.zeros_like(mine) for _ in range(world)]
+        dist.all_gather(gathered, mine)
+        hashes = [int(t.item()) for t in gathered]
+        if hashes == self._hashes and self._mine is not None:
+            return self._mine
+        per_rank = [[((e[0][0], tuple(e[0][1]), tuple(e[0][2])), e[1]) for e in json.loads(b)] for b in _all_gather_bytes(blob, dev, world)]
+        self._mine = assign(per_rank)[dist.get_rank()]
+        self._hashes = hashes
+        return self._mine
+
+
+def _all_gather_bytes(blob: bytes, dev: torch.device, world: int) -> list[bytes]:
+    n = torch.tensor([len(blob)], dtype=torch.int64, device=dev)
+    sizes = [torch.zeros_like(n) for _ in range(world)]
+    dist.all_gather(sizes, n)
+    top = max(int(s.item()) for s in sizes)
+    buf = torch.zeros(top, dtype=torch.uint8, device=dev)
+    buf[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(dev)
+    outs = [torch.zeros_like(buf) for _ in range(world)]
+    dist.all_gather(outs, buf)
+    return [bytes(o[: int(s.item())].cpu().numpy().tobytes()) for o, s in zip(outs, sizes)]

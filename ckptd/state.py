@@ -1,0 +1,141 @@
+"""Flatten state into tensor chunks plus a tagged JSON tree, and back.
+
+Tensors are keyed by their path in the state (``model/<fqn>``, ``optim/state/<fqn>/exp_avg``,
+``extra/<rank>/...``) and placed by global shape and offsets — never by rank — so a checkpoint can
+be read into another layout. Sharded values (``DTensor``, ``ShardedTensor``) are described through
+the ``__create_chunk_list__`` / ``__get_tensor_shard__`` protocol that torch's DCP uses.
+
+The tree is plain JSON. Objects with the single tag key ``"__ckptd__"`` stand for what JSON lacks:
+``{"__ckptd__": "tensor", "key": K}``, ``{"__ckptd__": "tuple", "items": [..]}``,
+``{"__ckptd__": "dict", "items": [[k, v], ..]}`` (a dict with non-string keys, or one that holds
+the tag key), ``{"__ckptd__": "float", "value": "nan" | "inf" | "-inf"}``. Unknown tags are
+rejected on read.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import FormatError
+
+TAG = "__ckptd__"
+
+
+@dataclass
+class LocalChunk:
+    """One chunk of one tensor held by this process."""
+
+    key: str
+    name: str  # name in the shard file: ``key``, or ``key#i`` for the i-th local shard
+    tensor: torch.Tensor  # the local data (any device); copied, never referenced, when staged
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(self.tensor.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+def _escape(part: str) -> str:
+    return part.replace("%", "%25").replace("/", "%2F")
+
+
+def join_key(path: tuple[str, ...]) -> str:
+    return "/".join(_escape(p) for p in path)
+
+
+def local_chunks(key: str, value: torch.Tensor) -> list[LocalChunk]:
+    """The chunks of ``value`` that this process holds, with their global placement."""
+    if hasattr(value, "__create_chunk_list__") and hasattr(value, "__get_tensor_shard__"):
+        out = []
+        chunks = value.__create_chunk_list__()
+        for i, md in enumerate(chunks):
+            from torch.distributed.checkpoint.metadata import MetadataIndex
+
+            local = value.__get_tensor_shard__(MetadataIndex(key, md.offsets, i))
+            name = key if len(chunks) == 1 else f"{key}#{i}"
+            out.append(LocalChunk(key, name, local, tuple(value.shape), tuple(md.offsets)))
+        return out
+    return [LocalChunk(key, key, value, tuple(value.shape), (0,) * value.dim())]
+
+
+def flatten(root: dict[str, Any]) -> tuple[Any, list[LocalChunk]]:
+    """Split ``root`` into a JSON tree and the list of local tensor chunks it refers to.
+
+    Raises ``TypeError`` naming the path of any value that is neither JSON-able nor a tensor.
+    """
+    chunks: list[LocalChunk] = []
+    seen: set[str] = set()
+
+    def enc(v: Any, path: tuple[str, ...]) -> Any:
+        if isinstance(v, torch.Tensor):
+            key = join_key(path)
+            if key in seen:
+                raise ValueError(f"two tensors map to the state key {key!r}")
+            seen.add(key)
+            chunks.extend(local_chunks(key, v))
+            return {TAG: "tensor", "key": key}
+        if v is None or isinstance(v, (bool, int, str)):
+            return v
+        if isinstance(v, float):
+            if math.isfinite(v):
+                return v
+            return {TAG: "float", "value": "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")}
+        if isinstance(v, dict):
+            if all(isinstance(k, str) for k in v) and TAG not in v:
+                return {k: enc(x, path + (k,)) for k, x in v.items()}
+            return {TAG: "dict", "items": [[enc(k, path + ("<key>",)), enc(x, path + (str(k),))] for k, x in v.items()]}
+        if isinstance(v, list):
+            return [enc(x, path + (str(i),)) for i, x in enumerate(v)]
+        if isinstance(v, tuple):
+            return {TAG: "tuple", "items": [enc(x, path + (str(i),)) for i, x in enumerate(v)]}
+        if hasattr(v, "item") and callable(v.item) and type(v).__module__ == "numpy":
+            return enc(v.item(), path)
+        raise TypeError(f"cannot checkpoint {type(v).__name__} at {'/'.join(path)}: use JSON types and tensors")
+
+    tree = {k: enc(v, (k,)) for k, v in root.items()}
+    return tree, chunks
+
+
+def unflatten(tree: Any, resolve: Callable[[str], Any]) -> Any:
+    """Rebuild the object a tree describes, calling ``resolve(key)`` for every tensor reference."""
+
+    def dec(v: Any) -> Any:
+        if isinstance(v, list):
+            return [dec(x) for x in v]
+        if isinstance(v, dict):
+            if TAG not in v:
+                return {k: dec(x) for k, x in v.items()}
+            tag = v[TAG]
+            if tag == "tensor":
+                return resolve(v["key"])
+            if tag == "tuple":
+                return tuple(dec(x) for x in v["items"])
+            if tag == "dict":
+                return {_hashable(dec(k)): dec(x) for k, x in v["items"]}
+            if tag == "float":
+                return float(v["value"])
+            raise FormatError(f"unknown tree tag {tag!r}: written by a newer ckptd?")
+        return v
+
+    return dec(tree)
+
+
+def _hashable(k: Any) -> Any:
+    return tuple(_hashable(x) for x in k) if isinstance(k, (list, tuple)) else k
+
+
+def tensor_keys(tree: Any) -> list[str]:
+    """Every tensor key a tree refers to, in order."""
+    out: list[str] = []
+    unflatten(tree, lambda k: out.append(k))
+    return out
