@@ -1,0 +1,37 @@
+# All set-up lives here: a fresh machine needs only `make demo` or `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# CPU build from this machine class's local disk; a loose `torch` pulls a multi-GB CUDA build.
+TORCH_PIN ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test lint bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_PIN)"
+	$(BIN)/pip install -q -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/demo.py
+
+test: $(STAMP)
+	$(BIN)/ruff check ckptd tests benchmarks examples
+	$(BIN)/python -m pytest -q tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check ckptd tests benchmarks examples
+	$(BIN)/ruff format --check ckptd tests benchmarks examples
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/stall.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,131 @@
+"""Fixtures: daemons on private ipc endpoints, cleaned up (process and /dev/shm) even on failure."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ckptd import shm
+from ckptd.client import Client
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class DaemonProc:
+    """A ``ckptd serve`` subprocess with its own root and endpoint."""
+
+    def __init__(self, base: Path, args: list[str]) -> None:
+        self.base = base
+        self.root = str(base / "root")
+        self.endpoint = f"ipc://{base / 'd.sock'}"
+        self.args = args
+        self.log = base / "daemon.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, extra_args: list[str] | None = None, wait: bool = True) -> DaemonProc:
+        cmd = [sys.executable, "-m", "ckptd", "serve", "--root", self.root, "--endpoint", self.endpoint, *(extra_args or self.args)]
+        self._logf = open(self.log, "ab")
+        self.proc = subprocess.Popen(cmd, stdout=self._logf, stderr=subprocess.STDOUT, cwd=REPO)
+        if wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log.read_text()}")
+            try:
+                with Client(endpoint=self.endpoint, job="probe", timeout=0.5) as c:
+                    c.hello()
+                return
+            except Exception:
+                time.sleep(0.1)
+        raise RuntimeError(f"daemon did not come up:\n{self.log.read_text()}")
+
+    def client(self, job: str = "t", **kw: object) -> Client:
+        return Client(endpoint=self.endpoint, job=job, **kw)  # type: ignore[arg-type]
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._logf.close()
+        rc = self.proc.returncode
+        self.proc = None
+        return rc
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+        self._logf.close()
+        self.proc = None
+
+    def segments(self) -> list[str]:
+        return shm.list_segments(shm.namespace(self.root))
+
+    def cleanup(self) -> None:
+        if self.proc is not None:
+            try:
+                self.proc.kill()
+                self.proc.wait()
+            finally:
+                self._logf.close()
+                self.proc = None
+        for name in self.segments():
+            shm.unlink(name)
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A short temporary directory (ipc socket paths are limited to ~107 bytes)."""
+    d = Path(tempfile.mkdtemp(prefix="ckt"))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def make_daemon(short_tmp: Path) -> Iterator:
+    made: list[DaemonProc] = []
+
+    def make(*args: str, start: bool = True, sub: str = "") -> DaemonProc:
+        base = short_tmp / sub if sub else short_tmp
+        base.mkdir(parents=True, exist_ok=True)
+        d = DaemonProc(base, list(args))
+        made.append(d)
+        return d.start() if start else d
+
+    try:
+        yield make
+    finally:
+        for d in made:
+            d.cleanup()
+
+
+@pytest.fixture
+def daemon(make_daemon) -> DaemonProc:  # noqa: ANN001
+    return make_daemon()
+
+
+def env_for(daemon: DaemonProc, job: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(CKPTD_ENDPOINT=daemon.endpoint, CKPTD_JOB=job, PYTHONPATH=str(REPO))
+    return env

@@ -1,0 +1,142 @@
+"""The daemon answers every bad message with an error and keeps serving; slots and backpressure."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import zmq
+
+from ckptd.errors import ProtocolError
+from ckptd.protocol import request
+
+
+class Raw:
+    """A bare DEALER socket: sends anything, reads one reply."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.ctx = zmq.Context()
+        self.s = self.ctx.socket(zmq.DEALER)
+        self.s.setsockopt(zmq.LINGER, 0)
+        self.s.connect(endpoint)
+
+    def ask(self, *frames: bytes, timeout: float = 5.0) -> dict:
+        self.s.send_multipart(list(frames))
+        assert self.s.poll(int(timeout * 1000)), "daemon did not answer"
+        return json.loads(self.s.recv())
+
+    def close(self) -> None:
+        self.s.close(0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def raw(daemon):  # noqa: ANN001, ANN201
+    r = Raw(daemon.endpoint)
+    yield r
+    r.close()
+
+
+def _op(op: str, **f) -> bytes:  # noqa: ANN003
+    return request(op, 1, **f)
+
+
+BAD_MESSAGES = [
+    ("garbage", [b"\x00\x01garbage"], "bad_request"),
+    ("two frames", [b"{}", b"{}"], "bad_request"),
+    ("json list", [b"[]"], "bad_request"),
+    ("unknown op", [_op("explode")], "bad_request"),
+    ("bad job", [_op("latest", job="../x")], "bad_request"),
+    ("unknown segment", [_op("commit", job="j", rank=0, world_size=1, step=1, segment="ckptd-0-00000000-00000001", nbytes=1, tree={})],
+     "refused"),
+    ("malformed segment name", [_op("release", segment="../../etc/passwd")], "refused"),
+    ("locate missing step", [_op("locate", job="j", step=5)], "refused"),
+    ("alloc over budget", [_op("alloc", job="j", rank=0, world_size=1, step=1, nbytes=1 << 50, pid=os.getpid())], "refused"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("frames,code", [c[1:] for c in BAD_MESSAGES], ids=[c[0] for c in BAD_MESSAGES])
+def test_bad_message_gets_error_and_daemon_keeps_serving(raw: Raw, daemon, frames, code) -> None:  # noqa: ANN001
+    rep = raw.ask(*frames)
+    assert rep["ok"] is False and rep["code"] == code and rep["error"]
+    assert raw.ask(_op("hello"))["ok"] is True
+    assert daemon.proc.poll() is None
+
+
+def test_commit_must_match_lease(daemon) -> None:  # noqa: ANN001
+    with daemon.client("j") as c:
+        seg = c._call("alloc", job="j", rank=0, world_size=1, step=1, nbytes=100, pid=os.getpid())["segment"]
+        with pytest.raises(ProtocolError, match="does not match the lease"):
+            c._call("commit", job="j", rank=0, world_size=1, step=2, segment=seg, nbytes=100, tree={})
+        with pytest.raises(ProtocolError, match="exceeds segment size"):
+            c._call("commit", job="j", rank=0, world_size=1, step=1, segment=seg, nbytes=1 << 40, tree={})
+        c._call("release", segment=seg)
+        with pytest.raises(ProtocolError, match="not leased"):
+            c._call("release", segment=seg)
+
+
+def test_garbage_shard_fails_the_step_not_the_daemon(daemon) -> None:  # noqa: ANN001
+    """A committed slot whose bytes are not a shard: wait() raises, nothing is committed."""
+    with daemon.client("j") as c:
+        seg = c._call("alloc", job="j", rank=0, world_size=1, step=1, nbytes=4096, pid=os.getpid())["segment"]
+        c._call("commit", job="j", rank=0, world_size=1, step=1, segment=seg, nbytes=4096, tree={})
+        rep = c._call("wait", job="j", step=1, timeout=10.0)
+        assert rep["state"] == "failed" and "header" in rep["error"]
+        assert c.latest() is None
+        assert not os.path.exists(os.path.join(daemon.root, "j", "step-1.tmp"))
+        assert c.hello()["ok"]
+
+
+def test_backpressure_defers_alloc_until_a_slot_frees(make_daemon) -> None:  # noqa: ANN001
+    d = make_daemon("--shm-budget", "4M")
+    with d.client("j") as c1, d.client("j") as c2:
+        seg = c1._call("alloc", job="j", rank=0, world_size=2, step=1, nbytes=3 << 20, pid=os.getpid())["segment"]
+        # the second rank's request waits for the first slot to be released
+        s = c2._socket()
+        s.send(request("alloc", 99, job="j", rank=1, world_size=2, step=1, nbytes=3 << 20, pid=os.getpid()))
+        assert not s.poll(700), "alloc over budget should have been deferred"
+        assert c1.status()["deferred_allocs"] == 1
+        c1._call("release", segment=seg)
+        assert s.poll(5000)
+        rep = json.loads(s.recv())
+        assert rep["ok"] and rep["id"] == 99
+
+
+def test_dead_trainer_lease_is_reclaimed(daemon) -> None:  # noqa: ANN001
+    """A trainer that dies mid-copy (leased, never committed) leaves no step and frees its slot."""
+    code = (
+        "import os, signal, ckptd; c = ckptd.Client(endpoint=%r, job='j');"
+        "c._call('alloc', job='j', rank=0, world_size=1, step=1, nbytes=1000, pid=os.getpid());"
+        "os.kill(os.getpid(), signal.SIGKILL)"
+    ) % daemon.endpoint
+    assert subprocess.run([sys.executable, "-c", code]).returncode == -9
+    with daemon.client("j") as c:
+        deadline = time.monotonic() + 10
+        while c.status()["slots"].get("leased", 0) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert c.status()["slots"].get("leased", 0) == 0
+        assert c.latest() is None
+    assert not os.path.exists(os.path.join(daemon.root, "j"))
+
+
+def test_second_daemon_on_same_endpoint_refuses(daemon, make_daemon) -> None:  # noqa: ANN001
+    rc = subprocess.run(
+        [sys.executable, "-m", "ckptd", "serve", "--root", daemon.root + "2", "--endpoint", daemon.endpoint],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert rc.returncode == 1 and "already serving" in rc.stderr
+
+
+def test_clean_stop_unlinks_segments(daemon) -> None:  # noqa: ANN001
+    with daemon.client("j") as c:
+        seg = c._call("alloc", job="j", rank=0, world_size=1, step=1, nbytes=100, pid=os.getpid())["segment"]
+        c._call("release", segment=seg)
+    assert daemon.segments() == [seg]
+    assert daemon.stop() == 0
+    assert daemon.segments() == []
