@@ -68,7 +68,7 @@ def restore(
     """Load the newest committed step (or ``step``, or ``path``) in place; return ``extra``."""
     if path is not None and _default is None:
         from .client import _dist_rank_world
-        from .restore import restore_state
+        from .reader import restore_state
 
         return restore_state(path, model, optim, _dist_rank_world()[0])  # no daemon needed
     return _client().restore(model, optim, step=step, path=path)

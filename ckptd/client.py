@@ -160,14 +160,19 @@ class Client:
         req_id = next(self._ids)
         s = self._socket()
         s.send(request(op, req_id, **fields))
-        deadline = time.monotonic() + timeout
+        t0 = time.monotonic()
+        deadline = t0 + timeout
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not s.poll(int(left * 1000) + 1):
+            # a long wait (alloc under backpressure) checks every `self.timeout` that the daemon lives
+            slice_s = min(left, self.timeout)
+            if left > 0 and not s.poll(int(slice_s * 1000) + 1) and slice_s < left and self._alive():
+                continue
+            if left <= 0 or not s.poll(0):
                 # a late reply must not be read as the answer to a later request
                 self._drop_socket()
                 raise DaemonUnavailable(
-                    f"no answer from the ckptd daemon at {self.endpoint} within {timeout:.0f} s (op {op}); is `ckptd serve` running?"
+                    f"no answer from the ckptd daemon at {self.endpoint} within {time.monotonic() - t0:.1f} s (op {op}); is `ckptd serve` running?"
                 )
             rep = decode_reply(s.recv())
             if rep.get("id") not in (req_id, None):
@@ -175,6 +180,16 @@ class Client:
             if not rep["ok"]:
                 raise ProtocolError(f"daemon refused {op}: {rep.get('error')}")
             return rep
+
+    def _alive(self) -> bool:
+        probe = self._ctx.socket(zmq.DEALER)
+        probe.setsockopt(zmq.LINGER, 0)
+        try:
+            probe.connect(self.endpoint)
+            probe.send(request("hello", 0))
+            return bool(probe.poll(int(self.timeout * 1000)))
+        finally:
+            probe.close(0)
 
     def hello(self) -> dict[str, Any]:
         return self._call("hello")
@@ -360,7 +375,7 @@ class Client:
 
         Returns this rank's ``extra``. With ``path`` no daemon is needed.
         """
-        from .restore import restore_state
+        from .reader import restore_state
 
         self._finish_inflight()
         if path is None:

@@ -29,6 +29,7 @@ log = logging.getLogger("ckptd.daemon")
 
 WAIT_CAP_S = 30.0
 HOUSEKEEPING_S = 0.5
+TRACKS_KEPT = 256  # finished steps remembered per job
 
 
 @dataclass
@@ -482,10 +483,10 @@ class Daemon:
         removed = persist.apply_retention(self.root, job, self.keep, busy)
         if removed:
             log.info("retention: removed steps %s of job %s", removed, job)
-        # forget old finished tracks; the disk answers for them
-        for (j, s), t in list(self.tracks.items()):
-            if j == job and s < step and t.state != "pending" and not t.waiters:
-                del self.tracks[(j, s)]
+        # remember finished steps (even those retention removed) so a late wait() gets the truth
+        done = sorted(s for (j, s), t in self.tracks.items() if j == job and t.state != "pending" and not t.waiters)
+        for s in done[:-TRACKS_KEPT]:
+            del self.tracks[(job, s)]
 
     def _answer_waiters(self, key: tuple[str, int], track: StepTrack) -> None:
         for ident, req_id, _ in track.waiters:

@@ -29,7 +29,7 @@ def train_step(model: torch.nn.Module, optim: torch.optim.Optimizer, i: int) -> 
     loss = model(batch(i)).pow(2).mean()
     loss.backward()
     optim.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 def make(seed: int = 0, lr: float = 1e-2) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -65,6 +65,6 @@ def _full(v: torch.Tensor) -> torch.Tensor:
 
 
 def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys(), (sorted(a.keys() ^ b.keys()))
+    assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())
     for k in a:
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), f"{k} differs"

@@ -1,0 +1,162 @@
+"""Single-process snapshot / restore against a real daemon."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from _models import assert_same, full_state, make, train_step
+
+import ckptd
+from ckptd.errors import CheckpointError, FormatError
+
+
+def test_blocking_snapshot_restores_bit_exact(daemon) -> None:  # noqa: ANN001
+    model, optim = make()
+    for i in range(3):
+        train_step(model, optim, i)
+    want = full_state(model, optim)
+    rng = torch.get_rng_state()
+    with daemon.client("j") as c:
+        h = c.snapshot(model, optim, step=3, extra={"epoch": 1, "rng": rng, "pos": (3, 7)}, blocking=True)
+        assert h.copied()
+        path = h.wait(30)
+        assert path == os.path.join(daemon.root, "j", "step-3") and c.latest() == 3
+        m2, o2 = make(seed=1)  # other weights, optimizer without state
+        extra = c.restore(m2, o2)
+    assert_same(full_state(m2, o2), want)
+    assert extra["epoch"] == 1 and extra["pos"] == (3, 7) and torch.equal(extra["rng"], rng)
+    # training continues identically from the restored state
+    assert train_step(m2, o2, 3) == train_step(model, optim, 3)
+
+
+def test_overlapped_snapshot_is_state_at_call(daemon) -> None:  # noqa: ANN001
+    """Default mode: optim.step() right after the call must not leak into the checkpoint."""
+    model, optim = make()
+    train_step(model, optim, 0)
+    with daemon.client("j") as c:
+        for step in (1, 2, 3):
+            want = full_state(model, optim)
+            h = c.snapshot(model, optim, step=step)
+            train_step(model, optim, step)  # forward mutates a buffer, step() mutates params + state
+            train_step(model, optim, step + 10)
+            h.wait(30)
+            m2, o2 = make(seed=5)
+            c.restore(m2, o2, step=step)
+            assert_same(full_state(m2, o2), want)
+
+
+def test_changed_steps_have_changed_bytes(daemon) -> None:  # noqa: ANN001
+    """A cached layout must never re-write an earlier step's data."""
+    model, optim = make()
+    with daemon.client("j") as c:
+        train_step(model, optim, 0)
+        c.snapshot(model, optim, step=1).wait(30)
+        train_step(model, optim, 1)
+        c.snapshot(model, optim, step=2).wait(30)
+        m1 = json.load(open(os.path.join(daemon.root, "j", "step-1", "manifest.json")))
+        m2 = json.load(open(os.path.join(daemon.root, "j", "step-2", "manifest.json")))
+        for key in ("model/inp.weight", "optim/state/inp.weight/exp_avg"):
+            assert m1["tensors"][key]["chunks"][0]["xxh3_64"] != m2["tensors"][key]["chunks"][0]["xxh3_64"]
+
+
+def test_retention_keeps_newest_three_and_latest(daemon) -> None:  # noqa: ANN001
+    model, optim = make()
+    with daemon.client("j") as c:
+        for step in range(1, 6):
+            train_step(model, optim, step)
+            c.snapshot(model, optim, step=step)
+        assert len(c.wait(60)) == 5
+        assert c.latest() == 5
+    names = sorted(os.listdir(os.path.join(daemon.root, "j")))
+    assert names == ["latest", "step-3", "step-4", "step-5"]
+    assert open(os.path.join(daemon.root, "j", "latest")).read().strip() == "5"
+
+
+def test_restore_by_path_needs_no_daemon(daemon) -> None:  # noqa: ANN001
+    model, optim = make()
+    train_step(model, optim, 0)
+    want = full_state(model, optim)
+    with daemon.client("j") as c:
+        path = c.snapshot(model, optim, step=1, blocking=True).wait(30)
+    daemon.stop()
+    m2, o2 = make(seed=3)
+    assert ckptd.restore(m2, o2, path=path) == {}
+    assert_same(full_state(m2, o2), want)
+    m3, o3 = make(seed=4)
+    ckptd.restore(m3, o3, path=os.path.dirname(path))  # a job directory means its latest step
+    assert_same(full_state(m3, o3), want)
+
+
+def test_model_only_and_many_jobs(daemon) -> None:  # noqa: ANN001
+    model, optim = make()
+    with daemon.client("a") as a, daemon.client("b") as b:
+        a.snapshot(model, step=1)
+        train_step(model, optim, 0)
+        want = full_state(model, None)
+        b.snapshot(model, step=7, blocking=True)
+        a.wait(30), b.wait(30)
+        assert (a.latest(), b.latest()) == (1, 7)
+        m2, _ = make(seed=9)
+        b.restore(m2)
+        assert_same(full_state(m2, None), want)
+
+
+def test_corrupt_shard_is_named_on_restore(daemon) -> None:  # noqa: ANN001
+    model, optim = make()
+    train_step(model, optim, 0)
+    with daemon.client("j") as c:
+        path = c.snapshot(model, optim, step=1).wait(30)
+    shard = os.path.join(path, "rank-00000.safetensors")
+    with open(shard, "r+b") as f:
+        f.seek(os.path.getsize(shard) - 5)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    m2, o2 = make(seed=2)
+    with pytest.raises(FormatError, match="rank-00000.safetensors"):
+        ckptd.restore(m2, o2, path=path)
+    with open(shard, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(FormatError, match="truncated"):
+        ckptd.restore(m2, o2, path=path)
+
+
+def test_restore_errors_are_clear(daemon, tmp_path) -> None:  # noqa: ANN001
+    model, optim = make()
+    with daemon.client("empty") as c:
+        assert c.latest() is None
+        with pytest.raises(CheckpointError, match="no committed checkpoint"):
+            c.restore(model, optim)
+        with pytest.raises(CheckpointError, match="not a committed checkpoint"):
+            c.restore(model, optim, step=4)
+        c.snapshot(model, optim, step=1).wait(30)
+        other = torch.nn.Linear(3, 3)
+        with pytest.raises(CheckpointError, match="no counterpart|Missing key|Unexpected key"):
+            c.restore(other)
+    with pytest.raises(CheckpointError, match="neither a committed"):
+        ckptd.restore(model, optim, path=str(tmp_path))
+
+
+def test_no_daemon_is_a_clear_error(short_tmp) -> None:  # noqa: ANN001
+    model, optim = make()
+    with ckptd.Client(endpoint=f"ipc://{short_tmp}/none.sock", job="j", timeout=0.5) as c:
+        with pytest.raises(ckptd.DaemonUnavailable, match="is `ckptd serve` running"):
+            c.snapshot(model, optim, step=1)
+
+
+def test_bad_arguments(daemon) -> None:  # noqa: ANN001
+    model, optim = make()
+    with pytest.raises(ValueError, match="invalid job"):
+        ckptd.Client(endpoint=daemon.endpoint, job="../x")
+    with daemon.client("j") as c:
+        with pytest.raises(ValueError, match="step"):
+            c.snapshot(model, optim, step=-1)
+        with pytest.raises(TypeError, match="extra/0/f"):
+            c.snapshot(model, optim, step=1, extra={"f": print})
+        c.snapshot(model, optim, step=1, blocking=True).wait(30)
+        with pytest.raises(CheckpointError, match="already committed"):
+            c.snapshot(model, optim, step=1, blocking=True)
+        assert c.snapshot(model, optim, step=2, blocking=True).wait(30)  # still usable
