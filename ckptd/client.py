@@ -172,7 +172,8 @@ class Client:
                 # a late reply must not be read as the answer to a later request
                 self._drop_socket()
                 raise DaemonUnavailable(
-                    f"no answer from the ckptd daemon at {self.endpoint} within {time.monotonic() - t0:.1f} s (op {op}); is `ckptd serve` running?"
+                    f"no answer from the ckptd daemon at {self.endpoint} within {time.monotonic() - t0:.1f} s (op {op});"
+                    " is `ckptd serve` running?"
                 )
             rep = decode_reply(s.recv())
             if rep.get("id") not in (req_id, None):

@@ -109,10 +109,10 @@ def test_backpressure_defers_alloc_until_a_slot_frees(make_daemon) -> None:  # n
 def test_dead_trainer_lease_is_reclaimed(daemon) -> None:  # noqa: ANN001
     """A trainer that dies mid-copy (leased, never committed) leaves no step and frees its slot."""
     code = (
-        "import os, signal, ckptd; c = ckptd.Client(endpoint=%r, job='j');"
+        f"import os, signal, ckptd; c = ckptd.Client(endpoint={daemon.endpoint!r}, job='j');"
         "c._call('alloc', job='j', rank=0, world_size=1, step=1, nbytes=1000, pid=os.getpid());"
         "os.kill(os.getpid(), signal.SIGKILL)"
-    ) % daemon.endpoint
+    )
     assert subprocess.run([sys.executable, "-c", code]).returncode == -9
     with daemon.client("j") as c:
         deadline = time.monotonic() + 10
