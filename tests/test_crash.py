@@ -1,0 +1,141 @@
+"""Crashes: a trainer SIGKILLed right after snapshot() returns, a daemon SIGKILLed mid-persist."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from _dist import run_ranks
+from _models import assert_same, full_state, make, train_step
+from _workers import restore_and_compare, snapshot_then_die
+from conftest import REPO, env_for
+from safetensors.torch import load_file
+
+import ckptd
+
+
+def _wait_durable(daemon, job: str, step: int, timeout: float = 60.0) -> str:  # noqa: ANN001
+    with daemon.client(job) as c:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            rep = c._call("wait", job=job, step=step, timeout=5.0)
+            if rep["state"] == "durable":
+                return rep["path"]
+            assert rep["state"] == "pending", rep
+    raise AssertionError(f"step {step} never became durable")
+
+
+def test_trainer_killed_after_blocking_snapshot_still_commits(make_daemon, short_tmp) -> None:  # noqa: ANN001
+    # a slow disk: the trainer is dead long before the daemon has made the step durable
+    daemon = make_daemon("--write-rate-limit", "2k")
+    expected = str(short_tmp / "expected.safetensors")
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "_trainer.py"), expected, "3"], env=env_for(daemon, "crash"), cwd=REPO / "tests", timeout=120
+    )
+    assert proc.returncode == -9
+    assert open(expected + ".state").read() == "pending"  # killed before durability
+    path = _wait_durable(daemon, "crash", 3)
+    model, optim = make(seed=11)
+    extra = ckptd.restore(model, optim, path=path)
+    assert_same(full_state(model, optim), load_file(expected))
+    assert extra["step"] == 3 and isinstance(extra["rng"], torch.Tensor)
+
+
+@pytest.mark.multiproc
+def test_two_fsdp2_ranks_killed_after_blocking_snapshot(make_daemon, short_tmp) -> None:  # noqa: ANN001
+    daemon = make_daemon("--write-rate-limit", "2k")
+    expected = str(short_tmp / "expected.safetensors")
+    run_ranks(2, snapshot_then_die, "fsdp2", daemon.endpoint, "crash2", expected, expect_exit=-9)
+    assert {open(f"{expected}.state-{r}").read() for r in range(2)} == {"pending"}
+    _wait_durable(daemon, "crash2", 2)
+    outs = run_ranks(2, restore_and_compare, "fsdp2", daemon.endpoint, "crash2", expected)
+    assert [o["extra"] for o in outs] == [{"rank": 0, "note": "pre-kill"}, {"rank": 1, "note": "pre-kill"}]
+
+
+def test_daemon_killed_mid_persist_finishes_after_restart(make_daemon) -> None:  # noqa: ANN001
+    daemon = make_daemon()
+    model, optim = make()
+    model.register_buffer("bulk", torch.randn(1 << 20))  # 4 MiB: slow to write at the capped rate
+    train_step(model, optim, 0)
+    with daemon.client("j") as c:
+        c.snapshot(model, optim, step=1, blocking=True).wait(30)
+    daemon.stop()
+    daemon.start(["--write-rate-limit", "1M"])
+    train_step(model, optim, 1)
+    want = full_state(model, optim)
+    jobdir = os.path.join(daemon.root, "j")
+    with daemon.client("j") as c:
+        h = c.snapshot(model, optim, step=2, blocking=True)
+        shard = os.path.join(jobdir, "step-2.tmp", "rank-00000.safetensors")
+        deadline = time.monotonic() + 30
+        while not (os.path.exists(shard) and os.path.getsize(shard) > 0) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert os.path.exists(shard), "persist never started"
+        daemon.kill()  # mid-persist: the shard is partly written, no manifest
+        assert not os.path.exists(os.path.join(jobdir, "step-2", "manifest.json"))
+        assert open(os.path.join(jobdir, "latest")).read().strip() == "1"  # never an incomplete step
+        assert daemon.segments(), "the committed shard must survive the daemon in shared memory"
+        daemon.start([])
+        path = h.wait(60)  # the same handle reconnects to the restarted daemon
+    assert path.endswith("step-2") and open(os.path.join(jobdir, "latest")).read().strip() == "2"
+    assert sorted(os.listdir(jobdir)) == ["latest", "step-1", "step-2"]
+    m2, o2 = make(seed=3)
+    m2.register_buffer("bulk", torch.zeros(1 << 20))
+    ckptd.restore(m2, o2, path=path)
+    assert_same(full_state(m2, o2), want)
+    assert "recovered committed shard" in daemon.log.read_text()
+
+
+def test_restart_removes_unfinishable_partial_steps(make_daemon) -> None:  # noqa: ANN001
+    daemon = make_daemon()
+    jobdir = os.path.join(daemon.root, "j")
+    os.makedirs(os.path.join(jobdir, "step-9.tmp"))
+    open(os.path.join(jobdir, "step-9.tmp", "rank-00000.safetensors"), "wb").write(b"partial")
+    daemon.stop()
+    daemon.start([])
+    assert not os.path.exists(os.path.join(jobdir, "step-9.tmp"))
+    with daemon.client("j") as c:
+        assert c.latest() is None
+
+
+@pytest.fixture
+def small_fs(short_tmp):  # noqa: ANN001, ANN201
+    """A 3 MiB tmpfs: a real full disk. Skipped where this process may not mount."""
+    mnt = short_tmp / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.strip()}")
+    try:
+        yield str(mnt)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_full_disk_fails_the_step_and_keeps_the_previous(make_daemon, small_fs) -> None:  # noqa: ANN001
+    """ENOSPC during persist: wait() raises clearly, the partial step is removed, the previous step
+    stays intact and loads, and the daemon keeps serving."""
+    daemon = make_daemon(start=False)
+    daemon.root = small_fs
+    daemon.start()
+    model, optim = make()
+    train_step(model, optim, 0)
+    want = full_state(model, optim)
+    with daemon.client("j") as c:
+        c.snapshot(model, optim, step=1).wait(30)
+        model.register_buffer("bulk", torch.randn(1 << 20))  # 4 MiB: cannot fit
+        h = c.snapshot(model, optim, step=2)
+        with pytest.raises(ckptd.CheckpointError, match="No space left on device"):
+            h.wait(30)
+        assert c.latest() == 1
+        assert not os.path.exists(os.path.join(small_fs, "j", "step-2.tmp"))
+        del model.bulk
+        m2, o2 = make(seed=4)
+        c.restore(m2, o2)
+        assert_same(full_state(m2, o2), want)
+        train_step(model, optim, 1)
+        assert c.snapshot(model, optim, step=3).wait(30).endswith("step-3")  # space was freed
