@@ -55,6 +55,13 @@ def join_key(path: tuple[str, ...]) -> str:
 
 def local_chunks(key: str, value: torch.Tensor) -> list[LocalChunk]:
     """The chunks of ``value`` that this process holds, with their global placement."""
+    if hasattr(value, "local_shards") and hasattr(value, "metadata"):  # ShardedTensor (FSDP1)
+        shards = value.local_shards()
+        gshape = tuple(value.size())
+        return [
+            LocalChunk(key, key if len(shards) == 1 else f"{key}#{i}", sh.tensor, gshape, tuple(sh.metadata.shard_offsets))
+            for i, sh in enumerate(shards)
+        ]
     if hasattr(value, "__create_chunk_list__") and hasattr(value, "__get_tensor_shard__"):
         out = []
         chunks = value.__create_chunk_list__()
