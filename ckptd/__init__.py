@@ -7,14 +7,26 @@ The module-level functions use one default :class:`Client` per process, configur
 from __future__ import annotations
 
 import threading
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-from .client import Client, SnapshotHandle  # noqa: E402
 from .errors import CheckpointError, DaemonUnavailable, FormatError, ProtocolError  # noqa: E402
+
+if TYPE_CHECKING:
+    import torch
+
+    from .client import Client, SnapshotHandle
+
+
+def __getattr__(name: str) -> Any:
+    # torch is imported on first use, so `ckptd serve` (which never touches tensors) starts fast and small
+    if name in ("Client", "SnapshotHandle"):
+        from . import client
+
+        return getattr(client, name)
+    raise AttributeError(f"module 'ckptd' has no attribute {name!r}")
+
 
 __all__ = [
     "CheckpointError",
@@ -37,6 +49,8 @@ def _client() -> Client:
     global _default
     with _default_lock:
         if _default is None:
+            from .client import Client
+
             _default = Client()
         return _default
 

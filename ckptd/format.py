@@ -30,54 +30,53 @@ import math
 import os
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import xxhash
 
 from .errors import FormatError
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT_VERSION = 1
 HEADER_ALIGN = 64
 MAX_HEADER_BYTES = 256 << 20  # refuse absurd headers from untrusted shared memory or disk
 
-_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.uint16: "U16",
-    torch.uint32: "U32",
-    torch.uint64: "U64",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.complex64: "C64",
-}
-_BY_NAME = {v: k for k, v in _DTYPES.items()}
+# safetensors dtype names → element size; the daemon validates shards with this table alone
+_ITEMSIZE = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+    "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "C64": 8,
+}  # fmt: skip
+_TORCH_NAMES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
+    "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "U16": "uint16", "U32": "uint32", "U64": "uint64",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "C64": "complex64",
+}  # fmt: skip
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    try:
-        return _DTYPES[dtype]
-    except KeyError:
-        raise FormatError(f"tensors of dtype {dtype} cannot be checkpointed") from None
+    """The safetensors name of a torch dtype (trainer side: imports torch)."""
+    name = str(dtype).removeprefix("torch.")
+    for k, v in _TORCH_NAMES.items():
+        if v == name:
+            return k
+    raise FormatError(f"tensors of dtype {dtype} cannot be checkpointed")
 
 
 def dtype_from_name(name: str) -> torch.dtype:
-    try:
-        return _BY_NAME[name]
-    except (KeyError, TypeError):
-        raise FormatError(f"unknown dtype {name!r} in checkpoint") from None
+    import torch
+
+    if name not in _TORCH_NAMES:
+        raise FormatError(f"unknown dtype {name!r} in checkpoint")
+    return getattr(torch, _TORCH_NAMES[name])
 
 
 def itemsize(name: str) -> int:
-    return dtype_from_name(name).itemsize
+    try:
+        return _ITEMSIZE[name]
+    except (KeyError, TypeError):
+        raise FormatError(f"unknown dtype {name!r} in checkpoint") from None
 
 
 def digest(buf: Any) -> str:
@@ -263,7 +262,7 @@ def read_manifest(step_dir: str) -> dict[str, Any]:
     for key, ent in obj["tensors"].items():
         if not isinstance(ent, dict) or not isinstance(ent.get("chunks"), list):
             raise FormatError(f"{path}: tensor {key!r} has no chunk list")
-        dtype_from_name(ent.get("dtype"))
+        itemsize(ent.get("dtype"))
         for c in ent["chunks"]:
             if not isinstance(c, dict) or c.get("file") not in obj["files"]:
                 raise FormatError(f"{path}: tensor {key!r} names a file not listed in the manifest")

@@ -20,8 +20,6 @@ import os
 import re
 from typing import Any
 
-import torch
-
 from .errors import CheckpointError
 
 SHM_DIR = os.environ.get("CKPTD_SHM_DIR", "/dev/shm")
@@ -125,7 +123,11 @@ class Mapping:
         finally:
             os.close(fd)
         self.view = memoryview(self._mm)
-        self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8) if writable else None
+        self.tensor = None
+        if writable:  # trainer side only: the daemon never imports torch
+            import torch
+
+            self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
 
     def close(self) -> None:
         self.tensor = None
