@@ -137,7 +137,11 @@ class Client:
         if s is None:
             s = self._ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
-            s.connect(self.endpoint)
+            try:
+                s.connect(self.endpoint)
+            except zmq.ZMQError as e:
+                s.close(0)
+                raise CheckpointError(f"cannot connect to {self.endpoint!r}: {e}") from None
             self._tls.sock = s
             with self._sock_lock:
                 self._sockets.append(s)

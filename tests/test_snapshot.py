@@ -160,3 +160,9 @@ def test_bad_arguments(daemon) -> None:  # noqa: ANN001
         with pytest.raises(CheckpointError, match="already committed"):
             c.snapshot(model, optim, step=1, blocking=True)
         assert c.snapshot(model, optim, step=2, blocking=True).wait(30)  # still usable
+
+
+def test_bad_endpoint_is_a_clear_error() -> None:
+    with ckptd.Client(endpoint="bogus://nowhere", job="x", timeout=1) as c:
+        with pytest.raises(CheckpointError, match="cannot connect to 'bogus://nowhere'"):
+            c.hello()
