@@ -256,10 +256,10 @@ def remove_partial(root: str, job: str, step: int) -> None:
     shutil.rmtree(tmp_dir(root, job, step), ignore_errors=True)
 
 
-def apply_retention(root: str, job: str, keep: int, busy: set[int]) -> list[int]:
-    """Keep the newest ``keep`` committed steps; drop partial steps older than the newest one.
+def apply_retention(root: str, job: str, keep: int) -> list[int]:
+    """Keep the newest ``keep`` committed steps of ``job``; returns the steps removed.
 
-    Steps in ``busy`` (still being staged or persisted) are left alone. Returns removed steps.
+    Partial steps are not touched here: the daemon removes those it knows can no longer complete.
     """
     steps = committed_steps(root, job)
     removed = []
@@ -267,11 +267,6 @@ def apply_retention(root: str, job: str, keep: int, busy: set[int]) -> list[int]
         for s in steps[:-keep]:
             shutil.rmtree(step_dir(root, job, s), ignore_errors=True)
             removed.append(s)
-    newest = steps[-1] if steps else None
-    if newest is not None:
-        for s in partial_steps(root, job):
-            if s < newest and s not in busy:
-                remove_partial(root, job, s)
     return removed
 
 
