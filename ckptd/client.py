@@ -357,15 +357,15 @@ class Client:
         """Wait until every snapshot this client took is durable; return their directories."""
         deadline = None if timeout is None else time.monotonic() + timeout
         paths = []
-        try:
-            while self._pending:
-                h = self._pending[0]
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        while self._pending:
+            h = self._pending[0]
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
                 paths.append(h.wait(left))
-                self._pending.pop(0)
-        except BaseException:
+            except CheckpointError:
+                self._pending.pop(0)  # a failed step is reported once; a timeout keeps it pending
+                raise
             self._pending.pop(0)
-            raise
         return paths
 
     def restore(

@@ -1,0 +1,30 @@
+"""Who writes replicated chunks: each distinct chunk exactly once, spread over its holders."""
+
+from __future__ import annotations
+
+from ckptd.plan import assign
+
+
+def test_replicated_chunks_written_once_and_spread() -> None:
+    full = [(("model/a", (0,), (10,)), 400), (("model/b", (0,), (10,)), 400), (("optim/step", (), ()), 4)]
+    out = assign([full, full])
+    assert out[0] | out[1] == {c for c, _ in full} and not out[0] & out[1]
+    assert {len(out[0]), len(out[1])} == {1, 2}  # the two big chunks go to different ranks
+
+
+def test_sharded_chunks_stay_with_their_only_holder() -> None:
+    r0 = [(("model/w", (0, 0), (5, 4)), 80), (("model/s", (), ()), 4)]
+    r1 = [(("model/w", (5, 0), (5, 4)), 80), (("model/s", (), ()), 4)]
+    out = assign([r0, r1])
+    assert ("model/w", (0, 0), (5, 4)) in out[0] and ("model/w", (5, 0), (5, 4)) in out[1]
+    assert (("model/s", (), ()) in out[0]) != (("model/s", (), ()) in out[1])
+
+
+def test_sub_group_holders() -> None:
+    """Experts held by a sub-group only: never assigned to a rank outside it."""
+    dense = (("model/d", (0,), (8,)), 32)
+    e0, e1 = (("model/e0", (0,), (8,)), 32), (("model/e1", (0,), (8,)), 32)
+    out = assign([[dense, e0], [dense, e0], [dense, e1], [dense, e1]])
+    assert ("model/e0", (0,), (8,)) in out[0] | out[1]
+    assert ("model/e1", (0,), (8,)) in out[2] | out[3]
+    assert sum(len(o) for o in out) == 3
