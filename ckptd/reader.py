@@ -17,7 +17,7 @@ import torch
 
 from .errors import CheckpointError, FormatError
 from .format import MANIFEST, digest, dtype_from_name, read_manifest
-from .state import LocalChunk, flatten, unflatten
+from .state import TAG, join_key, local_chunks, unflatten
 
 
 class CheckpointReader:
@@ -127,9 +127,79 @@ def resolve_step_dir(path: str) -> str:
     raise CheckpointError(f"{path} is neither a committed ckptd step directory nor a job directory with one")
 
 
+_MISSING = object()
+
+
+def _lookup(tree: Any, path: tuple[str, ...]) -> Any:
+    """The saved tree node at ``path`` (keys as ``flatten`` names them), or ``_MISSING``."""
+    node = tree
+    for part in path:
+        if isinstance(node, dict) and TAG in node:
+            if node[TAG] == "tuple":
+                node = node["items"]
+            elif node[TAG] == "dict":
+                node = {str(unflatten(k, lambda key: key)): v for k, v in node["items"]}
+            else:
+                return _MISSING
+        if isinstance(node, dict):
+            if part not in node:
+                return _MISSING
+            node = node[part]
+        elif isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                return _MISSING
+            node = node[int(part)]
+        else:
+            return _MISSING
+    return node
+
+
+def load_into(reader: CheckpointReader, target_root: dict[str, Any], rank: int) -> dict[str, Any]:
+    """Fill ``target_root`` (state dicts in the caller's layout) from the checkpoint, in place.
+
+    The target drives: every tensor chunk it holds is read from the intersecting saved chunks (so
+    any world size, wrapper or sub-group sharding works), and every non-tensor leaf takes the saved
+    value at the same path, from this rank's saved tree if it exists, else from any saved rank's.
+    Which parameters an optimizer group holds (``param_groups/*/params``) stays the target's.
+    """
+    ranks = sorted(reader.manifest["ranks"], key=lambda r: (r["rank"] != rank, r["rank"]))
+    trees = [r["tree"] for r in ranks]
+    for part in target_root:
+        if not any(part in t for t in trees):
+            raise CheckpointError(f"the checkpoint at {reader.path} holds no {part} state")
+
+    def saved(path: tuple[str, ...]) -> Any:
+        for t in trees:
+            node = _lookup(t, path)
+            if node is not _MISSING:
+                return node
+        return _MISSING
+
+    def build(v: Any, path: tuple[str, ...]) -> Any:
+        if isinstance(v, torch.Tensor):
+            key = join_key(path)
+            for ch in local_chunks(key, v):
+                reader.read_into(key, ch.tensor, ch.offsets)
+            return v
+        if isinstance(v, dict):
+            return {k: build(x, path + (str(k),)) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            if path[:2] == ("optim", "param_groups") and path[-1] == "params":
+                return v
+            out = [build(x, path + (str(i),)) for i, x in enumerate(v)]
+            return tuple(out) if isinstance(v, tuple) else out
+        node = saved(path)
+        return v if node is _MISSING else unflatten(node, reader.read_full)
+
+    return {part: build(v, (part,)) for part, v in target_root.items()}
+
+
 def restore_state(path: str, model: torch.nn.Module, optim: torch.optim.Optimizer | None, rank: int) -> dict[str, Any]:
-    """Load ``path`` into ``model`` (and ``optim``) in place; return this rank's ``extra``."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
+    """Load ``path`` into ``model`` (and ``optim``) in place, in whatever layout they have now.
+
+    Returns this rank's ``extra`` (rank 0's when the checkpoint had fewer ranks).
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
 
     with CheckpointReader(resolve_step_dir(path)) as reader:
         if optim is not None:
@@ -137,50 +207,12 @@ def restore_state(path: str, model: torch.nn.Module, optim: torch.optim.Optimize
             target_root: dict[str, Any] = {"model": msd, "optim": osd}
         else:
             target_root = {"model": get_model_state_dict(model)}
-        _, chunks = flatten(target_root)
-        by_key: dict[str, list[LocalChunk]] = {}
-        for ch in chunks:
-            by_key.setdefault(ch.key, []).append(ch)
+        loaded = load_into(reader, target_root, rank)
         saved_rank, tree = reader.tree_for(rank)
-        for part in target_root:
-            if part not in tree:
-                raise CheckpointError(f"the checkpoint at {reader.path} holds no {part} state")
-        targets = _targets(target_root)
-
-        def fill(key: str) -> Any:
-            if key not in targets:
-                raise CheckpointError(f"checkpoint tensor {key!r} has no counterpart in the {key.split('/')[0]} being restored")
-            for ch in by_key.get(key, []):
-                reader.read_into(key, ch.tensor, ch.offsets)
-            return targets[key]
-
-        loaded = {part: unflatten(tree[part], fill) for part in target_root}
         extra_tree = (tree.get("extra") or {}).get(str(saved_rank))
         extra = unflatten(extra_tree, reader.read_full) if extra_tree is not None else {}
     if optim is not None:
         set_state_dict(model, optim, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
     else:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
         set_model_state_dict(model, loaded["model"])
     return extra
-
-
-def _targets(root: dict[str, Any]) -> dict[str, Any]:
-    """State key → the target object (tensor, DTensor, ShardedTensor) at that path."""
-    out: dict[str, Any] = {}
-    from .state import join_key
-
-    def walk(v: Any, path: tuple[str, ...]) -> None:
-        if isinstance(v, torch.Tensor):
-            out[join_key(path)] = v
-        elif isinstance(v, dict):
-            for k, x in v.items():
-                walk(x, path + (str(k),))
-        elif isinstance(v, (list, tuple)):
-            for i, x in enumerate(v):
-                walk(x, path + (str(i),))
-
-    for k, v in root.items():
-        walk(v, (k,))
-    return out
