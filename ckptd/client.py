@@ -33,7 +33,7 @@ from .errors import CheckpointError, DaemonUnavailable, ProtocolError
 from .format import ShardLayout, build_layout
 from .plan import WritePlan
 from .protocol import decode_reply, request
-from .state import LocalChunk, flatten
+from .state import LocalChunk, flatten, replica_id, sample_digest
 
 log = logging.getLogger("ckptd.client")
 
@@ -241,7 +241,10 @@ class Client:
         for ch in chunks:
             if ch.tensor.dtype not in _COPYABLE:
                 raise TypeError(f"tensor {ch.key!r} has dtype {ch.tensor.dtype}, which ckptd cannot store")
-        mine = self._plan.mine([((c.key, c.offsets, c.sizes), c.nbytes) for c in chunks])
+        mine, shared = self._plan.mine([((c.key, c.offsets, c.sizes), c.nbytes) for c in chunks])
+        # every holder of a replicated chunk reports a digest of its copy: the daemon refuses a step whose
+        # "replicas" differ (FQNs that are not globally unique, e.g. per-group expert names)
+        replicas = {replica_id(c): sample_digest(c.tensor) for c in chunks if (c.key, c.offsets, c.sizes) in shared}
         chunks = [c for c in chunks if (c.key, c.offsets, c.sizes) in mine]
         layout = self._layout_for(chunks)
         by_name = {c.name: c for c in chunks}
@@ -271,7 +274,9 @@ class Client:
         except BaseException:
             self._release(segment)
             raise
-        commit = dict(job=self.job, rank=rank, world_size=world, step=step, segment=segment, nbytes=layout.file_size, tree=tree)
+        commit = dict(
+            job=self.job, rank=rank, world_size=world, step=step, segment=segment, nbytes=layout.file_size, tree=tree, replicas=replicas
+        )
         if not later:
             self._commit(handle, commit)
             if handle._error is not None:

@@ -367,7 +367,10 @@ class Daemon:
             raise ProtocolError(f"rank {msg['rank']} already committed step {msg['step']} of job {msg['job']}")
         if track.state == "failed":
             raise ProtocolError(f"step {msg['step']} of job {msg['job']} already failed: {track.error}")
-        record = {k: msg[k] for k in ("job", "rank", "world_size", "step", "nbytes", "tree")}
+        for cid, dig in msg["replicas"].items():
+            if not isinstance(dig, str) or len(dig) != 16 or len(cid) > 4096:
+                raise ProtocolError("commit: 'replicas' must map chunk ids to 16-digit digests")
+        record = {k: msg[k] for k in ("job", "rank", "world_size", "step", "nbytes", "tree", "replicas")}
         shm.write_record(slot.name, record)  # from here on the shard survives a trainer or daemon crash
         slot.state, slot.lease = "committed", record
         track.committed.add(msg["rank"])
@@ -426,7 +429,9 @@ class Daemon:
             if slot.mapping is None:  # mapped here, not on the main loop: ~0.1 s per GB with MAP_POPULATE
                 slot.mapping = shm.Mapping(name, writable=False)
             view = slot.mapping.view
-            persist.write_shard(self.root, job, step, rec["rank"], ws, view, rec["nbytes"], rec["tree"], self.write_rate_limit)
+            persist.write_shard(
+                self.root, job, step, rec["rank"], ws, view, rec["nbytes"], rec["tree"], self.write_rate_limit, rec.get("replicas", {})
+            )
             dt = time.monotonic() - t0
             with self._job_lock(job):
                 if persist.fragments_present(self.root, job, step) >= set(range(ws)) and os.path.isdir(

@@ -61,6 +61,7 @@ def write_shard(
     nbytes: int,
     tree: dict[str, Any],
     rate_limit: float = 0.0,
+    replicas: dict[str, str] | None = None,
 ) -> None:
     """Write one staged shard (``view[:nbytes]``) and its fragment into ``step-N.tmp`` durably.
 
@@ -111,6 +112,7 @@ def write_shard(
             "size": nbytes,
             "header_xxh3_64": digest(view[: layout.data_start]),
             "chunks": chunks,
+            "replicas": replicas or {},
             "tree": tree,
         }
         write_json_durable(os.path.join(d, f"rank-{rank:05d}.json"), frag)
@@ -155,6 +157,21 @@ def check_coverage(tensors: dict[str, Any]) -> None:
             raise CheckpointError(f"tensor {key!r} of shape {ent['shape']}: chunks cover {total} of {want} elements")
 
 
+def check_replicas(frags: list[dict[str, Any]]) -> None:
+    """Every holder of a replicated chunk reported the same sample digest; else name key and region."""
+    seen: dict[str, tuple[str, int]] = {}
+    for fr in frags:
+        for cid, dig in (fr.get("replicas") or {}).items():
+            if cid in seen and seen[cid][0] != dig:
+                key, offsets, sizes = json.loads(cid)
+                raise CheckpointError(
+                    f"tensor {key!r} region offsets {offsets} sizes {sizes}: ranks {seen[cid][1]} and {fr['rank']} hold"
+                    " different bytes under the same name; state keys (FQNs) must be globally unique, e.g. name experts"
+                    " by their global index"
+                )
+            seen.setdefault(cid, (dig, fr["rank"]))
+
+
 def build_manifest(job: str, step: int, world_size: int, frags: list[dict[str, Any]]) -> dict[str, Any]:
     tensors: dict[str, Any] = {}
     files: dict[str, Any] = {}
@@ -173,6 +190,7 @@ def build_manifest(job: str, step: int, world_size: int, frags: list[dict[str, A
                 )
             ent["chunks"].append({k: c[k] for k in ("name", "offsets", "sizes", "byte_range", "xxh3_64")} | {"file": fr["file"]})
     check_coverage(tensors)
+    check_replicas(frags)
     return {
         "format_version": FORMAT_VERSION,
         "kind": "ckptd-manifest",

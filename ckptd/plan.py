@@ -52,12 +52,15 @@ class WritePlan:
 
     def __init__(self) -> None:
         self._hashes: list[int] | None = None
-        self._mine: set[ChunkId] | None = None
+        self._mine: tuple[set[ChunkId], set[ChunkId]] | None = None
 
-    def mine(self, items: list[tuple[ChunkId, int]]) -> set[ChunkId]:
-        """This rank's chunks to write. Collective over the default group: call on every rank."""
+    def mine(self, items: list[tuple[ChunkId, int]]) -> tuple[set[ChunkId], set[ChunkId]]:
+        """This rank's chunks to write, and those of its chunks that other ranks hold too.
+
+        Collective over the default group: call on every rank.
+        """
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return {cid for cid, _ in items}
+            return {cid for cid, _ in items}, set()
         blob = json.dumps([[list(c[0:1]) + [list(c[1]), list(c[2])], n] for c, n in items], separators=(",", ":")).encode()
         h = xxhash.xxh3_64_intdigest(blob) & 0x7FFFFFFFFFFFFFFF
         dev = _device()
@@ -69,7 +72,12 @@ class WritePlan:
         if hashes == self._hashes and self._mine is not None:
             return self._mine
         per_rank = [[((e[0][0], tuple(e[0][1]), tuple(e[0][2])), e[1]) for e in json.loads(b)] for b in _all_gather_bytes(blob, dev, world)]
-        self._mine = assign(per_rank)[dist.get_rank()]
+        counts: dict[ChunkId, int] = {}
+        for its in per_rank:
+            for cid, _ in its:
+                counts[cid] = counts.get(cid, 0) + 1
+        shared = {cid for cid, _ in items if counts[cid] > 1}
+        self._mine = (assign(per_rank)[dist.get_rank()], shared)
         self._hashes = hashes
         return self._mine
 

@@ -11,9 +11,10 @@ Ops (who sends them: the trainer's client, on whichever of its threads needs the
 ``hello`` → ``{"server_version", "root", "pid"}``.
 ``alloc`` ``{job, rank, world_size, step, nbytes, pid}`` → ``{"segment", "size"}``: lease a staging
     slot of at least ``nbytes``. The reply is deferred while the memory budget is full (backpressure).
-``commit`` ``{job, rank, world_size, step, segment, nbytes, tree}``: the slot holds a complete
-    shard; the reply ``{}`` comes once the daemon has recorded the commit in shared memory, after
-    which the step is made durable even if the trainer dies.
+``commit`` ``{job, rank, world_size, step, segment, nbytes, tree, replicas}``: the slot holds a
+    complete shard (``replicas``: chunk id → sample digest of every chunk other ranks hold too);
+    the reply ``{}`` comes once the daemon has recorded the commit in shared memory, after which
+    the step is made durable even if the trainer dies.
 ``release`` ``{segment}``: give a leased slot back unused (the copy failed).
 ``wait`` ``{job, step, timeout}`` → ``{"state": "pending"|"durable"|"failed", "path", "error"}``;
     the reply is held up to ``timeout`` seconds for the step to leave ``pending``.
@@ -40,7 +41,16 @@ _STR = (str,)
 SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     "hello": {},
     "alloc": {"job": _STR, "rank": _INT, "world_size": _INT, "step": _INT, "nbytes": _INT, "pid": _INT},
-    "commit": {"job": _STR, "rank": _INT, "world_size": _INT, "step": _INT, "segment": _STR, "nbytes": _INT, "tree": (dict,)},
+    "commit": {
+        "job": _STR,
+        "rank": _INT,
+        "world_size": _INT,
+        "step": _INT,
+        "segment": _STR,
+        "nbytes": _INT,
+        "tree": (dict,),
+        "replicas": (dict,),
+    },  # fmt: skip
     "release": {"segment": _STR},
     "wait": {"job": _STR, "step": _INT, "timeout": _NUM},
     "latest": {"job": _STR},

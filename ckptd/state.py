@@ -14,6 +14,7 @@ rejected on read.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +44,37 @@ class LocalChunk:
     @property
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
+
+
+SAMPLE_WINDOWS = 16
+SAMPLE_BYTES = 4096
+
+
+def replica_id(ch: LocalChunk) -> str:
+    """A chunk's identity across ranks: state key and region (JSON, so it can key a JSON object)."""
+    return json.dumps([ch.key, list(ch.offsets), list(ch.sizes)], separators=(",", ":"))
+
+
+def sample_digest(t: torch.Tensor) -> str:
+    """XXH3-64 of a tensor's bytes, or of 16 evenly spaced 4 KiB windows when it is larger than 64 KiB.
+
+    Cheap enough to run on every snapshot for every replicated chunk; two different tensors
+    (say, two experts that share an FQN) differ in every window.
+    """
+    import xxhash
+
+    flat = t.detach().reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    raw = flat.view(torch.uint8) if flat.numel() else flat.to(torch.uint8)
+    n = raw.numel()
+    if n <= SAMPLE_WINDOWS * SAMPLE_BYTES:
+        return xxhash.xxh3_64_hexdigest(raw.cpu().numpy())
+    h = xxhash.xxh3_64()
+    for i in range(SAMPLE_WINDOWS):
+        a = (n - SAMPLE_BYTES) * i // (SAMPLE_WINDOWS - 1)
+        h.update(raw[a : a + SAMPLE_BYTES].cpu().numpy())
+    return h.hexdigest()
 
 
 def _escape(part: str) -> str:

@@ -51,7 +51,8 @@ BAD_MESSAGES = [
     ("json list", [b"[]"], "bad_request"),
     ("unknown op", [_op("explode")], "bad_request"),
     ("bad job", [_op("latest", job="../x")], "bad_request"),
-    ("unknown segment", [_op("commit", job="j", rank=0, world_size=1, step=1, segment="ckptd-0-00000000-00000001", nbytes=1, tree={})],
+    ("unknown segment", [_op("commit", job="j", rank=0, world_size=1, step=1, segment="ckptd-0-00000000-00000001", nbytes=1, tree={},
+                              replicas={})],
      "refused"),
     ("malformed segment name", [_op("release", segment="../../etc/passwd")], "refused"),
     ("locate missing step", [_op("locate", job="j", step=5)], "refused"),
@@ -71,9 +72,9 @@ def test_commit_must_match_lease(daemon) -> None:  # noqa: ANN001
     with daemon.client("j") as c:
         seg = c._call("alloc", job="j", rank=0, world_size=1, step=1, nbytes=100, pid=os.getpid())["segment"]
         with pytest.raises(ProtocolError, match="does not match the lease"):
-            c._call("commit", job="j", rank=0, world_size=1, step=2, segment=seg, nbytes=100, tree={})
+            c._call("commit", job="j", rank=0, world_size=1, step=2, segment=seg, nbytes=100, tree={}, replicas={})
         with pytest.raises(ProtocolError, match="exceeds segment size"):
-            c._call("commit", job="j", rank=0, world_size=1, step=1, segment=seg, nbytes=1 << 40, tree={})
+            c._call("commit", job="j", rank=0, world_size=1, step=1, segment=seg, nbytes=1 << 40, tree={}, replicas={})
         c._call("release", segment=seg)
         with pytest.raises(ProtocolError, match="not leased"):
             c._call("release", segment=seg)
@@ -83,7 +84,7 @@ def test_garbage_shard_fails_the_step_not_the_daemon(daemon) -> None:  # noqa: A
     """A committed slot whose bytes are not a shard: wait() raises, nothing is committed."""
     with daemon.client("j") as c:
         seg = c._call("alloc", job="j", rank=0, world_size=1, step=1, nbytes=4096, pid=os.getpid())["segment"]
-        c._call("commit", job="j", rank=0, world_size=1, step=1, segment=seg, nbytes=4096, tree={})
+        c._call("commit", job="j", rank=0, world_size=1, step=1, segment=seg, nbytes=4096, tree={}, replicas={})
         rep = c._call("wait", job="j", step=1, timeout=10.0)
         assert rep["state"] == "failed" and "header" in rep["error"]
         assert c.latest() is None

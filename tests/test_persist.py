@@ -43,3 +43,13 @@ def test_fragment_of_another_step_refused() -> None:
     other = _frag(1, []) | {"step": 2}
     with pytest.raises(CheckpointError, match="another job/step"):
         build_manifest("j", 1, 2, [_frag(0, []), other])
+
+
+def test_disagreeing_replicas_name_the_fqn_and_region() -> None:
+    cid = '["model/experts.local.weight",[0,0],[4,4]]'
+    f0, f1 = _frag(0, []), _frag(1, [])
+    f0["replicas"], f1["replicas"] = {cid: "a" * 16}, {cid: "b" * 16}
+    with pytest.raises(CheckpointError, match=r"'model/experts.local.weight' region offsets \[0, 0\] sizes \[4, 4\].*globally unique"):
+        build_manifest("j", 1, 2, [f0, f1])
+    f1["replicas"] = {cid: "a" * 16}
+    build_manifest("j", 1, 2, [f0, f1])
