@@ -24,7 +24,7 @@ def batch(i: int, d: int = 16, n: int = 8) -> torch.Tensor:
     return torch.randn(n, d, generator=g)
 
 
-def train_step(model: torch.nn.Module, optim: torch.optim.Optimizer, i: int) -> float:
+def train_step(model: torch.nn.Module, optim: torch.optim.Optimizer, i: int) -> float:  # noqa: D103
     optim.zero_grad()
     loss = model(batch(i)).pow(2).mean()
     loss.backward()

@@ -94,3 +94,117 @@ def snapshot_then_die(rank: int, world: int, kind: str, endpoint: str, job: str,
     with open(f"{expected}.state-{rank}", "w") as f:
         f.write(state)  # proves the kill came before the step was durable
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ----------------------------------------------------------------------------- any layout
+
+
+def save_layout(rank: int, world: int, kind: str, endpoint: str, job: str, expected: str) -> dict[str, Any]:
+    """Train 2 steps in layout ``kind`` and snapshot step 2 (blocking); rank 0 writes the expected state."""
+    model, optim = build(kind)
+    for i in range(2):
+        train_step(model, optim, i + 100 * rank)
+    want = full_state(model, optim)
+    with ckptd.Client(endpoint=endpoint, job=job) as c:
+        path = c.snapshot(model, optim, step=2, extra={"rank": rank}, blocking=True).wait(60)
+    if rank == 0:
+        _save_expected(expected, want)
+    return {"path": path}
+
+
+def restore_layout(rank: int, world: int, kind: str, path: str, expected: str) -> dict[str, Any]:
+    """Restore ``path`` into a fresh model in layout ``kind``; rank 0 compares the full state."""
+    model, optim = build(kind, seed=7)
+    extra = ckptd.restore(model, optim, path=path)
+    got = full_state(model, optim)
+    if rank == 0:
+        assert_same(got, _load_expected(expected))
+    train_step(model, optim, 99)  # and training goes on from it
+    return {"extra": extra}
+
+
+# ----------------------------------------------------------------------------- MoE
+
+
+class MoE(torch.nn.Module):
+    """Dense layers plus experts; ``experts`` names the experts this rank holds ('s': a frozen expert
+    replicated across groups)."""
+
+    def __init__(self, experts: list[str], names: dict[str, str] | None = None, d: int = 16, h: int = 24) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(d, h)
+        every = {e: torch.nn.Linear(h, h) for e in ("0", "1", "s")}
+        every["s"].requires_grad_(False)
+        self.experts = torch.nn.ModuleDict({(names or {}).get(e, e): every[e] for e in experts})
+        self.out = torch.nn.Linear(h, 4)
+        self.register_buffer("counter", torch.zeros(3, dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        return self.out(torch.relu(sum(e(h) for e in self.experts.values())))
+
+
+def build_moe_fsdp1(rank: int, names: dict[str, str] | None = None) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """4 ranks: dense sharded over all; expert 0 over {0,1}, expert 1 over {2,3}, expert s over each group."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    g = rank // 2
+    model = MoE([str(g), "s"], names)
+    cpu = torch.device("cpu")
+    for name in list(model.experts):
+        model.experts[name] = FSDP(model.experts[name], process_group=groups[g], use_orig_params=True, device_id=cpu)
+    model = FSDP(model, use_orig_params=True, device_id=cpu)
+    return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+
+
+def build_moe(kind: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = MoE(["0", "1", "s"])
+    torch.manual_seed(7)
+    for p in model.parameters():  # fresh weights: the restore must overwrite every one
+        torch.nn.init.normal_(p)
+    if kind == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for e in model.experts.values():
+            fully_shard(e, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+
+
+def save_moe(rank: int, world: int, endpoint: str, job: str, expected: str) -> dict[str, Any]:
+    model, optim = build_moe_fsdp1(rank)
+    for i in range(2):
+        train_step(model, optim, i + 100 * rank)
+    want = full_state(model, optim)
+    with ckptd.Client(endpoint=endpoint, job=job) as c:
+        path = c.snapshot(model, optim, step=2, blocking=True).wait(60)
+    if rank in (0, 2):  # between them, every global tensor
+        _save_expected(f"{expected}.{rank}", {k: v for k, v in want.items() if k != "optim/lr"})
+    return {"path": path}
+
+
+def save_moe_colliding(rank: int, world: int, endpoint: str, job: str) -> dict[str, Any]:
+    """Per-group expert names: both groups call their expert 'local'. The step must be refused."""
+    model, optim = build_moe_fsdp1(rank, names={"0": "local", "1": "local"})
+    train_step(model, optim, rank)
+    with ckptd.Client(endpoint=endpoint, job=job) as c:
+        h = c.snapshot(model, optim, step=1, blocking=True)
+        try:
+            h.wait(60)
+        except ckptd.CheckpointError as e:
+            return {"error": str(e)}
+    return {"error": None}
+
+
+def restore_moe(rank: int, world: int, kind: str, path: str) -> dict[str, Any]:
+    model, optim = build_moe(kind)
+    ckptd.restore(model, optim, path=path)
+    got = full_state(model, optim)
+    if rank == 0:
+        _save_expected(f"{path}/../got-{kind}-{world}.safetensors", {k: v for k, v in got.items() if k != "optim/lr"})
+    train_step(model, optim, 99)
+    return {}
