@@ -42,6 +42,20 @@ def main(argv: list[str] | None = None) -> int:
     st = sub.add_parser("status", help="ask a running daemon for its state")
     st.add_argument("--endpoint", default=None)
 
+    v = sub.add_parser("verify", help="re-read a checkpoint: checksums, headers, coverage, manifest (exit 1 if unsound)")
+    v.add_argument("ckpt", help="a step directory, or a job directory (its newest step)")
+
+    ex = sub.add_parser("export", help="consolidate a checkpoint into one full state dict file, streaming")
+    ex.add_argument("ckpt", help="a step directory, or a job directory (its newest step)")
+    ex.add_argument("--out", required=True)
+    ex.add_argument("--format", choices=("safetensors", "torch"), default="safetensors")
+    ex.add_argument("--what", choices=("model", "optim", "all"), default="model")
+
+    ls = sub.add_parser("ls", help="committed steps with size, world size, layout and time")
+    ls.add_argument("--root", default=None, help="checkpoint root (default: ask the running daemon)")
+    ls.add_argument("--job", default=None)
+    ls.add_argument("--endpoint", default=None)
+
     args = p.parse_args(argv)
     if args.cmd == "serve":
         from .daemon import Daemon
@@ -74,4 +88,77 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ckptd: {e}", file=sys.stderr)
             return 1
         return 0
+    if args.cmd == "verify":
+        return _verify(args.ckpt)
+    if args.cmd == "export":
+        from .errors import CheckpointError
+        from .export import export_checkpoint
+
+        try:
+            stats = export_checkpoint(args.ckpt, args.out, fmt=args.format, what=args.what)
+        except (CheckpointError, OSError) as e:
+            print(f"ckptd export: {e}", file=sys.stderr)
+            return 1
+        print(f"wrote {args.out}: {stats['tensors']} tensors, {stats['bytes'] / 1e9:.3f} GB")
+        return 0
+    if args.cmd == "ls":
+        return _ls(args.root, args.job, args.endpoint)
     return 2
+
+
+def _verify(ckpt: str) -> int:
+    from .errors import CheckpointError
+    from .reader import resolve_step_dir
+    from .verify import stale_warning, verify_checkpoint
+
+    try:
+        step_dir = resolve_step_dir(ckpt)
+    except CheckpointError as e:
+        print(f"ckptd verify: {e}", file=sys.stderr)
+        return 1
+    problems = verify_checkpoint(step_dir)
+    for p in problems:
+        print(f"ckptd verify: {p}", file=sys.stderr)
+    if problems:
+        print(f"{step_dir}: UNSOUND ({len(problems)} problem(s))")
+        return 1
+    warning = stale_warning(step_dir)
+    if warning:
+        print(f"ckptd verify: warning: {warning}", file=sys.stderr)
+    print(f"{step_dir}: OK")
+    return 0
+
+
+def _ls(root: str | None, job: str | None, endpoint: str | None) -> int:
+    import os
+    import time
+
+    from .errors import CheckpointError, FormatError
+    from .format import read_manifest
+    from .persist import committed_steps, list_jobs
+
+    if root is None:
+        from .client import Client
+
+        try:
+            with Client(endpoint=endpoint, timeout=5.0) as c:
+                root = c.hello()["root"]
+        except CheckpointError as e:
+            print(f"ckptd ls: no --root given and {e}", file=sys.stderr)
+            return 1
+    jobs = [job] if job else list_jobs(root)
+    print(f"{'job':<20} {'step':>8} {'size':>10} {'ranks':>5}  {'layout':<34} created")
+    for j in jobs:
+        for step in committed_steps(root, j):
+            d = os.path.join(root, j, f"step-{step}")
+            try:
+                m = read_manifest(d)
+            except FormatError as e:
+                print(f"{j:<20} {step:>8}  unreadable: {e}")
+                continue
+            size = sum(f["size"] for f in m["files"].values())
+            sharded = sum(1 for t in m["tensors"].values() if len(t["chunks"]) > 1)
+            layout = f"{len(m['tensors'])} tensors, {sharded} sharded"
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.get("created_unix", 0)))
+            print(f"{j:<20} {step:>8} {size / 1e9:>8.3f}GB {m['world_size']:>5}  {layout:<34} {when}")
+    return 0

@@ -9,8 +9,8 @@ before its bytes are used, and finally hands the state to torch's ``set_state_di
 from __future__ import annotations
 
 import math
-import mmap
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -21,18 +21,23 @@ from .state import TAG, join_key, local_chunks, unflatten
 
 
 class CheckpointReader:
-    """Reads verified chunk regions from one committed step directory."""
+    """Reads verified chunk regions from one committed step directory.
+
+    Chunks are read with ``pread`` into memory of their own, not mapped: memory held is one saved
+    chunk at a time (an export of a checkpoint larger than RAM stays small), and every chunk's
+    checksum is verified on the very bytes that are then used.
+    """
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.manifest = read_manifest(path)
-        self._maps: dict[str, tuple[mmap.mmap, torch.Tensor]] = {}
-        self._verified: set[tuple[str, int]] = set()
+        self._fds: dict[str, int] = {}
+        self.bytes_read = 0
 
     def close(self) -> None:
-        for mm, _ in self._maps.values():
-            mm.close()
-        self._maps.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -40,34 +45,37 @@ class CheckpointReader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _file(self, name: str) -> torch.Tensor:
-        if name not in self._maps:
+    def _fd(self, name: str) -> int:
+        if name not in self._fds:
             path = os.path.join(self.path, name)
             want = self.manifest["files"][name]["size"]
             try:
-                with open(path, "rb") as f:
-                    size = os.fstat(f.fileno()).st_size
-                    if size != want:
-                        raise FormatError(f"{path} is {size} bytes, the manifest says {want}: truncated or corrupt")
-                    mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else None
+                fd = os.open(path, os.O_RDONLY)
             except FileNotFoundError:
                 raise FormatError(f"{path} is missing: the checkpoint is incomplete") from None
-            t = torch.frombuffer(mm, dtype=torch.uint8) if mm is not None else torch.empty(0, dtype=torch.uint8)
-            self._maps[name] = (mm, t)  # type: ignore[assignment]
-        return self._maps[name][1]
+            size = os.fstat(fd).st_size
+            if size != want:
+                os.close(fd)
+                raise FormatError(f"{path} is {size} bytes, the manifest says {want}: truncated or corrupt")
+            self._fds[name] = fd
+        return self._fds[name]
 
     def saved_chunk(self, key: str, c: dict[str, Any]) -> torch.Tensor:
-        """The saved chunk ``c`` of tensor ``key`` as a tensor view, checksum verified once."""
-        buf = self._file(c["file"])
+        """The saved chunk ``c`` of tensor ``key``, read and checksum-verified."""
+        fd = self._fd(c["file"])
         b, e = c["byte_range"]
-        ident = (c["file"], b)
-        raw = buf[b:e]
-        if ident not in self._verified:
-            if e > buf.numel() or digest(raw.numpy()) != c["xxh3_64"]:
-                raise FormatError(
-                    f"checksum mismatch in {os.path.join(self.path, c['file'])} (tensor {key!r}, bytes {b}-{e}): the file is corrupt"
-                )
-            self._verified.add(ident)
+        raw = torch.empty(e - b, dtype=torch.uint8)
+        view = memoryview(raw.numpy())
+        got = 0
+        while got < e - b:
+            n = os.preadv(fd, [view[got:]], b + got)
+            if n == 0:
+                break
+            got += n
+        self.bytes_read += got
+        if got != e - b or digest(view) != c["xxh3_64"]:
+            where = os.path.join(self.path, c["file"])
+            raise FormatError(f"checksum mismatch in {where} (tensor {key!r}, bytes {b}-{e}): the file is corrupt")
         ent = self.manifest["tensors"][key]
         return raw.view(dtype_from_name(ent["dtype"])).view(c["sizes"])
 
@@ -208,6 +216,11 @@ def restore_state(path: str, model: torch.nn.Module, optim: torch.optim.Optimize
         else:
             target_root = {"model": get_model_state_dict(model)}
         loaded = load_into(reader, target_root, rank)
+        from .verify import stale_warning
+
+        stale = stale_warning(reader.path, reader.manifest)
+        if stale:
+            warnings.warn(stale, stacklevel=3)
         saved_rank, tree = reader.tree_for(rank)
         extra_tree = (tree.get("extra") or {}).get(str(saved_rank))
         extra = unflatten(extra_tree, reader.read_full) if extra_tree is not None else {}

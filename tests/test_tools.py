@@ -1,0 +1,158 @@
+"""ckptd verify / export / ls, and the stale-step guard."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+from _models import make, train_step
+from conftest import REPO
+
+import ckptd
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ckptd", *args], capture_output=True, text=True, cwd=REPO, timeout=300)
+
+
+@pytest.fixture
+def ckpt(daemon) -> str:  # noqa: ANN001
+    model, optim = make()
+    train_step(model, optim, 0)
+    with daemon.client("j") as c:
+        return c.snapshot(model, optim, step=1).wait(30)
+
+
+def _flip(path: str, offset_from_end: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(-offset_from_end, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+def test_verify_sound_and_each_kind_of_damage(ckpt: str) -> None:
+    r = _cli("verify", ckpt)
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr
+    assert _cli("verify", os.path.dirname(ckpt)).returncode == 0  # job dir: its newest step
+    shard = os.path.join(ckpt, "rank-00000.safetensors")
+    _flip(shard, 3)
+    r = _cli("verify", ckpt)
+    assert r.returncode == 1 and "rank-00000.safetensors: checksum mismatch in tensor" in r.stderr
+    m2, o2 = make(seed=3)
+    with pytest.raises(ckptd.FormatError, match="rank-00000.safetensors"):
+        ckptd.restore(m2, o2, path=ckpt)
+    _flip(shard, 3)  # repaired
+    assert _cli("verify", ckpt).returncode == 0
+    with open(shard, "r+b") as f:  # damage the header
+        f.seek(20)
+        f.write(b"\x00")
+    r = _cli("verify", ckpt)
+    assert r.returncode == 1 and "rank-00000.safetensors" in r.stderr
+    os.truncate(shard, 50)
+    assert _cli("verify", ckpt).returncode == 1
+    with open(os.path.join(ckpt, "manifest.json"), "w") as f:
+        f.write("{")
+    r = _cli("verify", ckpt)
+    assert r.returncode == 1 and "not valid JSON" in r.stderr
+    os.unlink(os.path.join(ckpt, "manifest.json"))
+    r = _cli("verify", ckpt)
+    assert r.returncode == 1 and "neither a committed" in r.stderr
+
+
+def test_stale_step_is_flagged(daemon) -> None:  # noqa: ANN001
+    """Same bytes as the step before although the optimizer stepped: verify and restore warn."""
+    model, optim = make(lr=0.0)
+    optim.param_groups[0]["weight_decay"] = 0.0
+
+    def idle_step() -> None:
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        optim.step()
+
+    idle_step()
+    with daemon.client("j") as c:
+        c.snapshot(model, optim, step=1).wait(30)
+        idle_step()  # the step counter advances, nothing else changes
+        path = c.snapshot(model, optim, step=2).wait(30)
+        r = _cli("verify", path)
+        assert r.returncode == 0 and "bit-identical to step 1" in r.stderr
+        with pytest.warns(UserWarning, match="bit-identical to step 1"):
+            c.restore(*make(lr=0.0))
+        train_step(model, optim, 5)  # a real change: no warning
+        optim.param_groups[0]["lr"] = 1e-2
+        train_step(model, optim, 6)
+        path = c.snapshot(model, optim, step=3).wait(30)
+        r = _cli("verify", path)
+        assert r.returncode == 0 and "bit-identical" not in r.stderr
+
+
+def test_ls(daemon, ckpt: str) -> None:  # noqa: ANN001
+    r = _cli("ls", "--endpoint", daemon.endpoint)
+    assert r.returncode == 0, r.stderr
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("j ")][0].split()
+    assert line[1] == "1" and line[3] == "1"  # step 1, one rank
+    assert _cli("ls", "--root", daemon.root, "--job", "j").stdout == r.stdout
+
+
+def _big_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, bias=(i % 2 == 0)) for i in range(25)])
+
+
+@pytest.mark.slow
+def test_export_streams_and_loads_with_safetensors(daemon, short_tmp) -> None:  # noqa: ANN001
+    from safetensors.torch import load_file
+
+    model = _big_model()  # 105 M params: 1.26 GB of checkpoint with AdamW state
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optim.step()
+    with daemon.client("big") as c:
+        path = c.snapshot(model, optim, step=1, blocking=True).wait(120)
+    ckpt_bytes = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+    assert ckpt_bytes >= 0.5e9
+    out = str(short_tmp / "model.safetensors")
+    for what in ("model", "all"):
+        proc = psutil.Popen([sys.executable, "-m", "ckptd", "export", path, "--out", out, "--what", what], cwd=REPO)
+        peak = 0
+        while proc.poll() is None:
+            try:
+                peak = max(peak, proc.memory_info().rss)
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.005)
+        assert proc.returncode == 0
+        assert peak < 0.5 * ckpt_bytes, f"export ({what}) peaked at {peak / 1e9:.2f} GB for a {ckpt_bytes / 1e9:.2f} GB checkpoint"
+        got = load_file(out)
+        if what == "model":
+            want = model.state_dict()
+            assert got.keys() == want.keys()
+            assert all(torch.equal(got[k], want[k]) for k in want)
+            _big_model().load_state_dict(got)  # loadable as is
+        else:
+            assert torch.equal(got["model.0.weight"], model[0].weight.detach())
+            assert torch.equal(got["optim.state.24.weight.exp_avg_sq"], optim.state[model[24].weight]["exp_avg_sq"])
+            assert got["optim.state.0.weight.step"].item() == 1
+        del got
+
+
+def test_export_torch_format_and_errors(ckpt: str, short_tmp) -> None:  # noqa: ANN001
+    out = str(short_tmp / "m.pt")
+    r = _cli("export", ckpt, "--out", out, "--format", "torch")
+    assert r.returncode == 0, r.stderr
+    sd = torch.load(out, weights_only=True)
+    m2, _ = make(seed=5)
+    m2.load_state_dict(sd)
+    model, optim = make()
+    train_step(model, optim, 0)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in sd.items())
+    r = _cli("export", str(short_tmp / "nothing"), "--out", out)
+    assert r.returncode == 1 and "neither a committed" in r.stderr
+    assert not os.path.exists(out + ".tmp")
