@@ -25,6 +25,10 @@ def __getattr__(name: str) -> Any:
         from . import client
 
         return getattr(client, name)
+    if name == "dcp":  # ckptd.dcp.Reader: a torch.distributed.checkpoint StorageReader
+        import importlib
+
+        return importlib.import_module(".dcp", __name__)
     raise AttributeError(f"module 'ckptd' has no attribute {name!r}")
 
 
