@@ -129,6 +129,7 @@ def test_export_streams_and_loads_with_safetensors(daemon, short_tmp) -> None:  
                 break
             time.sleep(0.005)
         assert proc.returncode == 0
+        print(f"export --what {what}: peak RSS {peak / 1e9:.3f} GB for a {ckpt_bytes / 1e9:.3f} GB checkpoint")
         assert peak < 0.5 * ckpt_bytes, f"export ({what}) peaked at {peak / 1e9:.2f} GB for a {ckpt_bytes / 1e9:.2f} GB checkpoint"
         got = load_file(out)
         if what == "model":
