@@ -32,7 +32,7 @@ from ._config import default_endpoint, default_job, env_float, validate_job
 from .errors import CheckpointError, DaemonUnavailable, ProtocolError
 from .format import ShardLayout, build_layout
 from .plan import WritePlan
-from .protocol import decode_reply, request
+from .protocol import decode_reply, endpoint_answers, request
 from .state import LocalChunk, flatten, replica_id, sample_digest
 
 log = logging.getLogger("ckptd.client")
@@ -187,14 +187,7 @@ class Client:
             return rep
 
     def _alive(self) -> bool:
-        probe = self._ctx.socket(zmq.DEALER)
-        probe.setsockopt(zmq.LINGER, 0)
-        try:
-            probe.connect(self.endpoint)
-            probe.send(request("hello", 0))
-            return bool(probe.poll(int(self.timeout * 1000)))
-        finally:
-            probe.close(0)
+        return endpoint_answers(self._ctx, self.endpoint, self.timeout)
 
     def hello(self) -> dict[str, Any]:
         return self._call("hello")

@@ -23,7 +23,7 @@ import zmq
 
 from . import __version__, persist, shm
 from .errors import CheckpointError, ProtocolError
-from .protocol import decode_request, reply_error, reply_ok
+from .protocol import decode_request, endpoint_answers, reply_error, reply_ok
 
 log = logging.getLogger("ckptd.daemon")
 
@@ -151,7 +151,7 @@ class Daemon:
                 os.makedirs(d, mode=0o700, exist_ok=True)
             if os.path.exists(path):
                 # a live daemon answers on it; a dead one left a stale socket file behind
-                if self._endpoint_answers():
+                if endpoint_answers(self._ctx, self.endpoint, 0.5):
                     raise CheckpointError(f"another daemon is already serving {self.endpoint}")
                 os.unlink(path)
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -163,18 +163,6 @@ class Daemon:
         self._wake = self._ctx.socket(zmq.PULL)
         self._wake.setsockopt(zmq.LINGER, 0)
         self._wake.bind(self._wake_addr)
-
-    def _endpoint_answers(self) -> bool:
-        from .protocol import request
-
-        s = self._ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        try:
-            s.connect(self.endpoint)
-            s.send(request("hello", 0))
-            return bool(s.poll(500))
-        finally:
-            s.close(0)
 
     def _shutdown(self) -> None:
         log.info("shutting down: finishing %d pending persist(s)", sum(t.inflight for t in self.tracks.values()))

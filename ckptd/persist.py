@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 from .errors import CheckpointError, FormatError
-from .format import FORMAT_VERSION, MANIFEST, digest, fsync_dir, parse_header, read_manifest, write_json_durable
+from .format import FORMAT_VERSION, MANIFEST, digest, fsync_dir, parse_header, write_json_durable
 
 log = logging.getLogger("ckptd.persist")
 
@@ -304,14 +304,3 @@ def list_jobs(root: str) -> list[str]:
         return sorted(n for n in os.listdir(root) if os.path.isdir(os.path.join(root, n)) and not n.startswith("."))
     except FileNotFoundError:
         return []
-
-
-__all__ = [
-    "apply_retention",
-    "committed_steps",
-    "finalize_step",
-    "fragments_present",
-    "latest_path",
-    "read_manifest",
-    "write_shard",
-]

@@ -121,6 +121,20 @@ def reply_error(req_id: Any, code: str, error: str) -> bytes:
     return encode({"v": PROTOCOL_VERSION, "id": req_id if _is_int(req_id) else None, "ok": False, "code": code, "error": error})
 
 
+def endpoint_answers(ctx: Any, endpoint: str, timeout: float) -> bool:
+    """Whether a daemon answers ``hello`` at ``endpoint`` within ``timeout`` seconds (a fresh socket)."""
+    import zmq
+
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    try:
+        s.connect(endpoint)
+        s.send(request("hello", 0))
+        return bool(s.poll(int(timeout * 1000)))
+    finally:
+        s.close(0)
+
+
 def decode_reply(frame: bytes) -> dict[str, Any]:
     try:
         msg = json.loads(frame)
