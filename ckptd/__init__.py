@@ -40,6 +40,7 @@ __all__ = [
     "ProtocolError",
     "SnapshotHandle",
     "latest",
+    "prepare",
     "restore",
     "snapshot",
     "wait",
@@ -69,6 +70,11 @@ def snapshot(
 ) -> SnapshotHandle:
     """Checkpoint ``model`` and ``optim`` as of this call; see :meth:`Client.snapshot`."""
     return _client().snapshot(model, optim, step=step, extra=extra, blocking=blocking)
+
+
+def prepare(model: torch.nn.Module, optim: torch.optim.Optimizer | None = None, *, slots: int = 2) -> None:
+    """Move the first snapshot's allocation out of the loop; see :meth:`Client.prepare`."""
+    _client().prepare(model, optim, slots=slots)
 
 
 def wait(timeout: float | None = None) -> list[str]:

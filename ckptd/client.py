@@ -218,29 +218,8 @@ class Client:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         self._finish_inflight()  # the previous copy must end before we reuse the layout or slot
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
         rank, world = _dist_rank_world()
-        if optim is not None:
-            msd, osd = get_state_dict(model, optim)
-            root: dict[str, Any] = {"model": msd, "optim": osd}
-        else:
-            root = {"model": get_model_state_dict(model)}
-        if extra is not None:
-            if not isinstance(extra, dict):
-                raise TypeError("extra must be a dict")
-            root["extra"] = {str(rank): extra}
-        tree, chunks = flatten(root)
-        for ch in chunks:
-            if ch.tensor.dtype not in _COPYABLE:
-                raise TypeError(f"tensor {ch.key!r} has dtype {ch.tensor.dtype}, which ckptd cannot store")
-        mine, shared = self._plan.mine([((c.key, c.offsets, c.sizes), c.nbytes) for c in chunks])
-        # every holder of a replicated chunk reports a digest of its copy: the daemon refuses a step whose
-        # "replicas" differ (FQNs that are not globally unique, e.g. per-group expert names)
-        replicas = {replica_id(c): sample_digest(c.tensor) for c in chunks if (c.key, c.offsets, c.sizes) in shared}
-        chunks = [c for c in chunks if (c.key, c.offsets, c.sizes) in mine]
-        layout = self._layout_for(chunks)
-        by_name = {c.name: c for c in chunks}
+        tree, layout, by_name, replicas = self._stage_plan(model, optim, extra, rank)
 
         handle = SnapshotHandle(self, step)
         rep = self._call(
@@ -281,6 +260,56 @@ class Client:
             t.start()
         self._pending.append(handle)
         return handle
+
+    def _stage_plan(
+        self, model: torch.nn.Module, optim: torch.optim.Optimizer | None, extra: dict[str, Any] | None, rank: int
+    ) -> tuple[Any, ShardLayout, dict[str, LocalChunk], dict[str, str]]:
+        """Capture the state and decide what this rank writes where: tree, layout, chunks by name,
+        replica digests. Runs the plan's collective: foreground, every rank."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        if optim is not None:
+            msd, osd = get_state_dict(model, optim)
+            root: dict[str, Any] = {"model": msd, "optim": osd}
+        else:
+            root = {"model": get_model_state_dict(model)}
+        if extra is not None:
+            if not isinstance(extra, dict):
+                raise TypeError("extra must be a dict")
+            root["extra"] = {str(rank): extra}
+        tree, chunks = flatten(root)
+        for ch in chunks:
+            if ch.tensor.dtype not in _COPYABLE:
+                raise TypeError(f"tensor {ch.key!r} has dtype {ch.tensor.dtype}, which ckptd cannot store")
+        mine, shared = self._plan.mine([((c.key, c.offsets, c.sizes), c.nbytes) for c in chunks])
+        # every holder of a replicated chunk reports a digest of its copy: the daemon refuses a step whose
+        # "replicas" differ (FQNs that are not globally unique, e.g. per-group expert names)
+        replicas = {replica_id(c): sample_digest(c.tensor) for c in chunks if (c.key, c.offsets, c.sizes) in shared}
+        chunks = [c for c in chunks if (c.key, c.offsets, c.sizes) in mine]
+        return tree, self._layout_for(chunks), {c.name: c for c in chunks}, replicas
+
+    def prepare(self, model: torch.nn.Module, optim: torch.optim.Optimizer | None = None, *, slots: int = 2) -> None:
+        """Do the first snapshot's one-time work now, outside the training loop.
+
+        Plans the layout (a collective: call on every rank), has the daemon create ``slots`` staging
+        slots of the right size for this rank (two: one persisting while the next is filled) and maps
+        them, then hands them back unused. The next snapshots reuse them at memory-copy speed.
+        """
+        self._finish_inflight()
+        rank, world = _dist_rank_world()
+        _, layout, _, _ = self._stage_plan(model, optim, None, rank)
+        leased = []
+        try:
+            for _ in range(slots):
+                rep = self._call(
+                    "alloc", rpc_timeout=self.alloc_timeout, job=self.job, rank=rank, world_size=world, step=0,
+                    nbytes=layout.file_size, pid=os.getpid(),
+                )  # fmt: skip
+                leased.append(rep["segment"])
+                self._mapping(rep["segment"])
+        finally:
+            for seg in leased:
+                self._release(seg)
 
     def _layout_for(self, chunks: list[LocalChunk]) -> ShardLayout:
         key = tuple((c.name, c.key, c.tensor.dtype, c.sizes, c.global_shape, c.offsets) for c in chunks)
