@@ -114,12 +114,16 @@ class Mapping:
     """
 
     def __init__(self, name: str, *, writable: bool = True) -> None:
+        """Map segment ``name``: read-write and populated for a trainer; read-only and lazily
+        faulted for the daemon (``MAP_POPULATE`` holds the GIL for the whole call, which would
+        stall the daemon's request loop; faults taken inside ``os.write`` and the hashing do not)."""
         self.name = name
         fd = os.open(path_of(name), os.O_RDWR if writable else os.O_RDONLY)
         try:
             self.size = os.fstat(fd).st_size
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-            self._mm = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=prot)
+            populate = getattr(mmap, "MAP_POPULATE", 0) if writable else 0
+            self._mm = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | populate, prot=prot)
         finally:
             os.close(fd)
         self.view = memoryview(self._mm)
