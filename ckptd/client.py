@@ -38,6 +38,7 @@ from .state import LocalChunk, flatten, replica_id, sample_digest
 log = logging.getLogger("ckptd.client")
 
 _MAPPINGS_KEPT = 4  # warm mappings per client: the slots a rank alternates between
+PENDING_KEPT = 64  # snapshot handles wait() still answers for: the newest ones
 
 
 def _dist_rank_world() -> tuple[int, int]:
@@ -259,6 +260,9 @@ class Client:
             self._inflight, self._inflight_handle = t, handle
             t.start()
         self._pending.append(handle)
+        # a client that never calls wait() must not grow without bound; the daemon remembers more
+        # finished steps per job (TRACKS_KEPT) than this, so every kept handle can still be answered
+        del self._pending[:-PENDING_KEPT]
         return handle
 
     def _stage_plan(
@@ -381,7 +385,7 @@ class Client:
     # ------------------------------------------------------------------ wait / restore
 
     def wait(self, timeout: float | None = None) -> list[str]:
-        """Wait until every snapshot this client took is durable; return their directories."""
+        """Wait until the snapshots this client took (the newest 64) are durable; return their directories."""
         deadline = None if timeout is None else time.monotonic() + timeout
         paths = []
         while self._pending:

@@ -192,6 +192,9 @@ class Daemon:
                 shm.unlink(name)
                 continue
             try:
+                if os.path.isdir(persist.step_dir(self.root, rec["job"], rec["step"])):
+                    shm.unlink(name)  # finalized just before the crash: nothing left to do
+                    continue
                 slot = Slot(name, shm.size_of(name), state="committed", owner=(rec["job"], rec["rank"]), lease=rec)
                 track = self.tracks.setdefault((rec["job"], rec["step"]), StepTrack(rec["world_size"]))
                 track.committed.add(rec["rank"])

@@ -139,3 +139,26 @@ def test_full_disk_fails_the_step_and_keeps_the_previous(make_daemon, small_fs) 
         assert_same(full_state(m2, o2), want)
         train_step(model, optim, 1)
         assert c.snapshot(model, optim, step=3).wait(30).endswith("step-3")  # space was freed
+
+
+def test_restart_after_finalize_drops_the_stale_record(make_daemon) -> None:  # noqa: ANN001
+    """A crash between the manifest rename and dropping the commit record must not re-persist."""
+    import json
+
+    from ckptd import shm
+
+    daemon = make_daemon()
+    model, optim = make()
+    with daemon.client("j") as c:
+        seg = c._call("alloc", job="j", rank=0, world_size=1, step=1, nbytes=4096, pid=os.getpid())["segment"]
+        c._call("release", segment=seg)
+        path = c.snapshot(model, optim, step=1, blocking=True).wait(30)
+    daemon.kill()
+    record = {"job": "j", "rank": 0, "world_size": 1, "step": 1, "nbytes": 4096, "tree": {}, "replicas": {}}
+    with open(shm.path_of(seg) + shm.RECORD_SUFFIX, "w") as f:
+        json.dump(record, f)  # as if the crash came right after finalizing step 1
+    daemon.start([])
+    assert daemon.segments() == []
+    with daemon.client("j") as c:
+        assert c.latest() == 1
+    assert sorted(os.listdir(os.path.dirname(path))) == ["latest", "step-1"]
