@@ -30,7 +30,7 @@ import zmq
 from . import shm
 from ._config import default_endpoint, default_job, env_float, validate_job
 from .errors import CheckpointError, DaemonUnavailable, ProtocolError
-from .format import ShardLayout, build_layout
+from .format import ShardLayout, build_layout, dtype_from_name
 from .plan import WritePlan
 from .protocol import decode_reply, endpoint_answers, request
 from .state import LocalChunk, flatten, replica_id, sample_digest
@@ -122,6 +122,7 @@ class Client:
         self._sock_lock = threading.Lock()
         self._ids = itertools.count(1)
         self._maps: OrderedDict[str, shm.Mapping] = OrderedDict()
+        self._dst_cache: dict[str, tuple[ShardLayout, list[torch.Tensor]]] = {}
         self._plan = WritePlan()
         self._layout_key: Any = None
         self._layout: ShardLayout | None = None
@@ -238,11 +239,11 @@ class Client:
             m = self._mapping(segment)
             m.view[: layout.data_start] = layout.header
             guarded = _optimizer_storages(model, optim) if (optim is not None and not blocking) else set()
-            now, later = [], []
-            for spec in layout.chunks:
-                ch = by_name[spec.name]
-                dst = m.tensor[layout.data_start + spec.begin : layout.data_start + spec.end]
-                (later if _storage(ch.tensor) in guarded else now).append((dst, ch))
+            now: list[tuple[torch.Tensor, torch.Tensor]] = []
+            later: list[tuple[torch.Tensor, torch.Tensor]] = []
+            for spec, dst in zip(layout.chunks, self._destinations(m, layout)):
+                src = by_name[spec.name].tensor
+                (later if _storage(src) in guarded else now).append((dst, src))
             _copy(now)
         except BaseException:
             self._release(segment)
@@ -323,13 +324,26 @@ class Client:
         assert self._layout is not None
         return self._layout
 
+    def _destinations(self, m: shm.Mapping, layout: ShardLayout) -> list[torch.Tensor]:
+        """Typed views of the slot, one per chunk in layout order; built once per (slot, layout)."""
+        cached = self._dst_cache.get(m.name)
+        if cached is not None and cached[0] is layout:
+            return cached[1]
+        base = m.tensor
+        assert base is not None
+        start = layout.data_start
+        dsts = [base[start + spec.begin : start + spec.end].view(dtype_from_name(spec.dtype)).view(spec.sizes) for spec in layout.chunks]
+        self._dst_cache[m.name] = (layout, dsts)
+        return dsts
+
     def _mapping(self, name: str) -> shm.Mapping:
         m = self._maps.get(name)
         if m is None:
             m = shm.Mapping(name)
             self._maps[name] = m
             while len(self._maps) > _MAPPINGS_KEPT:
-                _, old = self._maps.popitem(last=False)
+                old_name, old = self._maps.popitem(last=False)
+                self._dst_cache.pop(old_name, None)  # its views pin the mapping
                 old.close()
         self._maps.move_to_end(name)
         return m
@@ -350,7 +364,7 @@ class Client:
         finally:
             handle._copied.set()
 
-    def _background(self, handle: SnapshotHandle, later: list[tuple[torch.Tensor, LocalChunk]], commit: dict[str, Any]) -> None:
+    def _background(self, handle: SnapshotHandle, later: list[tuple[torch.Tensor, torch.Tensor]], commit: dict[str, Any]) -> None:
         # off the main thread: no collectives, only the copy and the socket
         try:
             _copy(later)
@@ -430,6 +444,7 @@ class Client:
             self._finish_inflight()
         except CheckpointError as e:
             warnings.warn(str(e), stacklevel=2)
+        self._dst_cache.clear()
         for m in self._maps.values():
             m.close()
         self._maps.clear()
@@ -489,7 +504,12 @@ def _optimizer_storages(model: torch.nn.Module, optim: torch.optim.Optimizer) ->
     return out
 
 
-def _copy(pairs: list[tuple[torch.Tensor, LocalChunk]]) -> None:
-    for dst, ch in pairs:
-        src = ch.tensor
-        dst.view(src.dtype).view(src.shape).copy_(src)
+def _copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy each source into its slot view: one fused call per device, not a Python loop per tensor."""
+    by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for dst, src in pairs:
+        d, s = by_device.setdefault(src.device, ([], []))
+        d.append(dst)
+        s.append(src)
+    for dsts, srcs in by_device.values():
+        torch._foreach_copy_(dsts, srcs)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,10 +36,10 @@ class LocalChunk:
     tensor: torch.Tensor  # the local data (any device); copied, never referenced, when staged
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
+    sizes: tuple[int, ...] = field(init=False)  # computed once: read many times per snapshot
 
-    @property
-    def sizes(self) -> tuple[int, ...]:
-        return tuple(self.tensor.shape)
+    def __post_init__(self) -> None:
+        self.sizes = tuple(self.tensor.shape)
 
     @property
     def nbytes(self) -> int:
