@@ -29,6 +29,7 @@ import zmq
 
 from . import shm
 from ._config import default_endpoint, default_job, env_float, validate_job
+from .capture import StateCapture
 from .errors import CheckpointError, DaemonUnavailable, ProtocolError
 from .format import ShardLayout, build_layout, dtype_from_name
 from .plan import WritePlan
@@ -124,6 +125,8 @@ class Client:
         self._maps: OrderedDict[str, shm.Mapping] = OrderedDict()
         self._dst_cache: dict[str, tuple[ShardLayout, list[torch.Tensor]]] = {}
         self._plan = WritePlan()
+        self._capture = StateCapture()
+        self._stage: tuple[Any, ...] | None = None  # the last plan and layout, reused while the state's shape holds
         self._layout_key: Any = None
         self._layout: ShardLayout | None = None
         self._inflight: threading.Thread | None = None
@@ -238,20 +241,26 @@ class Client:
         try:
             m = self._mapping(segment)
             m.view[: layout.data_start] = layout.header
+            dsts = self._destinations(m, layout)
+            srcs = [by_name[spec.name].tensor for spec in layout.chunks]
             guarded = _optimizer_storages(model, optim) if (optim is not None and not blocking) else set()
-            now: list[tuple[torch.Tensor, torch.Tensor]] = []
-            later: list[tuple[torch.Tensor, torch.Tensor]] = []
-            for spec, dst in zip(layout.chunks, self._destinations(m, layout)):
-                src = by_name[spec.name].tensor
-                (later if _storage(src) in guarded else now).append((dst, src))
-            _copy(now)
+            now: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+            later: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+            if not guarded:
+                now = (dsts, srcs)
+            else:
+                for dst, src in zip(dsts, srcs):
+                    side = later if _storage(src) in guarded else now
+                    side[0].append(dst)
+                    side[1].append(src)
+            _copy(*now)
         except BaseException:
             self._release(segment)
             raise
         commit = dict(
             job=self.job, rank=rank, world_size=world, step=step, segment=segment, nbytes=layout.file_size, tree=tree, replicas=replicas
         )
-        if not later:
+        if not later[0]:
             self._commit(handle, commit)
             if handle._error is not None:
                 raise CheckpointError(f"snapshot of step {step} failed: {handle._error}") from handle._error
@@ -271,27 +280,35 @@ class Client:
     ) -> tuple[Any, ShardLayout, dict[str, LocalChunk], dict[str, str]]:
         """Capture the state and decide what this rank writes where: tree, layout, chunks by name,
         replica digests. Runs the plan's collective: foreground, every rank."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
-        if optim is not None:
-            msd, osd = get_state_dict(model, optim)
-            root: dict[str, Any] = {"model": msd, "optim": osd}
-        else:
-            root = {"model": get_model_state_dict(model)}
+        tree, chunks, reused = self._capture.capture(model, optim)
+        extra_chunks: list[LocalChunk] = []
         if extra is not None:
             if not isinstance(extra, dict):
                 raise TypeError("extra must be a dict")
-            root["extra"] = {str(rank): extra}
-        tree, chunks = flatten(root)
-        for ch in chunks:
-            if ch.tensor.dtype not in _COPYABLE:
-                raise TypeError(f"tensor {ch.key!r} has dtype {ch.tensor.dtype}, which ckptd cannot store")
-        mine, shared = self._plan.mine([((c.key, c.offsets, c.sizes), c.nbytes) for c in chunks])
+            extra_tree, extra_chunks = flatten({"extra": {str(rank): extra}})
+            tree = {**tree, **extra_tree}
+        extra_sig = tuple((c.key, c.tensor.dtype, c.sizes) for c in extra_chunks)
+        st = self._stage
+        if reused and st is not None and st[0] is chunks and st[1] == extra_sig:
+            items, layout, base_by_name = st[2], st[3], st[4]
+        else:
+            for ch in chunks + extra_chunks:
+                if ch.tensor.dtype not in _COPYABLE:
+                    raise TypeError(f"tensor {ch.key!r} has dtype {ch.tensor.dtype}, which ckptd cannot store")
+            items = [((c.key, c.offsets, c.sizes), c.nbytes) for c in chunks + extra_chunks]
+            layout, base_by_name = None, None
+        mine, shared = self._plan.mine(items)  # every rank, every snapshot: the plan's collective
         # every holder of a replicated chunk reports a digest of its copy: the daemon refuses a step whose
         # "replicas" differ (FQNs that are not globally unique, e.g. per-group expert names)
-        replicas = {replica_id(c): sample_digest(c.tensor) for c in chunks if (c.key, c.offsets, c.sizes) in shared}
-        chunks = [c for c in chunks if (c.key, c.offsets, c.sizes) in mine]
-        return tree, self._layout_for(chunks), {c.name: c for c in chunks}, replicas
+        all_chunks = chunks + extra_chunks if shared else ()
+        replicas = {replica_id(c): sample_digest(c.tensor) for c in all_chunks if (c.key, c.offsets, c.sizes) in shared}
+        if layout is None or base_by_name is None:
+            written = [c for c in chunks + extra_chunks if (c.key, c.offsets, c.sizes) in mine]
+            layout = self._layout_for(written)
+            base_by_name = {c.name: c for c in written if not c.key.startswith("extra/")}
+            self._stage = (chunks, extra_sig, items, layout, base_by_name)
+        by_name = {**base_by_name, **{c.name: c for c in extra_chunks}}
+        return tree, layout, by_name, replicas
 
     def prepare(self, model: torch.nn.Module, optim: torch.optim.Optimizer | None = None, *, slots: int = 2) -> None:
         """Do the first snapshot's one-time work now, outside the training loop.
@@ -364,10 +381,10 @@ class Client:
         finally:
             handle._copied.set()
 
-    def _background(self, handle: SnapshotHandle, later: list[tuple[torch.Tensor, torch.Tensor]], commit: dict[str, Any]) -> None:
+    def _background(self, handle: SnapshotHandle, later: tuple[list[torch.Tensor], list[torch.Tensor]], commit: dict[str, Any]) -> None:
         # off the main thread: no collectives, only the copy and the socket
         try:
-            _copy(later)
+            _copy(*later)
         except BaseException as e:
             handle._error = e
             self._release(commit["segment"])
@@ -504,12 +521,8 @@ def _optimizer_storages(model: torch.nn.Module, optim: torch.optim.Optimizer) ->
     return out
 
 
-def _copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copy each source into its slot view: one fused call per device, not a Python loop per tensor."""
-    by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-    for dst, src in pairs:
-        d, s = by_device.setdefault(src.device, ([], []))
-        d.append(dst)
-        s.append(src)
-    for dsts, srcs in by_device.values():
+def _copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """Copy each source into its slot view in one fused call (torch loops per tensor only where the
+    tensors sit on different devices)."""
+    if dsts:
         torch._foreach_copy_(dsts, srcs)

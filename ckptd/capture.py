@@ -1,0 +1,117 @@
+"""Capture a model's and optimizer's state for a snapshot: torch's ``get_state_dict`` the first
+time, then a validated cache.
+
+``get_state_dict`` and flattening cost ~9 us per tensor (90 ms for 10,000 tensors), far more than
+copying small tensors. When every chunk it produced is a view of a live tensor — a parameter, a
+buffer or optimizer state, as for plain modules, DDP and FSDP2 — the same views keep showing the
+current values, so later snapshots reuse them as long as a fingerprint of the live tensors (data
+pointer and size of each, the optimizer's groups) is unchanged. Replacing a parameter
+(``p.data = ...``), resizing one, loading optimizer state or adding a parameter changes the
+fingerprint and the next snapshot captures afresh. Chunks that are not live views (FSDP1's
+sharded state dict clones them) disable the cache, as does non-tensor state outside the
+optimizer's hyperparameters. Runs on the trainer's main thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .state import TAG, LocalChunk, flatten
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return getattr(t, "_local_tensor", t)  # a DTensor's local shard, without to_local()'s overhead
+
+
+def _live(model: torch.nn.Module, optim: torch.optim.Optimizer | None) -> list[torch.Tensor] | None:
+    """The tensors the state is made of, or ``None`` if some optimizer state is not a tensor."""
+    out = [_local(p) for p in model.parameters()]
+    out += [_local(b) for b in model.buffers()]
+    if optim is not None:
+        for st in optim.state.values():
+            for v in st.values():
+                if not isinstance(v, torch.Tensor):
+                    return None
+                out.append(_local(v))
+    return out
+
+
+def _fingerprint(live: list[torch.Tensor], optim: torch.optim.Optimizer | None) -> tuple[Any, ...]:
+    groups = tuple(len(g["params"]) for g in optim.param_groups) if optim is not None else ()
+    return (tuple(t.data_ptr() for t in live), tuple(t.numel() for t in live), groups)
+
+
+def _only_tensor_refs(node: Any, depth: int) -> bool:
+    if depth == 0:
+        return isinstance(node, dict) and node.get(TAG) == "tensor"
+    return isinstance(node, dict) and TAG not in node and all(_only_tensor_refs(v, depth - 1) for v in node.values())
+
+
+@dataclass
+class _Cached:
+    model: Any
+    optim: Any
+    fingerprint: tuple[Any, ...]
+    tree: dict[str, Any]
+    chunks: list[LocalChunk]
+    params: list[Any]  # each param group's encoded "params" (FQN list)
+
+
+class StateCapture:
+    """Turns (model, optimizer) into a JSON tree and the local chunks it refers to, reusing the last
+    capture while it provably still describes the live state."""
+
+    def __init__(self) -> None:
+        self._cached: _Cached | None = None
+        self.hits = 0
+
+    def capture(self, model: torch.nn.Module, optim: torch.optim.Optimizer | None) -> tuple[dict[str, Any], list[LocalChunk], bool]:
+        """``(tree, chunks, reused)``; ``chunks`` is the same list object whenever ``reused``."""
+        live = _live(model, optim)
+        fp = _fingerprint(live, optim) if live is not None else None
+        c = self._cached
+        if c is not None and fp is not None and c.model is model and c.optim is optim and c.fingerprint == fp:
+            tree = dict(c.tree)
+            if optim is not None:
+                tree["optim"] = {**c.tree["optim"], "param_groups": self._param_groups(optim, c.params)}
+            self.hits += 1
+            return tree, c.chunks, True
+        tree, chunks = self._full(model, optim)
+        self._cached = None
+        if fp is not None and self._cacheable(tree, chunks, live, optim):  # type: ignore[arg-type]
+            params = [g["params"] for g in tree["optim"]["param_groups"]] if optim is not None else []
+            self._cached = _Cached(model, optim, fp, tree, chunks, params)
+        return tree, chunks, False
+
+    @staticmethod
+    def _full(model: torch.nn.Module, optim: torch.optim.Optimizer | None) -> tuple[dict[str, Any], list[LocalChunk]]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        if optim is not None:
+            msd, osd = get_state_dict(model, optim)
+            return flatten({"model": msd, "optim": osd})
+        return flatten({"model": get_model_state_dict(model)})
+
+    @staticmethod
+    def _cacheable(tree: dict[str, Any], chunks: list[LocalChunk], live: list[torch.Tensor], optim: torch.optim.Optimizer | None) -> bool:
+        storages = {t.untyped_storage().data_ptr() for t in live}
+        if not all(ch.tensor.untyped_storage().data_ptr() in storages for ch in chunks):
+            return False  # some chunk is a copy (FSDP1), not a view of live state
+        if not _only_tensor_refs(tree["model"], 1):
+            return False  # e.g. a module's get_extra_state()
+        if optim is None:
+            return True
+        o = tree["optim"]
+        if set(o) != {"state", "param_groups"} or not _only_tensor_refs(o["state"], 2):
+            return False
+        return not any(isinstance(v, torch.Tensor) for g in optim.param_groups for k, v in g.items() if k != "params")
+
+    @staticmethod
+    def _param_groups(optim: torch.optim.Optimizer, params: list[Any]) -> list[Any]:
+        """Current hyperparameters (a scheduler changes lr between snapshots) with the cached FQN lists."""
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in optim.param_groups]
+        enc, _ = flatten({"g": groups})
+        return [{**g, "params": p} for g, p in zip(enc["g"], params)]
