@@ -63,8 +63,10 @@ class WritePlan:
         Collective over the default group: call on every rank.
         """
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return {cid for cid, _ in items}, set()
-        if items is not self._items:  # the client passes the same list while its layout holds
+            if items is not self._items or self._mine is None:
+                self._items, self._mine, self._hashes = items, ({cid for cid, _ in items}, set()), None
+            return self._mine
+        if items is not self._items or not self._blob:  # the client passes the same list while its layout holds
             self._blob = json.dumps([[list(c[0:1]) + [list(c[1]), list(c[2])], n] for c, n in items], separators=(",", ":")).encode()
             self._items = items
         blob = self._blob

@@ -109,8 +109,12 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def request(op: str, req_id: int, **fields: Any) -> bytes:
-    return encode({"v": PROTOCOL_VERSION, "op": op, "id": req_id, **fields})
+def request(op: str, req_id: int, raw: dict[str, bytes] | None = None, **fields: Any) -> bytes:
+    """Encode a request; ``raw`` fields are already-encoded JSON values, spliced in as they are."""
+    msg = encode({"v": PROTOCOL_VERSION, "op": op, "id": req_id, **fields})
+    for name, value in (raw or {}).items():
+        msg = msg[:-1] + b"," + encode(name) + b":" + value + b"}"
+    return msg
 
 
 def reply_ok(req_id: Any, **fields: Any) -> bytes:
