@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         default=int(env_float("CKPTD_WRITE_RATE_LIMIT", 0)),
         help="bytes/s cap on disk writes (default: none)",
     )
+    s.add_argument("--nice", type=int, default=env_int("CKPTD_NICE", 10), help="niceness of persist threads (default 10; 0 = unchanged)")
     s.add_argument("--log-level", default="INFO")
 
     st = sub.add_parser("status", help="ask a running daemon for its state")
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
                 keep=args.keep,
                 workers=args.workers,
                 write_rate_limit=float(args.write_rate_limit),
+                nice=args.nice,
             ).serve()
         except CheckpointError as e:
             print(f"ckptd: {e}", file=sys.stderr)

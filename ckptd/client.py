@@ -408,7 +408,9 @@ class Client:
             handle._copied.set()
 
     def _background(self, handle: SnapshotHandle, later: tuple[list[torch.Tensor], list[torch.Tensor]], commit: dict[str, Any]) -> None:
-        # off the main thread: no collectives, only the copy and the socket
+        # off the main thread: no collectives, only the copy and the socket. One intra-op thread for
+        # this thread only, so the copy does not start a second OpenMP team beside the training step's
+        torch.set_num_threads(1)
         try:
             _copy(*later)
         except BaseException as e:

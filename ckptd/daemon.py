@@ -83,6 +83,7 @@ class Daemon:
         keep: int = 3,
         workers: int = 2,
         write_rate_limit: float = 0.0,
+        nice: int = 10,
     ) -> None:
         self.root = os.path.abspath(root)
         os.makedirs(self.root, exist_ok=True)
@@ -90,13 +91,15 @@ class Daemon:
         self.budget = shm_budget if shm_budget is not None else default_budget()
         self.keep = keep
         self.write_rate_limit = write_rate_limit
+        self.nice = nice
         self.ns = shm.namespace(self.root)
         self.slots: dict[str, Slot] = {}
         self.tracks: dict[tuple[str, int], StepTrack] = {}
         self.deferred: list[tuple[bytes, dict[str, Any]]] = []
         self._counter = 0
         self._running = False
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptd-persist")
+        # persist threads yield the CPU to training: on a busy node the trainer's step time matters more
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptd-persist", initializer=self._lower_priority)
         self._done: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._job_locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
@@ -406,6 +409,13 @@ class Daemon:
         key = (rec["job"], rec["step"])
         self.tracks[key].inflight += 1
         self._pool.submit(self._persist_worker, slot, rec)
+
+    def _lower_priority(self) -> None:
+        if self.nice:
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)  # Linux: per thread
+            except OSError as e:
+                log.warning("cannot lower persist thread priority: %s", e)
 
     def _persist_worker(self, slot: Slot, rec: dict[str, Any]) -> None:
         """Worker thread: write one shard, and finalize its step if every rank's fragment is there.

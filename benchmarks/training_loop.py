@@ -1,0 +1,168 @@
+"""Training-loop overhead per checkpoint, ckptd against dcp.async_save, in one run on one state.
+
+    .venv/bin/python benchmarks/training_loop.py [--params 22e6] [--steps 36] [--every 6]
+
+A loop of forward + backward + AdamW step whose compute takes longer than copying the state; a
+checkpoint every ``every`` steps. Overhead per checkpoint = (loop time with checkpoints - loop time
+without) / number of checkpoints, for ckptd default mode, ckptd blocking, and dcp.async_save in
+thread and process mode. For ckptd it also compares the step time while the daemon persists
+(steps between a snapshot and its durability) with quiet steps. Prints a table; writes
+``bench-out/training_loop.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import DaemonProcess, build_state, machine_info, shape_for  # noqa: E402
+
+import ckptd  # noqa: E402
+
+
+def run_loop(model: torch.nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor, steps: int, every: int,
+             ckpt: Callable[[int], Any] | None) -> tuple[float, list[tuple[float, float]]]:  # fmt: skip
+    """Total loop time and each step's (start, end)."""
+    spans = []
+    t_start = time.perf_counter()
+    for i in range(1, steps + 1):
+        t0 = time.perf_counter()
+        optim.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        optim.step()
+        if ckpt is not None and i % every == 0:
+            ckpt(i)
+        spans.append((t0, time.perf_counter()))
+    return time.perf_counter() - t_start, spans
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--params", type=float, default=22e6)
+    p.add_argument("--batch", type=int, default=48)
+    p.add_argument("--steps", type=int, default=36)
+    p.add_argument("--every", type=int, default=6)
+    p.add_argument("--json", default="bench-out/training_loop.json")
+    p.add_argument("--skip-process", action="store_true")
+    args = p.parse_args(argv)
+    model, optim = build_state(args.params)
+    _, d = shape_for(args.params)
+    x = torch.randn(args.batch, d)
+    nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    nbytes += sum(v.numel() * v.element_size() for st in optim.state.values() for v in st.values())
+    n_ckpt = args.steps // args.every
+    work = tempfile.mkdtemp(prefix="cktl")
+    results: dict[str, Any] = {}
+    base = base2 = base_mean = 0.0
+    daemon = DaemonProcess(os.path.join(work, "root"), f"ipc://{work}/d.sock", os.path.join(work, "d.log"))
+    try:
+        daemon.wait_ready()
+        run_loop(model, optim, x, 3, args.every, None)  # warm-up
+        base, base_spans = run_loop(model, optim, x, args.steps, args.every, None)
+        results["no checkpoints"] = {"loop_s": base}
+        with ckptd.Client(endpoint=daemon.endpoint, job="loop") as c:
+            c.prepare(model, optim)
+            for mode, blocking in (("ckptd default", False), ("ckptd blocking", True)):
+                windows: list[list[float]] = []
+                waiters = []
+
+                def ckpt(i: int, blocking: bool = blocking, windows: list[list[float]] = windows, waiters: list = waiters) -> None:
+                    t0 = time.perf_counter()
+                    h = c.snapshot(model, optim, step=len(windows) + 1 + (0 if not blocking else 10_000), blocking=blocking)
+                    w = [t0, float("inf")]
+                    windows.append(w)
+
+                    def mark() -> None:
+                        h.wait()
+                        w[1] = time.perf_counter()
+
+                    th = threading.Thread(target=mark)
+                    th.start()
+                    waiters.append(th)
+
+                total, spans = run_loop(model, optim, x, args.steps, args.every, ckpt)
+                for th in waiters:
+                    th.join()
+                busy = [e - s for s, e in spans if any(s < w[1] and e > w[0] for w in windows) and not any(s <= w[0] <= e for w in windows)]
+                quiet = [e - s for s, e in spans if not any(s < w[1] and e > w[0] for w in windows)]
+                results[mode] = {
+                    "loop_s": total,
+                    "overhead_per_ckpt_s": (total - base) / n_ckpt,
+                    "step_while_persisting_s": statistics.median(busy) if busy else None,
+                    "quiet_step_s": statistics.median(quiet) if quiet else statistics.median(e - s for s, e in base_spans),
+                }
+                c.wait()
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        modes: list[tuple[str, dict[str, Any]]] = [("dcp.async_save thread", {})]
+        if not args.skip_process:
+            from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+            dist.init_process_group("gloo", init_method=f"file://{work}/pg", rank=0, world_size=1)
+            modes.append(("dcp.async_save process", {"async_checkpointer_type": AsyncCheckpointerType.PROCESS}))
+        for mode, kw in modes:
+            futs: list[Any] = []
+
+            def dckpt(i: int, kw: dict[str, Any] = kw, futs: list[Any] = futs, mode: str = mode) -> None:
+                if futs:
+                    futs[-1].result()  # one in flight at a time, as users run it
+                msd, osd = get_state_dict(model, optim)
+                futs.append(dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=f"{work}/{mode.split()[-1]}-{i}", **kw))
+
+            total, _ = run_loop(model, optim, x, args.steps, args.every, dckpt)
+            for f in futs:
+                f.result()
+            results[mode] = {"loop_s": total, "overhead_per_ckpt_s": (total - base) / n_ckpt}
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        # the baseline again, last: its mean with the first is what every overhead is measured against
+        base2, _ = run_loop(model, optim, x, args.steps, args.every, None)
+        base_mean = (base + base2) / 2
+        results["no checkpoints"] = {"loop_s": base_mean, "runs_s": [base, base2]}
+        for r in results.values():
+            if "overhead_per_ckpt_s" in r:
+                r["overhead_per_ckpt_s"] = (r["loop_s"] - base_mean) / n_ckpt
+    finally:
+        daemon.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    info = machine_info()
+    print("## ckptd training-loop benchmark\n")
+    print(
+        f"- state {nbytes / 1e9:.3f} GB ({args.params / 1e6:.0f} M params + AdamW), batch {args.batch}, {args.steps} steps,"
+        f" a checkpoint every {args.every} ({n_ckpt} checkpoints); quiet step {base_mean / args.steps:.3f} s"
+        f" (baseline runs {base:.2f} s and {base2:.2f} s: the noise floor of the overheads);"
+        f" torch {torch.__version__}, nproc {info.get('nproc')}\n"
+    )
+    print("| saver | loop (s) | overhead per checkpoint (s) | step while persisting / quiet step |\n|---|---:|---:|---:|")
+    for mode, r in results.items():
+        ratio = ""
+        if r.get("step_while_persisting_s") and r.get("quiet_step_s"):
+            ratio = f"{r['step_while_persisting_s'] / r['quiet_step_s']:.2f}"
+        ov = r.get("overhead_per_ckpt_s")
+        print(f"| {mode} | {r['loop_s']:.2f} | {'' if ov is None else f'{ov:.3f}'} | {ratio} |")
+    best_dcp = min((r["overhead_per_ckpt_s"] for m, r in results.items() if m.startswith("dcp")), default=None)
+    ck = results["ckptd default"]["overhead_per_ckpt_s"]
+    if best_dcp:
+        print(f"\n- ckptd default overhead / best dcp.async_save overhead = {ck / best_dcp:.2f} (target <= 0.5)")
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump({"results": results, "bytes": nbytes, "machine": info, "args": vars(args)}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
