@@ -32,6 +32,8 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/stall.py
+	$(BIN)/python benchmarks/many_tensors.py
+	$(BIN)/python benchmarks/training_loop.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
