@@ -34,6 +34,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/stall.py
 	$(BIN)/python benchmarks/many_tensors.py
 	$(BIN)/python benchmarks/training_loop.py
+	$(BIN)/python benchmarks/persist_restore.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
