@@ -125,6 +125,7 @@ class Client:
         self._maps: OrderedDict[str, shm.Mapping] = OrderedDict()
         self._dst_cache: dict[str, tuple[ShardLayout, list[torch.Tensor]]] = {}
         self._json_memo: dict[int, tuple[Any, bytes]] = {}
+        self._pinned: set[str] = set()  # mappings page-locked for device copies
         self._plan = WritePlan()
         self._capture = StateCapture()
         self._stage: tuple[Any, ...] | None = None  # the last plan and layout, reused while the state's shape holds
@@ -245,6 +246,10 @@ class Client:
             dsts = self._destinations(m, layout)
             srcs = [by_name[spec.name].tensor for spec in layout.chunks]
             guarded = _optimizer_storages(model, optim) if (optim is not None and not blocking) else set()
+            event = None
+            if any(src.is_cuda for src in srcs):
+                # GPU path: device-to-host copies on a side stream into the page-locked slot, now
+                event, dsts, srcs = self._copy_cuda(m, dsts, srcs, guarded)
             now: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
             later: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
             if not guarded:
@@ -255,19 +260,22 @@ class Client:
                     side[0].append(dst)
                     side[1].append(src)
             _copy(*now)
+            if blocking and event is not None:
+                event.synchronize()
+                event = None
         except BaseException:
             self._release(segment)
             raise
         commit = dict(
             job=self.job, rank=rank, world_size=world, step=step, segment=segment, nbytes=layout.file_size, tree=tree, replicas=replicas
         )
-        if not later[0]:
+        if not later[0] and event is None:
             self._commit(handle, commit)
             if handle._error is not None:
                 raise CheckpointError(f"snapshot of step {step} failed: {handle._error}") from handle._error
         else:
             self._hook(optim)  # type: ignore[arg-type]
-            t = threading.Thread(target=self._background, args=(handle, later, commit), name=f"ckptd-copy-{step}", daemon=False)
+            t = threading.Thread(target=self._background, args=(handle, later, commit, event), name=f"ckptd-copy-{step}", daemon=False)
             self._inflight, self._inflight_handle = t, handle
             t.start()
         self._pending.append(handle)
@@ -354,15 +362,52 @@ class Client:
         self._dst_cache[m.name] = (layout, dsts)
         return dsts
 
+    def _copy_cuda(
+        self, m: shm.Mapping, dsts: list[torch.Tensor], srcs: list[torch.Tensor], guarded: set[int]
+    ) -> tuple[Any, list[torch.Tensor], list[torch.Tensor]]:
+        """Enqueue the CUDA sources' copies; return their event and the pairs left to copy on the CPU.
+
+        Tensors the optimizer step does not own (buffers that forward mutates, extra state) are
+        copied first, and the training stream waits for them on the GPU: the next forward's kernels
+        queue behind those copies, the CPU does not block. Parameters and optimizer state are only
+        mutated by optimizer.step(), which the pre-hook holds until the returned event."""
+        from . import cuda
+
+        if m.name not in self._pinned and m.tensor is not None and cuda.pin(m.tensor.data_ptr(), m.size):
+            self._pinned.add(m.name)
+        by_device: dict[Any, tuple[list[int], list[int]]] = {}
+        for i, src in enumerate(srcs):
+            if src.is_cuda:
+                first, second = by_device.setdefault(src.device, ([], []))
+                (second if _storage(src) in guarded else first).append(i)
+        events = []
+        for first, second in by_device.values():
+            if first:
+                ev = cuda.copy_async([dsts[i] for i in first], [srcs[i] for i in first])
+                torch.cuda.current_stream(srcs[first[0]].device).wait_event(ev)
+                events.append(ev)
+            if second:
+                events.append(cuda.copy_async([dsts[i] for i in second], [srcs[i] for i in second]))
+        rest = [i for i, src in enumerate(srcs) if not src.is_cuda]
+        return _EventGroup(events), [dsts[i] for i in rest], [srcs[i] for i in rest]
+
+    def _unmap(self, name: str, m: shm.Mapping) -> None:
+        self._dst_cache.pop(name, None)  # its views pin the mapping
+        if name in self._pinned:
+            from . import cuda
+
+            if m.tensor is not None:
+                cuda.unpin(m.tensor.data_ptr())
+            self._pinned.discard(name)
+        m.close()
+
     def _mapping(self, name: str) -> shm.Mapping:
         m = self._maps.get(name)
         if m is None:
             m = shm.Mapping(name)
             self._maps[name] = m
             while len(self._maps) > _MAPPINGS_KEPT:
-                old_name, old = self._maps.popitem(last=False)
-                self._dst_cache.pop(old_name, None)  # its views pin the mapping
-                old.close()
+                self._unmap(*self._maps.popitem(last=False))
         self._maps.move_to_end(name)
         return m
 
@@ -407,12 +452,16 @@ class Client:
         finally:
             handle._copied.set()
 
-    def _background(self, handle: SnapshotHandle, later: tuple[list[torch.Tensor], list[torch.Tensor]], commit: dict[str, Any]) -> None:
+    def _background(
+        self, handle: SnapshotHandle, later: tuple[list[torch.Tensor], list[torch.Tensor]], commit: dict[str, Any], event: Any = None
+    ) -> None:
         # off the main thread: no collectives, only the copy and the socket. One intra-op thread for
         # this thread only, so the copy does not start a second OpenMP team beside the training step's
         torch.set_num_threads(1)
         try:
             _copy(*later)
+            if event is not None:
+                event.synchronize()  # the device-to-host copies have landed in the slot
         except BaseException as e:
             handle._error = e
             self._release(commit["segment"])
@@ -489,9 +538,8 @@ class Client:
             self._finish_inflight()
         except CheckpointError as e:
             warnings.warn(str(e), stacklevel=2)
-        self._dst_cache.clear()
-        for m in self._maps.values():
-            m.close()
+        for name, m in list(self._maps.items()):
+            self._unmap(name, m)
         self._maps.clear()
         with self._sock_lock:
             for s in self._sockets:
@@ -525,6 +573,17 @@ _COPYABLE = {
     torch.float8_e5m2,
     torch.complex64,
 }
+
+
+class _EventGroup:
+    """The ends of the device-to-host copies of one snapshot (one event per device)."""
+
+    def __init__(self, events: list[Any]) -> None:
+        self.events = events
+
+    def synchronize(self) -> None:
+        for e in self.events:
+            e.synchronize()
 
 
 def _constant_subtrees(tree: dict[str, Any]) -> list[Any]:
