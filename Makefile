@@ -31,10 +31,13 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check ckptd tests benchmarks examples
 
 bench: $(STAMP)
+	$(BIN)/pip install -q -e ".[test,bench]"
 	$(BIN)/python benchmarks/stall.py
 	$(BIN)/python benchmarks/many_tensors.py
 	$(BIN)/python benchmarks/training_loop.py
 	$(BIN)/python benchmarks/persist_restore.py
+	$(BIN)/python benchmarks/gpu_copy.py
+	$(BIN)/python benchmarks/plot.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
