@@ -71,6 +71,12 @@ def main(argv: list[str] | None = None) -> int:
         _bars(os.path.join(args.out, "persist_restore.png"), f"{d['bytes'] / 1e9:.2f} GB: persist and restore",
               list(names.values()), [med[k] for k in names], "seconds")  # fmt: skip
         made.append("persist_restore.png")
+    if (d := load("scaling")) is not None:
+        rows = d["results"]
+        labels = [f"{r['bytes'] / 1e9:.2f} GB, {r['ranks']} rank(s)" for r in rows]
+        _bars(os.path.join(args.out, "scaling.png"), "Blocking snapshot / floor, slowest rank (1.0 = copy speed)",
+              labels, [r["stall_s"] / r["floor_s"] for r in rows], "x floor", highlight="")  # fmt: skip
+        made.append("scaling.png")
     print(f"wrote {', '.join(made) or 'nothing'} to {args.out}")
     return 0
 

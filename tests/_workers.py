@@ -59,10 +59,14 @@ def save_then_check(rank: int, world: int, kind: str, endpoint: str, job: str, e
     model, optim = build(kind)
     for i in range(3):
         train_step(model, optim, i + 100 * rank)  # ranks see different data, as in real training
-    want = full_state(model, optim)
     with ckptd.Client(endpoint=endpoint, job=job) as c:
         h = c.snapshot(model, optim, step=3, extra={"rank": rank}, blocking=blocking)
         train_step(model, optim, 50)  # runs while a default-mode copy may still be in flight
+        h.wait(60)
+        # a second snapshot goes through the capture cache where the wrapper allows it
+        want = full_state(model, optim)
+        h = c.snapshot(model, optim, step=4, extra={"rank": rank}, blocking=blocking)
+        train_step(model, optim, 51)
         path = h.wait(60)
     if rank == 0:
         _save_expected(expected, want)
