@@ -163,14 +163,14 @@ class Client:
                     self._sockets.remove(s)
             s.close(0)
 
-    def _call(self, op: str, rpc_timeout: float | None = None, raw: dict[str, bytes] | None = None, **fields: Any) -> dict[str, Any]:
+    def _call(self, op: str, rpc_timeout: float | None = None, frames: tuple[bytes, ...] = (), **fields: Any) -> dict[str, Any]:
         """Send one request and wait for its reply; raise on an error reply or no answer."""
         if self._closed:
             raise CheckpointError("client is closed")
         timeout = self.timeout if rpc_timeout is None else rpc_timeout
         req_id = next(self._ids)
         s = self._socket()
-        s.send(request(op, req_id, raw, **fields))
+        s.send_multipart([request(op, req_id, **fields), *frames])
         t0 = time.monotonic()
         deadline = t0 + timeout
         while True:
@@ -226,7 +226,7 @@ class Client:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         self._finish_inflight()  # the previous copy must end before we reuse the layout or slot
         rank, world = _dist_rank_world()
-        tree, layout, by_name, replicas = self._stage_plan(model, optim, extra, rank)
+        tree, layout, srcs, replicas, any_cuda = self._stage_plan(model, optim, extra, rank)
 
         handle = SnapshotHandle(self, step)
         rep = self._call(
@@ -244,10 +244,9 @@ class Client:
             m = self._mapping(segment)
             m.view[: layout.data_start] = layout.header
             dsts = self._destinations(m, layout)
-            srcs = [by_name[spec.name].tensor for spec in layout.chunks]
             guarded = _optimizer_storages(model, optim) if (optim is not None and not blocking) else set()
             event = None
-            if any(src.is_cuda for src in srcs):
+            if any_cuda:
                 # GPU path: device-to-host copies on a side stream into the page-locked slot, now
                 event, dsts, srcs = self._copy_cuda(m, dsts, srcs, guarded)
             now: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
@@ -286,9 +285,10 @@ class Client:
 
     def _stage_plan(
         self, model: torch.nn.Module, optim: torch.optim.Optimizer | None, extra: dict[str, Any] | None, rank: int
-    ) -> tuple[Any, ShardLayout, dict[str, LocalChunk], dict[str, str]]:
-        """Capture the state and decide what this rank writes where: tree, layout, chunks by name,
-        replica digests. Runs the plan's collective: foreground, every rank."""
+    ) -> tuple[Any, ShardLayout, list[torch.Tensor], dict[str, str], bool]:
+        """Capture the state and decide what this rank writes where: tree, layout, the source of
+        each chunk in layout order, replica digests, whether any source is on CUDA. Runs the plan's
+        collective: foreground, every rank."""
         tree, chunks, reused = self._capture.capture(model, optim)
         extra_chunks: list[LocalChunk] = []
         if extra is not None:
@@ -299,25 +299,34 @@ class Client:
         extra_sig = tuple((c.key, c.tensor.dtype, c.sizes) for c in extra_chunks)
         st = self._stage
         if reused and st is not None and st[0] is chunks and st[1] == extra_sig:
-            items, layout, base_by_name = st[2], st[3], st[4]
+            items, layout, base_srcs, extra_slots, base_cuda = st[2:]
         else:
             for ch in chunks + extra_chunks:
                 if ch.tensor.dtype not in _COPYABLE:
                     raise TypeError(f"tensor {ch.key!r} has dtype {ch.tensor.dtype}, which ckptd cannot store")
             items = [((c.key, c.offsets, c.sizes), c.nbytes) for c in chunks + extra_chunks]
-            layout, base_by_name = None, None
+            layout = None
         mine, shared = self._plan.mine(items)  # every rank, every snapshot: the plan's collective
         # every holder of a replicated chunk reports a digest of its copy: the daemon refuses a step whose
         # "replicas" differ (FQNs that are not globally unique, e.g. per-group expert names)
         all_chunks = chunks + extra_chunks if shared else ()
         replicas = {replica_id(c): sample_digest(c.tensor) for c in all_chunks if (c.key, c.offsets, c.sizes) in shared}
-        if layout is None or base_by_name is None:
+        if layout is None:
             written = [c for c in chunks + extra_chunks if (c.key, c.offsets, c.sizes) in mine]
             layout = self._layout_for(written)
-            base_by_name = {c.name: c for c in written if not c.key.startswith("extra/")}
-            self._stage = (chunks, extra_sig, items, layout, base_by_name)
-        by_name = {**base_by_name, **{c.name: c for c in extra_chunks}}
-        return tree, layout, by_name, replicas
+            by_name = {c.name: c for c in written}
+            extra_names = {c.name for c in extra_chunks}
+            base_srcs = [None if spec.name in extra_names else by_name[spec.name].tensor for spec in layout.chunks]
+            extra_slots = [(i, spec.name) for i, spec in enumerate(layout.chunks) if spec.name in extra_names]
+            base_cuda = any(t is not None and t.is_cuda for t in base_srcs)
+            self._stage = (chunks, extra_sig, items, layout, base_srcs, extra_slots, base_cuda)
+        srcs = list(base_srcs)
+        if extra_slots:
+            fresh = {c.name: c.tensor for c in extra_chunks}
+            for i, name in extra_slots:
+                srcs[i] = fresh[name]
+        any_cuda = base_cuda or any(c.tensor.is_cuda for c in extra_chunks)
+        return tree, layout, srcs, replicas, any_cuda
 
     def prepare(self, model: torch.nn.Module, optim: torch.optim.Optimizer | None = None, *, slots: int = 2) -> None:
         """Do the first snapshot's one-time work now, outside the training loop.
@@ -328,7 +337,7 @@ class Client:
         """
         self._finish_inflight()
         rank, world = _dist_rank_world()
-        _, layout, _, _ = self._stage_plan(model, optim, None, rank)
+        layout = self._stage_plan(model, optim, None, rank)[1]
         leased = []
         try:
             for _ in range(slots):
@@ -444,7 +453,7 @@ class Client:
     def _commit(self, handle: SnapshotHandle, commit: dict[str, Any]) -> None:
         try:
             fields = {k: v for k, v in commit.items() if k != "tree"}
-            self._call("commit", raw={"tree": self._tree_json(commit["tree"])}, **fields)
+            self._call("commit", frames=(self._tree_json(commit["tree"]),), **fields)
         except BaseException as e:
             handle._error = e
             if not isinstance(e, DaemonUnavailable):

@@ -9,6 +9,7 @@ groups: agreement that a step is complete is read off storage (every rank's frag
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
@@ -23,7 +24,7 @@ import zmq
 
 from . import __version__, persist, shm
 from .errors import CheckpointError, ProtocolError
-from .protocol import decode_request, endpoint_answers, reply_error, reply_ok
+from .protocol import EXTRA_FRAMES, decode_request, endpoint_answers, reply_error, reply_ok
 
 log = logging.getLogger("ckptd.daemon")
 
@@ -53,6 +54,19 @@ class StepTrack:
     error: str | None = None
     path: str | None = None
     waiters: list[tuple[bytes, Any, float]] = field(default_factory=list)
+
+
+def _tree(raw: Any) -> dict[str, Any]:
+    """A commit's tree: parsed from the raw frame (recovered records hold it parsed already)."""
+    if isinstance(raw, dict):
+        return raw
+    try:
+        tree = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ProtocolError(f"the committed tree is not valid JSON: {e}") from None
+    if not isinstance(tree, dict):
+        raise ProtocolError("the committed tree is not a JSON object")
+    return tree
 
 
 def _pid_alive(pid: int) -> bool:
@@ -243,11 +257,14 @@ class Daemon:
 
     def _handle(self, frames: list[bytes]) -> None:
         ident = frames[0]
-        if len(frames) != 2:
-            self._send(ident, reply_error(None, "bad_request", f"expected one message frame, got {len(frames) - 1}"))
-            return
         try:
+            if len(frames) < 2:
+                raise ProtocolError("empty message")
             msg = decode_request(frames[1])
+            want = 2 + EXTRA_FRAMES.get(msg["op"], 0)
+            if len(frames) != want:
+                raise ProtocolError(f"op {msg['op']!r} takes {want - 1} frame(s), got {len(frames) - 1}")
+            msg["frames"] = frames[2:]
         except ProtocolError as e:
             self._send(ident, reply_error(None, "bad_request", str(e)))
             return
@@ -364,8 +381,9 @@ class Daemon:
         for cid, dig in msg["replicas"].items():
             if not isinstance(dig, str) or len(dig) != 16 or len(cid) > 4096:
                 raise ProtocolError("commit: 'replicas' must map chunk ids to 16-digit digests")
-        record = {k: msg[k] for k in ("job", "rank", "world_size", "step", "nbytes", "tree", "replicas")}
-        shm.write_record(slot.name, record)  # from here on the shard survives a trainer or daemon crash
+        record = {k: msg[k] for k in ("job", "rank", "world_size", "step", "nbytes", "replicas")}
+        shm.write_record(slot.name, record, tree=msg["frames"][0])  # from here on the shard survives any crash
+        record["tree"] = msg["frames"][0]  # raw JSON: parsed on the persist thread
         slot.state, slot.lease = "committed", record
         track.committed.add(msg["rank"])
         self._submit_persist(slot)
@@ -431,7 +449,16 @@ class Daemon:
                 slot.mapping = shm.Mapping(name, writable=False)
             view = slot.mapping.view
             persist.write_shard(
-                self.root, job, step, rec["rank"], ws, view, rec["nbytes"], rec["tree"], self.write_rate_limit, rec.get("replicas", {})
+                self.root,
+                job,
+                step,
+                rec["rank"],
+                ws,
+                view,
+                rec["nbytes"],
+                _tree(rec["tree"]),
+                self.write_rate_limit,
+                rec.get("replicas", {}),
             )
             dt = time.monotonic() - t0
             with self._job_lock(job):

@@ -11,10 +11,12 @@ Ops (who sends them: the trainer's client, on whichever of its threads needs the
 ``hello`` → ``{"server_version", "root", "pid"}``.
 ``alloc`` ``{job, rank, world_size, step, nbytes, pid}`` → ``{"segment", "size"}``: lease a staging
     slot of at least ``nbytes``. The reply is deferred while the memory budget is full (backpressure).
-``commit`` ``{job, rank, world_size, step, segment, nbytes, tree, replicas}``: the slot holds a
-    complete shard (``replicas``: chunk id → sample digest of every chunk other ranks hold too);
-    the reply ``{}`` comes once the daemon has recorded the commit in shared memory, after which
-    the step is made durable even if the trainer dies.
+``commit`` ``{job, rank, world_size, step, segment, nbytes, replicas}`` plus a second frame, the
+    rank's non-tensor tree as JSON: the slot holds a complete shard (``replicas``: chunk id → sample
+    digest of every chunk other ranks hold too); the reply ``{}`` comes once the daemon has recorded
+    the commit in shared memory, after which the step is made durable even if the trainer dies. The
+    daemon stores the tree frame as it came and parses it on a persist thread (a malformed tree
+    fails the step), so a large tree does not delay the reply.
 ``release`` ``{segment}``: give a leased slot back unused (the copy failed).
 ``wait`` ``{job, step, timeout}`` → ``{"state": "pending"|"durable"|"failed", "path", "error"}``;
     the reply is held up to ``timeout`` seconds for the step to leave ``pending``.
@@ -48,7 +50,6 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
         "step": _INT,
         "segment": _STR,
         "nbytes": _INT,
-        "tree": (dict,),
         "replicas": (dict,),
     },  # fmt: skip
     "release": {"segment": _STR},
@@ -58,6 +59,7 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     "status": {},
 }
 _ENVELOPE = {"v", "op", "id"}
+EXTRA_FRAMES = {"commit": 1}  # ops followed by raw frames (commit: the tree's JSON)
 
 
 def encode(obj: dict[str, Any]) -> bytes:
@@ -109,12 +111,8 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def request(op: str, req_id: int, raw: dict[str, bytes] | None = None, **fields: Any) -> bytes:
-    """Encode a request; ``raw`` fields are already-encoded JSON values, spliced in as they are."""
-    msg = encode({"v": PROTOCOL_VERSION, "op": op, "id": req_id, **fields})
-    for name, value in (raw or {}).items():
-        msg = msg[:-1] + b"," + encode(name) + b":" + value + b"}"
-    return msg
+def request(op: str, req_id: int, **fields: Any) -> bytes:
+    return encode({"v": PROTOCOL_VERSION, "op": op, "id": req_id, **fields})
 
 
 def reply_ok(req_id: Any, **fields: Any) -> bytes:

@@ -79,12 +79,13 @@ def unlink(name: str) -> None:
             pass
 
 
-def write_record(name: str, record: dict[str, Any]) -> None:
-    """Record a commit for segment ``name`` atomically (tmpfs: no fsync needed, lives as long as the segment)."""
+def write_record(name: str, record: dict[str, Any], tree: bytes = b"{}") -> None:
+    """Record a commit for segment ``name`` atomically (tmpfs: no fsync needed, lives as long as the
+    segment). ``tree`` is the commit's raw tree JSON, stored as it came, under the key ``"tree"``."""
     path = path_of(name) + RECORD_SUFFIX
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
-        f.write(json.dumps(record, separators=(",", ":")).encode())
+        f.write(json.dumps(record, separators=(",", ":")).encode()[:-1] + b',"tree":' + tree + b"}")
     os.replace(tmp, path)
 
 

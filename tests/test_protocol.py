@@ -50,10 +50,3 @@ def test_bad_requests_rejected(frame: bytes, msg: str) -> None:
 
 def test_good_request_accepted() -> None:
     assert decode_request(_alloc())["nbytes"] == 10
-
-
-def test_raw_fields_are_spliced_as_json() -> None:
-    tree = {"model": {"w": {"__ckptd__": "tensor", "key": "model/w"}}}
-    msg = request("commit", 3, raw={"tree": json.dumps(tree, separators=(",", ":")).encode()}, job="j")
-    assert msg == b'{"v":1,"op":"commit","id":3,"job":"j","tree":{"model":{"w":{"__ckptd__":"tensor","key":"model/w"}}}}'
-    assert json.loads(msg)["tree"] == tree
