@@ -59,6 +59,12 @@ def create(name: str, size: int) -> int:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.posix_fallocate(fd, 0, size)
+        # fallocated tmpfs pages are still zeroed one fault at a time when the trainer first maps
+        # them (0.4-3 s per GB, measured); writing the zeros here costs 0.14 s per GB and leaves
+        # the trainer's MAP_POPULATE at ~0.12 s per GB
+        zeros = memoryview(bytes(min(size, 64 << 20)))
+        for off in range(0, size, len(zeros)):
+            os.pwrite(fd, zeros[: size - off], off)
     except OSError as e:
         os.close(fd)
         os.unlink(path)
