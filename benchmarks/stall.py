@@ -489,13 +489,10 @@ def main(argv: list[str] | None = None) -> int:
     r_async = res.ratio("ckptd_blocking", "dcp_async_thread")
     pairs = extra.get("ckptd", {}).get("paired_ratios") or []
     r_paired = statistics.median(pairs) if pairs else None
+    # the paired ratio is the criterion: each blocking snapshot against a floor copy taken right
+    # before it, so both see the same machine. The unpaired medians ratio compares rows measured
+    # at different moments and swings with the neighbours' load; it is shown for information.
     criteria = [
-        {
-            "name": "ckptd blocking snapshot / floor (medians)",
-            "ratio": r_floor,
-            "target": f"<= {BLOCKING_FLOOR_TARGET}",
-            "verdict": verdict(r_floor, BLOCKING_FLOOR_TARGET, strict=False),
-        },
         {
             "name": "ckptd blocking snapshot / interleaved floor (median of per-rep ratios)",
             "ratio": r_paired,
@@ -507,6 +504,12 @@ def main(argv: list[str] | None = None) -> int:
             "ratio": r_async,
             "target": f"< {VS_ASYNC_SAVE_TARGET}",
             "verdict": verdict(r_async, VS_ASYNC_SAVE_TARGET, strict=True),
+        },
+        {
+            "name": "(for information) ckptd blocking snapshot / floor, unpaired medians",
+            "ratio": r_floor,
+            "target": "-",
+            "verdict": "info",
         },
     ]
 
@@ -528,7 +531,10 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for c in criteria:
         ratio = "n/a" if c["ratio"] is None else f"{c['ratio']:.2f}"
-        lines.append(f"- {c['name']} = {ratio} (target {c['target']}): **{c['verdict']}**")
+        if c["verdict"] == "info":
+            lines.append(f"- {c['name']} = {ratio}")
+        else:
+            lines.append(f"- {c['name']} = {ratio} (target {c['target']}): **{c['verdict']}**")
     print("\n".join(lines))
     if args.profile and "profile" in extra.get("ckptd", {}):
         print("\n### cProfile of one warm blocking ckptd snapshot\n\n```\n" + extra["ckptd"]["profile"].strip() + "\n```")
