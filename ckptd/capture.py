@@ -22,20 +22,20 @@ import torch
 from .state import TAG, LocalChunk, flatten
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return getattr(t, "_local_tensor", t)  # a DTensor's local shard, without to_local()'s overhead
 
 
 def _live(model: torch.nn.Module, optim: torch.optim.Optimizer | None) -> list[torch.Tensor] | None:
     """The tensors the state is made of, or ``None`` if some optimizer state is not a tensor."""
-    out = [_local(p) for p in model.parameters()]
-    out += [_local(b) for b in model.buffers()]
+    out = [local_tensor(p) for p in model.parameters()]
+    out += [local_tensor(b) for b in model.buffers()]
     if optim is not None:
         for st in optim.state.values():
             for v in st.values():
                 if not isinstance(v, torch.Tensor):
                     return None
-                out.append(_local(v))
+                out.append(local_tensor(v))
     return out
 
 

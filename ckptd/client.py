@@ -29,7 +29,7 @@ import zmq
 
 from . import shm
 from ._config import default_endpoint, default_job, env_float, validate_job
-from .capture import StateCapture
+from .capture import StateCapture, local_tensor
 from .errors import CheckpointError, DaemonUnavailable, ProtocolError
 from .format import ShardLayout, build_layout, dtype_from_name
 from .plan import WritePlan
@@ -608,20 +608,16 @@ def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def _optimizer_storages(model: torch.nn.Module, optim: torch.optim.Optimizer) -> set[int]:
     """Storages that only ``optim.step()`` mutates: its parameters and its state tensors."""
     out = set()
     for group in optim.param_groups:
         for p in group["params"]:
-            out.add(_storage(_local(p)))
+            out.add(_storage(local_tensor(p)))
     for st in optim.state.values():
         for v in st.values():
             if isinstance(v, torch.Tensor):
-                out.add(_storage(_local(v)))
+                out.add(_storage(local_tensor(v)))
     out.discard(0)
     return out
 
