@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from ._config import default_endpoint, env_float, env_int
@@ -21,24 +22,71 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 8G, 512M)") from None
 
 
+SERVE_KEYS = ("root", "endpoint", "shm_budget", "keep", "workers", "write_rate_limit", "nice", "log_level")
+
+
+def serve_settings(args: argparse.Namespace) -> dict[str, object]:
+    """The daemon's settings: a flag wins over the TOML file, which wins over CKPTD_* and the defaults.
+
+    Raises ``ValueError`` naming an unknown key, a wrong type or a missing root.
+    """
+    cfg: dict[str, object] = {
+        "root": os.environ.get("CKPTD_ROOT"),
+        "endpoint": None,
+        "shm_budget": None,
+        "keep": env_int("CKPTD_KEEP", 3),
+        "workers": env_int("CKPTD_WORKERS", 2),
+        "write_rate_limit": int(env_float("CKPTD_WRITE_RATE_LIMIT", 0)),
+        "nice": env_int("CKPTD_NICE", 10),
+        "log_level": "INFO",
+    }
+    if args.config:
+        import tomllib
+
+        with open(args.config, "rb") as f:
+            try:
+                data = tomllib.load(f)
+            except tomllib.TOMLDecodeError as e:
+                raise ValueError(f"{args.config}: {e}") from None
+        unknown = set(data) - set(SERVE_KEYS)
+        if unknown:
+            raise ValueError(f"{args.config}: unknown settings {sorted(unknown)} (known: {', '.join(SERVE_KEYS)})")
+        for key, value in data.items():
+            if key in ("shm_budget", "write_rate_limit") and isinstance(value, str):
+                try:
+                    value = _size(value)
+                except argparse.ArgumentTypeError as e:
+                    raise ValueError(f"{args.config}: {key}: {e}") from None
+            want = str if key in ("root", "endpoint", "log_level") else int
+            if not isinstance(value, want) or isinstance(value, bool):
+                raise ValueError(f"{args.config}: {key} must be a {want.__name__}, got {value!r}")
+            cfg[key] = value
+    for key in SERVE_KEYS:
+        value = getattr(args, key, None)
+        if value is not None:
+            cfg[key] = value
+    if not cfg["root"]:
+        raise ValueError("no checkpoint root: give --root, root in --config, or CKPTD_ROOT")
+    if int(cfg["keep"]) < 1:  # type: ignore[call-overload]
+        raise ValueError("keep must be >= 1")
+    cfg["endpoint"] = cfg["endpoint"] or default_endpoint()
+    return cfg
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="ckptd", description="Asynchronous checkpoint daemon for PyTorch.")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     s = sub.add_parser("serve", help="run the node daemon in the foreground")
-    s.add_argument("--root", required=True, help="directory that holds the checkpoints (<root>/<job>/step-N)")
+    s.add_argument("--config", default=None, help="TOML file with any of the settings below (command-line flags win)")
+    s.add_argument("--root", default=None, help="directory that holds the checkpoints (<root>/<job>/step-N); required")
     s.add_argument("--endpoint", default=None, help="ZeroMQ endpoint (default: CKPTD_ENDPOINT or a per-user ipc socket)")
     s.add_argument("--shm-budget", type=_size, default=None, help="shared memory to stage into (default: half of /dev/shm)")
-    s.add_argument("--keep", type=int, default=env_int("CKPTD_KEEP", 3), help="committed steps kept per job (default 3)")
-    s.add_argument("--workers", type=int, default=env_int("CKPTD_WORKERS", 2), help="persist threads (default 2)")
-    s.add_argument(
-        "--write-rate-limit",
-        type=_size,
-        default=int(env_float("CKPTD_WRITE_RATE_LIMIT", 0)),
-        help="bytes/s cap on disk writes (default: none)",
-    )
-    s.add_argument("--nice", type=int, default=env_int("CKPTD_NICE", 10), help="niceness of persist threads (default 10; 0 = unchanged)")
-    s.add_argument("--log-level", default="INFO")
+    s.add_argument("--keep", type=int, default=None, help="committed steps kept per job (default 3, CKPTD_KEEP)")
+    s.add_argument("--workers", type=int, default=None, help="persist threads (default 2, CKPTD_WORKERS)")
+    s.add_argument("--write-rate-limit", type=_size, default=None, help="bytes/s cap on disk writes (default: none)")
+    s.add_argument("--nice", type=int, default=None, help="niceness of persist threads (default 10; 0 = unchanged)")
+    s.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING, ERROR")
 
     st = sub.add_parser("status", help="ask a running daemon for its state")
     st.add_argument("--endpoint", default=None)
@@ -59,21 +107,25 @@ def main(argv: list[str] | None = None) -> int:
 
     args = p.parse_args(argv)
     if args.cmd == "serve":
-        from .daemon import Daemon
         from .errors import CheckpointError
 
-        logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s ckptd %(levelname)s %(message)s")
-        if args.keep < 1:
-            p.error("--keep must be >= 1")
+        try:
+            cfg = serve_settings(args)
+        except (ValueError, OSError) as e:
+            print(f"ckptd serve: {e}", file=sys.stderr)
+            return 2
+        from .daemon import Daemon
+
+        logging.basicConfig(level=cfg["log_level"].upper(), stream=sys.stderr, format="%(asctime)s ckptd %(levelname)s %(message)s")
         try:
             Daemon(
-                args.root,
-                args.endpoint or default_endpoint(),
-                shm_budget=args.shm_budget,
-                keep=args.keep,
-                workers=args.workers,
-                write_rate_limit=float(args.write_rate_limit),
-                nice=args.nice,
+                cfg["root"],
+                cfg["endpoint"],
+                shm_budget=cfg["shm_budget"],
+                keep=cfg["keep"],
+                workers=cfg["workers"],
+                write_rate_limit=float(cfg["write_rate_limit"]),
+                nice=cfg["nice"],
             ).serve()
         except CheckpointError as e:
             print(f"ckptd: {e}", file=sys.stderr)
@@ -132,7 +184,6 @@ def _verify(ckpt: str) -> int:
 
 
 def _ls(root: str | None, job: str | None, endpoint: str | None) -> int:
-    import os
     import time
 
     from .errors import CheckpointError, FormatError

@@ -24,6 +24,7 @@ import zmq
 
 from . import __version__, persist, shm
 from .errors import CheckpointError, ProtocolError
+from .notify import notify, watchdog_interval
 from .protocol import EXTRA_FRAMES, decode_request, endpoint_answers, reply_error, reply_ok
 
 log = logging.getLogger("ckptd.daemon")
@@ -132,6 +133,9 @@ class Daemon:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: self.stop())
         log.info("ckptd %s serving %s, root %s, shm budget %.2f GiB", __version__, self.endpoint, self.root, self.budget / 2**30)
+        notify(f"READY=1\nMAINPID={os.getpid()}\nSTATUS=serving {self.endpoint}")
+        watchdog = watchdog_interval()
+        last_ping = 0.0
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake, zmq.POLLIN)
@@ -151,6 +155,9 @@ class Daemon:
                             break
                         self._handle(frames)
                 now = time.monotonic()
+                if watchdog is not None and now - last_ping >= watchdog:
+                    notify("WATCHDOG=1")  # the loop is alive: systemd restarts a daemon that stops pinging
+                    last_ping = now
                 if now - last_house >= HOUSEKEEPING_S:
                     last_house = now
                     self._housekeeping(now)
@@ -182,6 +189,7 @@ class Daemon:
         self._wake.bind(self._wake_addr)
 
     def _shutdown(self) -> None:
+        notify("STOPPING=1")
         log.info("shutting down: finishing %d pending persist(s)", sum(t.inflight for t in self.tracks.values()))
         self._pool.shutdown(wait=True)
         self._drain_done()
