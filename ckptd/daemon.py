@@ -153,7 +153,10 @@ class Daemon:
                             frames = self._sock.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        self._handle(frames)
+                        try:
+                            self._handle(frames)
+                        except Exception:  # no message, however malformed, may take the daemon down
+                            log.exception("dropped a message that could not be handled")
                 now = time.monotonic()
                 if watchdog is not None and now - last_ping >= watchdog:
                     notify("WATCHDOG=1")  # the loop is alive: systemd restarts a daemon that stops pinging

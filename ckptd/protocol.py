@@ -79,7 +79,7 @@ def decode_request(frame: bytes) -> dict[str, Any]:
     if msg.get("v") != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {msg.get('v')!r} is not supported (daemon speaks {PROTOCOL_VERSION})")
     op = msg.get("op")
-    if op not in SCHEMA:
+    if not isinstance(op, str) or op not in SCHEMA:
         raise ProtocolError(f"unknown op {op!r}")
     if not _is_int(msg.get("id")):
         raise ProtocolError("field 'id' missing or not an integer")

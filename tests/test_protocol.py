@@ -50,3 +50,10 @@ def test_bad_requests_rejected(frame: bytes, msg: str) -> None:
 
 def test_good_request_accepted() -> None:
     assert decode_request(_alloc())["nbytes"] == 10
+
+
+def test_unhashable_op_is_rejected_not_raised() -> None:
+    with pytest.raises(ProtocolError, match="unknown op"):
+        decode_request(b'{"v":1,"op":{},"id":1}')
+    with pytest.raises(ProtocolError, match="unknown op"):
+        decode_request(b'{"v":1,"op":["hello"],"id":1}')
