@@ -129,6 +129,7 @@ class Client:
         self._plan = WritePlan()
         self._capture = StateCapture()
         self._stage: tuple[Any, ...] | None = None  # the last plan and layout, reused while the state's shape holds
+        self._guarded: tuple[Any, set[int]] = (None, set())  # optimizer-owned storages, for the stage they were computed for
         self._layout_key: Any = None
         self._layout: ShardLayout | None = None
         self._inflight: threading.Thread | None = None
@@ -244,7 +245,7 @@ class Client:
             m = self._mapping(segment)
             m.view[: layout.data_start] = layout.header
             dsts = self._destinations(m, layout)
-            guarded = _optimizer_storages(model, optim) if (optim is not None and not blocking) else set()
+            guarded = self._guarded_storages(model, optim) if (optim is not None and not blocking) else set()
             event = None
             if any_cuda:
                 # GPU path: device-to-host copies on a side stream into the page-locked slot, now
@@ -370,6 +371,13 @@ class Client:
         dsts = [base[start + spec.begin : start + spec.end].view(dtype_from_name(spec.dtype)).view(spec.sizes) for spec in layout.chunks]
         self._dst_cache[m.name] = (layout, dsts)
         return dsts
+
+    def _guarded_storages(self, model: torch.nn.Module, optim: torch.optim.Optimizer) -> set[int]:
+        """The optimizer's storages, recomputed only when the stage is: a reused stage means the
+        capture cache's fingerprint (which covers every parameter and optimizer-state tensor) held."""
+        if self._guarded[0] is not self._stage or self._stage is None:
+            self._guarded = (self._stage, _optimizer_storages(model, optim))
+        return self._guarded[1]
 
     def _copy_cuda(
         self, m: shm.Mapping, dsts: list[torch.Tensor], srcs: list[torch.Tensor], guarded: set[int]

@@ -32,7 +32,6 @@ class CheckpointReader:
         self.path = path
         self.manifest = read_manifest(path)
         self._fds: dict[str, int] = {}
-        self.bytes_read = 0
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -72,7 +71,6 @@ class CheckpointReader:
             if n == 0:
                 break
             got += n
-        self.bytes_read += got
         if got != e - b or digest(view) != c["xxh3_64"]:
             where = os.path.join(self.path, c["file"])
             raise FormatError(f"checksum mismatch in {where} (tensor {key!r}, bytes {b}-{e}): the file is corrupt")
