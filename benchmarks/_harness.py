@@ -103,6 +103,16 @@ def build_state(params: float, seed: int = 0) -> tuple[nn.Module, torch.optim.Op
     return model, optim
 
 
+def views_into(buf: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Typed views of ``buf`` (uint8) packed back to back, one shaped like each tensor: copy targets."""
+    out, pos = [], 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        out.append(buf[pos : pos + n].view(t.dtype).view(t.shape))
+        pos += n
+    return out
+
+
 def state_tensors(model: nn.Module, optim: torch.optim.Optimizer) -> list[torch.Tensor]:
     """Every tensor of the checkpoint: model state dict values and optimizer state tensors."""
     out = [t for t in model.state_dict().values() if isinstance(t, torch.Tensor)]

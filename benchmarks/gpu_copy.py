@@ -21,7 +21,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import DaemonProcess  # noqa: E402
+from _harness import DaemonProcess, views_into  # noqa: E402
 
 import ckptd  # noqa: E402
 
@@ -44,11 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     tensors = list(model) + [v for st in optim.state.values() for v in st.values() if v.is_cuda]
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dsts, pos = [], 0
-    for t in tensors:
-        k = t.numel() * t.element_size()
-        dsts.append(pinned[pos : pos + k].view(t.dtype).view(t.shape))
-        pos += k
+    dsts = views_into(pinned, tensors)
     stream = torch.cuda.Stream()
 
     def reference() -> float:

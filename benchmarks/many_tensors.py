@@ -21,7 +21,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import DaemonProcess, machine_info  # noqa: E402
+from _harness import DaemonProcess, machine_info, views_into  # noqa: E402
 
 import ckptd  # noqa: E402
 
@@ -41,11 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     buf = torch.empty(nbytes, dtype=torch.uint8)
     buf.fill_(0)  # prefaulted
-    dsts, pos = [], 0
-    for t in tensors:
-        n = t.numel() * t.element_size()
-        dsts.append(buf[pos : pos + n].view(t.dtype).view(t.shape))
-        pos += n
+    dsts = views_into(buf, tensors)
 
     def floor() -> float:
         t0 = time.perf_counter()

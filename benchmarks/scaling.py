@@ -30,7 +30,7 @@ def _rank(rank: int, world: int, params: float, endpoint: str, tmp: str, reps: i
 
     import torch
     import torch.distributed as dist
-    from _harness import Block, shape_for
+    from _harness import Block, shape_for, views_into
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -64,11 +64,7 @@ def _rank(rank: int, world: int, params: float, endpoint: str, tmp: str, reps: i
         mm = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         os.unlink(f"/dev/shm/ckptd-scaling-{os.getpid()}")
         buf = torch.frombuffer(mm, dtype=torch.uint8)
-        dsts, pos = [], 0
-        for t in local:
-            k = t.numel() * t.element_size()
-            dsts.append(buf[pos : pos + k].view(t.dtype).view(t.shape))
-            pos += k
+        dsts = views_into(buf, local)
 
         def floor() -> float:
             t0 = time.perf_counter()
