@@ -39,32 +39,28 @@ def _live(model: torch.nn.Module, optim: torch.optim.Optimizer | None) -> list[t
     return out
 
 
+_PLAIN = {torch.Tensor, torch.nn.Parameter, getattr(torch.nn, "Buffer", torch.Tensor)}
+_DATA_PTR = torch.Tensor.data_ptr
+_NUMEL = torch.Tensor.numel
+
+
 def _fingerprint(model: torch.nn.Module, optim: torch.optim.Optimizer | None) -> list[int] | None:
-    """Data pointer and size of every parameter, buffer and optimizer-state tensor, and the size of
-    each optimizer group, in one pass (this runs on every snapshot: ~1 us per tensor). ``None`` if
-    some optimizer state is not a tensor."""
+    """Size of each optimizer group, then data pointer and then size of every parameter, buffer and
+    optimizer-state tensor (a DTensor's local shard). This runs on every snapshot, so it maps C
+    methods over one flat list instead of looping in Python: ~0.25 us per tensor. ``None`` if some
+    optimizer state is not a tensor."""
+    ts = [t for m in model.modules() for d in (m._parameters, m._buffers) for t in d.values() if t is not None]
     fp: list[int] = []
-    add = fp.append
-    for m in model.modules():
-        for t in m._parameters.values():
-            if t is not None:
-                t = getattr(t, "_local_tensor", t)
-                add(t.data_ptr())
-                add(t.numel())
-        for t in m._buffers.values():
-            if t is not None:
-                add(t.data_ptr())
-                add(t.numel())
     if optim is not None:
-        for g in optim.param_groups:
-            add(len(g["params"]))
+        fp += [len(g["params"]) for g in optim.param_groups]
         for st in optim.state.values():
-            for v in st.values():
-                if not isinstance(v, torch.Tensor):
-                    return None
-                v = getattr(v, "_local_tensor", v)
-                add(v.data_ptr())
-                add(v.numel())
+            ts += st.values()
+    if any(type(t) not in _PLAIN for t in ts):
+        if not all(isinstance(t, torch.Tensor) for t in ts):
+            return None
+        ts = [local_tensor(t) for t in ts]
+    fp += map(_DATA_PTR, ts)
+    fp += map(_NUMEL, ts)
     return fp
 
 

@@ -634,4 +634,5 @@ def _copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
     """Copy each source into its slot view in one fused call (torch loops per tensor only where the
     tensors sit on different devices)."""
     if dsts:
-        torch._foreach_copy_(dsts, srcs)
+        with torch.no_grad():  # parameters are sources: skip autograd's per-tensor bookkeeping
+            torch._foreach_copy_(dsts, srcs)
