@@ -22,7 +22,7 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 8G, 512M)") from None
 
 
-SERVE_KEYS = ("root", "endpoint", "shm_budget", "keep", "workers", "write_rate_limit", "nice", "log_level")
+SERVE_KEYS = ("root", "endpoint", "shm_budget", "keep", "workers", "write_rate_limit", "nice", "log_level", "group")
 
 
 def serve_settings(args: argparse.Namespace) -> dict[str, object]:
@@ -39,6 +39,7 @@ def serve_settings(args: argparse.Namespace) -> dict[str, object]:
         "write_rate_limit": int(env_float("CKPTD_WRITE_RATE_LIMIT", 0)),
         "nice": env_int("CKPTD_NICE", 10),
         "log_level": "INFO",
+        "group": os.environ.get("CKPTD_GROUP") or None,
     }
     if args.config:
         import tomllib
@@ -57,7 +58,7 @@ def serve_settings(args: argparse.Namespace) -> dict[str, object]:
                     value = _size(value)
                 except argparse.ArgumentTypeError as e:
                     raise ValueError(f"{args.config}: {key}: {e}") from None
-            want = str if key in ("root", "endpoint", "log_level") else int
+            want = str if key in ("root", "endpoint", "log_level", "group") else int
             if not isinstance(value, want) or isinstance(value, bool):
                 raise ValueError(f"{args.config}: {key} must be a {want.__name__}, got {value!r}")
             cfg[key] = value
@@ -69,6 +70,14 @@ def serve_settings(args: argparse.Namespace) -> dict[str, object]:
         raise ValueError("no checkpoint root: give --root, root in --config, or CKPTD_ROOT")
     if int(cfg["keep"]) < 1:  # type: ignore[call-overload]
         raise ValueError("keep must be >= 1")
+    if cfg["group"] is not None:
+        from .daemon import resolve_group
+        from .errors import CheckpointError
+
+        try:
+            resolve_group(cfg["group"])  # type: ignore[arg-type]
+        except CheckpointError as e:
+            raise ValueError(str(e)) from None
     cfg["endpoint"] = cfg["endpoint"] or default_endpoint()
     return cfg
 
@@ -87,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--write-rate-limit", type=_size, default=None, help="bytes/s cap on disk writes (default: none)")
     s.add_argument("--nice", type=int, default=None, help="niceness of persist threads (default 10; 0 = unchanged)")
     s.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING, ERROR")
+    s.add_argument("--group", default=None, help="also let this group use the socket, segments and checkpoints (default: owner only)")
 
     st = sub.add_parser("status", help="ask a running daemon for its state")
     st.add_argument("--endpoint", default=None)
@@ -126,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                 workers=cfg["workers"],
                 write_rate_limit=float(cfg["write_rate_limit"]),
                 nice=cfg["nice"],
+                group=cfg["group"],
             ).serve()
         except CheckpointError as e:
             print(f"ckptd: {e}", file=sys.stderr)

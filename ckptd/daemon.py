@@ -80,6 +80,20 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def resolve_group(group: str | int | None) -> int | None:
+    """The gid of a group given by name or number; ``None`` for none. Raises ``CheckpointError``."""
+    if group is None or group == "":
+        return None
+    import grp
+
+    try:
+        if isinstance(group, int) or group.isdigit():
+            return grp.getgrgid(int(group)).gr_gid
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise CheckpointError(f"unknown group {group!r}") from None
+
+
 def default_budget() -> int:
     """Half of the shared-memory filesystem: room to stage while the rest of the node runs."""
     st = os.statvfs(shm.SHM_DIR)
@@ -99,9 +113,13 @@ class Daemon:
         workers: int = 2,
         write_rate_limit: float = 0.0,
         nice: int = 10,
+        group: str | int | None = None,
     ) -> None:
+        # access: the owner only, or also one configured group (socket, segments, checkpoint root)
+        self.gid = resolve_group(group)
+        self.file_mode = 0o600 if self.gid is None else 0o660
         self.root = os.path.abspath(root)
-        os.makedirs(self.root, exist_ok=True)
+        self._make_root()
         self.endpoint = endpoint
         self.budget = shm_budget if shm_budget is not None else default_budget()
         self.keep = keep
@@ -170,12 +188,26 @@ class Daemon:
     def stop(self) -> None:
         self._running = False
 
+    def _restrict(self, path: str, mode: int) -> None:
+        os.chmod(path, mode)
+        if self.gid is not None:
+            os.chown(path, -1, self.gid)
+
+    def _make_root(self) -> None:
+        if not os.path.isdir(self.root):
+            os.makedirs(self.root)
+            # setgid: every step directory and file below inherits the group, so its members can restore
+            self._restrict(self.root, 0o700 if self.gid is None else 0o2750)
+        elif (mode := os.stat(self.root).st_mode) & 0o007:
+            log.warning("checkpoint root %s is accessible to every user on this node (mode %o)", self.root, mode & 0o7777)
+
     def _bind(self) -> None:
         if self.endpoint.startswith("ipc://"):
             path = self.endpoint[len("ipc://") :]
             d = os.path.dirname(path)
-            if d:
-                os.makedirs(d, mode=0o700, exist_ok=True)
+            if d and not os.path.isdir(d):
+                os.makedirs(d)
+                self._restrict(d, 0o700 if self.gid is None else 0o750)
             if os.path.exists(path):
                 # a live daemon answers on it; a dead one left a stale socket file behind
                 if endpoint_answers(self._ctx, self.endpoint, 0.5):
@@ -184,9 +216,14 @@ class Daemon:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
-        self._sock.bind(self.endpoint)
+        # the socket file is created with the umask's mode: restrict it from birth, not after a race
+        old = os.umask(0o777 & ~self.file_mode)
+        try:
+            self._sock.bind(self.endpoint)
+        finally:
+            os.umask(old)
         if self.endpoint.startswith("ipc://"):
-            os.chmod(self.endpoint[len("ipc://") :], 0o600)
+            self._restrict(self.endpoint[len("ipc://") :], self.file_mode)
         self._wake = self._ctx.socket(zmq.PULL)
         self._wake.setsockopt(zmq.LINGER, 0)
         self._wake.bind(self._wake_addr)
@@ -353,7 +390,7 @@ class Daemon:
                 return None
             name = f"{self.ns}-{self._counter:08d}"
             self._counter += 1
-            size = shm.create(name, need)
+            size = shm.create(name, need, mode=self.file_mode, gid=self.gid)
             slot = Slot(name, size)
             self.slots[name] = slot
         slot.state, slot.owner, slot.pid, slot.used_at = "leased", owner, msg["pid"], time.monotonic()

@@ -1,0 +1,104 @@
+"""Who may use the daemon: the owner only by default, or one configured group (socket, segments, root)."""
+
+from __future__ import annotations
+
+import grp
+import os
+import stat
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import DaemonProc
+
+from ckptd import shm
+
+NOBODY = 65534
+# a system group that exists on Debian-like images and that the test user is not relying on
+GROUP = "adm"
+
+
+def _mode(path: str | Path) -> tuple[int, int]:
+    st = os.stat(path)
+    return stat.S_IMODE(st.st_mode), st.st_gid
+
+
+def _snapshot_one(d: DaemonProc) -> None:
+    m = torch.nn.Linear(4, 4)
+    with d.client() as c:
+        c.snapshot(m, step=1, blocking=True).wait()
+
+
+def _segments(d: DaemonProc) -> list[str]:
+    return shm.list_segments(shm.namespace(os.path.abspath(d.root)))
+
+
+def test_owner_only_by_default(make_daemon) -> None:
+    d = make_daemon()
+    _snapshot_one(d)
+    assert _mode(d.endpoint[len("ipc://") :])[0] == 0o600
+    assert _mode(d.root)[0] == 0o700
+    segs = _segments(d)
+    assert segs
+    for name in segs:
+        assert _mode(shm.path_of(name))[0] == 0o600
+        if os.path.exists(shm.path_of(name) + shm.RECORD_SUFFIX):
+            assert _mode(shm.path_of(name) + shm.RECORD_SUFFIX)[0] == 0o600
+
+
+def test_unknown_group_is_a_config_error(tmp_path: Path) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "ckptd", "serve", "--root", str(tmp_path / "r"), "--group", "no-such-group-ckptd"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2
+    assert "unknown group 'no-such-group-ckptd'" in r.stderr
+
+
+_PROBE = """
+import os, sys, zmq
+os.setgroups([int(sys.argv[2])]); os.setgid(int(sys.argv[2])); os.setuid(int(sys.argv[3]))
+ctx = zmq.Context(); s = ctx.socket(zmq.DEALER); s.setsockopt(zmq.LINGER, 0); s.connect(sys.argv[1])
+s.send_multipart([b'{"op":"hello","v":1,"id":1}'])
+print("answered" if s.poll(3000) else "silent")
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as other users")
+def test_group_members_get_in_and_others_do_not() -> None:
+    try:
+        gid = grp.getgrnam(GROUP).gr_gid
+    except KeyError:
+        pytest.skip(f"no group {GROUP!r} here")
+    base = Path(tempfile.mkdtemp(prefix="ckg"))
+    os.chmod(base, 0o755)  # the probes, as another user, must reach the socket's directory
+    d = DaemonProc(base, ["--group", GROUP])
+    d.endpoint = f"ipc://{base / 'run' / 'd.sock'}"  # a directory the daemon creates with the group's mode
+    try:
+        d.start()
+        _snapshot_one(d)
+        assert _mode(base / "run") == (0o750, gid)
+        assert _mode(base / "run" / "d.sock") == (0o660, gid)
+        assert _mode(d.root) == (0o2750, gid)
+        for name in _segments(d):
+            assert _mode(shm.path_of(name)) == (0o660, gid)
+        step_dir = Path(d.root) / "t" / "step-1"
+        assert os.stat(step_dir).st_gid == gid  # inherited through the setgid root
+
+        def probe(g: int) -> str:
+            r = subprocess.run([sys.executable, "-c", _PROBE, d.endpoint, str(g), str(NOBODY)], capture_output=True, text=True, timeout=60)
+            assert r.returncode == 0, r.stderr
+            return r.stdout.strip()
+
+        assert probe(gid) == "answered"
+        assert probe(NOBODY) == "silent"
+    finally:
+        d.cleanup()
+        import shutil
+
+        shutil.rmtree(base, ignore_errors=True)
