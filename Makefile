@@ -36,6 +36,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/many_tensors.py
 	$(BIN)/python benchmarks/training_loop.py
 	$(BIN)/python benchmarks/persist_restore.py
+	$(BIN)/python benchmarks/hot_restore.py
 	$(BIN)/python benchmarks/scaling.py
 	$(BIN)/python benchmarks/gpu_copy.py
 	$(BIN)/python benchmarks/plot.py

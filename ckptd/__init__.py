@@ -88,14 +88,17 @@ def restore(
     *,
     step: int | None = None,
     path: str | None = None,
+    hot: bool = True,
 ) -> dict[str, Any]:
-    """Load the newest committed step (or ``step``, or ``path``) in place; return ``extra``."""
+    """Load the newest committed step (or ``step``, or ``path``) in place; return ``extra``.
+
+    The daemon's shared memory is read instead of the disk while it still holds the step (``hot``)."""
     if path is not None and _default is None:
         from .client import _dist_rank_world
         from .reader import restore_state
 
         return restore_state(path, model, optim, _dist_rank_world()[0])  # no daemon needed
-    return _client().restore(model, optim, step=step, path=path)
+    return _client().restore(model, optim, step=step, path=path, hot=hot)
 
 
 def latest() -> int | None:

@@ -137,6 +137,7 @@ class Client:
         self._pending: list[SnapshotHandle] = []
         self._hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._closed = False
+        self.last_restore: dict[str, Any] | None = None  # {step, path, source: memory | disk}
 
     # ------------------------------------------------------------------ RPC
 
@@ -531,21 +532,41 @@ class Client:
         *,
         step: int | None = None,
         path: str | None = None,
+        hot: bool = True,
     ) -> dict[str, Any]:
         """Load the newest committed step (or ``step``, or the checkpoint at ``path``) in place.
 
-        Returns this rank's ``extra``. With ``path`` no daemon is needed.
+        Returns this rank's ``extra``. With ``path`` no daemon is needed. Otherwise, if the daemon
+        still holds every shard of that step in shared memory (a trainer restarted on the same node
+        after a crash), the bytes come from there and no shard is read from disk (``hot=False``
+        reads the disk anyway). :attr:`last_restore` says which it was.
         """
-        from .reader import restore_state
+        from .reader import CheckpointReader, restore_state
 
         self._finish_inflight()
-        if path is None:
-            rep = self._call("latest", job=self.job) if step is None else self._call("locate", job=self.job, step=step)
-            if rep["path"] is None:
-                raise CheckpointError(f"job {self.job!r} has no committed checkpoint")
-            path = rep["path"]
         rank, _ = _dist_rank_world()
-        return restore_state(path, model, optim, rank)
+        if path is not None:
+            extra = restore_state(path, model, optim, rank)
+            self.last_restore = {"step": None, "path": path, "source": "disk"}
+            return extra
+        held = self._call("hot_open", job=self.job, step=step, pid=os.getpid()) if hot else None
+        if held is not None and held["step"] is not None:
+            files = {f: shm.path_of(seg) for f, seg in held["segments"].items()}
+            reader = CheckpointReader(held["path"], manifest=held["manifest"], files=files)
+            try:
+                extra = restore_state(held["path"], model, optim, rank, reader=reader)
+            finally:
+                self._call("hot_close", pid=os.getpid(), segments=list(held["segments"].values()))
+            self.last_restore = {"step": held["step"], "path": held["path"], "source": "memory"}
+            return extra
+        if held is not None:
+            log.info("restoring from disk: %s", held["reason"])
+        rep = self._call("latest", job=self.job) if step is None else self._call("locate", job=self.job, step=step)
+        if rep["path"] is None:
+            raise CheckpointError(f"job {self.job!r} has no committed checkpoint")
+        extra = restore_state(rep["path"], model, optim, rank)
+        self.last_restore = {"step": rep["step"], "path": rep["path"], "source": "disk"}
+        return extra
 
     def close(self) -> None:
         """Finish the background copy, then drop mappings and sockets. Pending durability is the daemon's."""

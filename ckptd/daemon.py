@@ -24,6 +24,7 @@ import zmq
 
 from . import __version__, persist, shm
 from .errors import CheckpointError, ProtocolError
+from .format import MANIFEST
 from .notify import notify, watchdog_interval
 from .protocol import EXTRA_FRAMES, decode_request, endpoint_answers, reply_error, reply_ok
 
@@ -44,6 +45,8 @@ class Slot:
     lease: dict[str, Any] | None = None
     used_at: float = 0.0
     mapping: shm.Mapping | None = None
+    holds: tuple[str, int, int] | None = None  # (job, step, rank) a free slot still holds, persisted
+    pins: set[int] = field(default_factory=set)  # pids reading it for a hot restore: not reused meanwhile
 
 
 @dataclass
@@ -129,6 +132,7 @@ class Daemon:
         self.slots: dict[str, Slot] = {}
         self.tracks: dict[tuple[str, int], StepTrack] = {}
         self.deferred: list[tuple[bytes, dict[str, Any]]] = []
+        self.hot: dict[str, tuple[int, str, bytes | None]] = {}  # job -> newest durable (step, path, manifest)
         self._counter = 0
         self._running = False
         # persist threads yield the CPU to training: on a busy node the trainer's step time matters more
@@ -355,6 +359,7 @@ class Daemon:
             "shm_bytes": sum(s.size for s in self.slots.values()),
             "slots": states,
             "deferred_allocs": len(self.deferred),
+            "hot_pins": {s.name: sorted(s.pins) for s in self.slots.values() if s.pins},
             "jobs": jobs,
             **self.stats,
         }
@@ -371,7 +376,7 @@ class Daemon:
     def _try_lease(self, msg: dict[str, Any]) -> Slot | None:
         owner = (msg["job"], msg["rank"])
         need = msg["nbytes"]
-        free = [s for s in self.slots.values() if s.state == "free" and s.size >= need]
+        free = [s for s in self.slots.values() if s.state == "free" and not s.pins and s.size >= need]
         # the rank's own slot first: the trainer already holds a warm mapping of it
         slot = min((s for s in free if s.owner == owner), key=lambda s: s.size, default=None)
         if slot is None:
@@ -381,7 +386,7 @@ class Daemon:
                 slot = min(free, key=lambda s: s.size, default=None)
         if slot is None:
             # evict free slots, least recently used first, until a new one fits the budget
-            for victim in sorted((s for s in self.slots.values() if s.state == "free"), key=lambda s: s.used_at):
+            for victim in sorted((s for s in self.slots.values() if s.state == "free" and not s.pins), key=lambda s: s.used_at):
                 if used + rounded <= self.budget:
                     break
                 used -= victim.size
@@ -394,6 +399,7 @@ class Daemon:
             slot = Slot(name, size)
             self.slots[name] = slot
         slot.state, slot.owner, slot.pid, slot.used_at = "leased", owner, msg["pid"], time.monotonic()
+        slot.holds = None
         slot.lease = {k: msg[k] for k in ("job", "rank", "world_size", "step")}
         return slot
 
@@ -464,6 +470,35 @@ class Daemon:
             raise ProtocolError(f"step {msg['step']} of job {msg['job']} is not a committed checkpoint under {self.root}")
         return {"step": msg["step"], "path": path}
 
+    def _op_hot_open(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
+        job, want = msg["job"], msg["step"]
+        newest = self.hot.get(job)
+        if newest is None:
+            return {"step": None, "reason": f"this daemon has made no step of job {job!r} durable since it started"}
+        step, path, manifest = newest
+        if want is not None and want != step:
+            return {"step": None, "reason": f"the daemon holds only step {step} of job {job!r} in memory"}
+        if manifest is None or not os.path.isdir(path):
+            return {"step": None, "reason": f"step {step} of job {job!r} is no longer on disk"}
+        man = json.loads(manifest)
+        held = {s.holds[2]: s for s in self.slots.values() if s.state == "free" and s.holds is not None and s.holds[:2] == (job, step)}
+        missing = sorted(set(range(man["world_size"])) - set(held))
+        if missing:
+            return {"step": None, "reason": f"the shards of ranks {missing[:8]} of step {step} are no longer in memory"}
+        segments = {}
+        for rank, slot in held.items():
+            slot.pins.add(msg["pid"])
+            segments[persist.shard_name(rank)] = slot.name
+        return {"step": step, "path": path, "manifest": man, "segments": segments, "reason": None}
+
+    def _op_hot_close(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
+        for name in msg["segments"]:
+            slot = self.slots.get(name) if isinstance(name, str) else None
+            if slot is not None:
+                slot.pins.discard(msg["pid"])
+        self._retry_deferred()
+        return {}
+
     # ------------------------------------------------------------------ persistence
 
     def _job_lock(self, job: str) -> threading.Lock:
@@ -518,10 +553,14 @@ class Daemon:
                     removed = persist.apply_retention(self.root, job, self.keep)
                     if removed:
                         log.info("retention: removed steps %s of job %s", removed, job)
-            self._notify("persisted", name, job, step, None, final, rec["nbytes"], dt)
+            manifest = None
+            if final is not None:
+                with open(os.path.join(final, MANIFEST), "rb") as f:
+                    manifest = f.read()  # kept in memory for hot restores: they read no disk
+            self._notify("persisted", name, job, step, rec["rank"], None, final, rec["nbytes"], dt, manifest)
         except Exception as e:  # reported to every waiter of the step, never swallowed
             log.error("persisting %s (job %s step %s rank %s) failed: %s", name, job, step, rec["rank"], e)
-            self._notify("persisted", name, job, step, f"{e}", None, 0, 0.0)
+            self._notify("persisted", name, job, step, rec["rank"], f"{e}", None, 0, 0.0, None)
 
     def _notify(self, *item: Any) -> None:
         self._done.put(item)
@@ -535,13 +574,14 @@ class Daemon:
     def _drain_done(self) -> None:
         while True:
             try:
-                _, name, job, step, err, final, nbytes, dt = self._done.get_nowait()
+                _, name, job, step, rank, err, final, nbytes, dt, manifest = self._done.get_nowait()
             except queue.Empty:
                 return
             slot = self.slots.get(name)
             if slot is not None:
                 shm.drop_record(name)
                 self._free(slot)
+                slot.holds = (job, step, rank) if err is None else None
             track = self.tracks.get((job, step))
             if track is None:
                 continue
@@ -553,6 +593,7 @@ class Daemon:
                 self.stats["last_error"] = f"job {job} step {step}: {err}"
             if final is not None:
                 track.state, track.path = "durable", final
+                self.hot[job] = (step, final, manifest)
                 self.stats["steps_committed"] += 1
                 log.info("committed job %s step %s -> %s", job, step, final)
                 self._after_commit(job, step)
@@ -610,6 +651,8 @@ class Daemon:
             if slot.state == "leased" and slot.pid is not None and not _pid_alive(slot.pid):
                 log.warning("trainer pid %s died holding %s uncommitted: slot freed, nothing of it is persisted", slot.pid, slot.name)
                 self._free(slot)
+            for pid in [p for p in slot.pins if not _pid_alive(p)]:
+                slot.pins.discard(pid)  # a hot restore's reader died
         self.deferred = [(i, m) for i, m in self.deferred if _pid_alive(m["pid"])]
         for key, track in self.tracks.items():
             if track.waiters:

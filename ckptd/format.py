@@ -252,6 +252,11 @@ def read_manifest(step_dir: str) -> dict[str, Any]:
         raise FormatError(f"{step_dir} has no {MANIFEST}: not a complete ckptd checkpoint") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise FormatError(f"{path} is not valid JSON: {e}") from None
+    return validate_manifest(obj, path)
+
+
+def validate_manifest(obj: Any, path: str) -> dict[str, Any]:
+    """Check a parsed manifest's structure (``path`` names it in errors); return it."""
     if not isinstance(obj, dict) or obj.get("kind") != "ckptd-manifest":
         raise FormatError(f"{path} is not a ckptd manifest")
     if obj.get("format_version") != FORMAT_VERSION:

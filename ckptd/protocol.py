@@ -23,6 +23,12 @@ Ops (who sends them: the trainer's client, on whichever of its threads needs the
 ``latest`` ``{job}`` → ``{"step", "path"}`` (``null`` when the job has no committed step).
 ``locate`` ``{job, step}`` → ``{"step", "path"}``: the directory of a committed step.
 ``status`` ``{}`` → daemon-wide counters.
+``hot_open`` ``{job, step, pid}`` → ``{"step", "path", "manifest", "segments", "reason"}``: the newest
+    durable step of the job (``step`` null) or ``step``, if the daemon still holds every
+    rank's shard of it in shared memory: its manifest and, per shard file, the segment holding the
+    same bytes. The segments are pinned for ``pid`` (not reused) until ``hot_close`` or its death.
+    ``"step": null`` and a ``reason`` when it does not hold them.
+``hot_close`` ``{pid, segments}``: unpin segments that ``hot_open`` gave this pid.
 """
 
 from __future__ import annotations
@@ -57,6 +63,8 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     "latest": {"job": _STR},
     "locate": {"job": _STR, "step": _INT},
     "status": {},
+    "hot_open": {"job": _STR, "step": (int, type(None)), "pid": _INT},
+    "hot_close": {"pid": _INT, "segments": (list,)},
 }
 _ENVELOPE = {"v", "op", "id"}
 EXTRA_FRAMES = {"commit": 1}  # ops followed by raw frames (commit: the tree's JSON)
@@ -100,7 +108,7 @@ def decode_request(frame: bytes) -> dict[str, Any]:
         except ValueError as e:
             raise ProtocolError(str(e)) from None
     for name in ("rank", "step", "nbytes"):
-        if name in fields and msg[name] < 0:
+        if name in fields and isinstance(msg[name], int) and msg[name] < 0:
             raise ProtocolError(f"op {op!r}: field {name!r} must be >= 0")
     if "world_size" in fields and not 0 <= msg.get("rank", 0) < msg["world_size"]:
         raise ProtocolError(f"op {op!r}: rank {msg.get('rank')} outside world_size {msg['world_size']}")

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .errors import CheckpointError, FormatError
-from .format import MANIFEST, digest, dtype_from_name, read_manifest
+from .format import MANIFEST, digest, dtype_from_name, read_manifest, validate_manifest
 from .state import TAG, join_key, local_chunks, unflatten
 
 
@@ -28,10 +28,18 @@ class CheckpointReader:
     checksum is verified on the very bytes that are then used.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, manifest: dict[str, Any] | None = None, files: dict[str, str] | None = None) -> None:
+        """``path``: a committed step directory. A hot restore passes the step's ``manifest`` and, in
+        ``files``, where each shard's bytes are instead (the daemon's shared-memory segments, which
+        hold exactly the shard file's bytes and may be longer)."""
         self.path = path
-        self.manifest = read_manifest(path)
+        self.manifest = read_manifest(path) if manifest is None else validate_manifest(manifest, os.path.join(path, MANIFEST))
+        self._files = dict(files or {})
         self._fds: dict[str, int] = {}
+
+    def where(self, name: str) -> str:
+        """The path the bytes of shard file ``name`` are read from."""
+        return self._files.get(name) or os.path.join(self.path, name)
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -46,14 +54,14 @@ class CheckpointReader:
 
     def _fd(self, name: str) -> int:
         if name not in self._fds:
-            path = os.path.join(self.path, name)
+            path = self.where(name)
             want = self.manifest["files"][name]["size"]
             try:
                 fd = os.open(path, os.O_RDONLY)
             except FileNotFoundError:
                 raise FormatError(f"{path} is missing: the checkpoint is incomplete") from None
             size = os.fstat(fd).st_size
-            if size != want:
+            if size < want or (size != want and name not in self._files):
                 os.close(fd)
                 raise FormatError(f"{path} is {size} bytes, the manifest says {want}: truncated or corrupt")
             self._fds[name] = fd
@@ -61,8 +69,8 @@ class CheckpointReader:
 
     def saved_chunk(self, key: str, c: dict[str, Any]) -> torch.Tensor:
         """The saved chunk ``c`` of tensor ``key``, read and checksum-verified."""
-        fd = self._fd(c["file"])
         b, e = c["byte_range"]
+        fd = self._fd(c["file"])
         raw = torch.empty(e - b, dtype=torch.uint8)
         view = memoryview(raw.numpy())
         got = 0
@@ -72,7 +80,7 @@ class CheckpointReader:
                 break
             got += n
         if got != e - b or digest(view) != c["xxh3_64"]:
-            where = os.path.join(self.path, c["file"])
+            where = self.where(c["file"])
             raise FormatError(f"checksum mismatch in {where} (tensor {key!r}, bytes {b}-{e}): the file is corrupt")
         ent = self.manifest["tensors"][key]
         return raw.view(dtype_from_name(ent["dtype"])).view(c["sizes"])
@@ -200,14 +208,17 @@ def load_into(reader: CheckpointReader, target_root: dict[str, Any], rank: int) 
     return {part: build(v, (part,)) for part, v in target_root.items()}
 
 
-def restore_state(path: str, model: torch.nn.Module, optim: torch.optim.Optimizer | None, rank: int) -> dict[str, Any]:
-    """Load ``path`` into ``model`` (and ``optim``) in place, in whatever layout they have now.
+def restore_state(
+    path: str, model: torch.nn.Module, optim: torch.optim.Optimizer | None, rank: int, *, reader: CheckpointReader | None = None
+) -> dict[str, Any]:
+    """Load ``path`` (or what ``reader`` reads) into ``model`` (and ``optim``) in place, in whatever
+    layout they have now.
 
     Returns this rank's ``extra`` (rank 0's when the checkpoint had fewer ranks).
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
 
-    with CheckpointReader(resolve_step_dir(path)) as reader:
+    with reader or CheckpointReader(resolve_step_dir(path)) as reader:
         if optim is not None:
             msd, osd = get_state_dict(model, optim)
             target_root: dict[str, Any] = {"model": msd, "optim": osd}

@@ -73,14 +73,15 @@ def save_then_check(rank: int, world: int, kind: str, endpoint: str, job: str, e
     return {"path": path}
 
 
-def restore_and_compare(rank: int, world: int, kind: str, endpoint: str, job: str, expected: str) -> dict[str, Any]:
+def restore_and_compare(rank: int, world: int, kind: str, endpoint: str, job: str, expected: str, hot: bool = True) -> dict[str, Any]:
     model, optim = build(kind, seed=7)
     with ckptd.Client(endpoint=endpoint, job=job) as c:
-        extra = c.restore(model, optim)
+        extra = c.restore(model, optim, hot=hot)
+        source = c.last_restore["source"]
     got = full_state(model, optim)
     if rank == 0:
         assert_same(got, _load_expected(expected))
-    return {"extra": extra}
+    return {"extra": extra, "source": source}
 
 
 def snapshot_then_die(rank: int, world: int, kind: str, endpoint: str, job: str, expected: str) -> None:

@@ -52,8 +52,11 @@ def test_two_fsdp2_ranks_killed_after_blocking_snapshot(make_daemon, short_tmp) 
     run_ranks(2, snapshot_then_die, "fsdp2", daemon.endpoint, "crash2", expected, expect_exit=-9)
     assert {open(f"{expected}.state-{r}").read() for r in range(2)} == {"pending"}
     _wait_durable(daemon, "crash2", 2)
-    outs = run_ranks(2, restore_and_compare, "fsdp2", daemon.endpoint, "crash2", expected)
-    assert [o["extra"] for o in outs] == [{"rank": 0, "note": "pre-kill"}, {"rank": 1, "note": "pre-kill"}]
+    # the restarted trainer takes the step from the daemon's memory (hot), and the disk holds the same
+    for hot, source in ((True, "memory"), (False, "disk")):
+        outs = run_ranks(2, restore_and_compare, "fsdp2", daemon.endpoint, "crash2", expected, hot)
+        assert [o["extra"] for o in outs] == [{"rank": 0, "note": "pre-kill"}, {"rank": 1, "note": "pre-kill"}]
+        assert [o["source"] for o in outs] == [source, source]
 
 
 def test_daemon_killed_mid_persist_finishes_after_restart(make_daemon) -> None:  # noqa: ANN001

@@ -1,0 +1,94 @@
+"""Hot restore: a restarted trainer's restore from the daemon's shared memory against restore from disk.
+
+    .venv/bin/python benchmarks/hot_restore.py [--params 88e6] [--reps 3]
+
+One trainer snapshots a transformer-like stack + AdamW and exits; a fresh model then restores the
+same step three ways, interleaved: from the daemon's memory (``restore()``, the default when the
+daemon still holds the step), from disk with the shard files just evicted from the page cache
+(``posix_fadvise(DONTNEED)``, what a restart after the cache was reclaimed sees), and from disk with
+the files in the page cache. Each restore verifies every chunk's checksum. Prints a table; writes
+``bench-out/hot_restore.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import DaemonProcess, build_state, machine_info  # noqa: E402
+
+import ckptd  # noqa: E402
+
+
+def evict(step_dir: str) -> None:
+    """Drop the step's shard files from the page cache (written back already: they are fsynced)."""
+    for name in os.listdir(step_dir):
+        fd = os.open(os.path.join(step_dir, name), os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--params", type=float, default=88e6)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--json", default="bench-out/hot_restore.json")
+    args = p.parse_args(argv)
+    model, optim = build_state(args.params)
+    work = tempfile.mkdtemp(prefix="ckhr", dir=os.environ.get("CKPTD_BENCH_DIR"))
+    rows: dict[str, list[float]] = {"memory": [], "disk_cold": [], "disk_warm": []}
+    sources: dict[str, set[str]] = {k: set() for k in rows}
+    daemon = DaemonProcess(os.path.join(work, "root"), f"ipc://{work}/d.sock", os.path.join(work, "d.log"))
+    try:
+        daemon.wait_ready()
+        with ckptd.Client(endpoint=daemon.endpoint, job="hr") as c:
+            path = c.snapshot(model, optim, step=1, blocking=True).wait()
+        nbytes = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+        del model, optim  # the trainer is gone; a new one restores
+        m2, o2 = build_state(args.params, seed=1)
+        with ckptd.Client(endpoint=daemon.endpoint, job="hr") as c:
+            for _ in range(args.reps):
+                for kind in rows:
+                    hot = kind == "memory"
+                    if kind == "disk_cold":
+                        evict(path)
+                    t0 = time.perf_counter()
+                    c.restore(m2, o2, hot=hot)
+                    rows[kind].append(time.perf_counter() - t0)
+                    sources[kind].add(c.last_restore["source"])
+    finally:
+        daemon.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    assert sources == {"memory": {"memory"}, "disk_cold": {"disk"}, "disk_warm": {"disk"}}, sources
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    info = machine_info()
+    print("## ckptd hot restore benchmark\n")
+    print(f"- state {nbytes / 1e9:.3f} GB; torch {torch.__version__}, nproc {info.get('nproc')}; {args.reps} reps, median\n")
+    print("| restore | median (s) | GB/s | x memory | samples (s) |\n|---|---:|---:|---:|---|")
+    names = {
+        "memory": "from the daemon's shared memory (hot, the default)",
+        "disk_cold": "from disk, shard files evicted from the page cache",
+        "disk_warm": "from disk, shard files in the page cache",
+    }
+    for k, name in names.items():
+        samples = " ".join(f"{x:.3f}" for x in rows[k])
+        print(f"| {name} | {med[k]:.3f} | {nbytes / med[k] / 1e9:.2f} | {med[k] / med['memory']:.2f} | {samples} |")
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump({"bytes": nbytes, "samples": rows, "median": med, "machine": info}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

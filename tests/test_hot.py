@@ -1,0 +1,95 @@
+"""Hot restore: a restarted trainer reads the newest step from the daemon's shared memory, not the disk."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from _models import assert_same, full_state, make, train_step
+
+from ckptd import shm
+from ckptd.errors import FormatError
+
+
+def _trained(steps: int = 2, seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model, optim = make(seed=seed)
+    for i in range(steps):
+        train_step(model, optim, i)
+    return model, optim
+
+
+def test_restore_reads_memory_not_disk(make_daemon) -> None:  # noqa: ANN001
+    d = make_daemon()
+    model, optim = _trained()
+    want = full_state(model, optim)
+    with d.client("hot") as c:
+        path = c.snapshot(model, optim, step=5, extra={"note": "x"}, blocking=True).wait()
+    # the shard's bytes are gone from disk: only the daemon's memory can still answer
+    os.unlink(os.path.join(path, "rank-00000.safetensors"))
+    m2, o2 = make(seed=3)
+    with d.client("hot") as c:
+        extra = c.restore(m2, o2)
+        assert c.last_restore == {"step": 5, "path": path, "source": "memory"}
+        assert_same(full_state(m2, o2), want)
+        assert extra == {"note": "x"}
+        with pytest.raises(FormatError, match="rank-00000.safetensors is missing"):
+            c.restore(*make(seed=4), hot=False)
+        # unpinned after the restore: the slot serves the next snapshot again
+        assert c._call("status")["hot_pins"] == {}
+
+
+def test_falls_back_to_disk_once_the_slot_is_reused(make_daemon) -> None:  # noqa: ANN001
+    d = make_daemon()
+    model, optim = _trained()
+    want1 = full_state(model, optim)
+    with d.client("hot") as c:
+        c.snapshot(model, optim, step=1, blocking=True).wait()
+        train_step(model, optim, 7)
+        c.snapshot(model, optim, step=2, blocking=True).wait()  # reuses rank 0's slot
+        m2, o2 = make(seed=3)
+        c.restore(m2, o2, step=1)
+        assert c.last_restore["source"] == "disk"
+        assert_same(full_state(m2, o2), want1)
+        c.restore(m2, o2)
+        assert c.last_restore == {"step": 2, "path": c.last_restore["path"], "source": "memory"}
+        assert_same(full_state(m2, o2), full_state(model, optim))
+
+
+def test_pinned_slot_is_not_overwritten_and_dead_readers_unpin(make_daemon) -> None:  # noqa: ANN001
+    d = make_daemon()
+    model, optim = _trained()
+    with d.client("hot") as c:
+        c.snapshot(model, optim, step=1, blocking=True).wait()
+        held = c._call("hot_open", job="hot", step=None, pid=os.getpid())
+        assert held["step"] == 1
+        seg = held["segments"]["rank-00000.safetensors"]
+        before = open(shm.path_of(seg), "rb").read()
+        train_step(model, optim, 9)
+        c.snapshot(model, optim, step=2, blocking=True).wait()  # must lease another slot
+        assert open(shm.path_of(seg), "rb").read() == before
+        # a reader that died leaves no pin behind
+        assert c._call("hot_open", job="hot", step=None, pid=2**22 + 12345)["step"] == 2
+        c._call("hot_close", pid=os.getpid(), segments=[seg])
+        deadline = time.monotonic() + 10  # housekeeping drops the dead pid's pin within a second
+        while c._call("status")["hot_pins"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert c._call("status")["hot_pins"] == {}
+
+
+def test_nothing_held_after_a_daemon_restart(make_daemon) -> None:  # noqa: ANN001
+    d = make_daemon()
+    model, optim = _trained()
+    want = full_state(model, optim)
+    with d.client("hot") as c:
+        c.snapshot(model, optim, step=1, blocking=True).wait()
+    d.stop()
+    d.start()
+    m2, o2 = make(seed=3)
+    with d.client("hot") as c:
+        rep = c._call("hot_open", job="hot", step=None, pid=os.getpid())
+        assert rep["step"] is None and "no step" in rep["reason"]
+        c.restore(m2, o2)
+        assert c.last_restore["source"] == "disk"
+    assert_same(full_state(m2, o2), want)
