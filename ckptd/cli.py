@@ -23,6 +23,35 @@ def _size(text: str) -> int:
 
 
 SERVE_KEYS = ("root", "endpoint", "shm_budget", "keep", "workers", "write_rate_limit", "nice", "log_level", "group")
+# the [remote] table: where the bucket is (ckptd.objstore.RemoteConfig), and the bucket's retention
+REMOTE_TIER_KEYS = {"keep": 3, "keep_every": 0, "commit_timeout": 600}
+
+
+def remote_settings(table: object, where: str) -> dict[str, object]:
+    """The ``[remote]`` table: ``{"remote": RemoteConfig, "remote_keep", "remote_keep_every",
+    "commit_timeout"}``. Raises ``ValueError`` naming what is wrong."""
+    from .objstore import RemoteConfig
+
+    if not isinstance(table, dict):
+        raise ValueError(f"{where}: [remote] must be a table")
+    conf = {k: v for k, v in table.items() if k not in REMOTE_TIER_KEYS}
+    for key in ("max_bandwidth", "part_size"):
+        if isinstance(conf.get(key), str):
+            try:
+                conf[key] = _size(conf[key])
+            except argparse.ArgumentTypeError as e:
+                raise ValueError(f"{where}: remote.{key}: {e}") from None
+    try:
+        remote = RemoteConfig.from_dict(conf)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    out: dict[str, object] = {"remote": remote}
+    for key, default in REMOTE_TIER_KEYS.items():
+        value = table.get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool) or value < (1 if key != "keep_every" else 0):
+            raise ValueError(f"{where}: remote.{key} must be an integer >= {1 if key != 'keep_every' else 0}, got {value!r}")
+        out["remote_" + key if key != "commit_timeout" else key] = value
+    return out
 
 
 def serve_settings(args: argparse.Namespace) -> dict[str, object]:
@@ -49,6 +78,8 @@ def serve_settings(args: argparse.Namespace) -> dict[str, object]:
                 data = tomllib.load(f)
             except tomllib.TOMLDecodeError as e:
                 raise ValueError(f"{args.config}: {e}") from None
+        if "remote" in data:
+            cfg.update(remote_settings(data.pop("remote"), args.config))
         unknown = set(data) - set(SERVE_KEYS)
         if unknown:
             raise ValueError(f"{args.config}: unknown settings {sorted(unknown)} (known: {', '.join(SERVE_KEYS)})")
@@ -137,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
                 write_rate_limit=float(cfg["write_rate_limit"]),
                 nice=cfg["nice"],
                 group=cfg["group"],
+                remote=cfg.get("remote"),
+                remote_keep=cfg.get("remote_keep", 3),
+                remote_keep_every=cfg.get("remote_keep_every", 0),
+                commit_timeout=float(cfg.get("commit_timeout", 600)),
             ).serve()
         except CheckpointError as e:
             print(f"ckptd: {e}", file=sys.stderr)

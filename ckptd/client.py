@@ -50,6 +50,12 @@ def _dist_rank_world() -> tuple[int, int]:
     return 0, 1
 
 
+def _local_world_size(world: int) -> int:
+    """How many of the job's ranks share this node's daemon: torchrun's ``LOCAL_WORLD_SIZE``, else all."""
+    v = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(v) if v.isdigit() and 1 <= int(v) <= world else world
+
+
 class SnapshotHandle:
     """One snapshot in flight. ``wait()`` blocks until the step is durable and returns its path."""
 
@@ -268,7 +274,15 @@ class Client:
             self._release(segment)
             raise
         commit = dict(
-            job=self.job, rank=rank, world_size=world, step=step, segment=segment, nbytes=layout.file_size, tree=tree, replicas=replicas
+            job=self.job,
+            rank=rank,
+            world_size=world,
+            local_world_size=_local_world_size(world),
+            step=step,
+            segment=segment,
+            nbytes=layout.file_size,
+            tree=tree,
+            replicas=replicas,
         )
         if not later[0] and event is None:
             self._commit(handle, commit)
@@ -561,12 +575,21 @@ class Client:
             return extra
         if held is not None:
             log.info("restoring from disk: %s", held["reason"])
-        rep = self._call("latest", job=self.job) if step is None else self._call("locate", job=self.job, step=step)
-        if rep["path"] is None:
-            raise CheckpointError(f"job {self.job!r} has no committed checkpoint")
+        rep = self._fetch(step)
         extra = restore_state(rep["path"], model, optim, rank)
-        self.last_restore = {"step": rep["step"], "path": rep["path"], "source": "disk"}
+        self.last_restore = {"step": rep["step"], "path": rep["path"], "source": "disk" if rep["source"] == "local" else "bucket"}
         return extra
+
+    def _fetch(self, step: int | None) -> dict[str, Any]:
+        """The daemon's answer to which step to restore, downloaded into its root if only the bucket
+        had it (a download may take minutes: poll, the daemon is probed between polls)."""
+        fid = self._call("fetch", job=self.job, step=step)["fetch"]
+        while True:
+            rep = self._call("fetch_wait", rpc_timeout=self.timeout + 30.0, fetch=fid, timeout=25.0)
+            if rep["state"] == "done":
+                return rep
+            if rep["state"] == "failed":
+                raise CheckpointError(rep["error"])
 
     def close(self) -> None:
         """Finish the background copy, then drop mappings and sockets. Pending durability is the daemon's."""

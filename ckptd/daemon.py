@@ -9,6 +9,7 @@ groups: agreement that a step is complete is read off storage (every rank's frag
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -22,7 +23,7 @@ from typing import Any
 
 import zmq
 
-from . import __version__, persist, shm
+from . import __version__, persist, shm, tier
 from .errors import CheckpointError, ProtocolError
 from .format import MANIFEST
 from .notify import notify, watchdog_interval
@@ -52,6 +53,7 @@ class Slot:
 @dataclass
 class StepTrack:
     world_size: int
+    local_world_size: int = 0  # ranks of this step on this node (< world_size: a multi-node step)
     committed: set[int] = field(default_factory=set)
     inflight: int = 0
     state: str = "pending"  # pending | durable | failed
@@ -81,6 +83,10 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+class _NoStep(CheckpointError):
+    """The asked-for step exists neither under the root nor in the bucket."""
 
 
 def resolve_group(group: str | int | None) -> int | None:
@@ -117,6 +123,10 @@ class Daemon:
         write_rate_limit: float = 0.0,
         nice: int = 10,
         group: str | int | None = None,
+        remote: Any = None,
+        remote_keep: int = 3,
+        remote_keep_every: int = 0,
+        commit_timeout: float = 600.0,
     ) -> None:
         # access: the owner only, or also one configured group (socket, segments, checkpoint root)
         self.gid = resolve_group(group)
@@ -141,7 +151,39 @@ class Daemon:
         self._job_locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
         self._tls = threading.local()
-        self.stats = {"persisted_bytes": 0, "persist_seconds": 0.0, "steps_committed": 0, "last_error": None}
+        self.stats: dict[str, Any] = {
+            "persisted_bytes": 0,
+            "persist_seconds": 0.0,
+            "steps_committed": 0,
+            "uploaded_bytes": 0,
+            "upload_seconds": 0.0,
+            "steps_uploaded": 0,
+            "last_error": None,
+        }
+        self.uploaded: dict[str, int] = {}  # job -> newest step complete in the bucket (this run)
+        self.fetches: dict[int, dict[str, Any]] = {}
+        self._node_done: dict[tuple[str, int], bool] = {}
+        self._fetch_waiters: dict[int, list[tuple[bytes, Any, float]]] = {}
+        self._fetch_ids = itertools.count(1)
+        self.fetching: tuple[str, int, list[int]] | None = None  # job, step, [bytes done, total]
+        # the object-storage tier (optional): an upload thread after local durability, fetches on restore
+        self.store = None
+        self.uploader: tier.Uploader | None = None
+        self.remote_keep, self.remote_keep_every = remote_keep, remote_keep_every
+        if remote is not None:
+            from .objstore import ObjectStore
+
+            self.store = ObjectStore(remote)
+            self.uploader = tier.Uploader(
+                self.store,
+                self.root,
+                self._uploaded,
+                keep=remote_keep,
+                keep_every=remote_keep_every,
+                commit_timeout=commit_timeout,
+                nice=nice,
+            )
+        self._fetch_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-fetch")
         self._ctx = zmq.Context()
         self._wake_addr = f"inproc://ckptd-wake-{id(self)}"
 
@@ -149,6 +191,13 @@ class Daemon:
 
     def serve(self) -> None:
         self._bind()
+        if self.store is not None:
+            try:
+                self.store.check()
+                log.info("object-storage tier: s3://%s/%s", self.store.config.bucket, self.store.config.prefix)
+            except CheckpointError as e:  # local durability still works; uploads retry per step
+                log.error("object-storage tier unreachable: %s", e)
+                self.stats["last_error"] = f"object storage: {e}"
         self._recover()
         self._running = True
         if threading.current_thread() is threading.main_thread():
@@ -237,6 +286,13 @@ class Daemon:
         log.info("shutting down: finishing %d pending persist(s)", sum(t.inflight for t in self.tracks.values()))
         self._pool.shutdown(wait=True)
         self._drain_done()
+        if self.uploader is not None:
+            log.info("shutting down: finishing %d queued upload(s)", len(self.uploader.backlog()) + (self.uploader.current is not None))
+            self.uploader.close()
+            self._drain_done()
+        self._fetch_pool.shutdown(wait=True)
+        if self.store is not None:
+            self.store.close()
         for slot in list(self.slots.values()):
             if slot.state != "committed":
                 self._unlink(slot)
@@ -352,6 +408,8 @@ class Daemon:
                 jobs.setdefault(job, {"in_flight": []})["in_flight"].append(step)
         for job in persist.list_jobs(self.root):
             jobs.setdefault(job, {"in_flight": []})["latest"] = persist.latest_path(self.root, job)[0]
+        for job, step in self.uploaded.items():
+            jobs.setdefault(job, {"in_flight": []})["uploaded"] = step
         return {
             "root": self.root,
             "pid": os.getpid(),
@@ -425,9 +483,21 @@ class Daemon:
         key = (msg["job"], msg["step"])
         if os.path.isdir(persist.step_dir(self.root, *key)):
             raise ProtocolError(f"step {msg['step']} of job {msg['job']} is already committed")
-        track = self.tracks.setdefault(key, StepTrack(msg["world_size"]))
-        if track.world_size != msg["world_size"]:
-            raise ProtocolError(f"step {msg['step']}: world_size {msg['world_size']} differs from {track.world_size} of other ranks")
+        lws = msg["local_world_size"]
+        if not 1 <= lws <= msg["world_size"]:
+            raise ProtocolError(f"commit: local_world_size {lws} is not within 1..world_size ({msg['world_size']})")
+        if lws < msg["world_size"] and self.store is None:
+            raise ProtocolError(
+                f"step {msg['step']} of job {msg['job']} spans several nodes ({lws} of {msg['world_size']} ranks on this one):"
+                " a multi-node job is committed through a shared bucket; configure [remote] on every node's daemon"
+            )
+        track = self.tracks.setdefault(key, StepTrack(msg["world_size"], lws))
+        if (track.world_size, track.local_world_size or lws) != (msg["world_size"], lws):
+            raise ProtocolError(
+                f"step {msg['step']}: world_size {msg['world_size']} / local_world_size {lws} differ from"
+                f" {track.world_size} / {track.local_world_size} of other ranks"
+            )
+        track.local_world_size = lws
         if msg["rank"] in track.committed:
             raise ProtocolError(f"rank {msg['rank']} already committed step {msg['step']} of job {msg['job']}")
         if track.state == "failed":
@@ -435,7 +505,7 @@ class Daemon:
         for cid, dig in msg["replicas"].items():
             if not isinstance(dig, str) or len(dig) != 16 or len(cid) > 4096:
                 raise ProtocolError("commit: 'replicas' must map chunk ids to 16-digit digests")
-        record = {k: msg[k] for k in ("job", "rank", "world_size", "step", "nbytes", "replicas")}
+        record = {k: msg[k] for k in ("job", "rank", "world_size", "local_world_size", "step", "nbytes", "replicas")}
         shm.write_record(slot.name, record, tree=msg["frames"][0])  # from here on the shard survives any crash
         record["tree"] = msg["frames"][0]  # raw JSON: parsed on the persist thread
         slot.state, slot.lease = "committed", record
@@ -525,7 +595,9 @@ class Daemon:
         """
         name = slot.name
         job, step, ws = rec["job"], rec["step"], rec["world_size"]
+        lws = rec.get("local_world_size", ws)
         final = None
+        node_ranks = None
         try:
             t0 = time.monotonic()
             if slot.mapping is None:  # mapped here, not on the main loop: ~0.1 s per GB with MAP_POPULATE
@@ -545,22 +617,38 @@ class Daemon:
             )
             dt = time.monotonic() - t0
             with self._job_lock(job):
-                if persist.fragments_present(self.root, job, step) >= set(range(ws)) and os.path.isdir(
-                    persist.tmp_dir(self.root, job, step)
-                ):
+                present = persist.fragments_present(self.root, job, step)
+                if lws < ws:
+                    # multi-node: this node's part is durable; the upload thread commits it through the bucket
+                    if len(present) == lws and not self._node_done.get((job, step)):
+                        self._node_done[(job, step)] = True
+                        node_ranks = sorted(present)
+                elif present >= set(range(ws)) and os.path.isdir(persist.tmp_dir(self.root, job, step)):
                     final = persist.finalize_step(self.root, job, step, ws)
                     # here, off the main loop (deleting GBs takes a while), and before wait() is answered
-                    removed = persist.apply_retention(self.root, job, self.keep)
-                    if removed:
-                        log.info("retention: removed steps %s of job %s", removed, job)
+                    self._local_retention(job)
             manifest = None
             if final is not None:
                 with open(os.path.join(final, MANIFEST), "rb") as f:
                     manifest = f.read()  # kept in memory for hot restores: they read no disk
-            self._notify("persisted", name, job, step, rec["rank"], None, final, rec["nbytes"], dt, manifest)
+            self._notify("persisted", name, job, step, rec["rank"], None, final, rec["nbytes"], dt, manifest, node_ranks)
         except Exception as e:  # reported to every waiter of the step, never swallowed
             log.error("persisting %s (job %s step %s rank %s) failed: %s", name, job, step, rec["rank"], e)
-            self._notify("persisted", name, job, step, rec["rank"], f"{e}", None, 0, 0.0, None)
+            self._notify("persisted", name, job, step, rec["rank"], f"{e}", None, 0, 0.0, None, None)
+
+    def _local_retention(self, job: str) -> None:
+        """Keep the newest ``keep`` local steps, except those still to be uploaded. Off the main loop."""
+        protect = self.uploader.pending(job) if self.uploader is not None else set()
+        removed = persist.apply_retention(self.root, job, self.keep, protect)
+        if removed:
+            log.info("retention: removed steps %s of job %s", removed, job)
+
+    def _uploaded(self, res: tier.UploadResult) -> None:
+        """Upload thread: a step's upload ended. Local steps it protected may go now."""
+        if res.error is None and not res.multi_node:
+            with self._job_lock(res.job):
+                self._local_retention(res.job)
+        self._notify("uploaded", res)
 
     def _notify(self, *item: Any) -> None:
         self._done.put(item)
@@ -574,9 +662,16 @@ class Daemon:
     def _drain_done(self) -> None:
         while True:
             try:
-                _, name, job, step, rank, err, final, nbytes, dt, manifest = self._done.get_nowait()
+                item = self._done.get_nowait()
             except queue.Empty:
                 return
+            if item[0] == "uploaded":
+                self._upload_done(item[1])
+                continue
+            if item[0] == "fetched":
+                self._fetch_done(item[1], item[2])
+                continue
+            _, name, job, step, rank, err, final, nbytes, dt, manifest, node_ranks = item
             slot = self.slots.get(name)
             if slot is not None:
                 shm.drop_record(name)
@@ -591,9 +686,14 @@ class Daemon:
             if err is not None and track.state == "pending":
                 track.state, track.error = "failed", err
                 self.stats["last_error"] = f"job {job} step {step}: {err}"
+            if node_ranks is not None and track.state == "pending":
+                assert self.uploader is not None
+                self.uploader.submit(job, step, track.world_size, node_ranks)
             if final is not None:
                 track.state, track.path = "durable", final
                 self.hot[job] = (step, final, manifest)
+                if self.uploader is not None:
+                    self.uploader.submit(job, step, track.world_size)
                 self.stats["steps_committed"] += 1
                 log.info("committed job %s step %s -> %s", job, step, final)
                 self._after_commit(job, step)
@@ -601,6 +701,113 @@ class Daemon:
                 persist.remove_partial(self.root, job, step)  # rare: before waiters hear of it
             if track.state != "pending":
                 self._answer_waiters((job, step), track)
+
+    def _upload_done(self, res: tier.UploadResult) -> None:
+        self.stats["uploaded_bytes"] += res.nbytes
+        self.stats["upload_seconds"] += res.seconds
+        if res.error is not None:
+            self.stats["last_error"] = f"upload of job {res.job} step {res.step}: {res.error}"
+        elif res.committed:
+            self.stats["steps_uploaded"] += 1
+            self.uploaded[res.job] = max(res.step, self.uploaded.get(res.job, -1))
+            log.info("uploaded job %s step %s -> %s (%.2f GB in %.1f s)", res.job, res.step, res.url, res.nbytes / 1e9, res.seconds)
+        if not res.multi_node:
+            return
+        # a multi-node step is durable once it is complete in the bucket
+        key = (res.job, res.step)
+        self._node_done.pop(key, None)
+        track = self.tracks.get(key)
+        if track is None or track.state != "pending":
+            return
+        if res.error is not None:
+            track.state, track.error = "failed", res.error
+            persist.remove_partial(self.root, res.job, res.step)
+        else:
+            track.state, track.path = "durable", res.url
+            self.stats["steps_committed"] += 1
+            log.info("committed job %s step %s across nodes -> %s", res.job, res.step, res.url)
+            self._after_commit(res.job, res.step)
+        self._answer_waiters(key, track)
+
+    # ------------------------------------------------------------------ fetch: which step a restore reads
+
+    def _op_fetch(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
+        fid = next(self._fetch_ids)
+        self.fetches[fid] = {"state": "pending", "step": None, "path": None, "source": None, "error": None}
+        self._fetch_pool.submit(self._fetch_worker, fid, msg["job"], msg["step"])
+        return {"fetch": fid}
+
+    def _op_fetch_wait(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any] | None:
+        fid = msg["fetch"]
+        res = self.fetches.get(fid)
+        if res is None:
+            raise ProtocolError(f"unknown fetch {fid}")
+        if res["state"] != "pending":
+            return self._fetch_reply(fid)
+        deadline = time.monotonic() + max(0.0, min(float(msg["timeout"]), WAIT_CAP_S))
+        self._fetch_waiters.setdefault(fid, []).append((ident, msg["id"], deadline))
+        return None
+
+    def _fetch_reply(self, fid: int) -> dict[str, Any]:
+        res = self.fetches[fid]
+        if res["state"] != "pending":
+            # answered once: forget it (a client that lost the answer asks for a new fetch)
+            self.fetches.pop(fid, None)
+        return dict(res)
+
+    def _fetch_worker(self, fid: int, job: str, step: int | None) -> None:
+        """Fetch thread: the newest complete step (or ``step``) under the root or in the bucket; a step
+        only the bucket holds is downloaded into the root first."""
+        try:
+            if step is None:
+                local, path = persist.latest_path(self.root, job)
+            else:
+                path = persist.step_dir(self.root, job, step)
+                local = step if os.path.exists(os.path.join(path, MANIFEST)) else None
+            remote: list[int] = []
+            if self.store is not None:
+                remote = tier.remote_steps(self.store, job)[0]
+            where = f"under {self.root}" + (f" or in s3://{self.store.config.bucket}/{self.store.config.prefix}" if self.store else "")
+            if step is None:
+                want = max([s for s in (local, remote[-1] if remote else None) if s is not None], default=None)
+                if want is None:
+                    raise _NoStep(f"job {job!r} has no committed checkpoint {where}")
+            else:
+                want = step
+                if local is None and step not in remote:
+                    raise _NoStep(f"step {step} of job {job!r} is not a committed checkpoint {where}")
+            if want == local:
+                result = {"state": "done", "step": want, "path": path, "source": "local", "error": None}
+            else:
+                prog = [0, 0]
+                self.fetching = (job, want, prog)
+
+                def cb(n: int) -> None:
+                    prog[0] += n
+
+                log.info("fetching job %s step %s from the bucket", job, want)
+                t0 = time.monotonic()
+                path = tier.download_step(self.store, self.root, job, want, cb)
+                log.info("fetched job %s step %s: %.2f GB in %.1f s", job, want, prog[0] / 1e9, time.monotonic() - t0)
+                result = {"state": "done", "step": want, "path": path, "source": "remote", "error": None}
+        except Exception as e:  # the restore that asked gets it
+            result = {"state": "failed", "step": step, "path": None, "source": None, "error": str(e)}
+            if not isinstance(e, _NoStep):
+                log.error("fetch of job %s step %s failed: %s", job, step, e)
+                self.stats["last_error"] = f"fetch of job {job} step {step}: {e}"
+        finally:
+            self.fetching = None
+        self._notify("fetched", fid, result)
+
+    def _fetch_done(self, fid: int, result: dict[str, Any]) -> None:
+        if fid not in self.fetches:
+            return
+        self.fetches[fid] = result
+        waiters = self._fetch_waiters.pop(fid, [])
+        if waiters:
+            for ident, req_id, _ in waiters:
+                self._send(ident, reply_ok(req_id, **result))
+            self.fetches.pop(fid, None)
 
     def _after_commit(self, job: str, step: int) -> None:
         # older steps some rank never committed can no longer complete: fail them, free their shards
@@ -654,6 +861,12 @@ class Daemon:
             for pid in [p for p in slot.pins if not _pid_alive(p)]:
                 slot.pins.discard(pid)  # a hot restore's reader died
         self.deferred = [(i, m) for i, m in self.deferred if _pid_alive(m["pid"])]
+        for fid, waiters in list(self._fetch_waiters.items()):
+            due = [w for w in waiters if w[2] <= now]
+            if due:
+                self._fetch_waiters[fid] = [w for w in waiters if w[2] > now]
+                for ident, req_id, _ in due:
+                    self._send(ident, reply_ok(req_id, **self.fetches.get(fid, {"state": "failed", "error": "fetch forgotten"})))
         for key, track in self.tracks.items():
             if track.waiters:
                 due = [w for w in track.waiters if w[2] <= now]

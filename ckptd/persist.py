@@ -274,8 +274,9 @@ def remove_partial(root: str, job: str, step: int) -> None:
     shutil.rmtree(tmp_dir(root, job, step), ignore_errors=True)
 
 
-def apply_retention(root: str, job: str, keep: int) -> list[int]:
-    """Keep the newest ``keep`` committed steps of ``job``; returns the steps removed.
+def apply_retention(root: str, job: str, keep: int, protect: set[int] | frozenset[int] = frozenset()) -> list[int]:
+    """Keep the newest ``keep`` committed steps of ``job`` and those in ``protect`` (not uploaded
+    yet); returns the steps removed.
 
     Partial steps are not touched here: the daemon removes those it knows can no longer complete.
     """
@@ -283,6 +284,8 @@ def apply_retention(root: str, job: str, keep: int) -> list[int]:
     removed = []
     if keep > 0 and len(steps) > keep:
         for s in steps[:-keep]:
+            if s in protect:
+                continue
             shutil.rmtree(step_dir(root, job, s), ignore_errors=True)
             removed.append(s)
     return removed

@@ -11,9 +11,11 @@ Ops (who sends them: the trainer's client, on whichever of its threads needs the
 ``hello`` → ``{"server_version", "root", "pid"}``.
 ``alloc`` ``{job, rank, world_size, step, nbytes, pid}`` → ``{"segment", "size"}``: lease a staging
     slot of at least ``nbytes``. The reply is deferred while the memory budget is full (backpressure).
-``commit`` ``{job, rank, world_size, step, segment, nbytes, replicas}`` plus a second frame, the
-    rank's non-tensor tree as JSON: the slot holds a complete shard (``replicas``: chunk id → sample
-    digest of every chunk other ranks hold too); the reply ``{}`` comes once the daemon has recorded
+``commit`` ``{job, rank, world_size, local_world_size, step, segment, nbytes, replicas}`` plus a
+    second frame, the rank's non-tensor tree as JSON: the slot holds a complete shard (``replicas``:
+    chunk id → sample digest of every chunk other ranks hold too; ``local_world_size``: how many of
+    the step's ranks this daemon serves, fewer than ``world_size`` for a multi-node job, which the
+    daemon then commits through the bucket); the reply ``{}`` comes once the daemon has recorded
     the commit in shared memory, after which the step is made durable even if the trainer dies. The
     daemon stores the tree frame as it came and parses it on a persist thread (a malformed tree
     fails the step), so a large tree does not delay the reply.
@@ -29,6 +31,10 @@ Ops (who sends them: the trainer's client, on whichever of its threads needs the
     same bytes. The segments are pinned for ``pid`` (not reused) until ``hot_close`` or its death.
     ``"step": null`` and a ``reason`` when it does not hold them.
 ``hot_close`` ``{pid, segments}``: unpin segments that ``hot_open`` gave this pid.
+``fetch`` ``{job, step}`` → ``{"fetch"}``: find the newest complete step (``step`` null) or ``step``
+    under the root or in the bucket, downloading it into the root if only the bucket has it, on a
+    daemon thread. ``fetch_wait`` ``{fetch, timeout}`` → ``{"state": "pending"|"done"|"failed",
+    "step", "path", "source": "local"|"remote", "error"}``, held up to ``timeout`` seconds.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
         "segment": _STR,
         "nbytes": _INT,
         "replicas": (dict,),
+        "local_world_size": _INT,
     },  # fmt: skip
     "release": {"segment": _STR},
     "wait": {"job": _STR, "step": _INT, "timeout": _NUM},
@@ -65,6 +72,8 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     "status": {},
     "hot_open": {"job": _STR, "step": (int, type(None)), "pid": _INT},
     "hot_close": {"pid": _INT, "segments": (list,)},
+    "fetch": {"job": _STR, "step": (int, type(None))},
+    "fetch_wait": {"fetch": _INT, "timeout": _NUM},
 }
 _ENVELOPE = {"v", "op", "id"}
 EXTRA_FRAMES = {"commit": 1}  # ops followed by raw frames (commit: the tree's JSON)

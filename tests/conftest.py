@@ -129,3 +129,48 @@ def env_for(daemon: DaemonProc, job: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(CKPTD_ENDPOINT=daemon.endpoint, CKPTD_JOB=job, PYTHONPATH=str(REPO))
     return env
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """A moto S3 server on loopback for the whole session, with dummy AWS credentials in ``os.environ``.
+
+    The credentials go into ``os.environ`` (not a per-test monkeypatch) so that daemon
+    subprocesses started by any test inherit them; both are undone at session end.
+    """
+    from s3server import S3_UNSET_ENV, MotoServer, s3_test_env
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name in S3_UNSET_ENV:
+            mp.delenv(name, raising=False)
+        for name, value in s3_test_env(os.environ).items():
+            mp.setenv(name, value)
+        server = MotoServer(tmp_path_factory.mktemp("moto") / "moto.log")
+        try:
+            yield server.start()
+        finally:
+            server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server) -> Iterator:  # noqa: ANN001
+    """A fresh, uniquely named bucket on ``s3_server``: yields its ``RemoteConfig`` (prefix ``ckpts``)."""
+    import uuid
+
+    from ckptd.objstore import RemoteConfig
+
+    bucket = f"ckptd-test-{uuid.uuid4().hex[:16]}"
+    client = s3_server.client()
+    client.create_bucket(Bucket=bucket)
+    try:
+        yield RemoteConfig(bucket=bucket, prefix="ckpts", endpoint_url=s3_server.endpoint_url, region="us-east-1")
+    finally:
+        # best effort: the server lives for the session, so free what this test stored
+        try:
+            for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+                keys = [{"Key": o["Key"]} for o in page.get("Contents", ())]
+                if keys:
+                    client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+            client.delete_bucket(Bucket=bucket)
+        except Exception:
+            pass

@@ -45,16 +45,17 @@ def _op(op: str, **f) -> bytes:  # noqa: ANN003
     return request(op, 1, **f)
 
 
+ONE = {"world_size": 1, "local_world_size": 1}  # a one-rank job on one node
 BAD_MESSAGES = [
     ("garbage", [b"\x00\x01garbage"], "bad_request"),
     ("two frames", [b"{}", b"{}"], "bad_request"),
-    ("commit without its tree frame", [_op("commit", job="j", rank=0, world_size=1, step=1, segment="ckptd-0-00000000-00000001",
+    ("commit without its tree frame", [_op("commit", job="j", rank=0, **ONE, step=1, segment="ckptd-0-00000000-00000001",
                                            nbytes=1, replicas={})], "bad_request"),
     ("hello with an extra frame", [_op("hello"), b"{}"], "bad_request"),
     ("json list", [b"[]"], "bad_request"),
     ("unknown op", [_op("explode")], "bad_request"),
     ("bad job", [_op("latest", job="../x")], "bad_request"),
-    ("unknown segment", [_op("commit", job="j", rank=0, world_size=1, step=1, segment="ckptd-0-00000000-00000001", nbytes=1,
+    ("unknown segment", [_op("commit", job="j", rank=0, **ONE, step=1, segment="ckptd-0-00000000-00000001", nbytes=1,
                               replicas={}), b"{}"],
      "refused"),
     ("malformed segment name", [_op("release", segment="../../etc/passwd")], "refused"),
@@ -75,9 +76,9 @@ def test_commit_must_match_lease(daemon) -> None:  # noqa: ANN001
     with daemon.client("j") as c:
         seg = c._call("alloc", job="j", rank=0, world_size=1, step=1, nbytes=100, pid=os.getpid())["segment"]
         with pytest.raises(ProtocolError, match="does not match the lease"):
-            c._call("commit", job="j", rank=0, world_size=1, step=2, segment=seg, nbytes=100, replicas={}, frames=(b"{}",))
+            c._call("commit", job="j", rank=0, **ONE, step=2, segment=seg, nbytes=100, replicas={}, frames=(b"{}",))
         with pytest.raises(ProtocolError, match="exceeds segment size"):
-            c._call("commit", job="j", rank=0, world_size=1, step=1, segment=seg, nbytes=1 << 40, replicas={}, frames=(b"{}",))
+            c._call("commit", job="j", rank=0, **ONE, step=1, segment=seg, nbytes=1 << 40, replicas={}, frames=(b"{}",))
         c._call("release", segment=seg)
         with pytest.raises(ProtocolError, match="not leased"):
             c._call("release", segment=seg)
@@ -87,7 +88,7 @@ def test_garbage_shard_fails_the_step_not_the_daemon(daemon) -> None:  # noqa: A
     """A committed slot whose bytes are not a shard: wait() raises, nothing is committed."""
     with daemon.client("j") as c:
         seg = c._call("alloc", job="j", rank=0, world_size=1, step=1, nbytes=4096, pid=os.getpid())["segment"]
-        c._call("commit", job="j", rank=0, world_size=1, step=1, segment=seg, nbytes=4096, replicas={}, frames=(b"{}",))
+        c._call("commit", job="j", rank=0, **ONE, step=1, segment=seg, nbytes=4096, replicas={}, frames=(b"{}",))
         rep = c._call("wait", job="j", step=1, timeout=10.0)
         assert rep["state"] == "failed" and "header" in rep["error"]
         assert c.latest() is None
@@ -106,7 +107,7 @@ def test_malformed_tree_fails_the_step_not_the_daemon(daemon) -> None:  # noqa: 
         shard = open(src, "rb").read()
         with open(f"/dev/shm/{seg}", "r+b") as f:
             f.write(shard)  # a valid shard, so only the tree is wrong
-        c._call("commit", job="j", rank=0, world_size=1, step=2, segment=seg, nbytes=len(shard), replicas={}, frames=(b"{not json",))
+        c._call("commit", job="j", rank=0, **ONE, step=2, segment=seg, nbytes=len(shard), replicas={}, frames=(b"{not json",))
         rep = c._call("wait", job="j", step=2, timeout=10.0)
         assert rep["state"] == "failed" and "tree is not valid JSON" in rep["error"]
         assert c.latest() == 1 and c.hello()["ok"]

@@ -1,0 +1,382 @@
+"""The object-storage tier: one S3-compatible bucket (AWS S3, MinIO, ...) reached through boto3.
+
+Objects live under ``<prefix>/<rel>`` in the bucket; every method takes ``rel``, a key relative to
+the store's prefix, and :meth:`ObjectStore.list` returns keys in that same relative form.
+
+Who calls what: the daemon builds one :class:`ObjectStore` per configured remote, calls
+:meth:`ObjectStore.check` once at start-up, then calls the transfer methods from its upload and
+download worker threads; it calls :meth:`ObjectStore.close` at shutdown. Every method blocks until
+the request is done or botocore has given up after ``max_attempts`` (standard mode: exponential
+backoff with jitter). The store is safe to share between threads: boto3 clients are thread-safe and
+all transfers go through one s3transfer manager, so ``max_bandwidth`` caps the store as a whole
+rather than each call. Progress callbacks run on s3transfer's worker threads, not the caller's.
+
+Errors: any boto3/botocore failure surfaces as :class:`~ckptd.errors.CheckpointError` naming the
+operation, bucket and key; reading a missing object raises :class:`FileNotFoundError`. boto3 is
+imported on first use, so ``import ckptd`` does not pay for it.
+"""
+
+from __future__ import annotations
+
+import builtins  # the method ObjectStore.list shadows the type inside the class
+import contextlib
+import dataclasses
+import functools
+import io
+import os
+import re
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import CheckpointError
+from .format import fsync_dir
+
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_IPV4_RE = re.compile(r"^\d{1,3}(\.\d{1,3}){3}$")
+_MIN_PART = 5 << 20  # S3's smallest multipart chunk (all but the last part)
+_MAX_PART = 5 << 30  # S3's largest single part
+_LIST_PAGE = 1000  # keys per ListObjectsV2 request (the S3 maximum)
+_DELETE_BATCH = 1000  # keys per DeleteObjects request (the S3 maximum)
+_CONCURRENCY = 10  # parallel requests per store (parts of one transfer, or several transfers)
+_MISSING_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
+
+# field -> accepted types; bool is refused separately (it is an int subclass)
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "bucket": (str,),
+    "prefix": (str,),
+    "endpoint_url": (str, type(None)),
+    "region": (str, type(None)),
+    "max_bandwidth": (int, type(None)),
+    "part_size": (int,),
+    "max_attempts": (int,),
+    "connect_timeout": (int, float),
+    "read_timeout": (int, float),
+}
+
+
+def _check_rel(what: str, rel: object, *, prefix_of_keys: bool = False) -> str:
+    """Return ``rel`` if it is a safe relative key (or key prefix), else raise ``ValueError``.
+
+    Refused: a leading ``/``, ``.`` or ``..`` segments, empty segments (``a//b``). A key prefix
+    (``prefix_of_keys``) may be empty and may end with ``/``; a key may do neither.
+    """
+    if not isinstance(rel, str):
+        raise ValueError(f"{what} must be a string, got {type(rel).__name__}")
+    if rel == "" and prefix_of_keys:
+        return rel
+    if rel.startswith("/"):
+        raise ValueError(f"{what} {rel!r} must not start with '/'")
+    segments = rel.split("/")
+    if prefix_of_keys and segments[-1] == "":
+        segments.pop()
+    if any(s in ("", ".", "..") for s in segments):
+        raise ValueError(f"{what} {rel!r} must not contain empty, '.' or '..' path segments")
+    return rel
+
+
+@dataclass(frozen=True)
+class RemoteConfig:
+    """Where and how to reach the bucket. Validated on construction; ``prefix`` loses trailing ``/``.
+
+    ``max_attempts`` counts every attempt of one request, the first included (1 = no retry).
+    ``part_size`` is both the multipart threshold and the chunk size: files of ``part_size`` bytes
+    or more are uploaded in parts of that size (S3 allows 5 MiB to 5 GiB).
+    ``max_bandwidth`` (bytes/s) caps uploads and downloads of the whole store together.
+    Credentials are not part of the config: boto3's usual chain supplies them (``AWS_*``
+    environment variables, ``~/.aws``, an instance role).
+    """
+
+    bucket: str
+    prefix: str = ""
+    endpoint_url: str | None = None
+    region: str | None = None
+    max_bandwidth: int | None = None
+    part_size: int = 64 << 20
+    max_attempts: int = 8
+    connect_timeout: float = 10.0
+    read_timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name, types in _FIELD_TYPES.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, types):
+                want = " or ".join("None" if t is type(None) else t.__name__ for t in types)
+                raise ValueError(f"remote config: {name} must be {want}, got {type(value).__name__} {value!r}")
+        b = self.bucket
+        if not _BUCKET_RE.match(b) or ".." in b or _IPV4_RE.match(b):
+            raise ValueError(
+                f"remote config: invalid bucket name {b!r}: use 3-63 lowercase letters, digits, '.' and '-', "
+                "starting and ending with a letter or digit, no '..', not an IP address"
+            )
+        if self.prefix.startswith("/"):
+            raise ValueError(f"remote config: prefix {self.prefix!r} must not start with '/'")
+        prefix = self.prefix.rstrip("/")
+        if prefix:
+            _check_rel("remote config: prefix", prefix)
+        object.__setattr__(self, "prefix", prefix)
+        if self.endpoint_url is not None and not self.endpoint_url.startswith(("http://", "https://")):
+            raise ValueError(f"remote config: endpoint_url {self.endpoint_url!r} must start with http:// or https://")
+        if self.max_bandwidth is not None and self.max_bandwidth <= 0:
+            raise ValueError(f"remote config: max_bandwidth must be positive bytes/s, got {self.max_bandwidth}")
+        if not _MIN_PART <= self.part_size <= _MAX_PART:
+            raise ValueError(f"remote config: part_size must be between {_MIN_PART} and {_MAX_PART} bytes, got {self.part_size}")
+        if self.max_attempts < 1:
+            raise ValueError(f"remote config: max_attempts must be at least 1, got {self.max_attempts}")
+        for name in ("connect_timeout", "read_timeout"):
+            value = getattr(self, name)
+            if value <= 0:
+                raise ValueError(f"remote config: {name} must be positive seconds, got {value}")
+            object.__setattr__(self, name, float(value))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RemoteConfig:
+        """Build from a parsed TOML/JSON table; unknown keys, wrong types and bad values raise ``ValueError``."""
+        if not isinstance(d, dict):
+            raise ValueError(f"remote config must be a table, got {type(d).__name__}")
+        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"remote config: unknown keys {', '.join(map(repr, unknown))}")
+        if "bucket" not in d:
+            raise ValueError("remote config: 'bucket' is required")
+        return cls(**d)
+
+
+@functools.cache
+def _boto_errors() -> tuple[type[BaseException], ...]:
+    """Every exception class that means "the request failed" in boto3, botocore and s3transfer."""
+    import boto3.exceptions
+    import botocore.exceptions
+    import s3transfer.exceptions
+
+    return (
+        botocore.exceptions.BotoCoreError,
+        botocore.exceptions.ClientError,
+        boto3.exceptions.Boto3Error,
+        s3transfer.exceptions.RetriesExceededError,
+        s3transfer.exceptions.S3UploadFailedError,
+        s3transfer.exceptions.S3DownloadFailedError,
+        s3transfer.exceptions.FatalError,
+    )
+
+
+def _error_code(exc: BaseException) -> str:
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        return str(response.get("Error", {}).get("Code", ""))
+    return ""
+
+
+def _make_client(config: RemoteConfig) -> Any:
+    import boto3.session
+    from botocore.config import Config
+
+    # S3-compatible servers (MinIO, moto) are usually reached by host:port, where virtual-host
+    # addressing (bucket.host) does not resolve; AWS keeps botocore's own choice.
+    s3_options = {"addressing_style": "path"} if config.endpoint_url else None
+    botocore_config = Config(
+        retries={"total_max_attempts": config.max_attempts, "mode": "standard"},
+        connect_timeout=config.connect_timeout,
+        read_timeout=config.read_timeout,
+        max_pool_connections=_CONCURRENCY + 4,
+        s3=s3_options,
+    )
+    # a private session: creating clients from boto3's default session is not thread-safe
+    session = boto3.session.Session()
+    return session.client("s3", endpoint_url=config.endpoint_url, region_name=config.region, config=botocore_config)
+
+
+class ObjectStore:
+    """Files and bytes in one bucket under one key prefix. See the module docstring for threading.
+
+    ``client`` replaces the boto3 S3 client built from ``config`` (tests, or a caller that needs
+    its own session); a client passed in is not closed by :meth:`close`.
+    """
+
+    def __init__(self, config: RemoteConfig, client: Any = None) -> None:
+        self.config = config
+        self._owns_client = client is None
+        self.client = _make_client(config) if client is None else client
+        self._transfer_manager: Any = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"ObjectStore(s3://{self.config.bucket}/{self.config.prefix} at {self._endpoint()})"
+
+    def __enter__(self) -> ObjectStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Wait for transfers in flight, stop the transfer threads and close the connection pool."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            manager, self._transfer_manager = self._transfer_manager, None
+        if manager is not None:
+            manager.shutdown()
+        if self._owns_client:
+            self.client.close()
+
+    def key(self, rel: str) -> str:
+        """The bucket key for ``rel``: ``<prefix>/<rel>`` (just ``rel`` without a prefix)."""
+        _check_rel("object key", rel)
+        return f"{self.config.prefix}/{rel}" if self.config.prefix else rel
+
+    def put_file(self, rel: str, path: str, progress: Callable[[int], None] | None = None) -> None:
+        """Upload the file at ``path`` to ``rel``, in parts when it has ``part_size`` bytes or more.
+
+        ``progress`` gets the bytes sent since its last call (negative when a retried part rewinds).
+        A file that cannot be read raises ``OSError``.
+        """
+        key = self.key(rel)
+        os.stat(path)  # a missing local file is the caller's OSError, not a missing object
+        with self._translate("upload", key):
+            self._wait(self._transfers().upload(path, self.config.bucket, key, subscribers=self._subscribers(progress)))
+
+    def put_bytes(self, rel: str, data: bytes) -> None:
+        """Upload ``data`` to ``rel`` (same path as :meth:`put_file`: multipart, bandwidth cap)."""
+        key = self.key(rel)
+        with self._translate("upload", key):
+            self._wait(self._transfers().upload(io.BytesIO(data), self.config.bucket, key))
+
+    def get_file(self, rel: str, path: str, progress: Callable[[int], None] | None = None) -> None:
+        """Download ``rel`` to ``path`` atomically: into ``path + ".part"``, fsync, rename over ``path``.
+
+        On any failure the ``.part`` file is removed and ``path`` is left as it was. A missing
+        object raises ``FileNotFoundError``.
+        """
+        key = self.key(rel)
+        part = path + ".part"
+        done = False
+        try:
+            with open(part, "wb") as f:
+                with self._translate("download", key, missing_is_error=False):
+                    future = self._transfers().download(self.config.bucket, key, f, subscribers=self._subscribers(progress))
+                    self._wait(future)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(part, path)
+            done = True
+        finally:
+            if not done:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(part)
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+    def get_bytes(self, rel: str) -> bytes:
+        """The content of ``rel``; a missing object raises ``FileNotFoundError``."""
+        key = self.key(rel)
+        buf = io.BytesIO()
+        with self._translate("download", key, missing_is_error=False):
+            self._wait(self._transfers().download(self.config.bucket, key, buf))
+        return buf.getvalue()
+
+    def exists(self, rel: str) -> bool:
+        """Whether an object named ``rel`` exists (a HEAD request)."""
+        key = self.key(rel)
+        try:
+            with self._translate("head", key, missing_is_error=False):
+                self.client.head_object(Bucket=self.config.bucket, Key=key)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def list(self, rel_prefix: str = "") -> builtins.list[str]:
+        """Every key that starts with ``rel_prefix`` (a plain string prefix, as in S3), relative and sorted.
+
+        ``list("step-1/")`` lists one directory-like level and below; ``list("step-1")`` would also
+        match ``step-10/...``.
+        """
+        _check_rel("key prefix", rel_prefix, prefix_of_keys=True)
+        root = f"{self.config.prefix}/" if self.config.prefix else ""
+        keys: builtins.list[str] = []
+        with self._translate("list", root + rel_prefix + "*"):
+            paginator = self.client.get_paginator("list_objects_v2")
+            pages = paginator.paginate(Bucket=self.config.bucket, Prefix=root + rel_prefix, PaginationConfig={"PageSize": _LIST_PAGE})
+            for page in pages:
+                keys.extend(obj["Key"] for obj in page.get("Contents", ()))
+        return sorted(k[len(root) :] for k in keys)
+
+    def delete(self, rels: builtins.list[str]) -> None:
+        """Delete the objects named in ``rels``, up to 1000 per request; missing ones are not an error."""
+        keys = list(dict.fromkeys(self.key(rel) for rel in rels))
+        for start in range(0, len(keys), _DELETE_BATCH):
+            batch = keys[start : start + _DELETE_BATCH]
+            with self._translate("delete", batch[0] if len(batch) == 1 else f"{batch[0]} (+{len(batch) - 1} more)"):
+                response = self.client.delete_objects(
+                    Bucket=self.config.bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}
+                )
+            failed = response.get("Errors") or []
+            if failed:
+                first = failed[0]
+                raise CheckpointError(
+                    f"s3 delete failed for {len(failed)} of {len(batch)} keys in bucket {self.config.bucket!r} at "
+                    f"{self._endpoint()}, first s3://{self.config.bucket}/{first.get('Key')}: "
+                    f"{first.get('Code')} {first.get('Message')}"
+                )
+
+    def check(self) -> None:
+        """Raise :class:`CheckpointError` unless the bucket exists and these credentials may use it."""
+        try:
+            self.client.head_bucket(Bucket=self.config.bucket)
+        except _boto_errors() as exc:
+            code = _error_code(exc)
+            reason = {"404": "it does not exist", "NoSuchBucket": "it does not exist", "403": "access denied"}.get(code, "unreachable")
+            raise CheckpointError(f"s3 bucket {self.config.bucket!r} at {self._endpoint()} is not usable ({reason}): {exc}") from exc
+
+    # -- internals --
+
+    def _endpoint(self) -> str:
+        meta = getattr(self.client, "meta", None)
+        return str(getattr(meta, "endpoint_url", None) or self.config.endpoint_url or "AWS")
+
+    def _transfers(self) -> Any:
+        """The store's one s3transfer manager, made on first use (it owns the worker threads)."""
+        with self._lock:
+            if self._closed:
+                raise CheckpointError(f"{self!r} is closed")
+            if self._transfer_manager is None:
+                from boto3.s3.transfer import TransferConfig, create_transfer_manager
+
+                transfer_config = TransferConfig(
+                    multipart_threshold=self.config.part_size,
+                    multipart_chunksize=self.config.part_size,
+                    max_concurrency=_CONCURRENCY,
+                    max_bandwidth=self.config.max_bandwidth,
+                    preferred_transfer_client="classic",  # the CRT client ignores max_bandwidth
+                )
+                self._transfer_manager = create_transfer_manager(self.client, transfer_config)
+            return self._transfer_manager
+
+    @staticmethod
+    def _subscribers(progress: Callable[[int], None] | None) -> builtins.list[Any] | None:
+        if progress is None:
+            return None
+        from boto3.s3.transfer import ProgressCallbackInvoker
+
+        return [ProgressCallbackInvoker(progress)]
+
+    @staticmethod
+    def _wait(future: Any) -> None:
+        try:
+            future.result()
+        except KeyboardInterrupt:
+            future.cancel()
+            raise
+
+    @contextlib.contextmanager
+    def _translate(self, op: str, key: str, missing_is_error: bool = True) -> Iterator[None]:
+        """Turn boto3/botocore failures into ``CheckpointError`` (or ``FileNotFoundError`` for a missing object)."""
+        try:
+            yield
+        except _boto_errors() as exc:
+            where = f"s3://{self.config.bucket}/{key}"
+            if not missing_is_error and _error_code(exc) in _MISSING_CODES:
+                raise FileNotFoundError(f"no such object {where} at {self._endpoint()}") from exc
+            raise CheckpointError(f"s3 {op} {where} at {self._endpoint()} failed: {exc}") from exc

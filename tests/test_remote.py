@@ -1,0 +1,175 @@
+"""The object-storage tier through the daemon, against a real S3 endpoint (moto's server) on loopback:
+upload after local durability (data first, manifest last), per-tier retention, restore from the
+bucket when the local copy is gone, a corrupt object caught by its checksum, an unreachable bucket."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _models import assert_same, full_state, make, train_step
+
+from ckptd import tier
+from ckptd.errors import CheckpointError, FormatError
+from ckptd.objstore import ObjectStore, RemoteConfig
+
+
+def remote_toml(path: Path, cfg: RemoteConfig, **extra: Any) -> str:
+    """A ``--config`` file holding only the ``[remote]`` table for ``cfg`` plus ``extra`` keys."""
+    lines = ["[remote]", f'bucket = "{cfg.bucket}"', f'prefix = "{cfg.prefix}"', f'endpoint_url = "{cfg.endpoint_url}"']
+    for k, v in extra.items():
+        lines.append(f"{k} = {json.dumps(v)}")
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def wait_uploaded(d, job: str, step: int, timeout: float = 60.0) -> dict[str, Any]:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    with d.client(job) as c:
+        while time.monotonic() < deadline:
+            st = c.status()
+            if st["jobs"].get(job, {}).get("uploaded", -1) >= step:
+                return st
+            time.sleep(0.1)
+    raise AssertionError(f"step {step} of {job} was never uploaded: {st}")
+
+
+def _steps(store: ObjectStore, job: str) -> tuple[list[int], list[int]]:
+    return tier.remote_steps(store, job)
+
+
+def test_upload_retention_and_restore_from_bucket(make_daemon, short_tmp: Path, s3_bucket: RemoteConfig) -> None:  # noqa: ANN001
+    conf = remote_toml(short_tmp / "r.toml", s3_bucket, keep=2, keep_every=2, part_size="5M", max_bandwidth="1G")
+    d = make_daemon("--config", conf, "--keep", "2")
+    model, optim = make()
+    states = {}
+    with d.client("up") as c:
+        for step in range(1, 6):
+            train_step(model, optim, step)
+            states[step] = full_state(model, optim)
+            c.snapshot(model, optim, step=step, extra={"step": step}, blocking=True).wait()
+    st = wait_uploaded(d, "up", 5)
+    assert st["steps_uploaded"] >= 3 and st["uploaded_bytes"] > 0 and st["last_error"] is None
+    store = ObjectStore(s3_bucket)
+    # bucket: the newest 2 and every 2nd; local disk: the newest 2
+    deadline = time.monotonic() + 10
+    while _steps(store, "up") != ([2, 4, 5], []) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _steps(store, "up") == ([2, 4, 5], [])
+    assert sorted(os.listdir(Path(d.root) / "up")) == ["latest", "step-4", "step-5"]
+    # every object is byte-identical to the local file it came from
+    for name in os.listdir(Path(d.root) / "up" / "step-5"):
+        assert store.get_bytes(f"up/step-5/{name}") == (Path(d.root) / "up" / "step-5" / name).read_bytes()
+
+    # the node is lost: a fresh root restores from the bucket, newest first, or any kept step
+    d.stop()
+    shutil.rmtree(Path(d.root) / "up")
+    d.start()
+    with d.client("up") as c:
+        m2, o2 = make(seed=9)
+        assert c.restore(m2, o2) == {"step": 5}
+        assert c.last_restore["source"] == "bucket" and c.last_restore["step"] == 5
+        assert_same(full_state(m2, o2), states[5])
+        assert c.restore(m2, o2, step=2) == {"step": 2}
+        assert_same(full_state(m2, o2), states[2])
+        c.restore(m2, o2, step=5)
+        assert c.last_restore["source"] == "disk"  # downloaded once, local from then on
+        with pytest.raises(CheckpointError, match="step 3 of job 'up' is not a committed checkpoint"):
+            c.restore(m2, o2, step=3)
+    store.close()
+
+
+def test_corrupt_object_is_caught_by_its_checksum(make_daemon, short_tmp: Path, s3_bucket: RemoteConfig, s3_server) -> None:  # noqa: ANN001
+    d = make_daemon("--config", remote_toml(short_tmp / "r.toml", s3_bucket))
+    model, optim = make()
+    with d.client("bad") as c:
+        c.snapshot(model, optim, step=1, blocking=True).wait()
+        want1 = full_state(model, optim)
+        train_step(model, optim, 1)
+        c.snapshot(model, optim, step=2, blocking=True).wait()
+    wait_uploaded(d, "bad", 2)
+    key = f"{s3_bucket.prefix}/bad/step-2/rank-00000.safetensors"
+    s3 = s3_server.client()
+    data = bytearray(s3.get_object(Bucket=s3_bucket.bucket, Key=key)["Body"].read())
+    data[-100] ^= 0xFF  # a flipped bit deep in the tensor data, same size
+    s3.put_object(Bucket=s3_bucket.bucket, Key=key, Body=bytes(data))
+    d.stop()
+    shutil.rmtree(Path(d.root) / "bad")
+    d.start()
+    with d.client("bad") as c:
+        m2, o2 = make(seed=9)
+        with pytest.raises(FormatError, match=r"checksum mismatch in .*step-2/rank-00000\.safetensors \(tensor '"):
+            c.restore(m2, o2)
+        c.restore(m2, o2, step=1)  # an older step is still good
+        assert_same(full_state(m2, o2), want1)
+
+
+def test_unreachable_bucket_keeps_local_durability(make_daemon, short_tmp: Path) -> None:  # noqa: ANN001
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed once we leave: nothing listens there
+    cfg = RemoteConfig(bucket="ckptd-nowhere", endpoint_url=f"http://127.0.0.1:{port}", max_attempts=1, connect_timeout=1, read_timeout=1)
+    d = make_daemon("--config", remote_toml(short_tmp / "r.toml", cfg, max_attempts=1, connect_timeout=1, read_timeout=1))
+    model, optim = make()
+    with d.client("off") as c:
+        assert "object storage" in (c.status()["last_error"] or "")
+        path = c.snapshot(model, optim, step=1, blocking=True).wait()
+        assert os.path.exists(os.path.join(path, "manifest.json"))
+        deadline = time.monotonic() + 30
+        while "upload of job off step 1" not in (c.status()["last_error"] or "") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "upload of job off step 1" in c.status()["last_error"]
+        m2, o2 = make(seed=9)
+        with pytest.raises(CheckpointError, match="ckptd-nowhere"):
+            c.restore(m2, o2, hot=False)  # it asks the bucket whether a newer step exists: it cannot know
+    assert d.stop() == 0
+
+
+@pytest.mark.parametrize(
+    "table,match",
+    [
+        ('[remote]\nprefix = "x"\n', "'bucket' is required"),
+        ('[remote]\nbucket = "Bad_Bucket"\n', "invalid bucket name"),
+        ('[remote]\nbucket = "ok-bucket"\nkeep = 0\n', "remote.keep must be an integer >= 1"),
+        ('[remote]\nbucket = "ok-bucket"\nspeed = 1\n', "unknown keys 'speed'"),
+        ('[remote]\nbucket = "ok-bucket"\npart_size = "lots"\n', "remote.part_size"),
+        ('remote = 3\n', r"\[remote\] must be a table"),
+    ],
+)
+def test_bad_remote_config_is_refused(tmp_path: Path, table: str, match: str) -> None:
+    conf = tmp_path / "c.toml"
+    conf.write_text(table)
+    r = subprocess.run([sys.executable, "-m", "ckptd", "serve", "--root", str(tmp_path / "r"), "--config", str(conf)],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert __import__("re").search(match, r.stderr), r.stderr
+
+
+class _Recorder:
+    """A store that records the order of uploads (the real one is tested against moto above)."""
+
+    def __init__(self) -> None:
+        self.puts: list[str] = []
+
+    def put_file(self, rel: str, path: str, progress: Any = None) -> None:
+        self.puts.append(rel)
+
+
+def test_upload_order_is_data_then_fragments_then_manifest(tmp_path: Path) -> None:
+    d = tmp_path / "step-7"
+    d.mkdir()
+    for name in ("manifest.json", "rank-00001.json", "rank-00000.safetensors", "rank-00000.json", "rank-00001.safetensors"):
+        (d / name).write_bytes(b"x")
+    rec = _Recorder()
+    tier.upload_step(rec, str(d), "j", 7)
+    order = ("rank-00000.safetensors", "rank-00001.safetensors", "rank-00000.json", "rank-00001.json", "manifest.json")
+    assert rec.puts == [f"j/step-7/{n}" for n in order]
