@@ -213,3 +213,36 @@ def restore_moe(rank: int, world: int, kind: str, path: str) -> dict[str, Any]:
         _save_expected(f"{path}/../got-{kind}-{world}.safetensors", {k: v for k, v in got.items() if k != "optim/lr"})
     train_step(model, optim, 99)
     return {}
+
+
+# ----------------------------------------------------------------------------- multi-node
+
+
+def save_multinode(rank: int, world: int, kind: str, endpoints: list[str], job: str, expected: str) -> dict[str, Any]:
+    """Ranks spread over ``len(endpoints)`` "nodes": rank r talks to node r // (world / nodes)'s daemon.
+    Snapshots steps 2 and 4 (blocking) and waits for each; rank 0 writes the state at step 4."""
+    per_node = world // len(endpoints)
+    os.environ["LOCAL_WORLD_SIZE"] = str(per_node)  # what torchrun sets on each node
+    model, optim = build(kind)
+    paths = []
+    with ckptd.Client(endpoint=endpoints[rank // per_node], job=job) as c:
+        for step in (2, 4):
+            for i in range(2):
+                train_step(model, optim, i + 10 * step + 100 * rank)
+            paths.append(c.snapshot(model, optim, step=step, extra={"rank": rank}, blocking=True).wait(120))
+    want = full_state(model, optim)  # a collective: every rank
+    if rank == 0:
+        _save_expected(expected, want)
+    return {"paths": paths}
+
+
+def restore_via_daemon(rank: int, world: int, kind: str, endpoint: str, job: str, expected: str) -> dict[str, Any]:
+    """Restore the newest step through ``endpoint``'s daemon (which may fetch it from the bucket)."""
+    model, optim = build(kind, seed=7)
+    with ckptd.Client(endpoint=endpoint, job=job) as c:
+        extra = c.restore(model, optim)
+        last = c.last_restore
+    got = full_state(model, optim)  # a collective: every rank
+    if rank == 0:
+        assert_same(got, _load_expected(expected))
+    return {"extra": extra, "step": last["step"], "source": last["source"]}
