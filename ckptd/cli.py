@@ -7,6 +7,8 @@ import json
 import logging
 import os
 import sys
+import time
+from typing import Any
 
 from ._config import default_endpoint, env_float, env_int
 
@@ -22,7 +24,7 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 8G, 512M)") from None
 
 
-SERVE_KEYS = ("root", "endpoint", "shm_budget", "keep", "workers", "write_rate_limit", "nice", "log_level", "group")
+SERVE_KEYS = ("root", "endpoint", "shm_budget", "keep", "workers", "write_rate_limit", "nice", "log_level", "group", "metrics_port")
 # the [remote] table: where the bucket is (ckptd.objstore.RemoteConfig), and the bucket's retention
 REMOTE_TIER_KEYS = {"keep": 3, "keep_every": 0, "commit_timeout": 600}
 
@@ -69,6 +71,7 @@ def serve_settings(args: argparse.Namespace) -> dict[str, object]:
         "nice": env_int("CKPTD_NICE", 10),
         "log_level": "INFO",
         "group": os.environ.get("CKPTD_GROUP") or None,
+        "metrics_port": env_int("CKPTD_METRICS_PORT", 0),
     }
     if args.config:
         import tomllib
@@ -113,6 +116,63 @@ def serve_settings(args: argparse.Namespace) -> dict[str, object]:
     return cfg
 
 
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def _rate(n: float | None) -> str:
+    return "-" if not n else f"{n / 1e6:.0f} MB/s" if n < 1e9 else f"{n / 1e9:.2f} GB/s"
+
+
+def _bar(done: float, total: float, width: int = 24) -> str:
+    frac = min(1.0, done / total) if total else 0.0
+    return "[" + "#" * round(frac * width) + "." * (width - round(frac * width)) + f"] {frac:4.0%}"
+
+
+def format_status(st: dict[str, Any]) -> str:
+    """``ckptd status`` for people: the daemon, its memory, throughput, uploads in progress, jobs."""
+    up = int(st.get("uptime_s", 0))
+    slots = st.get("slots", {})
+    lines = [
+        f"ckptd {st.get('version', '?')}, pid {st['pid']}, up {up // 3600}h{up % 3600 // 60:02d}m, root {st['root']}",
+        f"bucket      {st.get('remote') or 'none (local disk only)'}",
+        f"memory      {_gb(st['shm_bytes'])} of {_gb(st['shm_budget'])} in {sum(slots.values())} slots"
+        f" ({', '.join(f'{k} {v}' for k, v in sorted(slots.items())) or 'none'}); {_gb(st.get('staged_bytes', 0))} committed,"
+        f" not yet durable; {st['deferred_allocs']} allocation(s) waiting",
+        f"persist     {_gb(st['persisted_bytes'])} in {st['persist_seconds']:.1f} s ({_rate(st.get('persist_bytes_per_s'))}),"
+        f" {st['steps_committed']} steps committed",
+    ]
+    if st.get("remote"):
+        backlog = st.get("upload_backlog") or []
+        lines.append(
+            f"upload      {_gb(st['uploaded_bytes'])} in {st['upload_seconds']:.1f} s ({_rate(st.get('upload_bytes_per_s'))}),"
+            f" {st['steps_uploaded']} steps uploaded; {len(backlog)} queued"
+        )
+        u = st.get("uploading")
+        if u:
+            rate = u["bytes_done"] / u["seconds"] if u["seconds"] else None
+            lines.append(
+                f"uploading   job {u['job']} step {u['step']}: {_bar(u['bytes_done'], u['bytes_total'])}"
+                f" {_gb(u['bytes_done'])} / {_gb(u['bytes_total'])}, {_rate(rate)}"
+            )
+        if st.get("fetching"):
+            f = st["fetching"]
+            lines.append(f"fetching    job {f['job']} step {f['step']} from the bucket: {_gb(f['bytes_done'])} so far")
+    lines.append(f"last error  {st.get('last_error') or 'none'}" + (f" ({st['errors']} in all)" if st.get("errors") else ""))
+    jobs = st.get("jobs") or {}
+    if jobs:
+        lines += ["", f"{'job':<24} {'latest':>8} {'uploaded':>9} {'in memory':>10}  in flight"]
+        for job, info in sorted(jobs.items()):
+
+            def cell(key: str, info: dict[str, Any] = info) -> str:
+                v = info.get(key)
+                return "-" if v is None else str(v)
+
+            flight = ", ".join(map(str, sorted(info.get("in_flight") or []))) or "-"
+            lines.append(f"{job:<24} {cell('latest'):>8} {cell('uploaded'):>9} {cell('in_memory'):>10}  {flight}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="ckptd", description="Asynchronous checkpoint daemon for PyTorch.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -128,9 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--nice", type=int, default=None, help="niceness of persist threads (default 10; 0 = unchanged)")
     s.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING, ERROR")
     s.add_argument("--group", default=None, help="also let this group use the socket, segments and checkpoints (default: owner only)")
+    s.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on 127.0.0.1:PORT (default 0: off)")
 
-    st = sub.add_parser("status", help="ask a running daemon for its state")
+    st = sub.add_parser("status", help="ask a running daemon for its state: jobs, memory, throughput, uploads, last error")
     st.add_argument("--endpoint", default=None)
+    st.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    st.add_argument("--watch", type=float, default=None, metavar="SECONDS", help="refresh every SECONDS (upload progress); Ctrl-C stops")
 
     v = sub.add_parser("verify", help="re-read a checkpoint: checksums, headers, coverage, manifest (exit 1 if unsound)")
     v.add_argument("ckpt", help="a step directory, or a job directory (its newest step)")
@@ -172,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                 remote_keep=cfg.get("remote_keep", 3),
                 remote_keep_every=cfg.get("remote_keep_every", 0),
                 commit_timeout=float(cfg.get("commit_timeout", 600)),
+                metrics_port=int(cfg["metrics_port"]),  # type: ignore[call-overload]
             ).serve()
         except CheckpointError as e:
             print(f"ckptd: {e}", file=sys.stderr)
@@ -183,10 +247,20 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             with Client(endpoint=args.endpoint, timeout=5.0) as c:
-                print(json.dumps(c.status(), indent=2))
+                while True:
+                    st = c.status()
+                    out = json.dumps(st, indent=2) if args.json else format_status(st)
+                    if args.watch and sys.stdout.isatty():
+                        sys.stdout.write("\x1b[H\x1b[2J")  # redraw in place
+                    print(out, flush=True)
+                    if not args.watch:
+                        break
+                    time.sleep(args.watch)
         except CheckpointError as e:
             print(f"ckptd: {e}", file=sys.stderr)
             return 1
+        except KeyboardInterrupt:
+            pass
         return 0
     if args.cmd == "verify":
         return _verify(args.ckpt)

@@ -127,6 +127,7 @@ class Daemon:
         remote_keep: int = 3,
         remote_keep_every: int = 0,
         commit_timeout: float = 600.0,
+        metrics_port: int = 0,
     ) -> None:
         # access: the owner only, or also one configured group (socket, segments, checkpoint root)
         self.gid = resolve_group(group)
@@ -145,6 +146,10 @@ class Daemon:
         self.hot: dict[str, tuple[int, str, bytes | None]] = {}  # job -> newest durable (step, path, manifest)
         self._counter = 0
         self._running = False
+        self._started = time.monotonic()
+        self.metrics_port = metrics_port
+        self._metrics: Any = None
+        self._status_snapshot: dict[str, Any] | None = None
         # persist threads yield the CPU to training: on a busy node the trainer's step time matters more
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptd-persist", initializer=self._lower_priority)
         self._done: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
@@ -158,6 +163,7 @@ class Daemon:
             "uploaded_bytes": 0,
             "upload_seconds": 0.0,
             "steps_uploaded": 0,
+            "errors": 0,
             "last_error": None,
         }
         self.uploaded: dict[str, int] = {}  # job -> newest step complete in the bucket (this run)
@@ -197,8 +203,17 @@ class Daemon:
                 log.info("object-storage tier: s3://%s/%s", self.store.config.bucket, self.store.config.prefix)
             except CheckpointError as e:  # local durability still works; uploads retry per step
                 log.error("object-storage tier unreachable: %s", e)
-                self.stats["last_error"] = f"object storage: {e}"
+                self._error(f"object storage: {e}")
         self._recover()
+        if self.metrics_port:
+            from . import metrics
+
+            self._status_snapshot = self._op_status(b"", {})
+            try:
+                self._metrics = metrics.serve(self.metrics_port, lambda: self._status_snapshot)
+            except OSError as e:
+                raise CheckpointError(f"cannot serve metrics on 127.0.0.1:{self.metrics_port}: {e.strerror or e}") from None
+            log.info("metrics on http://127.0.0.1:%d/metrics", self.metrics_port)
         self._running = True
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -291,6 +306,9 @@ class Daemon:
             self.uploader.close()
             self._drain_done()
         self._fetch_pool.shutdown(wait=True)
+        if self._metrics is not None:
+            self._metrics.shutdown()
+            self._metrics.server_close()
         if self.store is not None:
             self.store.close()
         for slot in list(self.slots.values()):
@@ -410,16 +428,37 @@ class Daemon:
             jobs.setdefault(job, {"in_flight": []})["latest"] = persist.latest_path(self.root, job)[0]
         for job, step in self.uploaded.items():
             jobs.setdefault(job, {"in_flight": []})["uploaded"] = step
+        held = {sl.holds[:2] for sl in self.slots.values() if sl.holds is not None and sl.state == "free"}
+        for job, (step, _, _) in self.hot.items():
+            if job in jobs and (job, step) in held:
+                jobs[job]["in_memory"] = step  # a hot restore can read it (if every rank's shard is held)
+        st = self.stats
+        uploading = None
+        if self.uploader is not None and (u := self.uploader.current) is not None:
+            uploading = {"job": u.job, "step": u.step, "bytes_done": u.bytes_done, "bytes_total": u.bytes_total,
+                         "seconds": time.monotonic() - u.started if u.started else 0.0}  # fmt: skip
+        fetching = None
+        if (f := self.fetching) is not None:
+            fetching = {"job": f[0], "step": f[1], "bytes_done": f[2][0]}
         return {
+            "version": __version__,
             "root": self.root,
             "pid": os.getpid(),
+            "uptime_s": time.monotonic() - self._started,
+            "remote": f"s3://{self.store.config.bucket}/{self.store.config.prefix}" if self.store is not None else None,
             "shm_budget": self.budget,
             "shm_bytes": sum(s.size for s in self.slots.values()),
+            "staged_bytes": sum((s.lease or {}).get("nbytes", 0) for s in self.slots.values() if s.state == "committed"),
             "slots": states,
             "deferred_allocs": len(self.deferred),
             "hot_pins": {s.name: sorted(s.pins) for s in self.slots.values() if s.pins},
             "jobs": jobs,
-            **self.stats,
+            "persist_bytes_per_s": st["persisted_bytes"] / st["persist_seconds"] if st["persist_seconds"] else None,
+            "upload_bytes_per_s": st["uploaded_bytes"] / st["upload_seconds"] if st["upload_seconds"] else None,
+            "uploading": uploading,
+            "upload_backlog": [list(x) for x in self.uploader.backlog()] if self.uploader is not None else [],
+            "fetching": fetching,
+            **st,
         }
 
     def _op_alloc(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any] | None:
@@ -685,7 +724,7 @@ class Daemon:
             self.stats["persist_seconds"] += dt
             if err is not None and track.state == "pending":
                 track.state, track.error = "failed", err
-                self.stats["last_error"] = f"job {job} step {step}: {err}"
+                self._error(f"job {job} step {step}: {err}")
             if node_ranks is not None and track.state == "pending":
                 assert self.uploader is not None
                 self.uploader.submit(job, step, track.world_size, node_ranks)
@@ -702,11 +741,16 @@ class Daemon:
             if track.state != "pending":
                 self._answer_waiters((job, step), track)
 
+    def _error(self, message: str) -> None:
+        """Main thread: remember the newest error for ``status`` and count it for metrics."""
+        self.stats["last_error"] = message
+        self.stats["errors"] += 1
+
     def _upload_done(self, res: tier.UploadResult) -> None:
         self.stats["uploaded_bytes"] += res.nbytes
         self.stats["upload_seconds"] += res.seconds
         if res.error is not None:
-            self.stats["last_error"] = f"upload of job {res.job} step {res.step}: {res.error}"
+            self._error(f"upload of job {res.job} step {res.step}: {res.error}")
         elif res.committed:
             self.stats["steps_uploaded"] += 1
             self.uploaded[res.job] = max(res.step, self.uploaded.get(res.job, -1))
@@ -794,12 +838,15 @@ class Daemon:
             result = {"state": "failed", "step": step, "path": None, "source": None, "error": str(e)}
             if not isinstance(e, _NoStep):
                 log.error("fetch of job %s step %s failed: %s", job, step, e)
-                self.stats["last_error"] = f"fetch of job {job} step {step}: {e}"
+                result["report"] = f"fetch of job {job} step {step}: {e}"
         finally:
             self.fetching = None
         self._notify("fetched", fid, result)
 
     def _fetch_done(self, fid: int, result: dict[str, Any]) -> None:
+        report = result.pop("report", None)
+        if report is not None:
+            self._error(report)
         if fid not in self.fetches:
             return
         self.fetches[fid] = result
@@ -854,6 +901,8 @@ class Daemon:
                 self._send(ident, reply_ok(msg["id"], segment=slot.name, size=slot.size))
 
     def _housekeeping(self, now: float) -> None:
+        if self._metrics is not None:
+            self._status_snapshot = self._op_status(b"", {})  # what the next scrape reports
         for slot in list(self.slots.values()):
             if slot.state == "leased" and slot.pid is not None and not _pid_alive(slot.pid):
                 log.warning("trainer pid %s died holding %s uncommitted: slot freed, nothing of it is persisted", slot.pid, slot.name)

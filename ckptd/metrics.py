@@ -1,0 +1,86 @@
+"""Prometheus metrics for the daemon, served on localhost by prometheus-client.
+
+The daemon's main loop refreshes a status snapshot (the same dict ``ckptd status`` prints) every
+housekeeping tick; a scrape reads the newest snapshot and never touches the daemon's live state, so
+it needs no lock and cannot slow the loop down. Names (all prefixed ``ckptd_``):
+
+counters  ``persisted_bytes_total``, ``persist_seconds_total``, ``steps_committed_total``,
+          ``uploaded_bytes_total``, ``upload_seconds_total``, ``steps_uploaded_total``, ``errors_total``
+gauges    ``up``, ``uptime_seconds``, ``shm_budget_bytes``, ``shm_bytes``, ``staged_bytes``,
+          ``slots{state}``, ``deferred_allocs``, ``upload_backlog_steps``, ``upload_in_progress_bytes``,
+          ``upload_in_progress_total_bytes``, and per job: ``latest_step{job}``,
+          ``uploaded_step{job}``, ``in_flight_steps{job}``
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+_COUNTERS = {
+    "persisted_bytes": "bytes written durably to local disk",
+    "persist_seconds": "seconds spent writing shards to local disk",
+    "steps_committed": "steps made durable (locally, or in the bucket for multi-node jobs)",
+    "uploaded_bytes": "bytes uploaded to the object-storage tier",
+    "upload_seconds": "seconds spent uploading",
+    "steps_uploaded": "steps complete in the bucket",
+    "errors": "errors reported in ckptd status' last_error",
+}
+_GAUGES = {
+    "uptime_s": ("uptime_seconds", "seconds since the daemon started"),
+    "shm_budget": ("shm_budget_bytes", "shared memory the daemon may stage into"),
+    "shm_bytes": ("shm_bytes", "shared memory held in staging slots"),
+    "staged_bytes": ("staged_bytes", "committed bytes not yet durable"),
+    "deferred_allocs": ("deferred_allocs", "snapshot allocations waiting for memory (backpressure)"),
+}
+
+
+class StatusCollector:
+    """A prometheus-client collector over ``snapshot()``, a function returning the newest status dict."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any] | None]) -> None:
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        st = self.snapshot()
+        yield GaugeMetricFamily("ckptd_up", "1 while the daemon serves", value=1 if st is not None else 0)
+        if st is None:
+            return
+        for key, doc in _COUNTERS.items():
+            yield CounterMetricFamily(f"ckptd_{key}", doc, value=float(st.get(key) or 0))
+        for key, (name, doc) in _GAUGES.items():
+            yield GaugeMetricFamily(f"ckptd_{name}", doc, value=float(st.get(key) or 0))
+        slots = GaugeMetricFamily("ckptd_slots", "staging slots by state", labels=["state"])
+        for state in ("free", "leased", "committed"):
+            slots.add_metric([state], float(st.get("slots", {}).get(state, 0)))
+        yield slots
+        yield GaugeMetricFamily("ckptd_upload_backlog_steps", "steps queued for upload", value=float(len(st.get("upload_backlog") or ())))
+        up = st.get("uploading") or {}
+        done, total = float(up.get("bytes_done", 0)), float(up.get("bytes_total", 0))
+        yield GaugeMetricFamily("ckptd_upload_in_progress_bytes", "bytes sent of the step uploading now", value=done)
+        yield GaugeMetricFamily("ckptd_upload_in_progress_total_bytes", "size of the step uploading now", value=total)
+        per_job = {
+            "latest": GaugeMetricFamily("ckptd_latest_step", "newest durable local step", labels=["job"]),
+            "uploaded": GaugeMetricFamily("ckptd_uploaded_step", "newest step complete in the bucket", labels=["job"]),
+            "in_flight": GaugeMetricFamily("ckptd_in_flight_steps", "steps committed by some rank, not durable yet", labels=["job"]),
+        }
+        for job, info in sorted((st.get("jobs") or {}).items()):
+            for key, fam in per_job.items():
+                v = info.get(key)
+                if key == "in_flight":
+                    fam.add_metric([job], float(len(v or ())))
+                elif v is not None:
+                    fam.add_metric([job], float(v))
+        yield from per_job.values()
+
+
+def serve(port: int, snapshot: Callable[[], dict[str, Any] | None], addr: str = "127.0.0.1") -> Any:
+    """Start the HTTP endpoint (``/metrics``) on ``addr:port`` in a daemon thread; returns the server."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StatusCollector(snapshot))
+    server, _thread = start_http_server(port, addr=addr, registry=registry)
+    return server
