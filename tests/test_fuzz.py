@@ -15,7 +15,7 @@ N_MESSAGES = 3000
 
 
 def _valid(rng: random.Random, seg: str) -> bytes:
-    # every op but "wait", whose reply a mutated timeout may hold back for up to 30 s by design
+    # every op but "wait" and "fetch_wait", whose reply a mutated timeout may hold back for up to 30 s by design
     choices = [
         request("hello", 1),
         request("latest", 1, job="j"),
@@ -24,6 +24,9 @@ def _valid(rng: random.Random, seg: str) -> bytes:
         request("release", 1, segment=seg),
         request("commit", 1, job="j", rank=0, world_size=1, local_world_size=1, step=rng.randrange(5), segment=seg, nbytes=10, replicas={}),
         request("status", 1),
+        request("hot_open", 1, job="j", step=rng.choice([None, 1]), pid=os.getpid()),
+        request("hot_close", 1, pid=os.getpid(), segments=[seg]),
+        request("fetch", 1, job="j", step=rng.choice([None, 1])),
     ]
     return rng.choice(choices)
 

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -115,3 +116,24 @@ def test_bad_config_is_a_clear_error(short_tmp: Path, text: str, msg: str) -> No
     cfg.write_text(text)
     r = _serve("--config", str(cfg), "--endpoint", f"ipc://{short_tmp}/never.sock")
     assert r.returncode == 2 and msg in r.stderr, r.stderr
+
+
+def test_example_config_parses_with_every_commented_setting() -> None:
+    """systemd/ckptd.toml, with its commented settings and [remote] table switched on, is a valid config."""
+    import argparse
+    import re
+
+    from ckptd.cli import serve_settings
+    from ckptd.objstore import RemoteConfig
+
+    text = (REPO / "systemd" / "ckptd.toml").read_text()
+    on = re.sub(r"^# ?((?:\[remote\]|[a-z_]+ = ).*)$", r"\1", text, flags=re.M)
+    assert on != text and "[remote]" in on.splitlines()
+    on = on.replace('group = "trainers"', 'group = "root"')  # a group this machine has
+    with tempfile.NamedTemporaryFile("w", suffix=".toml") as f:
+        f.write(on)
+        f.flush()
+        cfg = serve_settings(argparse.Namespace(config=f.name))
+    assert cfg["group"] == "root" and cfg["metrics_port"] == 9464
+    assert isinstance(cfg["remote"], RemoteConfig) and cfg["remote"].max_bandwidth == 200 << 20
+    assert (cfg["remote_keep"], cfg["remote_keep_every"], cfg["commit_timeout"]) == (3, 1000, 600)
