@@ -221,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         from .daemon import Daemon
 
         logging.basicConfig(level=cfg["log_level"].upper(), stream=sys.stderr, format="%(asctime)s ckptd %(levelname)s %(message)s")
+        for noisy in ("botocore", "boto3", "s3transfer", "urllib3"):
+            logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
         try:
             Daemon(
                 cfg["root"],

@@ -205,6 +205,13 @@ class Daemon:
                 log.error("object-storage tier unreachable: %s", e)
                 self._error(f"object storage: {e}")
         self._recover()
+        if self.uploader is not None:
+            # a previous run may have stopped before uploading its newest steps: catch up (the upload
+            # thread skips any the bucket already has)
+            for job in persist.list_jobs(self.root):
+                step, path = persist.latest_path(self.root, job)
+                if step is not None and path is not None:
+                    self.uploader.submit(job, step, 0, catch_up=True)  # world size: only multi-node uploads use it
         if self.metrics_port:
             from . import metrics
 

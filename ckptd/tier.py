@@ -187,6 +187,7 @@ class Upload:
     step: int
     world_size: int
     ranks: list[int] | None = None  # multi-node: this node's ranks; None: the whole local step
+    catch_up: bool = False  # queued at start-up: skip it if the bucket already has the step
     bytes_total: int = 0
     bytes_done: int = 0
     started: float = 0.0
@@ -236,9 +237,9 @@ class Uploader:
         self._thread = threading.Thread(target=self._run, name="ckptd-upload", daemon=True)
         self._thread.start()
 
-    def submit(self, job: str, step: int, world_size: int, ranks: list[int] | None = None) -> None:
+    def submit(self, job: str, step: int, world_size: int, ranks: list[int] | None = None, *, catch_up: bool = False) -> None:
         with self._cv:
-            self._queue.append(Upload(job, step, world_size, ranks))
+            self._queue.append(Upload(job, step, world_size, ranks, catch_up=catch_up))
             self._cv.notify()
 
     def pending(self, job: str) -> set[int]:
@@ -317,6 +318,8 @@ class Uploader:
     def _upload(self, u: Upload) -> UploadResult:
         u.started = time.monotonic()
         multi = u.ranks is not None
+        if u.catch_up and self.store.exists(step_prefix(u.job, u.step) + MANIFEST):
+            return UploadResult(u.job, u.step, None, 0, 0.0, True, False, url(self.store, u.job, u.step))
         if not multi:
             d = persist.step_dir(self.root, u.job, u.step)
             u.bytes_total = sum(os.path.getsize(os.path.join(d, n)) for n in os.listdir(d))

@@ -173,3 +173,19 @@ def test_upload_order_is_data_then_fragments_then_manifest(tmp_path: Path) -> No
     tier.upload_step(rec, str(d), "j", 7)
     order = ("rank-00000.safetensors", "rank-00001.safetensors", "rank-00000.json", "rank-00001.json", "manifest.json")
     assert rec.puts == [f"j/step-7/{n}" for n in order]
+
+
+def test_restart_uploads_what_a_previous_run_did_not(make_daemon, short_tmp: Path, s3_bucket: RemoteConfig) -> None:  # noqa: ANN001
+    d = make_daemon()  # no bucket yet: step 1 is durable on local disk only
+    model, optim = make()
+    with d.client("late") as c:
+        c.snapshot(model, optim, step=1, blocking=True).wait()
+    d.stop()
+    d.start(["--config", remote_toml(short_tmp / "r.toml", s3_bucket)])
+    wait_uploaded(d, "late", 1)
+    with ObjectStore(s3_bucket) as store:
+        assert _steps(store, "late") == ([1], [])
+    d.stop()
+    d.start(["--config", remote_toml(short_tmp / "r.toml", s3_bucket)])  # already there: nothing to send
+    st = wait_uploaded(d, "late", 1)
+    assert st["uploaded_bytes"] == 0
