@@ -136,7 +136,7 @@ def format_status(st: dict[str, Any]) -> str:
     lines = [
         f"ckptd {st.get('version', '?')}, pid {st['pid']}, up {up // 3600}h{up % 3600 // 60:02d}m, root {st['root']}",
         f"bucket      {st.get('remote') or 'none (local disk only)'}",
-        f"memory      {_gb(st['shm_bytes'])} of {_gb(st['shm_budget'])} in {sum(slots.values())} slots"
+        f"memory      {_gb(st['shm_bytes'])} of {_gb(st['shm_budget'])} in {sum(slots.values())} slot(s)"
         f" ({', '.join(f'{k} {v}' for k, v in sorted(slots.items())) or 'none'}); {_gb(st.get('staged_bytes', 0))} committed,"
         f" not yet durable; {st['deferred_allocs']} allocation(s) waiting",
         f"persist     {_gb(st['persisted_bytes'])} in {st['persist_seconds']:.1f} s ({_rate(st.get('persist_bytes_per_s'))}),"
