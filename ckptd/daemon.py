@@ -143,7 +143,7 @@ class Daemon:
         self.slots: dict[str, Slot] = {}
         self.tracks: dict[tuple[str, int], StepTrack] = {}
         self.deferred: list[tuple[bytes, dict[str, Any]]] = []
-        self.hot: dict[str, tuple[int, str, bytes | None]] = {}  # job -> newest durable (step, path, manifest)
+        self.hot: dict[str, tuple[int, str, dict[str, Any] | None]] = {}  # job -> newest durable (step, path, manifest)
         self._counter = 0
         self._running = False
         self._started = time.monotonic()
@@ -591,12 +591,11 @@ class Daemon:
         newest = self.hot.get(job)
         if newest is None:
             return {"step": None, "reason": f"this daemon has made no step of job {job!r} durable since it started"}
-        step, path, manifest = newest
+        step, path, man = newest
         if want is not None and want != step:
             return {"step": None, "reason": f"the daemon holds only step {step} of job {job!r} in memory"}
-        if manifest is None or not os.path.isdir(path):
+        if man is None or not os.path.isdir(path):
             return {"step": None, "reason": f"step {step} of job {job!r} is no longer on disk"}
-        man = json.loads(manifest)
         held = {s.holds[2]: s for s in self.slots.values() if s.state == "free" and s.holds is not None and s.holds[:2] == (job, step)}
         missing = sorted(set(range(man["world_size"])) - set(held))
         if missing:
@@ -676,7 +675,7 @@ class Daemon:
             manifest = None
             if final is not None:
                 with open(os.path.join(final, MANIFEST), "rb") as f:
-                    manifest = f.read()  # kept in memory for hot restores: they read no disk
+                    manifest = json.loads(f.read())  # kept in memory for hot restores: they read no disk
             self._notify("persisted", name, job, step, rec["rank"], None, final, rec["nbytes"], dt, manifest, node_ranks)
         except Exception as e:  # reported to every waiter of the step, never swallowed
             log.error("persisting %s (job %s step %s rank %s) failed: %s", name, job, step, rec["rank"], e)
