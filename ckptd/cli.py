@@ -24,7 +24,9 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 8G, 512M)") from None
 
 
-SERVE_KEYS = ("root", "endpoint", "shm_budget", "keep", "workers", "write_rate_limit", "nice", "log_level", "group", "metrics_port")
+SERVE_KEYS = (
+    "root", "endpoint", "shm_budget", "keep", "workers", "write_rate_limit", "nice", "log_level", "group", "metrics_port", "idle_priority",
+)  # fmt: skip
 # the [remote] table: where the bucket is (ckptd.objstore.RemoteConfig), and the bucket's retention
 REMOTE_TIER_KEYS = {"keep": 3, "keep_every": 0, "commit_timeout": 600}
 
@@ -72,6 +74,7 @@ def serve_settings(args: argparse.Namespace) -> dict[str, object]:
         "log_level": "INFO",
         "group": os.environ.get("CKPTD_GROUP") or None,
         "metrics_port": env_int("CKPTD_METRICS_PORT", 0),
+        "idle_priority": os.environ.get("CKPTD_IDLE_PRIORITY", "1") not in ("0", "false", "no"),
     }
     if args.config:
         import tomllib
@@ -92,8 +95,8 @@ def serve_settings(args: argparse.Namespace) -> dict[str, object]:
                     value = _size(value)
                 except argparse.ArgumentTypeError as e:
                     raise ValueError(f"{args.config}: {key}: {e}") from None
-            want = str if key in ("root", "endpoint", "log_level", "group") else int
-            if not isinstance(value, want) or isinstance(value, bool):
+            want = str if key in ("root", "endpoint", "log_level", "group") else bool if key == "idle_priority" else int
+            if not isinstance(value, want) or (isinstance(value, bool) and want is not bool):
                 raise ValueError(f"{args.config}: {key} must be a {want.__name__}, got {value!r}")
             cfg[key] = value
     for key in SERVE_KEYS:
@@ -189,6 +192,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING, ERROR")
     s.add_argument("--group", default=None, help="also let this group use the socket, segments and checkpoints (default: owner only)")
     s.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on 127.0.0.1:PORT (default 0: off)")
+    s.add_argument(
+        "--idle-priority",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="persist and upload threads use only idle CPU and disk time (SCHED_IDLE, idle I/O class; default on)",
+    )
 
     st = sub.add_parser("status", help="ask a running daemon for its state: jobs, memory, throughput, uploads, last error")
     st.add_argument("--endpoint", default=None)
@@ -238,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                 remote_keep_every=cfg.get("remote_keep_every", 0),
                 commit_timeout=float(cfg.get("commit_timeout", 600)),
                 metrics_port=int(cfg["metrics_port"]),  # type: ignore[call-overload]
+                idle_priority=bool(cfg["idle_priority"]),
             ).serve()
         except CheckpointError as e:
             print(f"ckptd: {e}", file=sys.stderr)

@@ -128,6 +128,7 @@ class Daemon:
         remote_keep_every: int = 0,
         commit_timeout: float = 600.0,
         metrics_port: int = 0,
+        idle_priority: bool = True,
     ) -> None:
         # access: the owner only, or also one configured group (socket, segments, checkpoint root)
         self.gid = resolve_group(group)
@@ -139,6 +140,7 @@ class Daemon:
         self.keep = keep
         self.write_rate_limit = write_rate_limit
         self.nice = nice
+        self.idle_priority = idle_priority
         self.ns = shm.namespace(self.root)
         self.slots: dict[str, Slot] = {}
         self.tracks: dict[tuple[str, int], StepTrack] = {}
@@ -187,7 +189,7 @@ class Daemon:
                 keep=remote_keep,
                 keep_every=remote_keep_every,
                 commit_timeout=commit_timeout,
-                nice=nice,
+                initializer=self._lower_priority,
             )
         self._fetch_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-fetch")
         self._ctx = zmq.Context()
@@ -627,11 +629,19 @@ class Daemon:
         self._pool.submit(self._persist_worker, slot, rec)
 
     def _lower_priority(self) -> None:
-        if self.nice:
-            try:
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)  # Linux: per thread
-            except OSError as e:
-                log.warning("cannot lower persist thread priority: %s", e)
+        """Run in each persist and upload thread: they yield the CPU and the disk to training."""
+        tid = threading.get_native_id()  # Linux: priorities are per thread
+        try:
+            if self.nice:
+                os.setpriority(os.PRIO_PROCESS, tid, self.nice)
+            if self.idle_priority:
+                # only CPU time and disk time that nothing else on the node wants
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+                import psutil
+
+                psutil.Process(tid).ionice(psutil.IOPRIO_CLASS_IDLE)
+        except (OSError, AttributeError, ImportError) as e:
+            log.warning("cannot lower the priority of %s: %s", threading.current_thread().name, e)
 
     def _persist_worker(self, slot: Slot, rec: dict[str, Any]) -> None:
         """Worker thread: write one shard, and finalize its step if every rank's fragment is there.

@@ -226,10 +226,11 @@ class Uploader:
         keep: int,
         keep_every: int,
         commit_timeout: float,
-        nice: int = 0,
+        initializer: Callable[[], None] | None = None,
     ) -> None:
         self.store, self.root, self.done = store, root, done
-        self.keep, self.keep_every, self.commit_timeout, self.nice = keep, keep_every, commit_timeout, nice
+        self.keep, self.keep_every, self.commit_timeout = keep, keep_every, commit_timeout
+        self._initializer = initializer
         self._queue: list[Upload] = []
         self._cv = threading.Condition()
         self._closing = False
@@ -277,11 +278,8 @@ class Uploader:
             return None
 
     def _run(self) -> None:
-        if self.nice:
-            try:
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
-            except OSError:
-                pass
+        if self._initializer is not None:
+            self._initializer()  # the daemon lowers this thread's CPU and I/O priority
         while True:
             u = self._next()
             if u is None:

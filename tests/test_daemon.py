@@ -162,3 +162,28 @@ def test_clean_stop_unlinks_segments(daemon) -> None:  # noqa: ANN001
     assert daemon.segments() == [seg]
     assert daemon.stop() == 0
     assert daemon.segments() == []
+
+
+def _idle_tasks(pid: int) -> list[int]:
+    import psutil
+
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            if os.sched_getscheduler(int(tid)) == os.SCHED_IDLE and psutil.Process(int(tid)).ionice().ioclass == psutil.IOPRIO_CLASS_IDLE:
+                out.append(int(tid))
+        except (OSError, psutil.Error):
+            pass
+    return out
+
+
+@pytest.mark.parametrize("flag,idle", [((), True), (("--no-idle-priority",), False)])
+def test_persist_threads_use_idle_cpu_and_disk_time(make_daemon, flag, idle) -> None:  # noqa: ANN001
+    import torch
+
+    d = make_daemon(*flag)
+    with d.client("prio") as c:
+        c.snapshot(torch.nn.Linear(8, 8), step=1, blocking=True).wait()  # the persist pool's threads now exist
+    tasks = _idle_tasks(d.proc.pid)
+    assert (len(tasks) >= 1) is idle, tasks
+    assert d.proc.pid not in tasks  # the request loop keeps its normal priority
