@@ -71,6 +71,13 @@ def main(argv: list[str] | None = None) -> int:
         _bars(os.path.join(args.out, "persist_restore.png"), f"{d['bytes'] / 1e9:.2f} GB: persist and restore",
               list(names.values()), [med[k] for k in names], "seconds")  # fmt: skip
         made.append("persist_restore.png")
+    if (d := load("hot_restore")) is not None:
+        med = d["median"]
+        names = {"memory": "ckptd restore from the daemon's memory (hot)", "disk_cold": "from disk, page cache evicted",
+                 "disk_warm": "from disk, page cache warm"}  # fmt: skip
+        _bars(os.path.join(args.out, "hot_restore.png"), f"{d['bytes'] / 1e9:.2f} GB: restore after a trainer restart",
+              list(names.values()), [med[k] for k in names], "seconds", highlight="memory")  # fmt: skip
+        made.append("hot_restore.png")
     if (d := load("scaling")) is not None:
         rows = d["results"]
         labels = [f"{r['bytes'] / 1e9:.2f} GB, {r['ranks']} rank(s)" for r in rows]

@@ -157,3 +157,28 @@ def test_export_torch_format_and_errors(ckpt: str, short_tmp) -> None:  # noqa: 
     r = _cli("export", str(short_tmp / "nothing"), "--out", out)
     assert r.returncode == 1 and "neither a committed" in r.stderr
     assert not os.path.exists(out + ".tmp")
+
+
+def test_export_reports_progress_up_to_the_total(ckpt: str, short_tmp) -> None:  # noqa: ANN001
+    from ckptd.export import export_checkpoint
+
+    seen: list[int] = []
+    stats = export_checkpoint(ckpt, str(short_tmp / "m.safetensors"), what="all", progress=seen.append)
+    assert len(seen) == stats["tensors"] and seen == sorted(seen) and seen[-1] == stats["bytes"]
+
+
+def test_status_shows_an_upload_in_progress_as_a_bar() -> None:
+    from ckptd.cli import format_status
+
+    st = {
+        "version": "0", "pid": 1, "uptime_s": 3725, "root": "/r", "remote": "s3://b/p", "shm_bytes": 2e9, "shm_budget": 8e9,
+        "slots": {"free": 1, "committed": 1}, "staged_bytes": 1e9, "deferred_allocs": 0, "persisted_bytes": 4e9,
+        "persist_seconds": 2.0, "persist_bytes_per_s": 2e9, "steps_committed": 4, "uploaded_bytes": 3e9, "upload_seconds": 30.0,
+        "upload_bytes_per_s": 1e8, "steps_uploaded": 3, "upload_backlog": [["j", 5]], "errors": 0, "last_error": None,
+        "uploading": {"job": "j", "step": 4, "bytes_done": 5e8, "bytes_total": 1e9, "seconds": 5.0},
+        "jobs": {"j": {"in_flight": [5], "latest": 4, "uploaded": 3, "in_memory": 4}},
+    }  # fmt: skip
+    text = format_status(st)
+    assert "up 1h02m" in text and "1 queued" in text
+    assert "uploading   job j step 4: [############............]  50% 0.50 GB / 1.00 GB, 100 MB/s" in text
+    assert text.splitlines()[-1].split() == ["j", "4", "3", "4", "5"]
