@@ -553,7 +553,9 @@ class Client:
         Returns this rank's ``extra``. With ``path`` no daemon is needed. Otherwise, if the daemon
         still holds every shard of that step in shared memory (a trainer restarted on the same node
         after a crash), the bytes come from there and no shard is read from disk (``hot=False``
-        reads the disk anyway). :attr:`last_restore` says which it was.
+        reads the disk anyway); else the daemon picks the newest complete step under its root or in
+        its bucket, downloading it into the root first if only the bucket has it. :attr:`last_restore`
+        says which it was: ``"memory"``, ``"disk"`` or ``"bucket"``.
         """
         from .reader import CheckpointReader, restore_state
 
