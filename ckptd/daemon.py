@@ -818,6 +818,7 @@ class Daemon:
     def _fetch_worker(self, fid: int, job: str, step: int | None) -> None:
         """Fetch thread: the newest complete step (or ``step``) under the root or in the bucket; a step
         only the bucket holds is downloaded into the root first."""
+        want = step  # the step being looked for, once chosen
         try:
             if step is None:
                 local, path = persist.latest_path(self.root, job)
@@ -853,8 +854,8 @@ class Daemon:
         except Exception as e:  # the restore that asked gets it
             result = {"state": "failed", "step": step, "path": None, "source": None, "error": str(e)}
             if not isinstance(e, _NoStep):
-                log.error("fetch of job %s step %s failed: %s", job, step, e)
-                result["report"] = f"fetch of job {job} step {step}: {e}"
+                log.error("fetch of job %s step %s failed: %s", job, want, e)
+                result["report"] = f"fetch of job {job} step {want}: {e}"
         finally:
             self.fetching = None
         self._notify("fetched", fid, result)

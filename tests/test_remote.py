@@ -189,3 +189,21 @@ def test_restart_uploads_what_a_previous_run_did_not(make_daemon, short_tmp: Pat
     d.start(["--config", remote_toml(short_tmp / "r.toml", s3_bucket)])  # already there: nothing to send
     st = wait_uploaded(d, "late", 1)
     assert st["uploaded_bytes"] == 0
+
+
+def test_missing_object_fails_the_restore_and_leaves_no_partial_download(make_daemon, short_tmp: Path, s3_bucket: RemoteConfig) -> None:  # noqa: ANN001
+    d = make_daemon("--config", remote_toml(short_tmp / "r.toml", s3_bucket))
+    model, optim = make()
+    with d.client("gone") as c:
+        c.snapshot(model, optim, step=3, blocking=True).wait()
+    wait_uploaded(d, "gone", 3)
+    with ObjectStore(s3_bucket) as store:
+        store.delete(["gone/step-3/rank-00000.safetensors"])  # the manifest still claims it
+    d.stop()
+    shutil.rmtree(Path(d.root) / "gone")
+    d.start()
+    with d.client("gone") as c:
+        with pytest.raises(CheckpointError, match=r"gone/step-3/rank-00000\.safetensors"):
+            c.restore(*make(seed=9))
+        assert "fetch of job gone step 3" in c.status()["last_error"]
+    assert not any(p.name.endswith(".fetch") for p in (Path(d.root) / "gone").iterdir())
