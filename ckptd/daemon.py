@@ -34,6 +34,7 @@ log = logging.getLogger("ckptd.daemon")
 WAIT_CAP_S = 30.0
 HOUSEKEEPING_S = 0.5
 TRACKS_KEPT = 256  # finished steps remembered per job
+HOT_PIN_MAX_S = 600.0  # a hot restore's pin on a slot lapses after this, whatever the pid
 
 
 @dataclass
@@ -47,7 +48,7 @@ class Slot:
     used_at: float = 0.0
     mapping: shm.Mapping | None = None
     holds: tuple[str, int, int] | None = None  # (job, step, rank) a free slot still holds, persisted
-    pins: set[int] = field(default_factory=set)  # pids reading it for a hot restore: not reused meanwhile
+    pins: dict[int, float] = field(default_factory=dict)  # pid -> deadline of a hot restore reading it: not reused meanwhile
 
 
 @dataclass
@@ -604,7 +605,7 @@ class Daemon:
             return {"step": None, "reason": f"the shards of ranks {missing[:8]} of step {step} are no longer in memory"}
         segments = {}
         for rank, slot in held.items():
-            slot.pins.add(msg["pid"])
+            slot.pins[msg["pid"]] = time.monotonic() + HOT_PIN_MAX_S
             segments[persist.shard_name(rank)] = slot.name
         return {"step": step, "path": path, "manifest": man, "segments": segments, "reason": None}
 
@@ -612,7 +613,7 @@ class Daemon:
         for name in msg["segments"]:
             slot = self.slots.get(name) if isinstance(name, str) else None
             if slot is not None:
-                slot.pins.discard(msg["pid"])
+                slot.pins.pop(msg["pid"], None)
         self._retry_deferred()
         return {}
 
@@ -924,8 +925,9 @@ class Daemon:
             if slot.state == "leased" and slot.pid is not None and not _pid_alive(slot.pid):
                 log.warning("trainer pid %s died holding %s uncommitted: slot freed, nothing of it is persisted", slot.pid, slot.name)
                 self._free(slot)
-            for pid in [p for p in slot.pins if not _pid_alive(p)]:
-                slot.pins.discard(pid)  # a hot restore's reader died
+            for pid, deadline in list(slot.pins.items()):
+                if deadline < now or not _pid_alive(pid):
+                    slot.pins.pop(pid)  # a hot restore's reader died, or holds the slot longer than any restore takes
         self.deferred = [(i, m) for i, m in self.deferred if _pid_alive(m["pid"])]
         for fid, waiters in list(self._fetch_waiters.items()):
             due = [w for w in waiters if w[2] <= now]

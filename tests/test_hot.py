@@ -93,3 +93,22 @@ def test_nothing_held_after_a_daemon_restart(make_daemon) -> None:  # noqa: ANN0
         c.restore(m2, o2)
         assert c.last_restore["source"] == "disk"
     assert_same(full_state(m2, o2), want)
+
+
+def test_a_pin_lapses_even_if_its_pid_lives(tmp_path) -> None:  # noqa: ANN001
+    """A live process that never calls hot_close (or a made-up pid that happens to exist) cannot hold a
+    slot forever: the pin lapses after HOT_PIN_MAX_S."""
+    from ckptd.daemon import Daemon, Slot
+
+    d = Daemon(str(tmp_path / "root"), f"ipc://{tmp_path}/never.sock")
+    try:
+        now = time.monotonic()
+        slot = Slot("ckptd-0-00000000-00000001", 4096, pins={os.getpid(): now + 60, 1: now - 1})
+        d.slots[slot.name] = slot
+        d._housekeeping(now)
+        assert slot.pins == {os.getpid(): now + 60}  # pid 1 lives, but its pin is past its deadline
+    finally:
+        d.slots.clear()
+        d._pool.shutdown()
+        d._fetch_pool.shutdown()
+        d._ctx.term()
