@@ -28,7 +28,8 @@ Ops (who sends them: the trainer's client, on whichever of its threads needs the
 ``hot_open`` ``{job, step, pid}`` → ``{"step", "path", "manifest", "segments", "reason"}``: the newest
     durable step of the job (``step`` null) or ``step``, if the daemon still holds every
     rank's shard of it in shared memory: its manifest and, per shard file, the segment holding the
-    same bytes. The segments are pinned for ``pid`` (not reused) until ``hot_close`` or its death.
+    same bytes. The segments are pinned for ``pid`` (not reused) until ``hot_close``, its death, or
+    10 minutes.
     ``"step": null`` and a ``reason`` when it does not hold them.
 ``hot_close`` ``{pid, segments}``: unpin segments that ``hot_open`` gave this pid.
 ``fetch`` ``{job, step}`` → ``{"fetch"}``: find the newest complete step (``step`` null) or ``step``
