@@ -34,6 +34,7 @@ log = logging.getLogger("ckptd.daemon")
 WAIT_CAP_S = 30.0
 HOUSEKEEPING_S = 0.5
 TRACKS_KEPT = 256  # finished steps remembered per job
+FETCHES_KEPT = 256  # finished fetch answers kept for a client that has not asked yet
 HOT_PIN_MAX_S = 600.0  # a hot restore's pin on a slot lapses after this, whatever the pid
 
 
@@ -795,6 +796,8 @@ class Daemon:
     def _op_fetch(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
         fid = next(self._fetch_ids)
         self.fetches[fid] = {"state": "pending", "step": None, "path": None, "source": None, "error": None}
+        for old in [f for f, r in self.fetches.items() if r["state"] != "pending"][:-FETCHES_KEPT]:
+            del self.fetches[old]  # answers nobody asked for: a client that died mid-restore
         self._fetch_pool.submit(self._fetch_worker, fid, msg["job"], msg["step"])
         return {"fetch": fid}
 
