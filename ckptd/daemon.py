@@ -202,12 +202,7 @@ class Daemon:
     def serve(self) -> None:
         self._bind()
         if self.store is not None:
-            try:
-                self.store.check()
-                log.info("object-storage tier: s3://%s/%s", self.store.config.bucket, self.store.config.prefix)
-            except CheckpointError as e:  # local durability still works; uploads retry per step
-                log.error("object-storage tier unreachable: %s", e)
-                self._error(f"object storage: {e}")
+            self._fetch_pool.submit(self._check_store)  # off the loop: READY must not wait for the network
         self._recover()
         if self.uploader is not None:
             # a previous run may have stopped before uploading its newest steps: catch up (the upload
@@ -728,6 +723,9 @@ class Daemon:
             if item[0] == "fetched":
                 self._fetch_done(item[1], item[2])
                 continue
+            if item[0] == "error":
+                self._error(item[1])
+                continue
             _, name, job, step, rank, err, final, nbytes, dt, manifest, node_ranks = item
             slot = self.slots.get(name)
             if slot is not None:
@@ -758,6 +756,15 @@ class Daemon:
                 persist.remove_partial(self.root, job, step)  # rare: before waiters hear of it
             if track.state != "pending":
                 self._answer_waiters((job, step), track)
+
+    def _check_store(self) -> None:
+        assert self.store is not None
+        try:
+            self.store.check()
+            log.info("object-storage tier: s3://%s/%s", self.store.config.bucket, self.store.config.prefix)
+        except CheckpointError as e:  # local durability still works; each upload is tried and reported
+            log.error("object-storage tier unreachable: %s", e)
+            self._notify("error", f"object storage: {e}")
 
     def _error(self, message: str) -> None:
         """Main thread: remember the newest error for ``status`` and count it for metrics."""

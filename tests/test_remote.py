@@ -121,7 +121,10 @@ def test_unreachable_bucket_keeps_local_durability(make_daemon, short_tmp: Path)
     d = make_daemon("--config", remote_toml(short_tmp / "r.toml", cfg, max_attempts=1, connect_timeout=1, read_timeout=1))
     model, optim = make()
     with d.client("off") as c:
-        assert "object storage" in (c.status()["last_error"] or "")
+        deadline = time.monotonic() + 30  # the daemon checks the bucket off its loop, after READY
+        while "object storage" not in (c.status()["last_error"] or "") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "object storage" in c.status()["last_error"]
         path = c.snapshot(model, optim, step=1, blocking=True).wait()
         assert os.path.exists(os.path.join(path, "manifest.json"))
         deadline = time.monotonic() + 30
