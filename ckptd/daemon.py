@@ -887,7 +887,7 @@ class Daemon:
     def _after_commit(self, job: str, step: int) -> None:
         # older steps some rank never committed can no longer complete: fail them, free their shards
         for (j, s), t in list(self.tracks.items()):
-            if j == job and s < step and t.state == "pending" and len(t.committed) < t.world_size:
+            if j == job and s < step and t.state == "pending" and len(t.committed) < (t.local_world_size or t.world_size):
                 t.state, t.error = "failed", f"superseded: step {step} was committed before every rank committed step {s}"
                 if t.inflight == 0:
                     persist.remove_partial(self.root, job, s)  # rare: a rank never committed
