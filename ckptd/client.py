@@ -22,6 +22,7 @@ import time
 import warnings
 import weakref
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,6 +41,19 @@ log = logging.getLogger("ckptd.client")
 
 _MAPPINGS_KEPT = 4  # warm mappings per client: the slots a rank alternates between
 PENDING_KEPT = 64  # snapshot handles wait() still answers for: the newest ones
+EARLY_COPY_MIN_TENSORS = 1000  # below this the capture check costs little next to the copy
+
+
+@dataclass
+class _Early:
+    """A blocking snapshot's copy started before its capture check finished (see ``_early_copy``)."""
+
+    segment: str
+    mapping: shm.Mapping
+    stage: tuple[Any, ...]  # the cached stage it copied from: still current iff the capture held
+    started: threading.Event
+    thread: threading.Thread = None  # type: ignore[assignment]
+    error: BaseException | None = None
 
 
 def _dist_rank_world() -> tuple[int, int]:
@@ -143,6 +157,7 @@ class Client:
         self._pending: list[SnapshotHandle] = []
         self._hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._closed = False
+        self.early_copies = 0  # blocking snapshots whose copy overlapped the capture check (and held)
         self.last_restore: dict[str, Any] | None = None  # {step, path, source: memory | disk}
 
     # ------------------------------------------------------------------ RPC
@@ -234,20 +249,132 @@ class Client:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         self._finish_inflight()  # the previous copy must end before we reuse the layout or slot
         rank, world = _dist_rank_world()
-        tree, layout, srcs, replicas, any_cuda = self._stage_plan(model, optim, extra, rank)
+        early = self._early_copy(rank, world, step) if blocking else None
+        try:
+            tree, layout, srcs, replicas, any_cuda = self._stage_plan(model, optim, extra, rank)
+        except BaseException:
+            if early is not None:
+                early.thread.join()
+                self._release(early.segment)
+            raise
 
         handle = SnapshotHandle(self, step)
-        rep = self._call(
-            "alloc",
-            rpc_timeout=self.alloc_timeout,
+        tree_json = None
+        if early is not None:
+            tree_json = self._tree_json(tree)  # while the early copy finishes: this thread would only wait
+        segment = self._finish_early(early, layout, srcs, any_cuda) if early is not None else None
+        if segment is not None:  # the capture held: the slot is filled
+            later: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+            event = None
+        else:
+            segment, later, event = self._fill(model, optim, rank, world, step, layout, srcs, any_cuda, blocking)
+        commit = dict(
             job=self.job,
             rank=rank,
             world_size=world,
+            local_world_size=_local_world_size(world),
             step=step,
+            segment=segment,
             nbytes=layout.file_size,
-            pid=os.getpid(),
+            tree=tree,
+            replicas=replicas,
+            tree_json=tree_json,
         )
-        segment = rep["segment"]
+        if not later[0] and event is None:
+            self._commit(handle, commit)
+            if handle._error is not None:
+                raise CheckpointError(f"snapshot of step {step} failed: {handle._error}") from handle._error
+        else:
+            self._hook(optim)  # type: ignore[arg-type]
+            t = threading.Thread(target=self._background, args=(handle, later, commit, event), name=f"ckptd-copy-{step}", daemon=False)
+            self._inflight, self._inflight_handle = t, handle
+            t.start()
+        self._pending.append(handle)
+        # a client that never calls wait() must not grow without bound; the daemon remembers more
+        # finished steps per job (TRACKS_KEPT) than this, so every kept handle can still be answered
+        del self._pending[:-PENDING_KEPT]
+        return handle
+
+    def _alloc(self, rank: int, world: int, step: int, nbytes: int) -> str:
+        rep = self._call(
+            "alloc", rpc_timeout=self.alloc_timeout, job=self.job, rank=rank, world_size=world, step=step, nbytes=nbytes, pid=os.getpid()
+        )
+        return rep["segment"]
+
+    def _early_copy(self, rank: int, world: int, step: int) -> _Early | None:
+        """A blocking snapshot of a state with many tensors, whose last stage is cached: lease the slot and
+        start copying the cached sources now, on a worker thread, while this thread checks that the
+        capture still holds and runs the plan's collective (torch releases the GIL while it copies).
+        If the capture changed, :meth:`_finish_early` throws the copy away."""
+        st = self._stage
+        if st is None or st[6] or len(st[4]) < EARLY_COPY_MIN_TENSORS:
+            return None  # nothing cached, CUDA sources, or too few tensors for the check to matter
+        layout, base_srcs, extra_slots = st[3], st[4], st[5]
+        segment = self._alloc(rank, world, step, layout.file_size)
+        try:
+            m = self._mapping(segment)
+            m.view[: layout.data_start] = layout.header
+            dsts = self._destinations(m, layout)
+        except BaseException:
+            self._release(segment)
+            raise
+        if extra_slots:
+            skip = {i for i, _ in extra_slots}
+            pairs = ([d for i, d in enumerate(dsts) if i not in skip], [t for i, t in enumerate(base_srcs) if i not in skip])
+        else:
+            pairs = (dsts, base_srcs)
+        early = _Early(segment, m, st, threading.Event())
+
+        def run() -> None:
+            early.started.set()
+            try:
+                _copy(*pairs)
+            except BaseException as e:  # the main thread decides: it copies again, or raises
+                early.error = e
+
+        early.thread = threading.Thread(target=run, name=f"ckptd-early-copy-{step}", daemon=True)
+        early.thread.start()
+        early.started.wait()  # let it take the GIL once, into the copy, before this thread goes on
+        return early
+
+    def _finish_early(self, early: _Early, layout: ShardLayout, srcs: list[torch.Tensor], any_cuda: bool) -> str | None:
+        """The segment, filled, if the early copy used what the capture now says; else ``None`` (the
+        segment is given back).
+
+        ``_stage_plan`` keeps the stage tuple only when the capture cache's fingerprint held and the
+        extras kept their shapes: then every cached source is a view of the live state and the
+        early copy is this snapshot's copy. Any other stage (even one with an equal layout) means
+        the copy may hold stale tensors, and it is discarded."""
+        early.thread.join()
+        if early.error is None and self._stage is early.stage and not any_cuda:
+            try:
+                extra_slots = early.stage[5]
+                if extra_slots:  # this snapshot's own extra tensors
+                    dsts = self._destinations(early.mapping, layout)
+                    _copy([dsts[i] for i, _ in extra_slots], [srcs[i] for i, _ in extra_slots])
+            except BaseException:
+                self._release(early.segment)
+                raise
+            self.early_copies += 1
+            return early.segment
+        self._release(early.segment)
+        return None
+
+    def _fill(
+        self,
+        model: torch.nn.Module,
+        optim: torch.optim.Optimizer | None,
+        rank: int,
+        world: int,
+        step: int,
+        layout: ShardLayout,
+        srcs: list[torch.Tensor],
+        any_cuda: bool,
+        blocking: bool,
+    ) -> tuple[str, tuple[list[torch.Tensor], list[torch.Tensor]], Any]:
+        """Lease a slot and copy into it what must be copied before ``snapshot()`` returns; return the
+        segment, the pairs left for the background thread, and the CUDA event to wait for."""
+        segment = self._alloc(rank, world, step, layout.file_size)
         try:
             m = self._mapping(segment)
             m.view[: layout.data_start] = layout.header
@@ -273,31 +400,7 @@ class Client:
         except BaseException:
             self._release(segment)
             raise
-        commit = dict(
-            job=self.job,
-            rank=rank,
-            world_size=world,
-            local_world_size=_local_world_size(world),
-            step=step,
-            segment=segment,
-            nbytes=layout.file_size,
-            tree=tree,
-            replicas=replicas,
-        )
-        if not later[0] and event is None:
-            self._commit(handle, commit)
-            if handle._error is not None:
-                raise CheckpointError(f"snapshot of step {step} failed: {handle._error}") from handle._error
-        else:
-            self._hook(optim)  # type: ignore[arg-type]
-            t = threading.Thread(target=self._background, args=(handle, later, commit, event), name=f"ckptd-copy-{step}", daemon=False)
-            self._inflight, self._inflight_handle = t, handle
-            t.start()
-        self._pending.append(handle)
-        # a client that never calls wait() must not grow without bound; the daemon remembers more
-        # finished steps per job (TRACKS_KEPT) than this, so every kept handle can still be answered
-        del self._pending[:-PENDING_KEPT]
-        return handle
+        return segment, later, event
 
     def _stage_plan(
         self, model: torch.nn.Module, optim: torch.optim.Optimizer | None, extra: dict[str, Any] | None, rank: int
@@ -315,7 +418,7 @@ class Client:
         extra_sig = tuple((c.key, c.tensor.dtype, c.sizes) for c in extra_chunks)
         st = self._stage
         if reused and st is not None and st[0] is chunks and st[1] == extra_sig:
-            items, layout, base_srcs, extra_slots, base_cuda = st[2:]
+            items, layout, base_srcs, extra_slots, base_cuda, _ = st[2:]
         else:
             for ch in chunks + extra_chunks:
                 if ch.tensor.dtype not in _COPYABLE:
@@ -323,6 +426,8 @@ class Client:
             items = [((c.key, c.offsets, c.sizes), c.nbytes) for c in chunks + extra_chunks]
             layout = None
         mine, shared = self._plan.mine(items)  # every rank, every snapshot: the plan's collective
+        if layout is not None and st is not None and mine is not st[7]:
+            layout = None  # another rank's layout changed and the plan with it: what this rank writes may differ
         # every holder of a replicated chunk reports a digest of its copy: the daemon refuses a step whose
         # "replicas" differ (FQNs that are not globally unique, e.g. per-group expert names)
         all_chunks = chunks + extra_chunks if shared else ()
@@ -335,7 +440,7 @@ class Client:
             base_srcs = [None if spec.name in extra_names else by_name[spec.name].tensor for spec in layout.chunks]
             extra_slots = [(i, spec.name) for i, spec in enumerate(layout.chunks) if spec.name in extra_names]
             base_cuda = any(t is not None and t.is_cuda for t in base_srcs)
-            self._stage = (chunks, extra_sig, items, layout, base_srcs, extra_slots, base_cuda)
+            self._stage = (chunks, extra_sig, items, layout, base_srcs, extra_slots, base_cuda, mine)
         srcs = list(base_srcs)
         if extra_slots:
             fresh = {c.name: c.tensor for c in extra_chunks}
@@ -475,8 +580,8 @@ class Client:
 
     def _commit(self, handle: SnapshotHandle, commit: dict[str, Any]) -> None:
         try:
-            fields = {k: v for k, v in commit.items() if k != "tree"}
-            self._call("commit", frames=(self._tree_json(commit["tree"]),), **fields)
+            fields = {k: v for k, v in commit.items() if k not in ("tree", "tree_json")}
+            self._call("commit", frames=(commit["tree_json"] or self._tree_json(commit["tree"]),), **fields)
         except BaseException as e:
             handle._error = e
             if not isinstance(e, DaemonUnavailable):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from _models import assert_same, full_state, make, train_step
 
@@ -71,3 +72,50 @@ def test_snapshots_through_the_cache_restore_exactly(daemon) -> None:  # noqa: A
             assert_same(full_state(m2, o2), want)
             assert extra["s"] == step and torch.equal(extra["t"], torch.full((2,), step))
         assert c._capture.hits >= 3
+
+
+def test_early_copy_is_used_while_the_capture_holds_and_discarded_when_it_does_not(daemon, monkeypatch) -> None:  # noqa: ANN001
+    """Blocking snapshots of states with many tensors start copying the cached sources before the capture
+    check ends; a check that fails (a rebound parameter, a new layout) must throw that copy away."""
+    import ckptd.client
+
+    monkeypatch.setattr(ckptd.client, "EARLY_COPY_MIN_TENSORS", 1)  # the test model is small
+    model, optim = make()
+    with daemon.client("j") as c:
+
+        def check(step: int, early: int, **kw: object) -> None:
+            want = full_state(model, optim)
+            c.snapshot(model, optim, step=step, blocking=True, **kw).wait(30)
+            assert c.early_copies == early
+            m2, o2 = make(seed=9)
+            extra = c.restore(m2, o2)
+            assert_same(full_state(m2, o2), want)
+            sent = kw.get("extra", {})
+            assert extra.keys() == sent.keys()
+            assert all(torch.equal(extra[k], v) if torch.is_tensor(v) else extra[k] == v for k, v in sent.items())
+
+        train_step(model, optim, 1)
+        check(1, 0)  # nothing cached yet
+        train_step(model, optim, 2)
+        check(2, 1)  # values changed, the capture held: the early copy is the copy
+        check(3, 1, extra={"t": torch.arange(3), "n": 3})  # extras add chunks: a new stage, the early copy is discarded
+        check(4, 2, extra={"t": torch.arange(3) + 1, "n": 4})  # same extra shapes: early copy, fresh extras
+        with torch.no_grad():
+            model.hidden.weight.data = model.hidden.weight.data + 1  # rebound: same shape, new storage
+        check(5, 2, extra={"t": torch.arange(3), "n": 5})  # the early copy read the old storage: discarded
+        check(6, 3, extra={"t": torch.arange(3), "n": 6})
+
+
+def test_early_copy_slot_is_given_back_when_the_snapshot_fails(daemon, monkeypatch) -> None:  # noqa: ANN001
+    import ckptd.client
+
+    monkeypatch.setattr(ckptd.client, "EARLY_COPY_MIN_TENSORS", 1)
+    model, optim = make()
+    train_step(model, optim, 1)
+    with daemon.client("j") as c:
+        c.snapshot(model, optim, step=1, blocking=True).wait(30)
+        with pytest.raises(TypeError, match="extra must be a dict"):
+            c.snapshot(model, optim, step=2, blocking=True, extra=["not", "a", "dict"])  # type: ignore[arg-type]
+        assert c.status()["slots"].get("leased", 0) == 0  # the early lease was released
+        c.snapshot(model, optim, step=3, blocking=True).wait(30)
+        assert c.early_copies == 1
