@@ -290,3 +290,12 @@ def dir_bytes(path: str) -> int:
             with contextlib.suppress(OSError):
                 total += os.path.getsize(os.path.join(dirpath, f))
     return total
+
+
+def write_json(path: str, obj: Any) -> None:
+    """A benchmark's results, for ``plot.py`` and for the record (``bench-out/<name>.json``)."""
+    import json
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)

@@ -10,7 +10,6 @@ with non_blocking=True on a side stream. Prints a table; writes ``bench-out/gpu_
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -21,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import DaemonProcess, views_into  # noqa: E402
+from _harness import DaemonProcess, views_into, write_json  # noqa: E402
 
 import ckptd  # noqa: E402
 
@@ -87,9 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| pinned host buffer, side stream (reference) | {med['pinned']:.4f} | {nbytes / med['pinned'] / 1e9:.1f} |")
     print(f"| ckptd snapshot(blocking=True): bytes in shared memory | {med['blocking']:.4f} | {nbytes / med['blocking'] / 1e9:.1f} |")
     print(f"| ckptd snapshot() default: until it returns | {med['default']:.4f} | |")
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"bytes": nbytes, "samples": rows, "median": med, "device": torch.cuda.get_device_name()}, f, indent=2)
+    write_json(args.json, {"bytes": nbytes, "samples": rows, "median": med, "device": torch.cuda.get_device_name()})
     return 0
 
 

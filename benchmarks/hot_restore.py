@@ -13,7 +13,6 @@ the files in the page cache. Each restore verifies every chunk's checksum. Print
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -24,7 +23,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import DaemonProcess, build_state, machine_info  # noqa: E402
+from _harness import DaemonProcess, build_state, machine_info, write_json  # noqa: E402
 
 import ckptd  # noqa: E402
 
@@ -84,9 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     for k, name in names.items():
         samples = " ".join(f"{x:.3f}" for x in rows[k])
         print(f"| {name} | {med[k]:.3f} | {nbytes / med[k] / 1e9:.2f} | {med[k] / med['memory']:.2f} | {samples} |")
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"bytes": nbytes, "samples": rows, "median": med, "machine": info}, f, indent=2)
+    write_json(args.json, {"bytes": nbytes, "samples": rows, "median": med, "machine": info})
     return 0
 
 

@@ -10,7 +10,6 @@ buffer, measured in the same run. Prints a markdown table; writes ``bench-out/ma
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -21,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import DaemonProcess, machine_info, views_into  # noqa: E402
+from _harness import DaemonProcess, machine_info, views_into, write_json  # noqa: E402
 
 import ckptd  # noqa: E402
 
@@ -100,9 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {name} | {med[k]:.4f} | {med[k] / med['floor']:.2f} | {med[k] / len(tensors) * 1e6:.2f} |")
     ratio = med["blocking"] / med["floor"]
     print(f"\n- blocking / floor = {ratio:.2f} (issue target <= 1.3): **{'PASS' if ratio <= 1.3 else 'MISS'}**")
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"tensors": len(tensors), "bytes": nbytes, "samples": rows, "median": med, "machine": info}, f, indent=2)
+    write_json(args.json, {"tensors": len(tensors), "bytes": nbytes, "samples": rows, "median": med, "machine": info})
     return 0
 
 

@@ -12,7 +12,6 @@ get_state_dict / set_state_dict, both with the files in the page cache). Prints 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -23,7 +22,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import DaemonProcess, build_state, machine_info  # noqa: E402
+from _harness import DaemonProcess, build_state, machine_info, write_json  # noqa: E402
 
 import ckptd  # noqa: E402
 
@@ -112,9 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {name} | {med[k]:.3f} | {shard_bytes / med[k] / 1e9:.2f} | {' '.join(f'{x:.3f}' for x in rows[k])} |")
     print(f"\n- persist bandwidth / plain write bandwidth = {med['plain'] / med['persist']:.2f} (target >= 0.8)")
     print(f"- ckptd restore / dcp.load = {med['restore_ckptd'] / med['restore_dcp']:.2f} (target <= 1.0)")
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"bytes": shard_bytes, "samples": rows, "median": med, "machine": info}, f, indent=2)
+    write_json(args.json, {"bytes": shard_bytes, "samples": rows, "median": med, "machine": info})
     return 0
 
 

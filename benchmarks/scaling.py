@@ -12,7 +12,6 @@ prefaulted /dev/shm buffer); the table shows the slowest rank. Prints a table; w
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import shutil
@@ -98,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--json", default="bench-out/scaling.json")
     args = p.parse_args(argv)
-    from _harness import DaemonProcess, machine_info
+    from _harness import DaemonProcess, machine_info, write_json
 
     sizes = [float(x) for x in args.sizes.split(",")]
     ranks = [int(x) for x in args.ranks.split(",")]
@@ -160,9 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         ratio = r["stall_s"] / r["floor_s"]
         print(f"| {r['bytes'] / 1e9:.2f} | {r['ranks']} | {r['floor_s']:.3f} | {r['stall_s']:.3f} | {ratio:.2f} | {r['durable_s']:.2f} |")
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"results": results, "machine": info}, f, indent=2)
+    write_json(args.json, {"results": results, "machine": info})
     return 0
 
 

@@ -26,7 +26,6 @@ import argparse
 import contextlib
 import cProfile
 import io
-import json
 import mmap
 import os
 import pstats
@@ -55,6 +54,7 @@ from _harness import (  # noqa: E402
     shape_for,
     state_tensors,
     timer,
+    write_json,
 )
 
 import ckptd  # noqa: E402
@@ -551,9 +551,7 @@ def main(argv: list[str] | None = None) -> int:
         "unix_time": time.time(),
     }
     if os.path.dirname(args.json):
-        os.makedirs(os.path.dirname(args.json), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(out, f, indent=2)
+        write_json(args.json, out)
     log(f"wrote {args.json}")
     return 0
 

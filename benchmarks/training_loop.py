@@ -14,7 +14,6 @@ durable: the daemon's own cost to training). Prints a table; writes ``bench-out/
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -28,7 +27,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import DaemonProcess, build_state, machine_info, shape_for  # noqa: E402
+from _harness import DaemonProcess, build_state, machine_info, shape_for, write_json  # noqa: E402
 
 import ckptd  # noqa: E402
 
@@ -98,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                 total, spans = run_loop(model, optim, x, args.steps, args.every, ckpt)
                 for th in waiters:
                     th.join()
+
                 def overlaps(s: float, e: float, a: float, b: float) -> bool:
                     return s < b and e > a
 
@@ -178,9 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         if r.get("step_while_persisting_s"):
             ratio = r["step_while_persisting_s"] / r["quiet_step_s"]
             print(f"- {mode}: step while the daemon persists / quiet step = {ratio:.2f} (target <= 1.10)")
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"results": results, "bytes": nbytes, "machine": info, "args": vars(args)}, f, indent=2)
+    write_json(args.json, {"results": results, "bytes": nbytes, "machine": info, "args": vars(args)})
     return 0
 
 
