@@ -205,11 +205,12 @@ class Daemon:
             self._fetch_pool.submit(self._check_store)  # off the loop: READY must not wait for the network
         self._recover()
         if self.uploader is not None:
-            # a previous run may have stopped before uploading its newest steps: catch up (the upload
-            # thread skips any the bucket already has)
+            # a previous run may have stopped before uploading some steps: catch up with the newest and
+            # with those the bucket keeps forever (the upload thread skips any the bucket already has)
             for job in persist.list_jobs(self.root):
-                step, path = persist.latest_path(self.root, job)
-                if step is not None and path is not None:
+                steps = persist.committed_steps(self.root, job)
+                every = self.remote_keep_every
+                for step in [s for s in steps[:-1] if every and s % every == 0] + steps[-1:]:
                     self.uploader.submit(job, step, 0, catch_up=True)  # world size: only multi-node uploads use it
         if self.metrics_port:
             from . import metrics

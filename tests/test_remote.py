@@ -179,17 +179,22 @@ def test_upload_order_is_data_then_fragments_then_manifest(tmp_path: Path) -> No
 
 
 def test_restart_uploads_what_a_previous_run_did_not(make_daemon, short_tmp: Path, s3_bucket: RemoteConfig) -> None:  # noqa: ANN001
-    d = make_daemon()  # no bucket yet: step 1 is durable on local disk only
+    d = make_daemon("--keep", "5")  # no bucket yet: steps 1-5 are durable on local disk only
     model, optim = make()
     with d.client("late") as c:
-        c.snapshot(model, optim, step=1, blocking=True).wait()
+        for step in range(1, 6):
+            c.snapshot(model, optim, step=step, blocking=True).wait()
     d.stop()
-    d.start(["--config", remote_toml(short_tmp / "r.toml", s3_bucket)])
-    wait_uploaded(d, "late", 1)
+    conf = remote_toml(short_tmp / "r.toml", s3_bucket, keep_every=2)
+    d.start(["--config", conf, "--keep", "5"])
+    wait_uploaded(d, "late", 5)
+    deadline = time.monotonic() + 30
     with ObjectStore(s3_bucket) as store:
-        assert _steps(store, "late") == ([1], [])
+        while _steps(store, "late") != ([2, 4, 5], []) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _steps(store, "late") == ([2, 4, 5], [])  # the newest, and those kept forever
     d.stop()
-    d.start(["--config", remote_toml(short_tmp / "r.toml", s3_bucket)])  # already there: nothing to send
+    d.start(["--config", conf, "--keep", "5"])  # already there: nothing to send
     st = wait_uploaded(d, "late", 1)
     assert st["uploaded_bytes"] == 0
 
