@@ -33,6 +33,7 @@ from typing import Any
 from . import persist
 from .errors import CheckpointError, FormatError
 from .format import MANIFEST, fsync_dir, validate_manifest
+from .verify import verify_checkpoint
 
 log = logging.getLogger("ckptd.tier")
 
@@ -113,8 +114,8 @@ def remote_steps(store: Any, job: str) -> tuple[list[int], list[int]]:
 def download_step(store: Any, root: str, job: str, step: int, progress: Progress | None = None) -> str:
     """Bring a step from the bucket into ``root`` (``<root>/<job>/step-N``), manifest last; returns it.
 
-    Each file's size is checked against the manifest here; every chunk's checksum is verified when
-    it is read (a corrupt object fails the restore, naming the file and tensor).
+    Each file's size is checked as it arrives, and every chunk's checksum before the step is renamed
+    into place: a corrupt object fails the fetch, naming the object and tensor, and leaves nothing.
     """
     final = persist.step_dir(root, job, step)
     if os.path.exists(os.path.join(final, MANIFEST)):
@@ -144,6 +145,12 @@ def download_step(store: Any, root: str, job: str, step: int, progress: Progress
             os.fsync(fd)
         finally:
             os.close(fd)
+        # every checksum, before the step enters the root: a corrupt object never becomes the newest
+        # local step that every later restore would trip over (one more read, from the page cache)
+        problems = [p.replace(tmp, url(store, job, step)) for p in verify_checkpoint(tmp)]
+        if problems:
+            more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+            raise FormatError(f"step {step} of job {job} in the bucket is corrupt: {problems[0]}{more}")
         fsync_dir(tmp)
         os.rename(tmp, final)
     except BaseException:

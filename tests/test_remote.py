@@ -17,7 +17,7 @@ import pytest
 from _models import assert_same, full_state, make, train_step
 
 from ckptd import tier
-from ckptd.errors import CheckpointError, FormatError
+from ckptd.errors import CheckpointError
 from ckptd.objstore import ObjectStore, RemoteConfig
 
 
@@ -105,8 +105,10 @@ def test_corrupt_object_is_caught_by_its_checksum(make_daemon, short_tmp: Path, 
     d.start()
     with d.client("bad") as c:
         m2, o2 = make(seed=9)
-        with pytest.raises(FormatError, match=r"checksum mismatch in .*step-2/rank-00000\.safetensors \(tensor '"):
+        url = f"s3://{s3_bucket.bucket}/{s3_bucket.prefix}/bad/step-2/rank-00000.safetensors"
+        with pytest.raises(CheckpointError, match=rf"step 2 of job bad in the bucket is corrupt: {url}: checksum mismatch in tensor '"):
             c.restore(m2, o2)
+        assert sorted(os.listdir(Path(d.root) / "bad")) == []  # nothing of the corrupt step entered the root
         c.restore(m2, o2, step=1)  # an older step is still good
         assert_same(full_state(m2, o2), want1)
 
