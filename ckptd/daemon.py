@@ -346,7 +346,7 @@ class Daemon:
                     shm.unlink(name)  # finalized just before the crash: nothing left to do
                     continue
                 slot = Slot(name, shm.size_of(name), state="committed", owner=(rec["job"], rec["rank"]), lease=rec)
-                track = self.tracks.setdefault((rec["job"], rec["step"]), StepTrack(rec["world_size"]))
+                track = self.tracks.setdefault((rec["job"], rec["step"]), StepTrack(rec["world_size"], rec.get("local_world_size", 0)))
                 track.committed.add(rec["rank"])
             except (KeyError, TypeError, OSError):
                 log.warning("dropping segment %s with an unreadable commit record", name)
@@ -358,7 +358,7 @@ class Daemon:
             for step in persist.partial_steps(self.root, job):
                 present = persist.fragments_present(self.root, job, step)
                 track = self.tracks.get((job, step))
-                ws = track.world_size if track else self._fragment_world_size(job, step)
+                ws, lws = (track.world_size, track.local_world_size) if track else self._fragment_sizes(job, step)
                 if ws and present >= set(range(ws)):
                     try:
                         path = persist.finalize_step(self.root, job, step, ws)
@@ -366,6 +366,14 @@ class Daemon:
                     except (CheckpointError, OSError, ValueError) as e:
                         log.error("cannot finalize leftover step %s of job %s: %s; removing it", step, job, e)
                         persist.remove_partial(self.root, job, step)
+                elif track is None and ws and lws and lws < ws and len(present) == lws and self.uploader is not None:
+                    # this node's whole part of a multi-node step, durable here: the previous run may have
+                    # died before the bucket had it, and the other nodes wait for it (commit_timeout)
+                    log.info("uploading this node's part of step %s of job %s again (ranks %s)", step, job, sorted(present))
+                    track = self.tracks[(job, step)] = StepTrack(ws, lws)
+                    track.committed |= present
+                    self._node_done[(job, step)] = True
+                    self.uploader.submit(job, step, ws, sorted(present))
                 elif track is None:
                     log.info("removing partial step %s of job %s (no staged shard can complete it)", step, job)
                     persist.remove_partial(self.root, job, step)
@@ -374,17 +382,18 @@ class Daemon:
         for slot in self.slots.values():
             self._submit_persist(slot)
 
-    def _fragment_world_size(self, job: str, step: int) -> int | None:
-        import json
-
+    def _fragment_sizes(self, job: str, step: int) -> tuple[int | None, int | None]:
+        """World size and local world size recorded in a partial step's fragments, if one is readable."""
         d = persist.tmp_dir(self.root, job, step)
         for r in sorted(persist.fragments_present(self.root, job, step)):
             try:
                 with open(os.path.join(d, f"rank-{r:05d}.json"), "rb") as f:
-                    return int(json.loads(f.read())["world_size"])
+                    frag = json.loads(f.read())
+                ws = int(frag["world_size"])
+                return ws, int(frag.get("local_world_size", ws))
             except (OSError, ValueError, KeyError, TypeError):
                 continue
-        return None
+        return None, None
 
     # ------------------------------------------------------------------ requests
 
@@ -667,6 +676,7 @@ class Daemon:
                 _tree(rec["tree"]),
                 self.write_rate_limit,
                 rec.get("replicas", {}),
+                lws,
             )
             dt = time.monotonic() - t0
             with self._job_lock(job):

@@ -62,6 +62,7 @@ def write_shard(
     tree: dict[str, Any],
     rate_limit: float = 0.0,
     replicas: dict[str, str] | None = None,
+    local_world_size: int | None = None,
 ) -> None:
     """Write one staged shard (``view[:nbytes]``) and its fragment into ``step-N.tmp`` durably.
 
@@ -108,6 +109,7 @@ def write_shard(
             "step": step,
             "rank": rank,
             "world_size": world_size,
+            "local_world_size": local_world_size or world_size,  # fewer: a multi-node step, committed through the bucket
             "file": shard_name(rank),
             "size": nbytes,
             "header_xxh3_64": digest(view[: layout.data_start]),

@@ -246,3 +246,18 @@ def restore_via_daemon(rank: int, world: int, kind: str, endpoint: str, job: str
     if rank == 0:
         assert_same(got, _load_expected(expected))
     return {"extra": extra, "step": last["step"], "source": last["source"]}
+
+
+def snapshot_multinode_no_wait(rank: int, world: int, kind: str, endpoints: list[str], job: str, expected: str) -> dict[str, Any]:
+    """Like :func:`save_multinode`, one step (2), without waiting for durability."""
+    per_node = world // len(endpoints)
+    os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
+    model, optim = build(kind)
+    for i in range(2):
+        train_step(model, optim, i + 100 * rank)
+    with ckptd.Client(endpoint=endpoints[rank // per_node], job=job) as c:
+        c.snapshot(model, optim, step=2, extra={"rank": rank}, blocking=True)
+    want = full_state(model, optim)  # a collective: every rank
+    if rank == 0:
+        _save_expected(expected, want)
+    return {}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from _dist import run_ranks
-from _workers import restore_via_daemon, save_multinode
+from _workers import restore_via_daemon, save_multinode, snapshot_multinode_no_wait
 from test_remote import remote_toml
 
 from ckptd import tier
@@ -55,3 +55,39 @@ def test_multinode_step_without_a_bucket_is_refused(make_daemon) -> None:  # noq
         with pytest.raises(CheckpointError, match=r"spans several nodes .* configure \[remote\]"):
             c._call("commit", frames=(b"{}",), **fields)
         c._call("release", segment=seg)
+
+
+def test_a_node_daemon_killed_mid_upload_uploads_its_part_after_the_restart(make_daemon, short_tmp: Path, s3_bucket: RemoteConfig) -> None:  # noqa: ANN001
+    import time
+
+    from _models import assert_same, full_state, make
+    from _workers import _load_expected
+    from test_remote import wait_uploaded
+
+    import ckptd
+
+    conf = remote_toml(short_tmp / "r.toml", s3_bucket, commit_timeout=120)
+    slow = remote_toml(short_tmp / "slow.toml", s3_bucket, commit_timeout=120, max_bandwidth=2000)  # bytes/s
+    node0 = make_daemon("--config", conf, sub="node0")
+    node1 = make_daemon("--config", slow, sub="node1")
+    expected = str(short_tmp / "expected.safetensors")
+    run_ranks(4, snapshot_multinode_no_wait, "fsdp2", [node0.endpoint, node1.endpoint], "mk", expected)
+    with node1.client("mk") as c:  # node 1's part is on its way to the bucket, slowly: kill its daemon
+        deadline = time.monotonic() + 60
+        while c.status()["uploading"] is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c.status()["uploading"]["step"] == 2
+    node1.proc.kill()
+    node1.proc.wait()
+    with ObjectStore(s3_bucket) as store:
+        assert tier.remote_steps(store, "mk")[0] == []  # not committed: node 1's part is missing
+    node1.start(["--config", conf])  # same root; recovery finds its durable part and uploads it again
+    wait_uploaded(node1, "mk", 2)
+    wait_uploaded(node0, "mk", 2)  # node 0 was waiting in the bucket for node 1's shards
+    assert "uploading this node's part of step 2 of job mk again (ranks [2, 3])" in node1.log.read_text()
+    third = make_daemon("--config", conf, sub="node2")
+    with third.client("mk") as c:
+        path = c._fetch(2)["path"]  # downloaded and verified; restored into one plain process
+        model, optim = make(seed=7)
+        ckptd.restore(model, optim, path=path)
+        assert_same(full_state(model, optim), _load_expected(expected))
