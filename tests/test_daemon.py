@@ -187,3 +187,14 @@ def test_persist_threads_use_idle_cpu_and_disk_time(make_daemon, flag, idle) -> 
     tasks = _idle_tasks(d.proc.pid)
     assert (len(tasks) >= 1) is idle, tasks
     assert d.proc.pid not in tasks  # the request loop keeps its normal priority
+
+
+def test_the_daemon_process_never_loads_torch(daemon) -> None:  # noqa: ANN001
+    """Start-up speed and memory: the daemon handles bytes and JSON only, even after a persist."""
+    import torch
+
+    with daemon.client("t") as c:
+        c.snapshot(torch.nn.Linear(4, 4), step=1, blocking=True).wait()
+        c.status()
+    maps = open(f"/proc/{daemon.proc.pid}/maps").read()
+    assert "libtorch" not in maps and "libc10" not in maps
