@@ -333,7 +333,11 @@ class Client:
                 early.error = e
 
         early.thread = threading.Thread(target=run, name=f"ckptd-early-copy-{step}", daemon=True)
-        early.thread.start()
+        try:
+            early.thread.start()
+        except BaseException:
+            self._release(segment)
+            raise
         early.started.wait()  # let it take the GIL once, into the copy, before this thread goes on
         return early
 
