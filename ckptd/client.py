@@ -466,12 +466,8 @@ class Client:
         leased = []
         try:
             for _ in range(slots):
-                rep = self._call(
-                    "alloc", rpc_timeout=self.alloc_timeout, job=self.job, rank=rank, world_size=world, step=0,
-                    nbytes=layout.file_size, pid=os.getpid(),
-                )  # fmt: skip
-                leased.append(rep["segment"])
-                self._mapping(rep["segment"])
+                leased.append(self._alloc(rank, world, 0, layout.file_size))
+                self._mapping(leased[-1])
         finally:
             for seg in leased:
                 self._release(seg)
