@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     work = tempfile.mkdtemp(prefix="ckmt")
     daemon = DaemonProcess(os.path.join(work, "root"), f"ipc://{work}/d.sock", os.path.join(work, "d.log"))
     rows: dict[str, list[float]] = {"floor": [], "blocking_first": [], "blocking": [], "default": [], "capture": [], "fingerprint": []}
-    from ckptd.capture import StateCapture, _fingerprint
+    from ckptd.client.capture import StateCapture, _fingerprint
 
     for _ in range(args.reps):  # the two halves of a snapshot's state capture, alone
         t0 = time.perf_counter()

@@ -94,10 +94,10 @@ def restore(
 
     The daemon's shared memory is read instead of the disk while it still holds the step (``hot``)."""
     if path is not None and _default is None:
-        from .client import _dist_rank_world
-        from .reader import restore_state
+        from .client.client import dist_rank_world
+        from .client.reader import restore_state
 
-        return restore_state(path, model, optim, _dist_rank_world()[0])  # no daemon needed
+        return restore_state(path, model, optim, dist_rank_world()[0])  # no daemon needed
     return _client().restore(model, optim, step=step, path=path, hot=hot)
 
 

@@ -1,122 +1,27 @@
-"""Command line: ``ckptd serve`` runs the daemon in the foreground; other commands are clients."""
+"""Command line: ``ckptd serve`` runs the daemon in the foreground; the other commands are clients
+or offline tools, one function each. ``status`` and ``ls`` talk to the daemon through the torch-free
+:class:`~ckptd.client.rpc.Channel`: neither imports torch (nor does ``serve``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
-import os
 import sys
 import time
 from typing import Any
 
-from ._config import default_endpoint, env_float, env_int
+from .config import SERVE_KEYS, daemon_config, default_endpoint, parse_size
+from .errors import CheckpointError, FormatError
+
+STATUS_TIMEOUT_S = 5.0
 
 
 def _size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    t = text.strip().lower().removesuffix("b").removesuffix("i")
     try:
-        if t and t[-1] in units:
-            return int(float(t[:-1]) * units[t[-1]])
-        return int(t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 8G, 512M)") from None
-
-
-SERVE_KEYS = (
-    "root", "endpoint", "shm_budget", "keep", "workers", "write_rate_limit", "nice", "log_level", "group", "metrics_port", "idle_priority",
-)  # fmt: skip
-# the [remote] table: where the bucket is (ckptd.objstore.RemoteConfig), and the bucket's retention
-REMOTE_TIER_KEYS = {"keep": 3, "keep_every": 0, "commit_timeout": 600}
-
-
-def remote_settings(table: object, where: str) -> dict[str, object]:
-    """The ``[remote]`` table: ``{"remote": RemoteConfig, "remote_keep", "remote_keep_every",
-    "commit_timeout"}``. Raises ``ValueError`` naming what is wrong."""
-    from .objstore import RemoteConfig
-
-    if not isinstance(table, dict):
-        raise ValueError(f"{where}: [remote] must be a table")
-    conf = {k: v for k, v in table.items() if k not in REMOTE_TIER_KEYS}
-    for key in ("max_bandwidth", "part_size"):
-        if isinstance(conf.get(key), str):
-            try:
-                conf[key] = _size(conf[key])
-            except argparse.ArgumentTypeError as e:
-                raise ValueError(f"{where}: remote.{key}: {e}") from None
-    try:
-        remote = RemoteConfig.from_dict(conf)
+        return parse_size(text)
     except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
-    out: dict[str, object] = {"remote": remote}
-    for key, default in REMOTE_TIER_KEYS.items():
-        value = table.get(key, default)
-        if not isinstance(value, int) or isinstance(value, bool) or value < (1 if key != "keep_every" else 0):
-            raise ValueError(f"{where}: remote.{key} must be an integer >= {1 if key != 'keep_every' else 0}, got {value!r}")
-        out["remote_" + key if key != "commit_timeout" else key] = value
-    return out
-
-
-def serve_settings(args: argparse.Namespace) -> dict[str, object]:
-    """The daemon's settings: a flag wins over the TOML file, which wins over CKPTD_* and the defaults.
-
-    Raises ``ValueError`` naming an unknown key, a wrong type or a missing root.
-    """
-    cfg: dict[str, object] = {
-        "root": os.environ.get("CKPTD_ROOT"),
-        "endpoint": None,
-        "shm_budget": None,
-        "keep": env_int("CKPTD_KEEP", 3),
-        "workers": env_int("CKPTD_WORKERS", 2),
-        "write_rate_limit": int(env_float("CKPTD_WRITE_RATE_LIMIT", 0)),
-        "nice": env_int("CKPTD_NICE", 10),
-        "log_level": "INFO",
-        "group": os.environ.get("CKPTD_GROUP") or None,
-        "metrics_port": env_int("CKPTD_METRICS_PORT", 0),
-        "idle_priority": os.environ.get("CKPTD_IDLE_PRIORITY", "1") not in ("0", "false", "no"),
-    }
-    if args.config:
-        import tomllib
-
-        with open(args.config, "rb") as f:
-            try:
-                data = tomllib.load(f)
-            except tomllib.TOMLDecodeError as e:
-                raise ValueError(f"{args.config}: {e}") from None
-        if "remote" in data:
-            cfg.update(remote_settings(data.pop("remote"), args.config))
-        unknown = set(data) - set(SERVE_KEYS)
-        if unknown:
-            raise ValueError(f"{args.config}: unknown settings {sorted(unknown)} (known: {', '.join(SERVE_KEYS)})")
-        for key, value in data.items():
-            if key in ("shm_budget", "write_rate_limit") and isinstance(value, str):
-                try:
-                    value = _size(value)
-                except argparse.ArgumentTypeError as e:
-                    raise ValueError(f"{args.config}: {key}: {e}") from None
-            want = str if key in ("root", "endpoint", "log_level", "group") else bool if key == "idle_priority" else int
-            if not isinstance(value, want) or (isinstance(value, bool) and want is not bool):
-                raise ValueError(f"{args.config}: {key} must be a {want.__name__}, got {value!r}")
-            cfg[key] = value
-    for key in SERVE_KEYS:
-        value = getattr(args, key, None)
-        if value is not None:
-            cfg[key] = value
-    if not cfg["root"]:
-        raise ValueError("no checkpoint root: give --root, root in --config, or CKPTD_ROOT")
-    if int(cfg["keep"]) < 1:  # type: ignore[call-overload]
-        raise ValueError("keep must be >= 1")
-    if cfg["group"] is not None:
-        from .daemon import resolve_group
-        from .errors import CheckpointError
-
-        try:
-            resolve_group(cfg["group"])  # type: ignore[arg-type]
-        except CheckpointError as e:
-            raise ValueError(str(e)) from None
-    cfg["endpoint"] = cfg["endpoint"] or default_endpoint()
-    return cfg
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _gb(n: float) -> str:
@@ -130,6 +35,34 @@ def _rate(n: float | None) -> str:
 def _bar(done: float, total: float, width: int = 24) -> str:
     frac = min(1.0, done / total) if total else 0.0
     return "[" + "#" * round(frac * width) + "." * (width - round(frac * width)) + f"] {frac:4.0%}"
+
+
+def _format_transfers(st: dict[str, Any]) -> list[str]:
+    backlog = st.get("upload_backlog") or []
+    lines = [
+        f"upload      {_gb(st['uploaded_bytes'])} in {st['upload_seconds']:.1f} s ({_rate(st.get('upload_bytes_per_s'))}),"
+        f" {st['steps_uploaded']} steps uploaded; {len(backlog)} queued"
+    ]
+    u = st.get("uploading")
+    if u:
+        rate = u["bytes_done"] / u["seconds"] if u["seconds"] else None
+        lines.append(
+            f"uploading   job {u['job']} step {u['step']}: {_bar(u['bytes_done'], u['bytes_total'])}"
+            f" {_gb(u['bytes_done'])} / {_gb(u['bytes_total'])}, {_rate(rate)}"
+        )
+    if st.get("fetching"):
+        f = st["fetching"]
+        lines.append(f"fetching    job {f['job']} step {f['step']} from the bucket: {_gb(f['bytes_done'])} so far")
+    return lines
+
+
+def _format_jobs(jobs: dict[str, Any]) -> list[str]:
+    lines = ["", f"{'job':<24} {'latest':>8} {'uploaded':>9} {'in memory':>10}  in flight"]
+    for job, info in sorted(jobs.items()):
+        cell = {k: "-" if info.get(k) is None else str(info[k]) for k in ("latest", "uploaded", "in_memory")}
+        flight = ", ".join(map(str, sorted(info.get("in_flight") or []))) or "-"
+        lines.append(f"{job:<24} {cell['latest']:>8} {cell['uploaded']:>9} {cell['in_memory']:>10}  {flight}")
+    return lines
 
 
 def format_status(st: dict[str, Any]) -> str:
@@ -146,37 +79,14 @@ def format_status(st: dict[str, Any]) -> str:
         f" {st['steps_committed']} steps committed",
     ]
     if st.get("remote"):
-        backlog = st.get("upload_backlog") or []
-        lines.append(
-            f"upload      {_gb(st['uploaded_bytes'])} in {st['upload_seconds']:.1f} s ({_rate(st.get('upload_bytes_per_s'))}),"
-            f" {st['steps_uploaded']} steps uploaded; {len(backlog)} queued"
-        )
-        u = st.get("uploading")
-        if u:
-            rate = u["bytes_done"] / u["seconds"] if u["seconds"] else None
-            lines.append(
-                f"uploading   job {u['job']} step {u['step']}: {_bar(u['bytes_done'], u['bytes_total'])}"
-                f" {_gb(u['bytes_done'])} / {_gb(u['bytes_total'])}, {_rate(rate)}"
-            )
-        if st.get("fetching"):
-            f = st["fetching"]
-            lines.append(f"fetching    job {f['job']} step {f['step']} from the bucket: {_gb(f['bytes_done'])} so far")
+        lines += _format_transfers(st)
     lines.append(f"last error  {st.get('last_error') or 'none'}" + (f" ({st['errors']} in all)" if st.get("errors") else ""))
-    jobs = st.get("jobs") or {}
-    if jobs:
-        lines += ["", f"{'job':<24} {'latest':>8} {'uploaded':>9} {'in memory':>10}  in flight"]
-        for job, info in sorted(jobs.items()):
-
-            def cell(key: str, info: dict[str, Any] = info) -> str:
-                v = info.get(key)
-                return "-" if v is None else str(v)
-
-            flight = ", ".join(map(str, sorted(info.get("in_flight") or []))) or "-"
-            lines.append(f"{job:<24} {cell('latest'):>8} {cell('uploaded'):>9} {cell('in_memory'):>10}  {flight}")
+    if st.get("jobs"):
+        lines += _format_jobs(st["jobs"])
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ckptd", description="Asynchronous checkpoint daemon for PyTorch.")
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -217,127 +127,109 @@ def main(argv: list[str] | None = None) -> int:
     ls.add_argument("--root", default=None, help="checkpoint root (default: ask the running daemon)")
     ls.add_argument("--job", default=None)
     ls.add_argument("--endpoint", default=None)
-
-    args = p.parse_args(argv)
-    if args.cmd == "serve":
-        from .errors import CheckpointError
-
-        try:
-            cfg = serve_settings(args)
-        except (ValueError, OSError) as e:
-            print(f"ckptd serve: {e}", file=sys.stderr)
-            return 2
-        from .daemon import Daemon
-
-        logging.basicConfig(level=cfg["log_level"].upper(), stream=sys.stderr, format="%(asctime)s ckptd %(levelname)s %(message)s")
-        for noisy in ("botocore", "boto3", "s3transfer", "urllib3"):
-            logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
-        try:
-            Daemon(
-                cfg["root"],
-                cfg["endpoint"],
-                shm_budget=cfg["shm_budget"],
-                keep=cfg["keep"],
-                workers=cfg["workers"],
-                write_rate_limit=float(cfg["write_rate_limit"]),
-                nice=cfg["nice"],
-                group=cfg["group"],
-                remote=cfg.get("remote"),
-                remote_keep=cfg.get("remote_keep", 3),
-                remote_keep_every=cfg.get("remote_keep_every", 0),
-                commit_timeout=float(cfg.get("commit_timeout", 600)),
-                metrics_port=int(cfg["metrics_port"]),  # type: ignore[call-overload]
-                idle_priority=bool(cfg["idle_priority"]),
-            ).serve()
-        except CheckpointError as e:
-            print(f"ckptd: {e}", file=sys.stderr)
-            return 1
-        return 0
-    if args.cmd == "status":
-        from .client import Client
-        from .errors import CheckpointError
-
-        try:
-            with Client(endpoint=args.endpoint, timeout=5.0) as c:
-                while True:
-                    st = c.status()
-                    out = json.dumps(st, indent=2) if args.json else format_status(st)
-                    if args.watch and sys.stdout.isatty():
-                        sys.stdout.write("\x1b[H\x1b[2J")  # redraw in place
-                    print(out, flush=True)
-                    if not args.watch:
-                        break
-                    time.sleep(args.watch)
-        except CheckpointError as e:
-            print(f"ckptd: {e}", file=sys.stderr)
-            return 1
-        except KeyboardInterrupt:
-            pass
-        return 0
-    if args.cmd == "verify":
-        return _verify(args.ckpt)
-    if args.cmd == "export":
-        from .errors import CheckpointError
-        from .export import export_checkpoint
-
-        try:
-            stats = export_checkpoint(args.ckpt, args.out, fmt=args.format, what=args.what)
-        except (CheckpointError, OSError) as e:
-            print(f"ckptd export: {e}", file=sys.stderr)
-            return 1
-        print(f"wrote {args.out}: {stats['tensors']} tensors, {stats['bytes'] / 1e9:.3f} GB")
-        return 0
-    if args.cmd == "ls":
-        return _ls(args.root, args.job, args.endpoint)
-    return 2
+    return p
 
 
-def _verify(ckpt: str) -> int:
-    from .errors import CheckpointError
-    from .reader import resolve_step_dir
-    from .verify import stale_warning, verify_checkpoint
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    commands = {"serve": _serve, "status": _status, "verify": _verify, "export": _export, "ls": _ls}
+    return commands[args.cmd](args)
 
+
+def _serve(args: argparse.Namespace) -> int:
     try:
-        step_dir = resolve_step_dir(ckpt)
+        cfg = daemon_config({k: getattr(args, k, None) for k in SERVE_KEYS}, args.config)
+    except (ValueError, OSError) as e:
+        print(f"ckptd serve: {e}", file=sys.stderr)
+        return 2
+    from .daemon import Daemon
+
+    logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr, format="%(asctime)s ckptd %(levelname)s %(message)s")
+    for noisy in ("botocore", "boto3", "s3transfer", "urllib3"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
+    try:
+        Daemon(cfg).serve()
     except CheckpointError as e:
-        print(f"ckptd verify: {e}", file=sys.stderr)
+        print(f"ckptd: {e}", file=sys.stderr)
         return 1
-    problems = verify_checkpoint(step_dir)
-    for p in problems:
-        print(f"ckptd verify: {p}", file=sys.stderr)
-    if problems:
-        print(f"{step_dir}: UNSOUND ({len(problems)} problem(s))")
-        return 1
-    warning = stale_warning(step_dir)
-    if warning:
-        print(f"ckptd verify: warning: {warning}", file=sys.stderr)
-    print(f"{step_dir}: OK")
     return 0
 
 
-def _ls(root: str | None, job: str | None, endpoint: str | None) -> int:
-    import time
+def _status(args: argparse.Namespace) -> int:
+    from .client.rpc import Channel
 
-    from .errors import CheckpointError, FormatError
+    try:
+        with Channel(args.endpoint or default_endpoint(), STATUS_TIMEOUT_S) as rpc:
+            while True:
+                st = rpc.call("status")
+                out = json.dumps(st, indent=2) if args.json else format_status(st)
+                if args.watch and sys.stdout.isatty():
+                    sys.stdout.write("\x1b[H\x1b[2J")  # redraw in place
+                print(out, flush=True)
+                if not args.watch:
+                    break
+                time.sleep(args.watch)
+    except CheckpointError as e:
+        print(f"ckptd: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from .client.reader import resolve_step_dir
+    from .tools.verify import stale_warning, verify_checkpoint
+
+    try:
+        step_path = resolve_step_dir(args.ckpt)
+    except CheckpointError as e:
+        print(f"ckptd verify: {e}", file=sys.stderr)
+        return 1
+    problems = verify_checkpoint(step_path)
+    for p in problems:
+        print(f"ckptd verify: {p}", file=sys.stderr)
+    if problems:
+        print(f"{step_path}: UNSOUND ({len(problems)} problem(s))")
+        return 1
+    warning = stale_warning(step_path)
+    if warning:
+        print(f"ckptd verify: warning: {warning}", file=sys.stderr)
+    print(f"{step_path}: OK")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from .tools.export import export_checkpoint
+
+    try:
+        stats = export_checkpoint(args.ckpt, args.out, fmt=args.format, what=args.what)
+    except (CheckpointError, OSError) as e:
+        print(f"ckptd export: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.out}: {stats['tensors']} tensors, {stats['bytes'] / 1e9:.3f} GB")
+    return 0
+
+
+def _ls(args: argparse.Namespace) -> int:
     from .format import read_manifest
-    from .persist import committed_steps, list_jobs
+    from .layout import complete_steps, list_jobs, step_dir
 
+    root = args.root
     if root is None:
-        from .client import Client
+        from .client.rpc import Channel
 
         try:
-            with Client(endpoint=endpoint, timeout=5.0) as c:
-                root = c.hello()["root"]
+            with Channel(args.endpoint or default_endpoint(), STATUS_TIMEOUT_S) as rpc:
+                root = rpc.call("hello")["root"]
         except CheckpointError as e:
             print(f"ckptd ls: no --root given and {e}", file=sys.stderr)
             return 1
-    jobs = [job] if job else list_jobs(root)
     print(f"{'job':<20} {'step':>8} {'size':>10} {'ranks':>5}  {'layout':<34} created")
-    for j in jobs:
-        for step in committed_steps(root, j):
-            d = os.path.join(root, j, f"step-{step}")
+    for j in [args.job] if args.job else list_jobs(root):
+        for step in complete_steps(root, j):
             try:
-                m = read_manifest(d)
+                m = read_manifest(step_dir(root, j, step))
             except FormatError as e:
                 print(f"{j:<20} {step:>8}  unreadable: {e}")
                 continue

@@ -31,10 +31,11 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
+from .client.reader import CheckpointReader, resolve_step_dir
 from .errors import CheckpointError
-from .format import MANIFEST, dtype_from_name
-from .reader import CheckpointReader, resolve_step_dir
-from .state import unflatten
+from .format import dtype_from_name
+from .layout import is_complete
+from .state import split_key, unflatten
 
 __all__ = ["Reader"]
 
@@ -60,7 +61,7 @@ class Reader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return os.path.exists(os.path.join(os.fspath(checkpoint_id), MANIFEST))
+        return is_complete(os.fspath(checkpoint_id))
 
     def _open(self) -> CheckpointReader:
         if self._reader is None:
@@ -93,7 +94,7 @@ class Reader(StorageReader):
                 self._values[name] = value
         for key in reader.manifest["tensors"]:
             if not key.startswith("extra/"):
-                dotted = ".".join(p.replace("%2F", "/").replace("%25", "%") for p in key.split("/"))
+                dotted = ".".join(split_key(key))
                 self._tensor_keys.setdefault(dotted, key)
 
     def read_metadata(self) -> Metadata:

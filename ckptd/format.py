@@ -21,6 +21,12 @@ a JSON object with ``format_version`` (integer, this module's :data:`FORMAT_VERS
 [{"file", "name", "offsets", "sizes", "byte_range", "xxh3_64"}]}``, ``byte_range`` absolute in the
 file) and ``ranks`` (one ``{"rank", "file", "tree"}`` per saving rank: the non-tensor state as a
 tagged JSON tree, see :mod:`ckptd.state`). Checksums are XXH3-64 as 16 lowercase hex digits.
+
+Fragment (``rank-RRRRR.json``, one per rank beside its shard until the step completes): a JSON object
+with ``format_version``, ``kind`` ``"ckptd-fragment"``, ``job``, ``step``, ``rank``, ``world_size``,
+``local_world_size``, ``file``, ``size``, ``header_xxh3_64``, ``chunks`` (``{"name", "key", "dtype",
+"sizes", "global_shape", "offsets", "byte_range", "xxh3_64"}`` each), ``replicas`` (chunk id → sample
+digest of the chunks other ranks hold too) and ``tree``. :func:`build_manifest` merges them.
 """
 
 from __future__ import annotations
@@ -29,12 +35,14 @@ import json
 import math
 import os
 import struct
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from .errors import FormatError
+from .errors import CheckpointError, FormatError
+from .layout import MANIFEST, shard_name
 
 if TYPE_CHECKING:
     import torch
@@ -150,6 +158,27 @@ def _int_list(v: Any, what: str) -> tuple[int, ...]:
     return tuple(v)
 
 
+def _chunk_spec(name: str, ent: Any, cm: Any) -> ChunkSpec:
+    """One chunk's header entry ``ent`` and ckptd metadata ``cm``, validated."""
+    if not isinstance(ent, dict) or not isinstance(cm, dict):
+        raise FormatError(f"chunk {name!r}: entry is not an object")
+    dt = ent.get("dtype")
+    sizes = _int_list(ent.get("shape"), f"chunk {name!r} shape")
+    b, e = _int_list(ent.get("data_offsets"), f"chunk {name!r} data_offsets") if len(ent.get("data_offsets", ())) == 2 else (None, None)
+    if b is None:
+        raise FormatError(f"chunk {name!r}: data_offsets must be [begin, end]")
+    gshape = _int_list(cm.get("global_shape"), f"chunk {name!r} global_shape")
+    offs = _int_list(cm.get("offsets"), f"chunk {name!r} offsets")
+    key = cm.get("key")
+    if not isinstance(key, str):
+        raise FormatError(f"chunk {name!r}: key must be a string")
+    if len(gshape) != len(sizes) or len(offs) != len(sizes) or any(o + s > g for o, s, g in zip(offs, sizes, gshape)):
+        raise FormatError(f"chunk {name!r}: offsets {offs} + sizes {sizes} do not fit global shape {gshape}")
+    if e - b != math.prod(sizes) * itemsize(dt):
+        raise FormatError(f"chunk {name!r}: {e - b} bytes do not match shape {list(sizes)} of {dt}")
+    return ChunkSpec(name, key, dt, sizes, gshape, offs, b, e)
+
+
 def parse_header(buf: Any, limit: int) -> ShardLayout:
     """Parse and validate a shard header from ``buf`` (untrusted) holding at least ``limit`` bytes.
 
@@ -182,26 +211,7 @@ def parse_header(buf: Any, limit: int) -> ShardLayout:
     names = [k for k in obj if k != "__metadata__"]
     if set(names) != set(cmeta):
         raise FormatError("shard header and its ckptd metadata list different chunks")
-    specs = []
-    for name in names:
-        ent, cm = obj[name], cmeta[name]
-        if not isinstance(ent, dict) or not isinstance(cm, dict):
-            raise FormatError(f"chunk {name!r}: entry is not an object")
-        dt = ent.get("dtype")
-        sizes = _int_list(ent.get("shape"), f"chunk {name!r} shape")
-        b, e = _int_list(ent.get("data_offsets"), f"chunk {name!r} data_offsets") if len(ent.get("data_offsets", ())) == 2 else (None, None)
-        if b is None:
-            raise FormatError(f"chunk {name!r}: data_offsets must be [begin, end]")
-        gshape = _int_list(cm.get("global_shape"), f"chunk {name!r} global_shape")
-        offs = _int_list(cm.get("offsets"), f"chunk {name!r} offsets")
-        key = cm.get("key")
-        if not isinstance(key, str):
-            raise FormatError(f"chunk {name!r}: key must be a string")
-        if len(gshape) != len(sizes) or len(offs) != len(sizes) or any(o + s > g for o, s, g in zip(offs, sizes, gshape)):
-            raise FormatError(f"chunk {name!r}: offsets {offs} + sizes {sizes} do not fit global shape {gshape}")
-        if e - b != math.prod(sizes) * itemsize(dt):
-            raise FormatError(f"chunk {name!r}: {e - b} bytes do not match shape {list(sizes)} of {dt}")
-        specs.append(ChunkSpec(name, key, dt, sizes, gshape, offs, b, e))
+    specs = [_chunk_spec(name, obj[name], cmeta[name]) for name in names]
     specs.sort(key=lambda s: s.begin)
     pos = 0
     for s in specs:
@@ -214,32 +224,6 @@ def parse_header(buf: Any, limit: int) -> ShardLayout:
 
 
 # ----------------------------------------------------------------------------- manifest
-
-MANIFEST = "manifest.json"
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_json_durable(path: str, obj: Any) -> None:
-    """Write ``obj`` to ``path`` atomically: temporary file, fsync, rename, fsync of the directory."""
-    tmp = path + ".tmp"
-    data = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(path) or ".")
 
 
 def read_manifest(step_dir: str) -> dict[str, Any]:
@@ -272,3 +256,121 @@ def validate_manifest(obj: Any, path: str) -> dict[str, Any]:
             if not isinstance(c, dict) or c.get("file") not in obj["files"]:
                 raise FormatError(f"{path}: tensor {key!r} names a file not listed in the manifest")
     return obj
+
+
+def build_fragment(
+    job: str,
+    step: int,
+    rank: int,
+    world_size: int,
+    local_world_size: int,
+    shard: Any,
+    layout: ShardLayout,
+    replicas: dict[str, str],
+    tree: Any,
+) -> dict[str, Any]:
+    """The fragment of one rank's shard (``shard``: its bytes, header included); checksums every chunk."""
+    start = layout.data_start
+    chunks = [
+        {
+            "name": c.name,
+            "key": c.key,
+            "dtype": c.dtype,
+            "sizes": list(c.sizes),
+            "global_shape": list(c.global_shape),
+            "offsets": list(c.offsets),
+            "byte_range": [start + c.begin, start + c.end],
+            "xxh3_64": digest(shard[start + c.begin : start + c.end]),
+        }
+        for c in layout.chunks
+    ]
+    return {
+        "format_version": FORMAT_VERSION,
+        "kind": "ckptd-fragment",
+        "job": job,
+        "step": step,
+        "rank": rank,
+        "world_size": world_size,
+        "local_world_size": local_world_size,  # fewer than world_size: a multi-node step, completed through the bucket
+        "file": shard_name(rank),
+        "size": layout.file_size,
+        "header_xxh3_64": digest(shard[:start]),
+        "chunks": chunks,
+        "replicas": replicas,
+        "tree": tree,
+    }
+
+
+def _boxes_overlap(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a["offsets"], a["sizes"], b["offsets"], b["sizes"]))
+
+
+def check_coverage(tensors: dict[str, Any]) -> None:
+    """Every global tensor is covered exactly once by its chunks; raise naming the key and region."""
+    for key, ent in tensors.items():
+        total = 0
+        chunks = sorted(ent["chunks"], key=lambda c: c["offsets"])
+        for i, c in enumerate(chunks):
+            total += math.prod(c["sizes"])
+            for o in chunks[i + 1 :]:
+                if o["offsets"][:1] and c["offsets"][:1] and o["offsets"][0] >= c["offsets"][0] + c["sizes"][0]:
+                    break
+                if _boxes_overlap(c, o):
+                    raise CheckpointError(
+                        f"tensor {key!r}: chunks at offsets {c['offsets']} ({c['file']}) and {o['offsets']} ({o['file']}) overlap;"
+                        " state keys must be globally unique"
+                    )
+        want = math.prod(ent["shape"])
+        if total != want:
+            raise CheckpointError(f"tensor {key!r} of shape {ent['shape']}: chunks cover {total} of {want} elements")
+
+
+def check_replicas(frags: list[dict[str, Any]]) -> None:
+    """Every holder of a replicated chunk reported the same sample digest; else name key and region."""
+    seen: dict[str, tuple[str, int]] = {}
+    for fr in frags:
+        for cid, dig in (fr.get("replicas") or {}).items():
+            if cid in seen and seen[cid][0] != dig:
+                key, offsets, sizes = json.loads(cid)
+                raise CheckpointError(
+                    f"tensor {key!r} region offsets {offsets} sizes {sizes}: ranks {seen[cid][1]} and {fr['rank']} hold"
+                    " different bytes under the same name; state keys (FQNs) must be globally unique, e.g. name experts"
+                    " by their global index"
+                )
+            seen.setdefault(cid, (dig, fr["rank"]))
+
+
+def build_manifest(job: str, step: int, world_size: int, frags: list[dict[str, Any]]) -> dict[str, Any]:
+    """Merge every rank's fragment into the step's manifest, after the coverage and replica checks.
+
+    Called where a step completes: a persist thread (one node) or the upload thread (through the bucket).
+    """
+    tensors: dict[str, Any] = {}
+    files: dict[str, Any] = {}
+    ranks = []
+    for fr in sorted(frags, key=lambda f: f["rank"]):
+        if (fr.get("job"), fr.get("step"), fr.get("world_size")) != (job, step, world_size):
+            raise CheckpointError(f"fragment of rank {fr.get('rank')} belongs to another job/step/world size")
+        files[fr["file"]] = {"rank": fr["rank"], "size": fr["size"], "header_xxh3_64": fr["header_xxh3_64"]}
+        ranks.append({"rank": fr["rank"], "file": fr["file"], "tree": fr["tree"]})
+        for c in fr["chunks"]:
+            ent = tensors.setdefault(c["key"], {"dtype": c["dtype"], "shape": c["global_shape"], "chunks": []})
+            if ent["dtype"] != c["dtype"] or ent["shape"] != c["global_shape"]:
+                raise CheckpointError(
+                    f"tensor {c['key']!r}: rank {fr['rank']} saved {c['dtype']}{c['global_shape']},"
+                    f" another rank {ent['dtype']}{ent['shape']}"
+                )
+            ent["chunks"].append({k: c[k] for k in ("name", "offsets", "sizes", "byte_range", "xxh3_64")} | {"file": fr["file"]})
+    check_coverage(tensors)
+    check_replicas(frags)
+    return {
+        "format_version": FORMAT_VERSION,
+        "kind": "ckptd-manifest",
+        "job": job,
+        "step": step,
+        "world_size": world_size,
+        "created_unix": time.time(),
+        "files": files,
+        "tensors": tensors,
+        "ranks": ranks,
+    }

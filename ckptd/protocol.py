@@ -23,7 +23,6 @@ Ops (who sends them: the trainer's client, on whichever of its threads needs the
 ``wait`` ``{job, step, timeout}`` → ``{"state": "pending"|"durable"|"failed", "path", "error"}``;
     the reply is held up to ``timeout`` seconds for the step to leave ``pending``.
 ``latest`` ``{job}`` → ``{"step", "path"}`` (``null`` when the job has no committed step).
-``locate`` ``{job, step}`` → ``{"step", "path"}``: the directory of a committed step.
 ``status`` ``{}`` → daemon-wide counters.
 ``hot_open`` ``{job, step, pid}`` → ``{"step", "path", "manifest", "segments", "reason"}``: the newest
     durable step of the job (``step`` null) or ``step``, if the daemon still holds every
@@ -35,15 +34,17 @@ Ops (who sends them: the trainer's client, on whichever of its threads needs the
 ``fetch`` ``{job, step}`` → ``{"fetch"}``: find the newest complete step (``step`` null) or ``step``
     under the root or in the bucket, downloading it into the root if only the bucket has it, on a
     daemon thread. ``fetch_wait`` ``{fetch, timeout}`` → ``{"state": "pending"|"done"|"failed",
-    "step", "path", "source": "local"|"remote", "error"}``, held up to ``timeout`` seconds.
+    "step", "path", "source": "local"|"remote", "error"}``, held up to ``timeout`` seconds
+    (``source``: the wire's spelling of :class:`Source` ``disk`` / ``bucket``).
 """
 
 from __future__ import annotations
 
 import json
+from enum import StrEnum
 from typing import Any
 
-from ._config import validate_job
+from .config import validate_job
 from .errors import ProtocolError
 
 PROTOCOL_VERSION = 1
@@ -69,7 +70,6 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     "release": {"segment": _STR},
     "wait": {"job": _STR, "step": _INT, "timeout": _NUM},
     "latest": {"job": _STR},
-    "locate": {"job": _STR, "step": _INT},
     "status": {},
     "hot_open": {"job": _STR, "step": (int, type(None)), "pid": _INT},
     "hot_close": {"pid": _INT, "segments": (list,)},
@@ -77,6 +77,24 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     "fetch_wait": {"fetch": _INT, "timeout": _NUM},
 }
 _ENVELOPE = {"v", "op", "id"}
+
+
+class Source(StrEnum):
+    """Where a restore's bytes come from: the daemon's shared memory, the local root, the bucket."""
+
+    MEMORY = "memory"
+    DISK = "disk"
+    BUCKET = "bucket"
+
+    def to_wire(self) -> str:
+        """``fetch_wait``'s spelling (protocol version 1): ``local`` / ``remote``."""
+        return {Source.DISK: "local", Source.BUCKET: "remote"}[self]
+
+    @classmethod
+    def from_wire(cls, value: str) -> Source:
+        return {"local": cls.DISK, "remote": cls.BUCKET}[value]
+
+
 EXTRA_FRAMES = {"commit": 1}  # ops followed by raw frames (commit: the tree's JSON)
 
 

@@ -82,7 +82,13 @@ def _escape(part: str) -> str:
 
 
 def join_key(path: tuple[str, ...]) -> str:
+    """The state key of a path in the state: its parts escaped (``%`` and ``/``), joined by ``/``."""
     return "/".join(_escape(p) for p in path)
+
+
+def split_key(key: str) -> list[str]:
+    """The path parts of a state key: the inverse of :func:`join_key`."""
+    return [p.replace("%2F", "/").replace("%25", "%") for p in key.split("/")]
 
 
 def local_chunks(key: str, value: torch.Tensor) -> list[LocalChunk]:
@@ -171,10 +177,3 @@ def unflatten(tree: Any, resolve: Callable[[str], Any]) -> Any:
 
 def _hashable(k: Any) -> Any:
     return tuple(_hashable(x) for x in k) if isinstance(k, (list, tuple)) else k
-
-
-def tensor_keys(tree: Any) -> list[str]:
-    """Every tensor key a tree refers to, in order."""
-    out: list[str] = []
-    unflatten(tree, lambda k: out.append(k))
-    return out

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from _models import assert_same, full_state, make, train_step
 
 import ckptd
+from ckptd.client.rpc import Channel
 
 
 def wrap(kind: str, model: torch.nn.Module) -> torch.nn.Module:
@@ -95,7 +96,8 @@ def snapshot_then_die(rank: int, world: int, kind: str, endpoint: str, job: str,
     dist.barrier()  # expected state written before anyone dies
     c = ckptd.Client(endpoint=endpoint, job=job)
     c.snapshot(model, optim, step=2, extra={"rank": rank, "note": "pre-kill"}, blocking=True)
-    state = c._call("wait", job=job, step=2, timeout=0.0)["state"]
+    with Channel(endpoint, 30.0) as rpc:
+        state = rpc.call("wait", job=job, step=2, timeout=0.0)["state"]
     with open(f"{expected}.state-{rank}", "w") as f:
         f.write(state)  # proves the kill came before the step was durable
     os.kill(os.getpid(), signal.SIGKILL)

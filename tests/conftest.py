@@ -16,6 +16,7 @@ import pytest
 
 from ckptd import shm
 from ckptd.client import Client
+from ckptd.client.rpc import Channel
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -54,6 +55,10 @@ class DaemonProc:
 
     def client(self, job: str = "t", **kw: object) -> Client:
         return Client(endpoint=self.endpoint, job=job, **kw)  # type: ignore[arg-type]
+
+    def rpc(self, timeout: float = 30.0) -> Channel:
+        """A bare channel to this daemon: requests as the wire protocol spells them."""
+        return Channel(self.endpoint, timeout)
 
     def stop(self, timeout: float = 30.0) -> int | None:
         if self.proc is None:
@@ -157,7 +162,7 @@ def s3_bucket(s3_server) -> Iterator:  # noqa: ANN001
     """A fresh, uniquely named bucket on ``s3_server``: yields its ``RemoteConfig`` (prefix ``ckpts``)."""
     import uuid
 
-    from ckptd.objstore import RemoteConfig
+    from ckptd.storage.s3 import RemoteConfig
 
     bucket = f"ckptd-test-{uuid.uuid4().hex[:16]}"
     client = s3_server.client()

@@ -6,7 +6,7 @@ import pytest
 import torch
 from _models import assert_same, full_state, make, train_step
 
-from ckptd.capture import StateCapture
+from ckptd.client.capture import StateCapture
 
 
 def _values(chunks) -> dict[str, torch.Tensor]:  # noqa: ANN001
@@ -71,15 +71,15 @@ def test_snapshots_through_the_cache_restore_exactly(daemon) -> None:  # noqa: A
             extra = c.restore(m2, o2)
             assert_same(full_state(m2, o2), want)
             assert extra["s"] == step and torch.equal(extra["t"], torch.full((2,), step))
-        assert c._capture.hits >= 3
+        assert c._stager.capture.hits >= 3
 
 
 def test_early_copy_is_used_while_the_capture_holds_and_discarded_when_it_does_not(daemon, monkeypatch) -> None:  # noqa: ANN001
     """Blocking snapshots of states with many tensors start copying the cached sources before the capture
     check ends; a check that fails (a rebound parameter, a new layout) must throw that copy away."""
-    import ckptd.client
+    import ckptd.client.copy
 
-    monkeypatch.setattr(ckptd.client, "EARLY_COPY_MIN_TENSORS", 1)  # the test model is small
+    monkeypatch.setattr(ckptd.client.copy, "EARLY_COPY_MIN_TENSORS", 1)  # the test model is small
     model, optim = make()
     with daemon.client("j") as c:
 
@@ -107,9 +107,9 @@ def test_early_copy_is_used_while_the_capture_holds_and_discarded_when_it_does_n
 
 
 def test_early_copy_slot_is_given_back_when_the_snapshot_fails(daemon, monkeypatch) -> None:  # noqa: ANN001
-    import ckptd.client
+    import ckptd.client.copy
 
-    monkeypatch.setattr(ckptd.client, "EARLY_COPY_MIN_TENSORS", 1)
+    monkeypatch.setattr(ckptd.client.copy, "EARLY_COPY_MIN_TENSORS", 1)
     model, optim = make()
     train_step(model, optim, 1)
     with daemon.client("j") as c:

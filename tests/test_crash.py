@@ -19,10 +19,10 @@ import ckptd
 
 
 def _wait_durable(daemon, job: str, step: int, timeout: float = 60.0) -> str:  # noqa: ANN001
-    with daemon.client(job) as c:
+    with daemon.rpc() as rpc:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            rep = c._call("wait", job=job, step=step, timeout=5.0)
+            rep = rpc.call("wait", job=job, step=step, timeout=5.0)
             if rep["state"] == "durable":
                 return rep["path"]
             assert rep["state"] == "pending", rep
@@ -152,9 +152,9 @@ def test_restart_after_finalize_drops_the_stale_record(make_daemon) -> None:  # 
 
     daemon = make_daemon()
     model, optim = make()
-    with daemon.client("j") as c:
-        seg = c._call("alloc", job="j", rank=0, world_size=1, step=1, nbytes=4096, pid=os.getpid())["segment"]
-        c._call("release", segment=seg)
+    with daemon.client("j") as c, daemon.rpc() as rpc:
+        seg = rpc.call("alloc", job="j", rank=0, world_size=1, step=1, nbytes=4096, pid=os.getpid())["segment"]
+        rpc.call("release", segment=seg)
         path = c.snapshot(model, optim, step=1, blocking=True).wait(30)
     daemon.kill()
     record = {"job": "j", "rank": 0, "world_size": 1, "step": 1, "nbytes": 4096, "tree": {}, "replicas": {}}

@@ -6,7 +6,7 @@ import pytest
 import torch
 from _models import assert_same, full_state
 
-from ckptd import cuda
+from ckptd.client import cuda
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -46,7 +46,7 @@ def test_cuda_snapshot_is_state_at_call(daemon, blocking: bool) -> None:  # noqa
             h = c.snapshot(model, optim, step=step, blocking=blocking)
             _step(model, optim, step)  # mutates right after the call: must not leak in
             h.wait(60)
-            assert c._pinned, "the slot should be page-locked for device copies"
+            assert c._maps.pinned, "the slot should be page-locked for device copies"
             m2, o2 = _cuda_model()
             c.restore(m2, o2, step=step)
             got = {k: v.cpu() for k, v in full_state(m2, o2).items()}

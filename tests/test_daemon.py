@@ -33,6 +33,12 @@ class Raw:
         self.s.close(0)
         self.ctx.term()
 
+    def __enter__(self) -> Raw:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 @pytest.fixture
 def raw(daemon):  # noqa: ANN001, ANN201
@@ -59,7 +65,7 @@ BAD_MESSAGES = [
                               replicas={}), b"{}"],
      "refused"),
     ("malformed segment name", [_op("release", segment="../../etc/passwd")], "refused"),
-    ("locate missing step", [_op("locate", job="j", step=5)], "refused"),
+    ("a retired op", [_op("locate", job="j", step=5)], "bad_request"),
     ("alloc over budget", [_op("alloc", job="j", rank=0, world_size=1, step=1, nbytes=1 << 50, pid=os.getpid())], "refused"),
 ]  # fmt: skip
 
@@ -73,23 +79,23 @@ def test_bad_message_gets_error_and_daemon_keeps_serving(raw: Raw, daemon, frame
 
 
 def test_commit_must_match_lease(daemon) -> None:  # noqa: ANN001
-    with daemon.client("j") as c:
-        seg = c._call("alloc", job="j", rank=0, world_size=1, step=1, nbytes=100, pid=os.getpid())["segment"]
+    with daemon.rpc() as rpc:
+        seg = rpc.call("alloc", job="j", rank=0, world_size=1, step=1, nbytes=100, pid=os.getpid())["segment"]
         with pytest.raises(ProtocolError, match="does not match the lease"):
-            c._call("commit", job="j", rank=0, **ONE, step=2, segment=seg, nbytes=100, replicas={}, frames=(b"{}",))
+            rpc.call("commit", job="j", rank=0, **ONE, step=2, segment=seg, nbytes=100, replicas={}, frames=(b"{}",))
         with pytest.raises(ProtocolError, match="exceeds segment size"):
-            c._call("commit", job="j", rank=0, **ONE, step=1, segment=seg, nbytes=1 << 40, replicas={}, frames=(b"{}",))
-        c._call("release", segment=seg)
+            rpc.call("commit", job="j", rank=0, **ONE, step=1, segment=seg, nbytes=1 << 40, replicas={}, frames=(b"{}",))
+        rpc.call("release", segment=seg)
         with pytest.raises(ProtocolError, match="not leased"):
-            c._call("release", segment=seg)
+            rpc.call("release", segment=seg)
 
 
 def test_garbage_shard_fails_the_step_not_the_daemon(daemon) -> None:  # noqa: ANN001
     """A committed slot whose bytes are not a shard: wait() raises, nothing is committed."""
-    with daemon.client("j") as c:
-        seg = c._call("alloc", job="j", rank=0, world_size=1, step=1, nbytes=4096, pid=os.getpid())["segment"]
-        c._call("commit", job="j", rank=0, **ONE, step=1, segment=seg, nbytes=4096, replicas={}, frames=(b"{}",))
-        rep = c._call("wait", job="j", step=1, timeout=10.0)
+    with daemon.client("j") as c, daemon.rpc() as rpc:
+        seg = rpc.call("alloc", job="j", rank=0, world_size=1, step=1, nbytes=4096, pid=os.getpid())["segment"]
+        rpc.call("commit", job="j", rank=0, **ONE, step=1, segment=seg, nbytes=4096, replicas={}, frames=(b"{}",))
+        rep = rpc.call("wait", job="j", step=1, timeout=10.0)
         assert rep["state"] == "failed" and "header" in rep["error"]
         assert c.latest() is None
         assert not os.path.exists(os.path.join(daemon.root, "j", "step-1.tmp"))
@@ -100,29 +106,29 @@ def test_malformed_tree_fails_the_step_not_the_daemon(daemon) -> None:  # noqa: 
     from _models import make
 
     model, optim = make()
-    with daemon.client("j") as c:
+    with daemon.client("j") as c, daemon.rpc() as rpc:
         c.snapshot(model, optim, step=1, blocking=True).wait(30)
-        seg = c._call("alloc", job="j", rank=0, world_size=1, step=2, nbytes=1 << 20, pid=os.getpid())["segment"]
+        seg = rpc.call("alloc", job="j", rank=0, world_size=1, step=2, nbytes=1 << 20, pid=os.getpid())["segment"]
         src = os.path.join(daemon.root, "j", "step-1", "rank-00000.safetensors")
         shard = open(src, "rb").read()
         with open(f"/dev/shm/{seg}", "r+b") as f:
             f.write(shard)  # a valid shard, so only the tree is wrong
-        c._call("commit", job="j", rank=0, **ONE, step=2, segment=seg, nbytes=len(shard), replicas={}, frames=(b"{not json",))
-        rep = c._call("wait", job="j", step=2, timeout=10.0)
+        rpc.call("commit", job="j", rank=0, **ONE, step=2, segment=seg, nbytes=len(shard), replicas={}, frames=(b"{not json",))
+        rep = rpc.call("wait", job="j", step=2, timeout=10.0)
         assert rep["state"] == "failed" and "tree is not valid JSON" in rep["error"]
         assert c.latest() == 1 and c.hello()["ok"]
 
 
 def test_backpressure_defers_alloc_until_a_slot_frees(make_daemon) -> None:  # noqa: ANN001
     d = make_daemon("--shm-budget", "4M")
-    with d.client("j") as c1, d.client("j") as c2:
-        seg = c1._call("alloc", job="j", rank=0, world_size=2, step=1, nbytes=3 << 20, pid=os.getpid())["segment"]
+    with d.client("j") as c1, d.rpc() as rpc, Raw(d.endpoint) as raw:
+        seg = rpc.call("alloc", job="j", rank=0, world_size=2, step=1, nbytes=3 << 20, pid=os.getpid())["segment"]
         # the second rank's request waits for the first slot to be released
-        s = c2._socket()
+        s = raw.s
         s.send(request("alloc", 99, job="j", rank=1, world_size=2, step=1, nbytes=3 << 20, pid=os.getpid()))
         assert not s.poll(700), "alloc over budget should have been deferred"
         assert c1.status()["deferred_allocs"] == 1
-        c1._call("release", segment=seg)
+        rpc.call("release", segment=seg)
         assert s.poll(5000)
         rep = json.loads(s.recv())
         assert rep["ok"] and rep["id"] == 99
@@ -131,8 +137,8 @@ def test_backpressure_defers_alloc_until_a_slot_frees(make_daemon) -> None:  # n
 def test_dead_trainer_lease_is_reclaimed(daemon) -> None:  # noqa: ANN001
     """A trainer that dies mid-copy (leased, never committed) leaves no step and frees its slot."""
     code = (
-        f"import os, signal, ckptd; c = ckptd.Client(endpoint={daemon.endpoint!r}, job='j');"
-        "c._call('alloc', job='j', rank=0, world_size=1, step=1, nbytes=1000, pid=os.getpid());"
+        f"import os, signal; from ckptd.client.rpc import Channel; c = Channel({daemon.endpoint!r}, 30.0);"
+        "c.call('alloc', job='j', rank=0, world_size=1, step=1, nbytes=1000, pid=os.getpid());"
         "os.kill(os.getpid(), signal.SIGKILL)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == -9
@@ -156,9 +162,9 @@ def test_second_daemon_on_same_endpoint_refuses(daemon, make_daemon) -> None:  #
 
 
 def test_clean_stop_unlinks_segments(daemon) -> None:  # noqa: ANN001
-    with daemon.client("j") as c:
-        seg = c._call("alloc", job="j", rank=0, world_size=1, step=1, nbytes=100, pid=os.getpid())["segment"]
-        c._call("release", segment=seg)
+    with daemon.rpc() as rpc:
+        seg = rpc.call("alloc", job="j", rank=0, world_size=1, step=1, nbytes=100, pid=os.getpid())["segment"]
+        rpc.call("release", segment=seg)
     assert daemon.segments() == [seg]
     assert daemon.stop() == 0
     assert daemon.segments() == []

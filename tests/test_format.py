@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from ckptd.errors import FormatError
-from ckptd.format import FORMAT_VERSION, build_layout, parse_header, read_manifest, write_json_durable
+from ckptd.format import FORMAT_VERSION, build_layout, parse_header, read_manifest
+from ckptd.storage.files import write_json_durable
 
 
 def _layout():

@@ -19,7 +19,6 @@ def _valid(rng: random.Random, seg: str) -> bytes:
     choices = [
         request("hello", 1),
         request("latest", 1, job="j"),
-        request("locate", 1, job="j", step=rng.randrange(5)),
         request("alloc", 1, job="j", rank=0, world_size=1, step=1, nbytes=rng.randrange(1 << 16), pid=os.getpid()),
         request("release", 1, segment=seg),
         request("commit", 1, job="j", rank=0, world_size=1, local_world_size=1, step=rng.randrange(5), segment=seg, nbytes=10, replicas={}),

@@ -37,7 +37,7 @@ def test_restore_reads_memory_not_disk(make_daemon) -> None:  # noqa: ANN001
         with pytest.raises(FormatError, match="rank-00000.safetensors is missing"):
             c.restore(*make(seed=4), hot=False)
         # unpinned after the restore: the slot serves the next snapshot again
-        assert c._call("status")["hot_pins"] == {}
+        assert c.status()["hot_pins"] == {}
 
 
 def test_falls_back_to_disk_once_the_slot_is_reused(make_daemon) -> None:  # noqa: ANN001
@@ -60,9 +60,9 @@ def test_falls_back_to_disk_once_the_slot_is_reused(make_daemon) -> None:  # noq
 def test_pinned_slot_is_not_overwritten_and_dead_readers_unpin(make_daemon) -> None:  # noqa: ANN001
     d = make_daemon()
     model, optim = _trained()
-    with d.client("hot") as c:
+    with d.client("hot") as c, d.rpc() as rpc:
         c.snapshot(model, optim, step=1, blocking=True).wait()
-        held = c._call("hot_open", job="hot", step=None, pid=os.getpid())
+        held = rpc.call("hot_open", job="hot", step=None, pid=os.getpid())
         assert held["step"] == 1
         seg = held["segments"]["rank-00000.safetensors"]
         before = open(shm.path_of(seg), "rb").read()
@@ -70,12 +70,12 @@ def test_pinned_slot_is_not_overwritten_and_dead_readers_unpin(make_daemon) -> N
         c.snapshot(model, optim, step=2, blocking=True).wait()  # must lease another slot
         assert open(shm.path_of(seg), "rb").read() == before
         # a reader that died leaves no pin behind
-        assert c._call("hot_open", job="hot", step=None, pid=2**22 + 12345)["step"] == 2
-        c._call("hot_close", pid=os.getpid(), segments=[seg])
+        assert rpc.call("hot_open", job="hot", step=None, pid=2**22 + 12345)["step"] == 2
+        rpc.call("hot_close", pid=os.getpid(), segments=[seg])
         deadline = time.monotonic() + 10  # housekeeping drops the dead pid's pin within a second
-        while c._call("status")["hot_pins"] and time.monotonic() < deadline:
+        while rpc.call("status")["hot_pins"] and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert c._call("status")["hot_pins"] == {}
+        assert rpc.call("status")["hot_pins"] == {}
 
 
 def test_nothing_held_after_a_daemon_restart(make_daemon) -> None:  # noqa: ANN001
@@ -87,28 +87,9 @@ def test_nothing_held_after_a_daemon_restart(make_daemon) -> None:  # noqa: ANN0
     d.stop()
     d.start()
     m2, o2 = make(seed=3)
-    with d.client("hot") as c:
-        rep = c._call("hot_open", job="hot", step=None, pid=os.getpid())
+    with d.client("hot") as c, d.rpc() as rpc:
+        rep = rpc.call("hot_open", job="hot", step=None, pid=os.getpid())
         assert rep["step"] is None and "no step" in rep["reason"]
         c.restore(m2, o2)
         assert c.last_restore["source"] == "disk"
     assert_same(full_state(m2, o2), want)
-
-
-def test_a_pin_lapses_even_if_its_pid_lives(tmp_path) -> None:  # noqa: ANN001
-    """A live process that never calls hot_close (or a made-up pid that happens to exist) cannot hold a
-    slot forever: the pin lapses after HOT_PIN_MAX_S."""
-    from ckptd.daemon import Daemon, Slot
-
-    d = Daemon(str(tmp_path / "root"), f"ipc://{tmp_path}/never.sock")
-    try:
-        now = time.monotonic()
-        slot = Slot("ckptd-0-00000000-00000001", 4096, pins={os.getpid(): now + 60, 1: now - 1})
-        d.slots[slot.name] = slot
-        d._housekeeping(now)
-        assert slot.pins == {os.getpid(): now + 60}  # pid 1 lives, but its pin is past its deadline
-    finally:
-        d.slots.clear()
-        d._pool.shutdown()
-        d._fetch_pool.shutdown()
-        d._ctx.term()

@@ -12,8 +12,9 @@ from _dist import run_ranks
 from _workers import restore_via_daemon, save_multinode, snapshot_multinode_no_wait
 from test_remote import remote_toml
 
-from ckptd import tier
-from ckptd.objstore import ObjectStore, RemoteConfig
+from ckptd.client.restore import fetch
+from ckptd.storage.remote import remote_steps
+from ckptd.storage.s3 import RemoteConfig, S3Store
 
 pytestmark = pytest.mark.multiproc
 
@@ -25,8 +26,8 @@ def test_two_nodes_four_ranks_restore_on_a_third_layout(make_daemon, short_tmp: 
     outs = run_ranks(4, save_multinode, "fsdp2", [n.endpoint for n in nodes], "mn", expected)
     url = f"s3://{s3_bucket.bucket}/{s3_bucket.prefix}/mn/step-4"
     assert all(o["paths"][1] == url for o in outs)  # wait() answers once the step is whole in the bucket
-    with ObjectStore(s3_bucket) as store:
-        assert tier.remote_steps(store, "mn") == ([2, 4], [])
+    with S3Store(s3_bucket) as store:
+        assert remote_steps(store, "mn") == ([2, 4], [])
         names = sorted(k.rsplit("/", 1)[1] for k in store.list("mn/step-4/"))
         assert names == ["manifest.json"] + [f"rank-{r:05d}.{ext}" for r in range(4) for ext in ("json", "safetensors")]
     for node in nodes:
@@ -49,12 +50,12 @@ def test_multinode_step_without_a_bucket_is_refused(make_daemon) -> None:  # noq
     from ckptd.errors import CheckpointError
 
     d = make_daemon()
-    with d.client("mn") as c:
-        seg = c._call("alloc", job="mn", rank=0, world_size=2, step=1, nbytes=4096, pid=os.getpid())["segment"]
+    with d.rpc() as rpc:
+        seg = rpc.call("alloc", job="mn", rank=0, world_size=2, step=1, nbytes=4096, pid=os.getpid())["segment"]
         fields = dict(job="mn", rank=0, world_size=2, local_world_size=1, step=1, segment=seg, nbytes=4096, replicas={})
         with pytest.raises(CheckpointError, match=r"spans several nodes .* configure \[remote\]"):
-            c._call("commit", frames=(b"{}",), **fields)
-        c._call("release", segment=seg)
+            rpc.call("commit", frames=(b"{}",), **fields)
+        rpc.call("release", segment=seg)
 
 
 def test_a_node_daemon_killed_mid_upload_uploads_its_part_after_the_restart(make_daemon, short_tmp: Path, s3_bucket: RemoteConfig) -> None:  # noqa: ANN001
@@ -79,15 +80,15 @@ def test_a_node_daemon_killed_mid_upload_uploads_its_part_after_the_restart(make
         assert c.status()["uploading"]["step"] == 2
     node1.proc.kill()
     node1.proc.wait()
-    with ObjectStore(s3_bucket) as store:
-        assert tier.remote_steps(store, "mk")[0] == []  # not committed: node 1's part is missing
+    with S3Store(s3_bucket) as store:
+        assert remote_steps(store, "mk")[0] == []  # not committed: node 1's part is missing
     node1.start(["--config", conf])  # same root; recovery finds its durable part and uploads it again
     wait_uploaded(node1, "mk", 2)
     wait_uploaded(node0, "mk", 2)  # node 0 was waiting in the bucket for node 1's shards
     assert "uploading this node's part of step 2 of job mk again (ranks [2, 3])" in node1.log.read_text()
     third = make_daemon("--config", conf, sub="node2")
-    with third.client("mk") as c:
-        path = c._fetch(2)["path"]  # downloaded and verified; restored into one plain process
+    with third.rpc() as rpc:
+        path = fetch(rpc, "mk", 2)["path"]  # downloaded and verified; restored into one plain process
         model, optim = make(seed=7)
         ckptd.restore(model, optim, path=path)
         assert_same(full_state(model, optim), _load_expected(expected))

@@ -14,7 +14,7 @@ from _models import make, train_step
 from conftest import REPO
 from test_remote import remote_toml, wait_uploaded
 
-from ckptd.objstore import RemoteConfig
+from ckptd.storage.s3 import RemoteConfig
 
 
 def _free_port() -> int:

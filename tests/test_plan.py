@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ckptd.plan import assign
+from ckptd.client.plan import assign
 
 
 def test_replicated_chunks_written_once_and_spread() -> None:

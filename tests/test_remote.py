@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 from _models import assert_same, full_state, make, train_step
 
-from ckptd import tier
 from ckptd.errors import CheckpointError
-from ckptd.objstore import ObjectStore, RemoteConfig
+from ckptd.storage import remote
+from ckptd.storage.s3 import RemoteConfig, S3Store
 
 
 def remote_toml(path: Path, cfg: RemoteConfig, **extra: Any) -> str:
@@ -41,8 +41,8 @@ def wait_uploaded(d, job: str, step: int, timeout: float = 60.0) -> dict[str, An
     raise AssertionError(f"step {step} of {job} was never uploaded: {st}")
 
 
-def _steps(store: ObjectStore, job: str) -> tuple[list[int], list[int]]:
-    return tier.remote_steps(store, job)
+def _steps(store: S3Store, job: str) -> tuple[list[int], list[int]]:
+    return remote.remote_steps(store, job)
 
 
 def test_upload_retention_and_restore_from_bucket(make_daemon, short_tmp: Path, s3_bucket: RemoteConfig) -> None:  # noqa: ANN001
@@ -57,7 +57,7 @@ def test_upload_retention_and_restore_from_bucket(make_daemon, short_tmp: Path, 
             c.snapshot(model, optim, step=step, extra={"step": step}, blocking=True).wait()
     st = wait_uploaded(d, "up", 5)
     assert st["steps_uploaded"] >= 3 and st["uploaded_bytes"] > 0 and st["last_error"] is None
-    store = ObjectStore(s3_bucket)
+    store = S3Store(s3_bucket)
     # bucket: the newest 2 and every 2nd; local disk: the newest 2
     deadline = time.monotonic() + 10
     while _steps(store, "up") != ([2, 4, 5], []) and time.monotonic() < deadline:
@@ -147,7 +147,7 @@ def test_unreachable_bucket_keeps_local_durability(make_daemon, short_tmp: Path)
         ('[remote]\nbucket = "ok-bucket"\nkeep = 0\n', "remote.keep must be an integer >= 1"),
         ('[remote]\nbucket = "ok-bucket"\nspeed = 1\n', "unknown keys 'speed'"),
         ('[remote]\nbucket = "ok-bucket"\npart_size = "lots"\n', "remote.part_size"),
-        ('remote = 3\n', r"\[remote\] must be a table"),
+        ("remote = 3\n", r"\[remote\] must be a table"),
     ],
 )
 def test_bad_remote_config_is_refused(tmp_path: Path, table: str, match: str) -> None:
@@ -175,7 +175,7 @@ def test_upload_order_is_data_then_fragments_then_manifest(tmp_path: Path) -> No
     for name in ("manifest.json", "rank-00001.json", "rank-00000.safetensors", "rank-00000.json", "rank-00001.safetensors"):
         (d / name).write_bytes(b"x")
     rec = _Recorder()
-    tier.upload_step(rec, str(d), "j", 7)
+    remote.upload_step(rec, str(d), "j", 7)
     order = ("rank-00000.safetensors", "rank-00001.safetensors", "rank-00000.json", "rank-00001.json", "manifest.json")
     assert rec.puts == [f"j/step-7/{n}" for n in order]
 
@@ -191,7 +191,7 @@ def test_restart_uploads_what_a_previous_run_did_not(make_daemon, short_tmp: Pat
     d.start(["--config", conf, "--keep", "5"])
     wait_uploaded(d, "late", 5)
     deadline = time.monotonic() + 30
-    with ObjectStore(s3_bucket) as store:
+    with S3Store(s3_bucket) as store:
         while _steps(store, "late") != ([2, 4, 5], []) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert _steps(store, "late") == ([2, 4, 5], [])  # the newest, and those kept forever
@@ -207,7 +207,7 @@ def test_missing_object_fails_the_restore_and_leaves_no_partial_download(make_da
     with d.client("gone") as c:
         c.snapshot(model, optim, step=3, blocking=True).wait()
     wait_uploaded(d, "gone", 3)
-    with ObjectStore(s3_bucket) as store:
+    with S3Store(s3_bucket) as store:
         store.delete(["gone/step-3/rank-00000.safetensors"])  # the manifest still claims it
     d.stop()
     shutil.rmtree(Path(d.root) / "gone")

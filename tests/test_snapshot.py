@@ -174,22 +174,22 @@ def test_layout_cache_reused_and_invalidated(daemon) -> None:  # noqa: ANN001
     train_step(model, optim, 0)
     with daemon.client("j") as c:
         c.snapshot(model, optim, step=1, blocking=True)
-        first = c._layout
+        first = c._stager.layout
         train_step(model, optim, 1)
         c.snapshot(model, optim, step=2, blocking=True)
-        assert c._layout is first  # values changed, layout did not
+        assert c._stager.layout is first  # values changed, layout did not
         model.hidden = torch.nn.Linear(40, 40, bias=False)  # a parameter leaves the set
         optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
         train_step(model, optim, 2)
         c.snapshot(model, optim, step=3, blocking=True)
-        second = c._layout
+        second = c._stager.layout
         assert second is not first and "model/hidden.bias" not in {s.key for s in second.chunks}
         model.out = torch.nn.Linear(40, 6, bias=False)  # a parameter changes shape
         optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
         train_step(model, optim, 3)
         c.snapshot(model, optim, step=4, blocking=True)
-        assert c._layout is not second
-        assert next(s for s in c._layout.chunks if s.key == "model/out.weight").sizes == (6, 40)
+        assert c._stager.layout is not second
+        assert next(s for s in c._stager.layout.chunks if s.key == "model/out.weight").sizes == (6, 40)
         c.wait(30)
         m2, o2 = make(seed=2)
         m2.hidden, m2.out = torch.nn.Linear(40, 40, bias=False), torch.nn.Linear(40, 6, bias=False)
@@ -204,10 +204,10 @@ def test_prepare_creates_and_maps_the_slots_ahead(daemon) -> None:  # noqa: ANN0
         c.prepare(model, optim)
         st = c.status()
         assert st["slots"] == {"free": 2}
-        prepared = set(c._maps)
+        prepared = c._maps.names()
         assert len(prepared) == 2
         for step in (1, 2, 3):
             c.snapshot(model, optim, step=step, blocking=True).wait(30)  # slots free again: no third is needed
             train_step(model, optim, step)
-        assert set(c._maps) == prepared  # no new segment was created or mapped
+        assert c._maps.names() == prepared  # no new segment was created or mapped
         assert sum(c.status()["slots"].values()) == 2

@@ -120,11 +120,10 @@ def test_bad_config_is_a_clear_error(short_tmp: Path, text: str, msg: str) -> No
 
 def test_example_config_parses_with_every_commented_setting() -> None:
     """systemd/ckptd.toml, with its commented settings and [remote] table switched on, is a valid config."""
-    import argparse
     import re
 
-    from ckptd.cli import serve_settings
-    from ckptd.objstore import RemoteConfig
+    from ckptd.config import daemon_config
+    from ckptd.storage.s3 import RemoteConfig
 
     text = (REPO / "systemd" / "ckptd.toml").read_text()
     on = re.sub(r"^# ?((?:\[remote\]|[a-z_]+ = ).*)$", r"\1", text, flags=re.M)
@@ -133,7 +132,7 @@ def test_example_config_parses_with_every_commented_setting() -> None:
     with tempfile.NamedTemporaryFile("w", suffix=".toml") as f:
         f.write(on)
         f.flush()
-        cfg = serve_settings(argparse.Namespace(config=f.name))
-    assert cfg["group"] == "root" and cfg["metrics_port"] == 9464
-    assert isinstance(cfg["remote"], RemoteConfig) and cfg["remote"].max_bandwidth == 200 << 20
-    assert (cfg["remote_keep"], cfg["remote_keep_every"], cfg["commit_timeout"]) == (3, 1000, 600)
+        cfg = daemon_config({}, f.name)
+    assert cfg.group == "root" and cfg.metrics_port == 9464
+    assert isinstance(cfg.remote, RemoteConfig) and cfg.remote.max_bandwidth == 200 << 20
+    assert (cfg.remote_keep, cfg.remote_keep_every, cfg.commit_timeout) == (3, 1000, 600)

@@ -160,7 +160,7 @@ def test_export_torch_format_and_errors(ckpt: str, short_tmp) -> None:  # noqa: 
 
 
 def test_export_reports_progress_up_to_the_total(ckpt: str, short_tmp) -> None:  # noqa: ANN001
-    from ckptd.export import export_checkpoint
+    from ckptd.tools.export import export_checkpoint
 
     seen: list[int] = []
     stats = export_checkpoint(ckpt, str(short_tmp / "m.safetensors"), what="all", progress=seen.append)

@@ -1,9 +1,10 @@
 """Load a committed checkpoint into whatever layout the caller's model and optimizer have.
 
-Runs in the trainer's process, on the calling thread, and needs no daemon: it reads the manifest,
-then for every chunk this process holds copies in the parts of the saved chunks that intersect it
-(so a chunk saved whole can fill a shard and the reverse), verifying each saved chunk's checksum
-before its bytes are used, and finally hands the state to torch's ``set_state_dict``.
+Runs in the trainer's process (and in ``ckptd export`` and the DCP reader), on the calling thread,
+and needs no daemon: it reads the manifest, then for every chunk this process holds copies in the
+parts of the saved chunks that intersect it (so a chunk saved whole can fill a shard and the
+reverse), verifying each saved chunk's checksum before its bytes are used, and finally hands the
+state to torch's ``set_state_dict``.
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointError, FormatError
-from .format import MANIFEST, digest, dtype_from_name, read_manifest, validate_manifest
-from .state import TAG, join_key, local_chunks, unflatten
+from ..errors import CheckpointError, FormatError
+from ..format import digest, dtype_from_name, read_manifest, validate_manifest
+from ..layout import MANIFEST, is_complete
+from ..state import TAG, join_key, local_chunks, unflatten
+from ..storage.local import latest_step
+from ..tools.verify import stale_warning
 
 
 class CheckpointReader:
@@ -130,12 +134,10 @@ class CheckpointReader:
 
 def resolve_step_dir(path: str) -> str:
     """Accept a step directory, or a job directory (then its ``latest`` committed step)."""
-    if os.path.exists(os.path.join(path, MANIFEST)):
+    if is_complete(path):
         return path
-    from .persist import latest_path
-
     if os.path.isdir(path):
-        step, d = latest_path(os.path.dirname(os.path.abspath(path)), os.path.basename(os.path.abspath(path)))
+        _, d = latest_step(os.path.dirname(os.path.abspath(path)), os.path.basename(os.path.abspath(path)))
         if d is not None:
             return d
     raise CheckpointError(f"{path} is neither a committed ckptd step directory nor a job directory with one")
@@ -225,8 +227,6 @@ def restore_state(
         else:
             target_root = {"model": get_model_state_dict(model)}
         loaded = load_into(reader, target_root, rank)
-        from .verify import stale_warning
-
         stale = stale_warning(reader.path, reader.manifest)
         if stale:
             warnings.warn(stale, stacklevel=3)

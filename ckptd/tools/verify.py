@@ -1,6 +1,7 @@
 """Check a committed checkpoint end to end (``ckptd verify``) and flag silently stale steps.
 
-Runs anywhere (no daemon, no process group). Reads every byte once, in bounded blocks.
+Runs anywhere (no daemon, no process group, no torch): the CLI, trainers, and the daemon's fetch
+thread before a downloaded step enters the root. Reads every byte once, in bounded blocks.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from typing import Any
 
 import xxhash
 
-from .errors import CheckpointError, FormatError
-from .format import MAX_HEADER_BYTES, parse_header, read_manifest
-from .persist import check_coverage, committed_steps
+from ..errors import CheckpointError, FormatError
+from ..format import MAX_HEADER_BYTES, check_coverage, parse_header, read_manifest
+from ..layout import complete_steps, step_dir
 
 _STEP_COUNTER = re.compile(r"^optim/state/.+/step$")
 _BLOCK = 64 << 20
@@ -32,16 +33,16 @@ def _digest_range(fd: int, begin: int, end: int) -> str:
     return h.hexdigest() if pos == end else "truncated"
 
 
-def verify_checkpoint(step_dir: str) -> list[str]:
-    """Every problem found in ``step_dir`` as a sentence naming the file and tensor; empty if sound."""
+def verify_checkpoint(step_path: str) -> list[str]:
+    """Every problem found in ``step_path`` as a sentence naming the file and tensor; empty if sound."""
     try:
-        manifest = read_manifest(step_dir)
+        manifest = read_manifest(step_path)
     except FormatError as e:
         return [str(e)]
     problems: list[str] = []
     headers: dict[str, dict[str, Any]] = {}
     for name, meta in manifest["files"].items():
-        path = os.path.join(step_dir, name)
+        path = os.path.join(step_path, name)
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError as e:
@@ -63,7 +64,7 @@ def verify_checkpoint(step_dir: str) -> list[str]:
             os.close(fd)
     for key, ent in manifest["tensors"].items():
         for c in ent["chunks"]:
-            path = os.path.join(step_dir, c["file"])
+            path = os.path.join(step_path, c["file"])
             spec = headers.get(c["file"], {}).get(tuple(c["byte_range"]))
             if c["file"] in headers and (spec is None or spec.key != key or list(spec.sizes) != c["sizes"] or spec.dtype != ent["dtype"]):
                 problems.append(f"{path}: tensor {key!r} bytes {c['byte_range']} do not match the shard header")
@@ -80,21 +81,21 @@ def verify_checkpoint(step_dir: str) -> list[str]:
     try:
         check_coverage(manifest["tensors"])
     except CheckpointError as e:
-        problems.append(f"{step_dir}: {e}")
+        problems.append(f"{step_path}: {e}")
     return problems
 
 
-def stale_warning(step_dir: str, manifest: dict[str, Any] | None = None) -> str | None:
+def stale_warning(step_path: str, manifest: dict[str, Any] | None = None) -> str | None:
     """A warning if this step is bit-identical to the committed step before it although its optimizer
     step counters advanced (a saver that keeps re-writing old data), else ``None``."""
-    manifest = manifest or read_manifest(step_dir)
-    job_dir = os.path.dirname(os.path.abspath(step_dir))
-    earlier = [s for s in committed_steps(os.path.dirname(job_dir), os.path.basename(job_dir)) if s < manifest["step"]]
+    manifest = manifest or read_manifest(step_path)
+    job_path = os.path.dirname(os.path.abspath(step_path))
+    root, job = os.path.dirname(job_path), os.path.basename(job_path)
+    earlier = [s for s in complete_steps(root, job) if s < manifest["step"]]
     if not earlier:
         return None
-    prev_dir = os.path.join(job_dir, f"step-{earlier[-1]}")
     try:
-        prev = read_manifest(prev_dir)
+        prev = read_manifest(step_dir(root, job, earlier[-1]))
     except FormatError:
         return None
 

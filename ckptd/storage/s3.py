@@ -1,11 +1,12 @@
-"""The object-storage tier: one S3-compatible bucket (AWS S3, MinIO, ...) reached through boto3.
+"""An S3-compatible bucket (AWS S3, MinIO, ...) reached through boto3: the one
+:class:`~ckptd.storage.store.ObjectStore` the daemon ships with.
 
 Objects live under ``<prefix>/<rel>`` in the bucket; every method takes ``rel``, a key relative to
-the store's prefix, and :meth:`ObjectStore.list` returns keys in that same relative form.
+the store's prefix, and :meth:`S3Store.list` returns keys in that same relative form.
 
-Who calls what: the daemon builds one :class:`ObjectStore` per configured remote, calls
-:meth:`ObjectStore.check` once at start-up, then calls the transfer methods from its upload and
-download worker threads; it calls :meth:`ObjectStore.close` at shutdown. Every method blocks until
+Who calls what: the daemon builds one :class:`S3Store` per configured remote, calls
+:meth:`S3Store.check` once at start-up (on its fetch thread), then calls the transfer methods from
+its upload and fetch threads; it calls :meth:`S3Store.close` at shutdown. Every method blocks until
 the request is done or botocore has given up after ``max_attempts`` (standard mode: exponential
 backoff with jitter). The store is safe to share between threads: boto3 clients are thread-safe and
 all transfers go through one s3transfer manager, so ``max_bandwidth`` caps the store as a whole
@@ -18,7 +19,7 @@ imported on first use, so ``import ckptd`` does not pay for it.
 
 from __future__ import annotations
 
-import builtins  # the method ObjectStore.list shadows the type inside the class
+import builtins  # the method S3Store.list shadows the type inside the class
 import contextlib
 import dataclasses
 import functools
@@ -30,8 +31,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import CheckpointError
-from .format import fsync_dir
+from ..errors import CheckpointError
+from .files import fsync_dir
 
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _IPV4_RE = re.compile(r"^\d{1,3}(\.\d{1,3}){3}$")
@@ -187,7 +188,7 @@ def _make_client(config: RemoteConfig) -> Any:
     return session.client("s3", endpoint_url=config.endpoint_url, region_name=config.region, config=botocore_config)
 
 
-class ObjectStore:
+class S3Store:
     """Files and bytes in one bucket under one key prefix. See the module docstring for threading.
 
     ``client`` replaces the boto3 S3 client built from ``config`` (tests, or a caller that needs
@@ -203,9 +204,9 @@ class ObjectStore:
         self._closed = False
 
     def __repr__(self) -> str:
-        return f"ObjectStore(s3://{self.config.bucket}/{self.config.prefix} at {self._endpoint()})"
+        return f"S3Store(s3://{self.config.bucket}/{self.config.prefix} at {self._endpoint()})"
 
-    def __enter__(self) -> ObjectStore:
+    def __enter__(self) -> S3Store:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -222,6 +223,10 @@ class ObjectStore:
             manager.shutdown()
         if self._owns_client:
             self.client.close()
+
+    def url(self, rel: str = "") -> str:
+        """``s3://bucket/prefix/rel`` (the store's root without ``rel``), for messages."""
+        return f"s3://{self.config.bucket}/{self.key(rel) if rel else self.config.prefix}"
 
     def key(self, rel: str) -> str:
         """The bucket key for ``rel``: ``<prefix>/<rel>`` (just ``rel`` without a prefix)."""

@@ -1,4 +1,4 @@
-"""ObjectStore against a real S3 HTTP endpoint: moto's standalone server on loopback (fixtures in conftest)."""
+"""S3Store (the S3 ObjectStore) against a real S3 HTTP endpoint: moto's standalone server on loopback (fixtures in conftest)."""
 
 from __future__ import annotations
 
@@ -15,17 +15,17 @@ from typing import Any
 
 import pytest
 
-from ckptd import objstore
 from ckptd.errors import CheckpointError
-from ckptd.objstore import ObjectStore, RemoteConfig
+from ckptd.storage import s3
+from ckptd.storage.s3 import RemoteConfig, S3Store
 
 MiB = 1 << 20
 PART = 5 * MiB  # the S3 minimum part size
 
 
 @pytest.fixture
-def store(s3_bucket: RemoteConfig) -> Iterator[ObjectStore]:
-    with ObjectStore(dataclasses.replace(s3_bucket, part_size=PART)) as s:
+def store(s3_bucket: RemoteConfig) -> Iterator[S3Store]:
+    with S3Store(dataclasses.replace(s3_bucket, part_size=PART)) as s:
         yield s
 
 
@@ -52,7 +52,7 @@ def _unreachable(bucket: str = "ckptd-nowhere") -> RemoteConfig:
     )
 
 
-def _count_calls(store: ObjectStore, op: str) -> list[int]:
+def _count_calls(store: S3Store, op: str) -> list[int]:
     calls = [0]
 
     def count(**_: Any) -> None:
@@ -66,7 +66,7 @@ def _count_calls(store: ObjectStore, op: str) -> list[int]:
 
 
 @pytest.mark.parametrize("size", [0, 1234, 12 * MiB], ids=["empty", "small", "multipart"])
-def test_file_round_trip(store: ObjectStore, tmp_path: Path, size: int) -> None:
+def test_file_round_trip(store: S3Store, tmp_path: Path, size: int) -> None:
     data = _write(tmp_path / "src", size)
     store.put_file("step-1/rank-00000.safetensors", str(tmp_path / "src"))
 
@@ -85,7 +85,7 @@ def test_file_round_trip(store: ObjectStore, tmp_path: Path, size: int) -> None:
     assert sorted(os.listdir(tmp_path)) == ["dest", "src"]  # no .part left over
 
 
-def test_bytes_round_trip_and_exists(store: ObjectStore) -> None:
+def test_bytes_round_trip_and_exists(store: S3Store) -> None:
     assert not store.exists("manifest.json")
     store.put_bytes("manifest.json", b'{"format_version": 1}')
     assert store.exists("manifest.json")
@@ -94,7 +94,7 @@ def test_bytes_round_trip_and_exists(store: ObjectStore) -> None:
     assert store.get_bytes("manifest.json") == b"{}"
 
 
-def test_progress_sums_to_size(store: ObjectStore, tmp_path: Path) -> None:
+def test_progress_sums_to_size(store: S3Store, tmp_path: Path) -> None:
     size = 11 * MiB + 17
     _write(tmp_path / "src", size)
     up: list[int] = []
@@ -114,7 +114,7 @@ def test_progress_sums_to_size(store: ObjectStore, tmp_path: Path) -> None:
     assert sum(down) == size and len(down) > 1
 
 
-def test_missing_object_raises_file_not_found(store: ObjectStore, tmp_path: Path) -> None:
+def test_missing_object_raises_file_not_found(store: S3Store, tmp_path: Path) -> None:
     dest = tmp_path / "dest"
     dest.write_bytes(b"keep me")
     with pytest.raises(FileNotFoundError, match=rf"s3://{store.config.bucket}/ckpts/step-9/nope"):
@@ -126,7 +126,7 @@ def test_missing_object_raises_file_not_found(store: ObjectStore, tmp_path: Path
 
 
 def test_failed_download_removes_part_file(tmp_path: Path) -> None:
-    with ObjectStore(_unreachable()) as s, pytest.raises(CheckpointError, match=r"download s3://ckptd-nowhere/x"):
+    with S3Store(_unreachable()) as s, pytest.raises(CheckpointError, match=r"download s3://ckptd-nowhere/x"):
         s.get_file("x", str(tmp_path / "dest"))
     assert os.listdir(tmp_path) == []
 
@@ -134,11 +134,11 @@ def test_failed_download_removes_part_file(tmp_path: Path) -> None:
 def test_upload_to_missing_bucket_names_operation_bucket_and_key(s3_bucket: RemoteConfig, tmp_path: Path) -> None:
     _write(tmp_path / "src", 100)
     gone = dataclasses.replace(s3_bucket, bucket="ckptd-no-such-bucket")
-    with ObjectStore(gone) as s, pytest.raises(CheckpointError, match=r"upload s3://ckptd-no-such-bucket/ckpts/a/b .*NoSuchBucket"):
+    with S3Store(gone) as s, pytest.raises(CheckpointError, match=r"upload s3://ckptd-no-such-bucket/ckpts/a/b .*NoSuchBucket"):
         s.put_file("a/b", str(tmp_path / "src"))
 
 
-def test_missing_local_file_is_os_error(store: ObjectStore, tmp_path: Path) -> None:
+def test_missing_local_file_is_os_error(store: S3Store, tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="no-such-file"):
         store.put_file("x", str(tmp_path / "no-such-file"))
 
@@ -146,14 +146,14 @@ def test_missing_local_file_is_os_error(store: ObjectStore, tmp_path: Path) -> N
 # -- listing and deleting --
 
 
-def test_list_and_delete(store: ObjectStore, s3_bucket: RemoteConfig, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(objstore, "_LIST_PAGE", 7)
-    monkeypatch.setattr(objstore, "_DELETE_BATCH", 7)
+def test_list_and_delete(store: S3Store, s3_bucket: RemoteConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(s3, "_LIST_PAGE", 7)
+    monkeypatch.setattr(s3, "_DELETE_BATCH", 7)
     rels = [f"step-{s}/rank-{r:05d}.safetensors" for s in (1, 2, 10) for r in range(9)] + ["latest", "step-1/manifest.json", "step-2/x/y/z"]
     for rel in rels:
         store.put_bytes(rel, rel.encode())
     # a sibling prefix in the same bucket is not part of this store
-    with ObjectStore(dataclasses.replace(s3_bucket, prefix="ckpts-other")) as other:
+    with S3Store(dataclasses.replace(s3_bucket, prefix="ckpts-other")) as other:
         other.put_bytes("step-1/rank-00000.safetensors", b"x")
 
     lists = _count_calls(store, "ListObjectsV2")
@@ -174,16 +174,16 @@ def test_list_and_delete(store: ObjectStore, s3_bucket: RemoteConfig, monkeypatc
 
 
 def test_store_without_prefix(s3_bucket: RemoteConfig) -> None:
-    with ObjectStore(dataclasses.replace(s3_bucket, prefix="")) as s:
+    with S3Store(dataclasses.replace(s3_bucket, prefix="")) as s:
         assert s.key("a/b") == "a/b"
         s.put_bytes("a/b", b"1")
         s.put_bytes("c", b"2")
         assert s.list() == ["a/b", "c"]
 
 
-def _offline_store() -> ObjectStore:
+def _offline_store() -> S3Store:
     """A store whose client must never be used: key validation happens before any request."""
-    return ObjectStore(RemoteConfig(bucket="ckptd-offline", prefix="ckpts"), client=object())
+    return S3Store(RemoteConfig(bucket="ckptd-offline", prefix="ckpts"), client=object())
 
 
 @pytest.mark.parametrize("rel", ["", "/abs", "../up", "a/../b", "a//b", "a/", "./a", "a/.."])
@@ -205,9 +205,9 @@ def test_bad_list_prefix() -> None:
 # -- check --
 
 
-def test_check(store: ObjectStore, s3_bucket: RemoteConfig) -> None:
+def test_check(store: S3Store, s3_bucket: RemoteConfig) -> None:
     store.check()
-    with ObjectStore(dataclasses.replace(s3_bucket, bucket="ckptd-missing-bucket")) as s:
+    with S3Store(dataclasses.replace(s3_bucket, bucket="ckptd-missing-bucket")) as s:
         with pytest.raises(CheckpointError, match=r"ckptd-missing-bucket.*does not exist"):
             s.check()
 
@@ -215,7 +215,7 @@ def test_check(store: ObjectStore, s3_bucket: RemoteConfig) -> None:
 def test_check_unreachable_endpoint() -> None:
     config = _unreachable("ckptd-far-away")
     t0 = time.monotonic()
-    with ObjectStore(config) as s, pytest.raises(CheckpointError) as info:
+    with S3Store(config) as s, pytest.raises(CheckpointError) as info:
         s.check()
     assert "ckptd-far-away" in str(info.value) and config.endpoint_url in str(info.value)
     assert time.monotonic() - t0 < 5
@@ -252,7 +252,7 @@ def _connection_reset(request: Any) -> Any:
     raise ConnectionClosedError(endpoint_url=request.url)
 
 
-def _inject(store: ObjectStore, op: str, faults: list[Callable[[Any], Any]]) -> list[int]:
+def _inject(store: S3Store, op: str, faults: list[Callable[[Any], Any]]) -> list[int]:
     """Answer the next requests of ``op`` with ``faults`` in order (each reads the body first, as a
     dropped upload would have), then let requests through. Returns the request count."""
     calls = [0]
@@ -282,7 +282,7 @@ def _inject(store: ObjectStore, op: str, faults: list[Callable[[Any], Any]]) -> 
 )
 def test_transient_failures_are_retried(s3_bucket: RemoteConfig, op: str, size: int, faults: list[Callable[[Any], Any]]) -> None:
     data = os.urandom(size)
-    with ObjectStore(dataclasses.replace(s3_bucket, part_size=PART, max_attempts=3)) as s:
+    with S3Store(dataclasses.replace(s3_bucket, part_size=PART, max_attempts=3)) as s:
         calls = _inject(s, op, faults)
         s.put_bytes("obj", data)
         assert s.get_bytes("obj") == data
@@ -291,7 +291,7 @@ def test_transient_failures_are_retried(s3_bucket: RemoteConfig, op: str, size: 
 
 
 def test_retries_exhausted_raises(s3_bucket: RemoteConfig) -> None:
-    with ObjectStore(dataclasses.replace(s3_bucket, max_attempts=2)) as s:
+    with S3Store(dataclasses.replace(s3_bucket, max_attempts=2)) as s:
         calls = _inject(s, "PutObject", [_slow_down] * 10)
         with pytest.raises(CheckpointError, match=rf"upload s3://{s3_bucket.bucket}/ckpts/obj .*SlowDown"):
             s.put_bytes("obj", b"x")
@@ -304,7 +304,7 @@ def test_retries_exhausted_raises(s3_bucket: RemoteConfig) -> None:
 
 def test_bandwidth_cap(s3_bucket: RemoteConfig) -> None:
     data = os.urandom(4 * MiB)
-    with ObjectStore(s3_bucket) as free, ObjectStore(dataclasses.replace(s3_bucket, max_bandwidth=4 * MiB)) as capped:
+    with S3Store(s3_bucket) as free, S3Store(dataclasses.replace(s3_bucket, max_bandwidth=4 * MiB)) as capped:
         t0 = time.monotonic()
         free.put_bytes("free", data)
         uncapped = time.monotonic() - t0
@@ -393,5 +393,5 @@ def test_from_dict_rejects_non_table() -> None:
 
 
 def test_import_does_not_load_boto3() -> None:
-    code = "import sys, ckptd, ckptd.objstore; sys.exit('boto3' in sys.modules or 'botocore' in sys.modules)"
+    code = "import sys, ckptd, ckptd.storage.s3; sys.exit('boto3' in sys.modules or 'botocore' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

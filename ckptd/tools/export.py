@@ -8,6 +8,7 @@ hold the selected state in memory (``torch.save`` takes one dict). Runs anywhere
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import struct
@@ -16,21 +17,18 @@ from collections.abc import Callable
 
 import torch
 
-from .errors import CheckpointError
-from .format import dtype_from_name
-from .reader import CheckpointReader, resolve_step_dir
+from ..client.reader import CheckpointReader, resolve_step_dir
+from ..errors import CheckpointError
+from ..format import dtype_from_name
+from ..state import split_key
 
 WHAT = ("model", "optim", "all")
 FORMATS = ("safetensors", "torch")
 
 
-def _unescape(part: str) -> str:
-    return part.replace("%2F", "/").replace("%25", "%")
-
-
 def output_name(key: str, what: str) -> str | None:
     """The exported name of a state key: model FQNs as ``model.load_state_dict`` wants them by default."""
-    parts = [_unescape(p) for p in key.split("/")]
+    parts = split_key(key)
     if parts[0] == "extra" or (what != "all" and parts[0] != what):
         return None
     if what == "all":
@@ -78,7 +76,7 @@ def export_checkpoint(
         pos = 0
         for k, n in names.items():
             ent = tensors[k]
-            nbytes = dtype_from_name(ent["dtype"]).itemsize * _numel(ent["shape"])
+            nbytes = dtype_from_name(ent["dtype"]).itemsize * math.prod(ent["shape"])
             header[n] = {"dtype": ent["dtype"], "shape": ent["shape"], "data_offsets": [pos, pos + nbytes]}
             pos += nbytes
         body = json.dumps(header, separators=(",", ":")).encode()
@@ -128,10 +126,3 @@ def _safetensors_to_torch(src: str, dst: str) -> None:
         del sd, data
     finally:
         mm.close()
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

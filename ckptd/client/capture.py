@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .state import TAG, LocalChunk, flatten
+from ..state import TAG, LocalChunk, flatten
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

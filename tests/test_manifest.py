@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ckptd.errors import CheckpointError
-from ckptd.persist import build_manifest
+from ckptd.format import build_manifest
 
 
 def _frag(rank: int, chunks: list[dict], ws: int = 2) -> dict:

@@ -1,0 +1,362 @@
+"""The in-process client: the facade a training script uses (``snapshot``, ``prepare``, ``wait``,
+``restore``, ``latest``), and the snapshot handles it returns.
+
+One snapshot, in order, on the training thread: finish the previous background copy; stage the state
+(:mod:`.stage`: capture, plan — a collective —, layout); lease a slot (``alloc``); copy into it
+(:mod:`.copy`); commit (``commit``, with the tree as a second frame). With ``blocking=False`` the
+tensors only ``optimizer.step()`` mutates are copied by a background thread, which then commits; an
+optimizer step pre-hook, the next ``snapshot()``, ``restore()`` and ``wait()`` wait for it first.
+``SnapshotHandle.wait()`` / ``Client.wait()``: any thread; they block on the daemon's answer.
+Restores go through :mod:`.restore`; requests through :mod:`.rpc`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import warnings
+from typing import Any
+
+import torch
+
+from ..config import ALLOC_TIMEOUT_S, CLIENT_TIMEOUT_S, default_endpoint, default_job, env_float, validate_job
+from ..errors import CheckpointError, DaemonUnavailable
+from .copy import CopyGuard, EarlyCopy, EventGroup, Pairs, SlotMaps, copy_tensors, fill, optimizer_storages
+from .reader import restore_state
+from .restore import Source, restore_from_daemon, restored
+from .rpc import Channel
+from .stage import Staged, Stager, TreeEncoder
+
+log = logging.getLogger("ckptd.client")
+
+PENDING_KEPT = 64  # snapshot handles wait() still answers for: the newest ones
+
+
+def dist_rank_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _local_world_size(world: int) -> int:
+    """How many of the job's ranks share this node's daemon: torchrun's ``LOCAL_WORLD_SIZE``, else all."""
+    v = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(v) if v.isdigit() and 1 <= int(v) <= world else world
+
+
+class SnapshotHandle:
+    """One snapshot in flight. ``wait()`` blocks until the step is durable and returns its path."""
+
+    def __init__(self, client: Client, step: int) -> None:
+        self.client = client
+        self.step = step
+        self.job = client.job
+        self._copied = threading.Event()
+        self._error: BaseException | None = None
+        self._path: str | None = None
+
+    def copied(self) -> bool:
+        """True once every byte is in the daemon's shared memory and committed (or the copy failed)."""
+        return self._copied.is_set()
+
+    def wait_copied(self, timeout: float | None = None) -> None:
+        if not self._copied.wait(timeout):
+            raise TimeoutError(f"snapshot of step {self.step} still copying after {timeout} s")
+        if self._error is not None:
+            raise CheckpointError(f"snapshot of step {self.step} failed: {self._error}") from self._error
+
+    def wait(self, timeout: float | None = None) -> str:
+        """Block until step ``step`` is committed (manifest written); return its directory.
+
+        Raises :class:`CheckpointError` if the copy failed or the daemon reported a failure, and
+        ``TimeoutError`` after ``timeout`` seconds.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.wait_copied(timeout)
+        if self._path is not None:
+            return self._path
+        while True:
+            left = 30.0 if deadline is None else max(0.0, min(30.0, deadline - time.monotonic()))
+            rep = self.client._rpc.call("wait", rpc_timeout=left + 10.0, job=self.job, step=self.step, timeout=left)
+            if rep["state"] == "durable":
+                self._path = rep["path"]
+                return rep["path"]
+            if rep["state"] == "failed":
+                raise CheckpointError(f"step {self.step} of job {self.job} failed: {rep['error']}")
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"step {self.step} of job {self.job} not durable after {timeout} s")
+
+    def __repr__(self) -> str:
+        return f"SnapshotHandle(job={self.job!r}, step={self.step}, copied={self.copied()})"
+
+
+class Client:
+    """Talks to the node's daemon. Methods are safe to call from any thread.
+
+    ``endpoint`` defaults to ``CKPTD_ENDPOINT`` (else a per-user ipc socket), ``job`` to
+    ``CKPTD_JOB`` (else torchrun's run id, else ``default``). ``timeout`` bounds each request to
+    the daemon except ``alloc``, which waits up to ``alloc_timeout`` while the daemon's
+    shared-memory budget is full (``CKPTD_TIMEOUT``, ``CKPTD_ALLOC_TIMEOUT``).
+    """
+
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        job: str | None = None,
+        *,
+        timeout: float | None = None,
+        alloc_timeout: float | None = None,
+    ) -> None:
+        self.endpoint = endpoint or default_endpoint()
+        self.job = validate_job(job) if job is not None else default_job()
+        self.timeout = timeout if timeout is not None else env_float("CKPTD_TIMEOUT", CLIENT_TIMEOUT_S)
+        self.alloc_timeout = alloc_timeout if alloc_timeout is not None else env_float("CKPTD_ALLOC_TIMEOUT", ALLOC_TIMEOUT_S)
+        self._rpc = Channel(self.endpoint, self.timeout)
+        self._stager = Stager()
+        self._maps = SlotMaps()
+        self._trees = TreeEncoder()
+        self._guard = CopyGuard()
+        self._guarded: tuple[Any, set[int]] = (None, set())  # optimizer-owned storages, for the stage they were computed for
+        self._pending: list[SnapshotHandle] = []
+        self._closed = False
+        self.early_copies = 0  # blocking snapshots whose copy overlapped the capture check (and held)
+        self.last_restore: dict[str, Any] | None = None  # {step, path, source: memory | disk | bucket}
+
+    def hello(self) -> dict[str, Any]:
+        return self._rpc.call("hello")
+
+    def status(self) -> dict[str, Any]:
+        return self._rpc.call("status")
+
+    def latest(self) -> int | None:
+        """The newest committed step of this job, or ``None``."""
+        return self._rpc.call("latest", job=self.job)["step"]
+
+    # ------------------------------------------------------------------ snapshot
+
+    def snapshot(
+        self,
+        model: torch.nn.Module,
+        optim: torch.optim.Optimizer | None = None,
+        *,
+        step: int,
+        extra: dict[str, Any] | None = None,
+        blocking: bool = False,
+    ) -> SnapshotHandle:
+        """Capture model and optimizer state as of this call and hand it to the daemon.
+
+        Every rank of a distributed job must call it with the same ``step``. ``extra`` (JSON-able
+        values and tensors) is this rank's own state, returned by :meth:`restore`.
+        """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        self._guard.finish()  # the previous copy must end before we reuse the layout or slot
+        rank, world = dist_rank_world()
+        early = self._early_copy(rank, world, step) if blocking else None
+        try:
+            staged = self._stager.run(model, optim, extra, rank)
+        except BaseException:
+            if early is not None:
+                early.join()
+                self._release(early.segment)
+            raise
+        handle = SnapshotHandle(self, step)
+        segment, tree_json = None, None
+        if early is not None:
+            tree_json = self._trees.encode(staged.tree)  # while the early copy finishes: this thread would only wait
+            segment = self._finish_early(early, staged)
+        later: Pairs = ([], [])
+        event = None
+        if segment is None:  # no early copy, or it did not hold
+            segment, later, event = self._fill(optim, rank, world, step, staged, blocking)
+        commit = dict(
+            job=self.job, rank=rank, world_size=world, local_world_size=_local_world_size(world), step=step,
+            segment=segment, nbytes=staged.layout.file_size, replicas=staged.replicas,
+        )  # fmt: skip
+        if not later[0] and event is None:
+            self._commit(handle, commit, tree_json or self._trees.encode(staged.tree))
+            if handle._error is not None:
+                raise CheckpointError(f"snapshot of step {step} failed: {handle._error}") from handle._error
+        else:
+            self._guard.hook(optim)  # type: ignore[arg-type]
+            self._guard.start(step, lambda: self._background(handle, later, commit, staged.tree, event), lambda: handle._error)
+        self._pending.append(handle)
+        # a client that never calls wait() must not grow without bound; the daemon remembers more
+        # finished steps per job (TRACKS_KEPT) than this, so every kept handle can still be answered
+        del self._pending[:-PENDING_KEPT]
+        return handle
+
+    def prepare(self, model: torch.nn.Module, optim: torch.optim.Optimizer | None = None, *, slots: int = 2) -> None:
+        """Do the first snapshot's one-time work now, outside the training loop.
+
+        Plans the layout (a collective: call on every rank), has the daemon create ``slots`` staging
+        slots of the right size for this rank (two: one persisting while the next is filled) and maps
+        them, then hands them back unused. The next snapshots reuse them at memory-copy speed.
+        """
+        self._guard.finish()
+        rank, world = dist_rank_world()
+        layout = self._stager.run(model, optim, None, rank).layout
+        leased = []
+        try:
+            for _ in range(slots):
+                leased.append(self._alloc(rank, world, 0, layout.file_size))
+                self._maps.mapping(leased[-1])
+        finally:
+            for seg in leased:
+                self._release(seg)
+
+    def _alloc(self, rank: int, world: int, step: int, nbytes: int) -> str:
+        rep = self._rpc.call(
+            "alloc", rpc_timeout=self.alloc_timeout, job=self.job, rank=rank, world_size=world, step=step, nbytes=nbytes, pid=os.getpid()
+        )
+        return rep["segment"]
+
+    def _release(self, segment: str) -> None:
+        try:
+            self._rpc.call("release", segment=segment)
+        except CheckpointError as e:
+            log.warning("could not release %s: %s", segment, e)
+
+    def _early_copy(self, rank: int, world: int, step: int) -> EarlyCopy | None:
+        """A blocking snapshot of a state with many tensors whose stage is cached: lease the slot and
+        start copying now, while this thread checks that the capture holds and runs the plan's collective."""
+        stage = self._stager.stage
+        if stage is None or not EarlyCopy.worth_it(stage):
+            return None
+        segment = self._alloc(rank, world, step, stage.layout.file_size)
+        try:
+            early = EarlyCopy(self._maps, segment, stage)
+            early.start()
+        except BaseException:
+            self._release(segment)
+            raise
+        return early
+
+    def _finish_early(self, early: EarlyCopy, staged: Staged) -> str | None:
+        """The segment, filled, if the early copy used what the capture now says; else ``None`` (the
+        segment is given back)."""
+        try:
+            held = early.finish(self._stager.stage, staged)
+        except BaseException:
+            self._release(early.segment)
+            raise
+        if not held:
+            self._release(early.segment)
+            return None
+        self.early_copies += 1
+        return early.segment
+
+    def _fill(
+        self, optim: torch.optim.Optimizer | None, rank: int, world: int, step: int, staged: Staged, blocking: bool
+    ) -> tuple[str, Pairs, EventGroup | None]:
+        """Lease a slot and copy into it what must be copied before ``snapshot()`` returns; return the
+        segment, the pairs left for the background thread, and the CUDA event to wait for."""
+        segment = self._alloc(rank, world, step, staged.layout.file_size)
+        try:
+            guarded = self._guarded_storages(optim) if (optim is not None and not blocking) else set()
+            later, event = fill(self._maps, segment, staged, guarded, blocking)
+        except BaseException:
+            self._release(segment)
+            raise
+        return segment, later, event
+
+    def _guarded_storages(self, optim: torch.optim.Optimizer) -> set[int]:
+        """The optimizer's storages, recomputed only when the stage is: a reused stage means the
+        capture cache's fingerprint (which covers every parameter and optimizer-state tensor) held."""
+        stage = self._stager.stage
+        if self._guarded[0] is not stage or stage is None:
+            self._guarded = (stage, optimizer_storages(optim))
+        return self._guarded[1]
+
+    def _commit(self, handle: SnapshotHandle, commit: dict[str, Any], tree_json: bytes) -> None:
+        try:
+            self._rpc.call("commit", frames=(tree_json,), **commit)
+        except BaseException as e:
+            handle._error = e
+            if not isinstance(e, DaemonUnavailable):
+                self._release(commit["segment"])
+        finally:
+            handle._copied.set()
+
+    def _background(
+        self, handle: SnapshotHandle, later: Pairs, commit: dict[str, Any], tree: dict[str, Any], event: EventGroup | None
+    ) -> None:
+        # off the main thread: no collectives, only the copy and the socket. One intra-op thread for
+        # this thread only, so the copy does not start a second OpenMP team beside the training step's
+        torch.set_num_threads(1)
+        try:
+            copy_tensors(*later)
+            if event is not None:
+                event.synchronize()  # the device-to-host copies have landed in the slot
+        except BaseException as e:
+            handle._error = e
+            self._release(commit["segment"])
+            handle._copied.set()
+            return
+        self._commit(handle, commit, self._trees.encode(tree))
+
+    # ------------------------------------------------------------------ wait / restore
+
+    def wait(self, timeout: float | None = None) -> list[str]:
+        """Wait until the snapshots this client took (the newest 64) are durable; return their directories."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        paths = []
+        while self._pending:
+            h = self._pending[0]
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                paths.append(h.wait(left))
+            except CheckpointError:
+                self._pending.pop(0)  # a failed step is reported once; a timeout keeps it pending
+                raise
+            self._pending.pop(0)
+        return paths
+
+    def restore(
+        self,
+        model: torch.nn.Module,
+        optim: torch.optim.Optimizer | None = None,
+        *,
+        step: int | None = None,
+        path: str | None = None,
+        hot: bool = True,
+    ) -> dict[str, Any]:
+        """Load the newest committed step (or ``step``, or the checkpoint at ``path``) in place.
+
+        Returns this rank's ``extra``. With ``path`` no daemon is needed. Otherwise, if the daemon
+        still holds every shard of that step in shared memory (a trainer restarted on the same node
+        after a crash), the bytes come from there and no shard is read from disk (``hot=False``
+        reads the disk anyway); else the daemon picks the newest complete step under its root or in
+        its bucket, downloading it into the root first if only the bucket has it. :attr:`last_restore`
+        says which it was: ``"memory"``, ``"disk"`` or ``"bucket"``.
+        """
+        self._guard.finish()
+        rank, _ = dist_rank_world()
+        if path is not None:
+            extra = restore_state(path, model, optim, rank)
+            self.last_restore = restored(None, path, Source.DISK)
+            return extra
+        extra, self.last_restore = restore_from_daemon(self._rpc, self.job, model, optim, rank, step=step, hot=hot)
+        return extra
+
+    def close(self) -> None:
+        """Finish the background copy, then drop mappings and sockets. Pending durability is the daemon's."""
+        if self._closed:
+            return
+        try:
+            self._guard.finish()
+        except CheckpointError as e:
+            warnings.warn(str(e), stacklevel=2)
+        self._maps.close()
+        self._rpc.close()
+        self._closed = True
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,288 @@
+"""Copying a staged snapshot into a slot: the trainer's mappings of its slots, the copies (now, early,
+in the background, from CUDA), and the guard that holds ``optimizer.step()`` until they are done.
+
+Who runs what, in a training process:
+
+* :class:`SlotMaps` and :func:`fill` — the training thread, inside ``snapshot()``: map the slot
+  (once, kept warm), write the shard header, copy every tensor the optimizer step does not own (and,
+  blocking, every tensor); CUDA sources are enqueued on a side stream.
+* :class:`EarlyCopy` — a blocking snapshot of many tensors whose stage is cached starts copying on a
+  worker thread while the training thread checks the capture (torch releases the GIL while copying).
+* :class:`CopyGuard` — the background thread that copies what only ``optimizer.step()`` mutates and
+  then commits; an optimizer step pre-hook, the next snapshot, ``restore()`` and ``wait()`` join it
+  first. The background thread makes no collectives and touches nothing but the slot and the socket.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .. import shm
+from ..errors import CheckpointError
+from ..format import ShardLayout, dtype_from_name
+from .capture import local_tensor
+from .stage import Stage, Staged
+
+MAPPINGS_KEPT = 4  # warm mappings per client: the slots a rank alternates between
+EARLY_COPY_MIN_TENSORS = 1000  # below this the capture check costs little next to the copy
+
+Pairs = tuple[list[torch.Tensor], list[torch.Tensor]]  # (destinations, sources)
+
+
+def copy_tensors(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """Copy each source into its slot view in one fused call (torch loops per tensor only where the
+    tensors sit on different devices)."""
+    if dsts:
+        with torch.no_grad():  # parameters are sources: skip autograd's per-tensor bookkeeping
+            torch._foreach_copy_(dsts, srcs)
+
+
+def storage_of(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def optimizer_storages(optim: torch.optim.Optimizer) -> set[int]:
+    """Storages that only ``optim.step()`` mutates: its parameters and its state tensors."""
+    out = set()
+    for group in optim.param_groups:
+        for p in group["params"]:
+            out.add(storage_of(local_tensor(p)))
+    for st in optim.state.values():
+        for v in st.values():
+            if isinstance(v, torch.Tensor):
+                out.add(storage_of(local_tensor(v)))
+    out.discard(0)
+    return out
+
+
+class EventGroup:
+    """The ends of the device-to-host copies of one snapshot (one event per device)."""
+
+    def __init__(self, events: list[Any]) -> None:
+        self.events = events
+
+    def synchronize(self) -> None:
+        for e in self.events:
+            e.synchronize()
+
+
+class SlotMaps:
+    """The trainer's mappings of the slots it was leased: mapped once (``MAP_POPULATE``) and kept
+    (least recently used dropped beyond :data:`MAPPINGS_KEPT`), with typed views per layout and, for
+    CUDA sources, page-locked. Training thread, and the background thread for a mapping it was given."""
+
+    def __init__(self) -> None:
+        self._maps: OrderedDict[str, shm.Mapping] = OrderedDict()
+        self._views: dict[str, tuple[ShardLayout, list[torch.Tensor]]] = {}
+        self.pinned: set[str] = set()  # mappings page-locked for device copies
+
+    def names(self) -> set[str]:
+        return set(self._maps)
+
+    def mapping(self, name: str) -> shm.Mapping:
+        m = self._maps.get(name)
+        if m is None:
+            m = shm.Mapping(name)
+            self._maps[name] = m
+            while len(self._maps) > MAPPINGS_KEPT:
+                self._unmap(*self._maps.popitem(last=False))
+        self._maps.move_to_end(name)
+        return m
+
+    def destinations(self, m: shm.Mapping, layout: ShardLayout) -> list[torch.Tensor]:
+        """Typed views of the slot, one per chunk in layout order; built once per (slot, layout)."""
+        cached = self._views.get(m.name)
+        if cached is not None and cached[0] is layout:
+            return cached[1]
+        base = m.tensor
+        assert base is not None
+        start = layout.data_start
+        dsts = [base[start + spec.begin : start + spec.end].view(dtype_from_name(spec.dtype)).view(spec.sizes) for spec in layout.chunks]
+        self._views[m.name] = (layout, dsts)
+        return dsts
+
+    def prepared(self, name: str, layout: ShardLayout) -> tuple[shm.Mapping, list[torch.Tensor]]:
+        """The slot mapped, the shard header written, and its destination views."""
+        m = self.mapping(name)
+        m.view[: layout.data_start] = layout.header
+        return m, self.destinations(m, layout)
+
+    def pin(self, m: shm.Mapping) -> None:
+        """Page-lock a mapping for device-to-host copies (once; a no-op where it cannot be)."""
+        from . import cuda
+
+        if m.name not in self.pinned and m.tensor is not None and cuda.pin(m.tensor.data_ptr(), m.size):
+            self.pinned.add(m.name)
+
+    def _unmap(self, name: str, m: shm.Mapping) -> None:
+        self._views.pop(name, None)  # its views pin the mapping
+        if name in self.pinned:
+            from . import cuda
+
+            if m.tensor is not None:
+                cuda.unpin(m.tensor.data_ptr())
+            self.pinned.discard(name)
+        m.close()
+
+    def close(self) -> None:
+        for name, m in list(self._maps.items()):
+            self._unmap(name, m)
+        self._maps.clear()
+
+
+def copy_cuda(
+    dsts: list[torch.Tensor], srcs: list[torch.Tensor], guarded: set[int]
+) -> tuple[EventGroup, list[torch.Tensor], list[torch.Tensor]]:
+    """Enqueue the CUDA sources' copies; return their event and the pairs left to copy on the CPU.
+
+    Tensors the optimizer step does not own (buffers that forward mutates, extra state) are copied
+    first, and the training stream waits for them on the GPU: the next forward's kernels queue behind
+    those copies, the CPU does not block. Parameters and optimizer state are only mutated by
+    optimizer.step(), which the pre-hook holds until the returned event."""
+    from . import cuda
+
+    by_device: dict[Any, tuple[list[int], list[int]]] = {}
+    for i, src in enumerate(srcs):
+        if src.is_cuda:
+            first, second = by_device.setdefault(src.device, ([], []))
+            (second if storage_of(src) in guarded else first).append(i)
+    events = []
+    for first, second in by_device.values():
+        if first:
+            ev = cuda.copy_async([dsts[i] for i in first], [srcs[i] for i in first])
+            torch.cuda.current_stream(srcs[first[0]].device).wait_event(ev)
+            events.append(ev)
+        if second:
+            events.append(cuda.copy_async([dsts[i] for i in second], [srcs[i] for i in second]))
+    rest = [i for i, src in enumerate(srcs) if not src.is_cuda]
+    return EventGroup(events), [dsts[i] for i in rest], [srcs[i] for i in rest]
+
+
+def fill(maps: SlotMaps, segment: str, staged: Staged, guarded: set[int], blocking: bool) -> tuple[Pairs, EventGroup | None]:
+    """Write the header and copy into ``segment`` what must be copied before ``snapshot()`` returns;
+    return the pairs left for the background thread and the CUDA event it must wait for."""
+    m, dsts = maps.prepared(segment, staged.layout)
+    srcs = staged.sources
+    event = None
+    if staged.any_cuda:
+        # GPU path: device-to-host copies on a side stream into the page-locked slot, now
+        maps.pin(m)
+        event, dsts, srcs = copy_cuda(dsts, srcs, guarded)
+    now: Pairs = ([], [])
+    later: Pairs = ([], [])
+    if not guarded:
+        now = (dsts, srcs)
+    else:
+        for dst, src in zip(dsts, srcs):
+            side = later if storage_of(src) in guarded else now
+            side[0].append(dst)
+            side[1].append(src)
+    copy_tensors(*now)
+    if blocking and event is not None:
+        event.synchronize()
+        event = None
+    return later, event
+
+
+class EarlyCopy:
+    """A blocking snapshot's copy started before its capture check finished.
+
+    :meth:`start` copies the cached stage's sources on a worker thread; :meth:`finish` keeps the copy
+    only if the capture held (the stager kept the same :class:`Stage` object: every cached source is a
+    view of the live state) and adds this snapshot's ``extra`` tensors; else the copy is thrown away.
+    """
+
+    def __init__(self, maps: SlotMaps, segment: str, stage: Stage) -> None:
+        self.maps, self.segment, self.stage = maps, segment, stage
+        self.error: BaseException | None = None
+        m, dsts = maps.prepared(segment, stage.layout)
+        self.mapping = m
+        self._pairs: Pairs = (dsts, stage.sources)  # type: ignore[assignment]
+        if stage.extra_slots:  # those are this snapshot's: copied by finish()
+            skip = {i for i, _ in stage.extra_slots}
+            self._pairs = ([d for i, d in enumerate(dsts) if i not in skip], [t for i, t in enumerate(stage.sources) if i not in skip])  # type: ignore[misc]
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ckptd-early-copy", daemon=True)
+
+    @staticmethod
+    def worth_it(stage: Stage | None) -> bool:
+        """Only for a cached, CPU-only stage with many tensors (else the capture check costs little)."""
+        return stage is not None and not stage.any_cuda and len(stage.sources) >= EARLY_COPY_MIN_TENSORS
+
+    def start(self) -> None:
+        self._thread.start()
+        self._started.wait()  # let it take the GIL once, into the copy, before this thread goes on
+
+    def _run(self) -> None:
+        self._started.set()
+        try:
+            copy_tensors(*self._pairs)
+        except BaseException as e:  # the training thread decides: it copies again, or raises
+            self.error = e
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def finish(self, current: Stage | None, staged: Staged) -> bool:
+        """After the capture check: True if the slot is filled for ``staged`` (the caller commits it),
+        False if the copy is stale or failed (the caller gives the segment back and copies afresh)."""
+        self.join()
+        if self.error is not None or current is not self.stage or staged.any_cuda:
+            return False
+        if self.stage.extra_slots:  # this snapshot's own extra tensors
+            dsts = self.maps.destinations(self.mapping, staged.layout)
+            copy_tensors([dsts[i] for i, _ in self.stage.extra_slots], [staged.sources[i] for i, _ in self.stage.extra_slots])
+        return True
+
+
+class CopyGuard:
+    """At most one background copy per client, and the optimizer pre-hook that waits for it."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: Callable[[], BaseException | None] = lambda: None
+        self._step: int | None = None
+        self._hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+    def start(self, step: int, run: Callable[[], None], error: Callable[[], BaseException | None]) -> None:
+        """Run ``run`` on a background thread; ``error()`` tells afterwards whether it failed."""
+        t = threading.Thread(target=run, name=f"ckptd-copy-{step}", daemon=False)
+        self._thread, self._error, self._step = t, error, step
+        t.start()
+
+    def join(self) -> None:
+        """Wait for the copy in flight, if any (errors surface from :meth:`finish`)."""
+        t = self._thread
+        if t is not None:
+            t.join()
+
+    def finish(self) -> None:
+        """Wait for the copy in flight, forget it, and raise its error once."""
+        t = self._thread
+        if t is None:
+            return
+        t.join()
+        err, step = self._error(), self._step
+        self._thread, self._error, self._step = None, lambda: None, None
+        if err is not None:
+            raise CheckpointError(f"background copy of step {step} failed: {err}") from err
+
+    def hook(self, optim: torch.optim.Optimizer) -> None:
+        """Make ``optim.step()`` wait for the copy in flight (once per optimizer)."""
+        if optim in self._hooked:
+            return
+        ref = weakref.ref(self)
+
+        def pre_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            guard = ref()
+            if guard is not None:
+                guard.join()
+
+        optim.register_step_pre_hook(pre_step)
+        self._hooked.add(optim)

@@ -1,0 +1,74 @@
+"""Where a restore reads from — the daemon's shared memory, the local root, or the bucket — and the
+conversation with the daemon that decides it. The reading itself is :mod:`.reader`'s.
+
+* ``path`` given: that directory, no daemon (:attr:`Source.DISK`).
+* ``hot_open``: if the daemon still holds every rank's shard of the step in shared memory (a trainer
+  restarted on the same node), those segments are read, pinned until ``hot_close``
+  (:attr:`Source.MEMORY`).
+* else ``fetch``: the daemon picks the newest complete step (or the one asked for) under its root or
+  in its bucket, downloading it into the root first if only the bucket has it
+  (:attr:`Source.DISK` / :attr:`Source.BUCKET`).
+
+Runs on the calling (training) thread. Every rank restores on its own: no collectives.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from .. import shm
+from ..errors import CheckpointError
+from ..protocol import Source
+from .reader import CheckpointReader, restore_state
+from .rpc import Channel
+
+log = logging.getLogger("ckptd.client")
+
+FETCH_POLL_S = 25.0  # each fetch_wait; the daemon is probed between polls (a download may take minutes)
+
+
+def restored(step: int | None, path: str, source: Source) -> dict[str, Any]:
+    """What :attr:`Client.last_restore` says about a restore."""
+    return {"step": step, "path": path, "source": source.value}
+
+
+def fetch(rpc: Channel, job: str, step: int | None) -> dict[str, Any]:
+    """The daemon's answer to which step to restore (``fetch_wait``'s reply), downloaded into its root
+    if only the bucket had it."""
+    fid = rpc.call("fetch", job=job, step=step)["fetch"]
+    while True:
+        rep = rpc.call("fetch_wait", rpc_timeout=rpc.timeout + FETCH_POLL_S + 5.0, fetch=fid, timeout=FETCH_POLL_S)
+        if rep["state"] == "done":
+            return rep
+        if rep["state"] == "failed":
+            raise CheckpointError(rep["error"])
+
+
+def _restore_hot(
+    rpc: Channel, held: dict[str, Any], model: torch.nn.Module, optim: torch.optim.Optimizer | None, rank: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    files = {f: shm.path_of(seg) for f, seg in held["segments"].items()}
+    reader = CheckpointReader(held["path"], manifest=held["manifest"], files=files)
+    try:
+        extra = restore_state(held["path"], model, optim, rank, reader=reader)
+    finally:
+        rpc.call("hot_close", pid=os.getpid(), segments=list(held["segments"].values()))
+    return extra, restored(held["step"], held["path"], Source.MEMORY)
+
+
+def restore_from_daemon(
+    rpc: Channel, job: str, model: torch.nn.Module, optim: torch.optim.Optimizer | None, rank: int, *, step: int | None, hot: bool
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Load the newest complete step of ``job`` (or ``step``) in place; returns ``(extra, last_restore)``."""
+    if hot:
+        held = rpc.call("hot_open", job=job, step=step, pid=os.getpid())
+        if held["step"] is not None:
+            return _restore_hot(rpc, held, model, optim, rank)
+        log.info("restoring from disk: %s", held["reason"])
+    rep = fetch(rpc, job, step)
+    extra = restore_state(rep["path"], model, optim, rank)
+    return extra, restored(rep["step"], rep["path"], Source.from_wire(rep["source"]))

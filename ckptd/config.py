@@ -1,0 +1,233 @@
+"""Settings in one place: every default, the ``CKPTD_*`` environment variables, the daemon's TOML file.
+
+Precedence: an explicit argument (a function argument, a ``ckptd serve`` flag) wins over the TOML
+file, which wins over the environment, which wins over the default. Nothing here imports torch or
+zmq: the trainer, the daemon and the CLI all read their settings through this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .storage.s3 import RemoteConfig
+
+# ---------------------------------------------------------------------------- defaults
+
+# the client
+CLIENT_TIMEOUT_S = 30.0  # CKPTD_TIMEOUT: each request to the daemon
+ALLOC_TIMEOUT_S = 600.0  # CKPTD_ALLOC_TIMEOUT: an alloc held back while the memory budget is full
+
+# the daemon (ckptd serve): see DaemonConfig for the settable ones
+KEEP = 3
+WORKERS = 2
+NICE = 10
+REMOTE_KEEP = 3
+REMOTE_KEEP_EVERY = 0
+COMMIT_TIMEOUT_S = 600.0
+
+# limits the daemon enforces (not settable)
+WAIT_CAP_S = 30.0  # longest a wait / fetch_wait reply is held back
+HOUSEKEEPING_S = 0.5  # period of reaping dead lessees, lapsed pins, overdue waiters
+TRACKS_KEPT = 256  # finished steps remembered per job, so a late wait() gets the truth
+FETCHES_KEPT = 256  # finished fetch answers kept for a client that has not asked yet
+HOT_PIN_MAX_S = 600.0  # a hot restore's pin on a slot lapses after this, whatever its pid
+
+
+# ---------------------------------------------------------------------------- names and environment
+
+_JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def validate_job(job: object) -> str:
+    """Return ``job`` if it is a safe directory name, else raise ``ValueError``.
+
+    Job names become directory names under the daemon's root, so anything that could escape it
+    (``..``, ``/``, empty, control characters) is refused.
+    """
+    if not isinstance(job, str) or not _JOB_RE.match(job) or ".." in job:
+        raise ValueError(f"invalid job name {job!r}: use 1-128 of [A-Za-z0-9._-], starting with a letter or digit, no '..'")
+    return job
+
+
+def default_endpoint() -> str:
+    """``CKPTD_ENDPOINT``, else a per-user ipc socket in ``$XDG_RUNTIME_DIR`` or the temp dir."""
+    env = os.environ.get("CKPTD_ENDPOINT")
+    if env:
+        return env
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    return f"ipc://{os.path.join(base, f'ckptd-{os.getuid()}', 'ckptd.sock')}"
+
+
+def default_job() -> str:
+    """``CKPTD_JOB``, else torchrun's run id (``TORCHELASTIC_RUN_ID``), else ``default``."""
+    job = os.environ.get("CKPTD_JOB") or os.environ.get("TORCHELASTIC_RUN_ID")
+    if not job or job == "none":
+        job = "default"
+    return validate_job(job)
+
+
+def _env(name: str, default: Any, parse: Any, kind: str) -> Any:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return parse(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not {kind}") from None
+
+
+def env_float(name: str, default: float) -> float:
+    return _env(name, default, float, "a number")
+
+
+def env_int(name: str, default: int) -> int:
+    return _env(name, default, int, "an integer")
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``8G``, ``512M``, ``64KiB`` or a plain number; ``ValueError`` names the text."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    t = text.strip().lower().removesuffix("b").removesuffix("i")
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise ValueError(f"not a size: {text!r} (use e.g. 8G, 512M)") from None
+
+
+# ---------------------------------------------------------------------------- the daemon's settings
+
+
+def default_shm_budget() -> int:
+    """Half of the shared-memory filesystem: room to stage while the rest of the node runs."""
+    from .shm import SHM_DIR
+
+    st = os.statvfs(SHM_DIR)
+    return st.f_frsize * st.f_blocks // 2
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """What ``ckptd serve`` runs with. Build it with :func:`daemon_config` (flags, file, environment)."""
+
+    root: str
+    endpoint: str
+    shm_budget: int | None = None  # bytes of /dev/shm to stage into; None: half of it
+    keep: int = KEEP  # complete local steps kept per job
+    workers: int = WORKERS  # persist threads
+    write_rate_limit: float = 0.0  # bytes/s cap on disk writes, 0: none
+    nice: int = NICE  # niceness of persist and upload threads (0: unchanged)
+    idle_priority: bool = True  # persist and upload threads run on idle CPU and disk time only
+    log_level: str = "INFO"
+    group: str | int | None = None  # also let this group use the socket, segments and checkpoints
+    metrics_port: int = 0  # Prometheus metrics on 127.0.0.1:PORT, 0: off
+    remote: RemoteConfig | None = None  # the [remote] table: the bucket
+    remote_keep: int = REMOTE_KEEP  # newest steps kept in the bucket...
+    remote_keep_every: int = REMOTE_KEEP_EVERY  # ...plus every Nth step, forever (0: none)
+    commit_timeout: float = COMMIT_TIMEOUT_S  # multi-node: seconds to wait for the other nodes' shards
+
+
+SERVE_KEYS = (
+    "root", "endpoint", "shm_budget", "keep", "workers", "write_rate_limit", "nice", "log_level", "group", "metrics_port", "idle_priority",
+)  # fmt: skip
+_STR_KEYS = ("root", "endpoint", "log_level", "group")
+_SIZE_KEYS = ("shm_budget", "write_rate_limit")
+# the [remote] table holds the bucket's RemoteConfig and these, the bucket's retention and the multi-node wait
+_REMOTE_TIER_KEYS = {"keep": ("remote_keep", 1), "keep_every": ("remote_keep_every", 0), "commit_timeout": ("commit_timeout", 1)}
+
+
+def _from_env() -> dict[str, Any]:
+    return {
+        "root": os.environ.get("CKPTD_ROOT"),
+        "keep": env_int("CKPTD_KEEP", KEEP),
+        "workers": env_int("CKPTD_WORKERS", WORKERS),
+        "write_rate_limit": env_float("CKPTD_WRITE_RATE_LIMIT", 0.0),
+        "nice": env_int("CKPTD_NICE", NICE),
+        "group": os.environ.get("CKPTD_GROUP") or None,
+        "metrics_port": env_int("CKPTD_METRICS_PORT", 0),
+        "idle_priority": os.environ.get("CKPTD_IDLE_PRIORITY", "1") not in ("0", "false", "no"),
+    }
+
+
+def _remote_table(table: object, where: str) -> dict[str, Any]:
+    from .storage.s3 import RemoteConfig
+
+    if not isinstance(table, dict):
+        raise ValueError(f"{where}: [remote] must be a table")
+    conf = {k: v for k, v in table.items() if k not in _REMOTE_TIER_KEYS}
+    for key in ("max_bandwidth", "part_size"):
+        if isinstance(conf.get(key), str):
+            try:
+                conf[key] = parse_size(conf[key])
+            except ValueError as e:
+                raise ValueError(f"{where}: remote.{key}: {e}") from None
+    try:
+        out: dict[str, Any] = {"remote": RemoteConfig.from_dict(conf)}
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    for key, (field, least) in _REMOTE_TIER_KEYS.items():
+        if key in table:
+            value = table[key]
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"{where}: remote.{key} must be an integer >= {least}, got {value!r}")
+            out[field] = value
+    return out
+
+
+def _from_file(path: str) -> dict[str, Any]:
+    import tomllib
+
+    with open(path, "rb") as f:
+        try:
+            data = tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"{path}: {e}") from None
+    out = _remote_table(data.pop("remote"), path) if "remote" in data else {}
+    unknown = set(data) - set(SERVE_KEYS)
+    if unknown:
+        raise ValueError(f"{path}: unknown settings {sorted(unknown)} (known: {', '.join(SERVE_KEYS)})")
+    for key, value in data.items():
+        if key in _SIZE_KEYS and isinstance(value, str):
+            try:
+                value = parse_size(value)
+            except ValueError as e:
+                raise ValueError(f"{path}: {key}: {e}") from None
+        want = str if key in _STR_KEYS else bool if key == "idle_priority" else int
+        if not isinstance(value, want) or (isinstance(value, bool) and want is not bool):
+            raise ValueError(f"{path}: {key} must be a {want.__name__}, got {value!r}")
+        out[key] = value
+    return out
+
+
+def daemon_config(flags: dict[str, Any] | None = None, config_file: str | None = None) -> DaemonConfig:
+    """The daemon's settings: ``flags`` (``None`` values ignored) over ``config_file`` (TOML) over
+    ``CKPTD_*`` over the defaults. Raises ``ValueError`` naming an unknown key, a wrong type, a bad
+    value or a missing root."""
+    cfg = {k: v for k, v in _from_env().items() if v is not None}
+    if config_file:
+        cfg.update(_from_file(config_file))
+    cfg.update({k: v for k, v in (flags or {}).items() if v is not None})
+    if not cfg.get("root"):
+        raise ValueError("no checkpoint root: give --root, root in --config, or CKPTD_ROOT")
+    if int(cfg["keep"]) < 1:
+        raise ValueError("keep must be >= 1")
+    if cfg.get("group") is not None:
+        from .daemon.access import resolve_group
+        from .errors import CheckpointError
+
+        try:
+            resolve_group(cfg["group"])
+        except CheckpointError as e:
+            raise ValueError(str(e)) from None
+    cfg["endpoint"] = cfg.get("endpoint") or default_endpoint()
+    cfg["write_rate_limit"] = float(cfg["write_rate_limit"])
+    cfg["commit_timeout"] = float(cfg.get("commit_timeout", COMMIT_TIMEOUT_S))
+    known = {f.name for f in dataclasses.fields(DaemonConfig)}
+    return DaemonConfig(**{k: v for k, v in cfg.items() if k in known})

@@ -1,0 +1,124 @@
+"""Step completion: drives a step from its ranks' commits to durable or failed, in one place.
+
+A committed slot goes to the persist threads (:meth:`Completion.persist`); each written shard comes
+back as a :class:`~ckptd.daemon.events.ShardPersisted`. The shard that completes the step locally
+makes it durable; on a multi-node step this node's durable part goes to the uploader, and the step is
+durable once the bucket completes it (:class:`~ckptd.daemon.events.Uploaded`). A durable step is
+noted in the catalog (the newest one hot restores read), queued for upload, and fails the older
+steps some rank never committed; a failed step's partial directory is removed once no shard of it is
+being written; waiters are answered once the step leaves pending.
+
+Main thread only, except :meth:`Completion.uploaded`, which the upload thread calls.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from ..storage import local
+from .catalog import StepCatalog
+from .events import EventQueue, ShardPersisted, Uploaded
+from .persister import Persister
+from .slots import Slot
+from .status import Counters
+from .steps import StepKey, StepState, StepTable, StepTrack
+from .uploader import Uploader
+from .waiters import Waiter
+
+log = logging.getLogger("ckptd.daemon")
+
+Answer = Callable[[list[tuple[Waiter, dict[str, Any]]]], None]  # sends held-back replies
+
+
+class Completion:
+    def __init__(
+        self,
+        root: str,
+        steps: StepTable,
+        catalog: StepCatalog,
+        persister: Persister,
+        uploader: Uploader | None,
+        counters: Counters,
+        events: EventQueue,
+        answer: Answer,
+    ) -> None:
+        self.root, self.steps, self.catalog, self.persister, self.uploader = root, steps, catalog, persister, uploader
+        self.counters, self._events, self._answer = counters, events, answer
+
+    def persist(self, slot: Slot) -> None:
+        """A committed slot (just committed, or adopted at start-up) goes to a persist thread."""
+        rec = slot.lease or {}
+        track = self.steps.get((rec["job"], rec["step"]))
+        assert track is not None, "a committed slot's step is tracked"
+        track.inflight += 1
+        self.persister.submit(slot)
+
+    def on_persisted(self, ev: ShardPersisted) -> None:
+        key = (ev.job, ev.step)
+        track = self.steps.get(key)
+        if track is None:
+            return
+        track.inflight -= 1
+        self.counters.persisted_bytes += ev.nbytes
+        self.counters.persist_seconds += ev.seconds
+        if ev.error is not None and self.steps.fail(key, ev.error):
+            self.counters.error(f"job {ev.job} step {ev.step}: {ev.error}")
+        if ev.node_ranks is not None and self.uploader is not None and track.state is StepState.PENDING:
+            self.uploader.submit(ev.job, ev.step, track.world_size, ev.node_ranks)
+        if ev.path is not None:
+            self.steps.complete(key, ev.path)
+            self.catalog.note_complete(ev.job, ev.step, ev.path, ev.manifest)
+            if self.uploader is not None:
+                self.uploader.submit(ev.job, ev.step, track.world_size)
+            self.counters.steps_committed += 1
+            log.info("committed job %s step %s -> %s", ev.job, ev.step, ev.path)
+            self._after_complete(ev.job, ev.step)
+        self._settle(key, track)
+
+    def uploaded(self, res: Uploaded) -> None:
+        """Upload thread: a step's upload ended. Local steps it protected may go now."""
+        if res.error is None and not res.multi_node:
+            with self.persister.job_lock(res.job):
+                self.persister.retain(res.job)
+        self._events.post(res)
+
+    def on_uploaded(self, res: Uploaded) -> None:
+        self.counters.uploaded_bytes += res.nbytes
+        self.counters.upload_seconds += res.seconds
+        if res.error is not None:
+            self.counters.error(f"upload of job {res.job} step {res.step}: {res.error}")
+        elif res.complete:
+            self.counters.steps_uploaded += 1
+            self.catalog.note_uploaded(res.job, res.step)
+            log.info("uploaded job %s step %s -> %s (%.2f GB in %.1f s)", res.job, res.step, res.url, res.nbytes / 1e9, res.seconds)
+        if not res.multi_node:
+            return
+        # a multi-node step is durable once it is complete in the bucket
+        key = (res.job, res.step)
+        self.persister.forget_node(res.job, res.step)
+        track = self.steps.get(key)
+        if track is None or track.state is not StepState.PENDING:
+            return
+        if res.error is not None:
+            self.steps.fail(key, res.error)
+        else:
+            self.steps.complete(key, res.url)
+            self.counters.steps_committed += 1
+            log.info("committed job %s step %s across nodes -> %s", res.job, res.step, res.url)
+            self._after_complete(res.job, res.step)
+        self._settle(key, track)
+
+    def _settle(self, key: StepKey, track: StepTrack) -> None:
+        """After a step's state may have changed: clean up a failed step once no shard of it is being
+        written, and answer its waiters once it left pending."""
+        if track.state is StepState.FAILED and track.inflight == 0:
+            local.remove_partial(self.root, *key)  # rare: before waiters hear of it
+        if track.state is not StepState.PENDING:
+            self._answer(self.steps.answered(key))
+
+    def _after_complete(self, job: str, step: int) -> None:
+        for key, track in self.steps.supersede(job, step):
+            self._settle(key, track)
+        self.steps.forget_finished(job)

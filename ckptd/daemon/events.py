@@ -1,0 +1,102 @@
+"""What the daemon's worker threads report to its loop: typed events through a queue, plus a
+ZeroMQ inproc wake-up so the loop's poller returns at once.
+
+Workers (persist, upload, fetch threads) call :meth:`EventQueue.post`; the main thread polls
+:attr:`EventQueue.wake` and calls :meth:`EventQueue.drain`, then handles each event by its type. The
+main thread owns every table (slots, steps, fetches): an event is how a worker's result reaches them.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+
+@dataclass(frozen=True)
+class ShardPersisted:
+    """A persist thread wrote (or failed to write) one rank's shard from its slot."""
+
+    segment: str
+    job: str
+    step: int
+    rank: int
+    nbytes: int
+    seconds: float
+    error: str | None = None
+    path: str | None = None  # this shard was the last: the step is complete here
+    manifest: dict[str, Any] | None = None  # ... and this is its manifest, kept for hot restores
+    node_ranks: list[int] | None = None  # multi-node: this node's part is durable, these ranks to upload
+
+
+@dataclass(frozen=True)
+class Uploaded:
+    """The upload thread finished (or failed) one step's upload."""
+
+    job: str
+    step: int
+    error: str | None
+    nbytes: int
+    seconds: float
+    complete: bool  # the step is complete in the bucket
+    multi_node: bool
+    url: str = ""
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """The fetch thread chose (and, from the bucket, downloaded) the step a restore reads."""
+
+    fid: int
+    answer: dict[str, Any]  # the fetch_wait reply's fields
+    report: str | None = None  # an error for ``status``' last_error (not for a step that does not exist)
+
+
+@dataclass(frozen=True)
+class ErrorReported:
+    """A worker's error that belongs to no request (the bucket is unreachable at start-up)."""
+
+    message: str
+
+
+Event = ShardPersisted | Uploaded | Fetched | ErrorReported
+
+
+class EventQueue:
+    """Many posting threads, one draining thread (the loop)."""
+
+    def __init__(self, ctx: zmq.Context) -> None:
+        self._ctx = ctx
+        self._addr = f"inproc://ckptd-wake-{id(self)}"
+        self._queue: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self._tls = threading.local()
+        self.wake = ctx.socket(zmq.PULL)  # the loop polls this
+        self.wake.setsockopt(zmq.LINGER, 0)
+        self.wake.bind(self._addr)
+
+    def post(self, event: Event) -> None:
+        """Any thread: queue ``event`` and wake the loop."""
+        self._queue.put(event)
+        sock = getattr(self._tls, "push", None)
+        if sock is None:
+            sock = self._tls.push = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self._addr)
+        sock.send(b"", zmq.NOBLOCK)
+
+    def drain(self) -> Iterator[Event]:
+        """Main thread: every event queued so far, oldest first."""
+        while self.wake.poll(0):
+            self.wake.recv()
+        while True:
+            try:
+                yield self._queue.get_nowait()
+            except queue.Empty:
+                return
+
+    def close(self) -> None:
+        self.wake.close(0)

@@ -1,0 +1,129 @@
+"""Fetches: the daemon's side of a restore that reads disk or the bucket. A fetch asks the catalog
+which step to read and, when only the bucket has it, downloads it into the root (verified) first.
+
+The main thread starts fetches (``fetch``) and holds ``fetch_wait`` requests; one fetch thread runs
+them one at a time (downloads take minutes and share the network with uploads) and reports a
+:class:`~ckptd.daemon.events.Fetched`. The same thread checks the bucket at start-up, so READY never
+waits for the network. Answers nobody asked for (a client that died mid-restore) are bounded.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from ..config import FETCHES_KEPT
+from ..errors import CheckpointError, ProtocolError
+from ..protocol import Source
+from ..storage.remote import download_step
+from .catalog import NoStep, StepCatalog
+from .events import ErrorReported, EventQueue, Fetched
+from .waiters import Waiter, Waiters
+
+log = logging.getLogger("ckptd.daemon")
+
+
+class Fetcher:
+    def __init__(self, catalog: StepCatalog, events: EventQueue) -> None:
+        self.catalog, self._events = catalog, events
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-fetch")
+        self.answers: dict[int, dict[str, Any]] = {}  # fetch id -> its fetch_wait reply (state pending until done)
+        self.waiters: Waiters[int] = Waiters()
+        self._ids = itertools.count(1)
+        self.current: tuple[str, int, list[int]] | None = None  # job, step, [bytes downloaded] (fetch thread writes)
+
+    def check_store(self) -> None:
+        """Check the bucket on the fetch thread; an unreachable one is reported, never fatal (local
+        durability still works, and each upload is tried and reported)."""
+        store = self.catalog.store
+        if store is None:
+            return
+
+        def check() -> None:
+            try:
+                store.check()
+                log.info("object-storage tier: %s", store.url())
+            except CheckpointError as e:
+                log.error("object-storage tier unreachable: %s", e)
+                self._events.post(ErrorReported(f"object storage: {e}"))
+
+        self._pool.submit(check)
+
+    def start(self, job: str, step: int | None) -> int:
+        """Main thread: begin a fetch; returns its id."""
+        fid = next(self._ids)
+        self.answers[fid] = {"state": "pending", "step": None, "path": None, "source": None, "error": None}
+        for old in [f for f, r in self.answers.items() if r["state"] != "pending"][:-FETCHES_KEPT]:
+            del self.answers[old]  # answers nobody asked for: a client that died mid-restore
+        self._pool.submit(self._run, fid, job, step)
+        return fid
+
+    def wait(self, fid: int, ident: bytes, req_id: Any, deadline: float) -> dict[str, Any] | None:
+        """Main thread: the answer if the fetch is done (then forgotten: a client that lost it asks
+        for a new fetch), else hold the request until ``deadline``."""
+        res = self.answers.get(fid)
+        if res is None:
+            raise ProtocolError(f"unknown fetch {fid}")
+        if res["state"] == "pending":
+            self.waiters.add(fid, ident, req_id, deadline)
+            return None
+        return dict(self.answers.pop(fid))
+
+    def done(self, ev: Fetched) -> list[tuple[Waiter, dict[str, Any]]]:
+        """Main thread: a fetch finished; returns its waiters with their reply."""
+        if ev.fid not in self.answers:
+            return []
+        self.answers[ev.fid] = ev.answer
+        waiters = self.waiters.pop(ev.fid)
+        if waiters:
+            self.answers.pop(ev.fid, None)
+        return [(w, ev.answer) for w in waiters]
+
+    def due(self, now: float) -> list[tuple[Waiter, dict[str, Any]]]:
+        """Main thread: held fetch_waits past their deadline, with the state as it is."""
+        forgotten = {"state": "failed", "error": "fetch forgotten"}
+        return [(w, self.answers.get(fid, forgotten)) for fid, w in self.waiters.due(now)]
+
+    def progress(self) -> dict[str, Any] | None:
+        cur = self.current
+        return None if cur is None else {"job": cur[0], "step": cur[1], "bytes_done": cur[2][0]}
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def _run(self, fid: int, job: str, step: int | None) -> None:
+        """Fetch thread: the step a restore reads; a step only the bucket holds is downloaded first."""
+        want = step  # the step being looked for, once chosen
+        report = None
+        try:
+            found = self.catalog.find(job, step)
+            want, path = found.step, found.path
+            if found.source is Source.BUCKET:
+                path = self._download(job, found.step)
+            answer = {"state": "done", "step": found.step, "path": path, "source": found.source.to_wire(), "error": None}
+        except Exception as e:  # the restore that asked gets it
+            answer = {"state": "failed", "step": step, "path": None, "source": None, "error": str(e)}
+            if not isinstance(e, NoStep):
+                log.error("fetch of job %s step %s failed: %s", job, want, e)
+                report = f"fetch of job {job} step {want}: {e}"
+        self._events.post(Fetched(fid, answer, report))
+
+    def _download(self, job: str, step: int) -> str:
+        assert self.catalog.store is not None
+        done = [0]
+        self.current = (job, step, done)
+
+        def progress(n: int) -> None:
+            done[0] += n
+
+        try:
+            log.info("fetching job %s step %s from the bucket", job, step)
+            t0 = time.monotonic()
+            path = download_step(self.catalog.store, self.catalog.root, job, step, progress)
+            log.info("fetched job %s step %s: %.2f GB in %.1f s", job, step, done[0] / 1e9, time.monotonic() - t0)
+            return path
+        finally:
+            self.current = None

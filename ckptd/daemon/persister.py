@@ -1,0 +1,152 @@
+"""The persist threads: write a committed slot's shard durably, and complete its step when every
+rank's fragment is on disk (then apply local retention).
+
+The main thread calls :meth:`Persister.submit` for each committed slot; a worker thread writes it
+(:func:`ckptd.storage.local.write_shard`), decides under the job's lock whether the step is now
+complete (one node) or this node's part of it is (multi-node: then the upload thread completes it in
+the bucket), and posts a :class:`~ckptd.daemon.events.ShardPersisted`. Completion is read off storage
+(every rank's fragment present), never off the trainers' process groups. Workers run at lowered CPU
+and I/O priority: on a busy node the trainer's step time matters more.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from ..errors import ProtocolError
+from ..format import read_manifest
+from ..layout import fragments_present, tmp_dir
+from ..storage import local
+from ..storage.retention import AnyOf, KeepLatest, Protect
+from .events import EventQueue, ShardPersisted
+from .slots import Slot
+
+log = logging.getLogger("ckptd.daemon")
+
+
+def lower_priority(nice: int, idle: bool) -> Callable[[], None]:
+    """A thread initializer that makes the calling thread yield CPU (``nice``, ``SCHED_IDLE`` when
+    ``idle``) and disk (the idle I/O class) to training. Linux: priorities are per thread."""
+
+    def init() -> None:
+        tid = threading.get_native_id()
+        try:
+            if nice:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+            if idle:
+                # only CPU time and disk time that nothing else on the node wants
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+                import psutil
+
+                psutil.Process(tid).ionice(psutil.IOPRIO_CLASS_IDLE)
+        except (OSError, AttributeError, ImportError) as e:
+            log.warning("cannot lower the priority of %s: %s", threading.current_thread().name, e)
+
+    return init
+
+
+def parse_tree(raw: Any) -> dict[str, Any]:
+    """A commit's tree: parsed from the raw frame (a recovered record holds it parsed already)."""
+    if isinstance(raw, dict):
+        return raw
+    try:
+        tree = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ProtocolError(f"the committed tree is not valid JSON: {e}") from None
+    if not isinstance(tree, dict):
+        raise ProtocolError("the committed tree is not a JSON object")
+    return tree
+
+
+class Persister:
+    def __init__(
+        self,
+        root: str,
+        events: EventQueue,
+        *,
+        workers: int,
+        keep: int,
+        write_rate_limit: float = 0.0,
+        protect: Callable[[str], set[int]] = lambda job: set(),
+        initializer: Callable[[], None] | None = None,
+    ) -> None:
+        """``keep``: complete local steps kept per job, besides those ``protect(job)`` names (not uploaded yet)."""
+        self.root, self._events = root, events
+        self.keep, self.write_rate_limit, self._protect = keep, write_rate_limit, protect
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptd-persist", initializer=initializer)
+        self._job_locks: dict[str, threading.Lock] = {}
+        self._locks_guard = threading.Lock()
+        self._node_reported: set[tuple[str, int]] = set()  # multi-node steps whose local part went to the uploader
+
+    def job_lock(self, job: str) -> threading.Lock:
+        """Serializes completing and pruning a job's steps across persist and upload threads."""
+        with self._locks_guard:
+            return self._job_locks.setdefault(job, threading.Lock())
+
+    def submit(self, slot: Slot) -> None:
+        """Main thread: persist this committed slot. It is the worker's until its event is handled."""
+        self._pool.submit(self._run, slot, dict(slot.lease or {}))
+
+    def mark_node_reported(self, job: str, step: int) -> None:
+        with self.job_lock(job):
+            self._node_reported.add((job, step))
+
+    def forget_node(self, job: str, step: int) -> None:
+        with self.job_lock(job):
+            self._node_reported.discard((job, step))
+
+    def retain(self, job: str) -> None:
+        """Keep the newest ``keep`` local steps and those still to be uploaded. Call with the job's lock held."""
+        removed = local.apply_retention(self.root, job, AnyOf((KeepLatest(self.keep), Protect(frozenset(self._protect(job))))))
+        if removed:
+            log.info("retention: removed steps %s of job %s", removed, job)
+
+    def shutdown(self) -> None:
+        """Finish every submitted shard, then stop the threads."""
+        self._pool.shutdown(wait=True)
+
+    def _run(self, slot: Slot, rec: dict[str, Any]) -> None:
+        job, step, rank, ws = rec["job"], rec["step"], rec["rank"], rec["world_size"]
+        lws = rec.get("local_world_size", ws)
+        try:
+            t0 = time.monotonic()
+            if slot.mapping is None:  # mapped here, not on the main loop: ~0.1 s per GB with MAP_POPULATE
+                from .. import shm
+
+                slot.mapping = shm.Mapping(slot.name, writable=False)
+            local.write_shard(
+                self.root, job, step, rank, ws, slot.mapping.view, rec["nbytes"], parse_tree(rec["tree"]),
+                self.write_rate_limit, rec.get("replicas", {}), lws,
+            )  # fmt: skip
+            seconds = time.monotonic() - t0
+            path, node_ranks = self._after_write(job, step, ws, lws)
+            manifest = read_manifest(path) if path is not None else None  # kept in memory for hot restores: they read no disk
+            event = ShardPersisted(slot.name, job, step, rank, rec["nbytes"], seconds, None, path, manifest, node_ranks)
+        except Exception as e:  # reported to every waiter of the step, never swallowed
+            log.error("persisting %s (job %s step %s rank %s) failed: %s", slot.name, job, step, rank, e)
+            event = ShardPersisted(slot.name, job, step, rank, 0, 0.0, f"{e}")
+        self._events.post(event)
+
+    def _after_write(self, job: str, step: int, ws: int, lws: int) -> tuple[str | None, list[int] | None]:
+        """Under the job's lock: complete the step if every rank's fragment is here (returns its
+        directory), or, multi-node, hand this node's part to the uploader once (returns its ranks)."""
+        with self.job_lock(job):
+            present = fragments_present(self.root, job, step)
+            if lws < ws:
+                # multi-node: this node's part is durable; the upload thread completes it in the bucket
+                if len(present) == lws and (job, step) not in self._node_reported:
+                    self._node_reported.add((job, step))
+                    return None, sorted(present)
+            elif present >= set(range(ws)) and os.path.isdir(tmp_dir(self.root, job, step)):
+                path = local.finalize_step(self.root, job, step, ws)
+                # here, off the main loop (deleting GBs takes a while), and before wait() is answered
+                self.retain(job)
+                return path, None
+        return None, None

@@ -1,0 +1,94 @@
+"""Crash recovery at start-up: what a previous run of this daemon left in shared memory and under
+the root, finished or cleaned up before the first request is served.
+
+* A segment with a commit record holds a rank's committed shard: it is adopted and persisted again,
+  unless its step is already complete (the previous run finalized it just before dying).
+* A partial step (``step-N.tmp``) whose every fragment is present is finalized; this node's whole
+  part of a multi-node step is handed to the uploader again (the other nodes wait for it); one that
+  recovered shards can still complete is kept; any other is removed.
+
+Main thread, before the loop starts: persist and upload threads only run what this hands them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from .. import shm
+from ..errors import CheckpointError
+from ..layout import fragments_present, is_complete, partial_steps, step_dir
+from ..storage import local
+from .persister import Persister
+from .slots import Slot, SlotPool, SlotState
+from .steps import StepTable
+from .uploader import Uploader
+
+log = logging.getLogger("ckptd.daemon")
+
+
+def adopt_segments(pool: SlotPool, steps: StepTable, root: str) -> None:
+    """Adopt committed-but-not-durable segments of this pool's namespace; drop the rest."""
+    for name in shm.list_segments(pool.namespace):
+        pool.note_name(name)
+        rec = shm.read_record(name)
+        if rec is None:
+            shm.unlink(name)
+            continue
+        try:
+            if is_complete(step_dir(root, rec["job"], rec["step"])):
+                shm.unlink(name)  # finalized just before the crash: nothing left to do
+                continue
+            pool.adopt(name, rec)
+            steps.adopt((rec["job"], rec["step"]), rec["world_size"], rec.get("local_world_size", 0)).committed.add(rec["rank"])
+        except (KeyError, TypeError, OSError):
+            log.warning("dropping segment %s with an unreadable commit record", name)
+            pool.slots.pop(name, None)
+            shm.unlink(name)
+            continue
+        log.info("recovered committed shard %s: job %s step %s rank %s", name, rec["job"], rec["step"], rec["rank"])
+
+
+def finish_partial_step(root: str, job: str, step: int, steps: StepTable, persister: Persister, uploader: Uploader | None) -> None:
+    """Finalize, re-upload, keep or remove one ``step-N.tmp`` a previous run left."""
+    present = fragments_present(root, job, step)
+    track = steps.get((job, step))
+    ws, lws = (track.world_size, track.local_world_size) if track else local.fragment_sizes(root, job, step, present)
+    if ws and present >= set(range(ws)):
+        try:
+            path = local.finalize_step(root, job, step, ws)
+            log.info("finalized step %s of job %s left complete by a previous run: %s", step, job, path)
+        except (CheckpointError, OSError, ValueError) as e:
+            log.error("cannot finalize leftover step %s of job %s: %s; removing it", step, job, e)
+            local.remove_partial(root, job, step)
+    elif track is None and ws and lws and lws < ws and len(present) == lws and uploader is not None:
+        # this node's whole part of a multi-node step, durable here: the previous run may have
+        # died before the bucket had it, and the other nodes wait for it (commit_timeout)
+        log.info("uploading this node's part of step %s of job %s again (ranks %s)", step, job, sorted(present))
+        steps.adopt((job, step), ws, lws).committed |= present
+        persister.mark_node_reported(job, step)
+        uploader.submit(job, step, ws, sorted(present))
+    elif track is None:
+        log.info("removing partial step %s of job %s (no staged shard can complete it)", step, job)
+        local.remove_partial(root, job, step)
+    else:
+        track.committed |= present
+
+
+def recover(
+    pool: SlotPool,
+    steps: StepTable,
+    persister: Persister,
+    uploader: Uploader | None,
+    root: str,
+    jobs: list[str],
+    persist: Callable[[Slot], None],
+) -> None:
+    """Everything above, then ``persist`` each adopted slot."""
+    adopt_segments(pool, steps, root)
+    for job in jobs:
+        for step in partial_steps(root, job):
+            finish_partial_step(root, job, step, steps, persister, uploader)
+    for slot in pool:
+        if slot.state is SlotState.COMMITTED:
+            persist(slot)

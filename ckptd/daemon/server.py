@@ -1,0 +1,365 @@
+"""The node daemon's loop: a ZeroMQ ROUTER socket, an explicit op table, the events its worker
+threads report, housekeeping, and its lifecycle (bind, recover, serve, shut down).
+
+Threads: the main thread runs this loop and owns every table — the slot pool (:mod:`.slots`), the
+step table (:mod:`.steps`), fetches (:mod:`.fetcher`) — and never blocks on disk or network. Persist
+threads (:mod:`.persister`), the upload thread (:mod:`.uploader`) and the fetch thread report back
+through :mod:`.events`. Nothing here talks to the trainers' process groups, and nothing in this
+package imports torch. Which step is complete, and which one a restore reads, is the catalog's
+(:mod:`.catalog`) answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from .. import __version__, shm
+from ..config import HOUSEKEEPING_S, WAIT_CAP_S, DaemonConfig, default_shm_budget
+from ..errors import CheckpointError, ProtocolError
+from ..layout import shard_name, step_dir
+from ..protocol import EXTRA_FRAMES, MAX_MESSAGE_BYTES, decode_request, endpoint_answers, reply_error, reply_ok
+from ..storage.store import ObjectStore
+from . import recovery
+from .access import Access
+from .catalog import StepCatalog
+from .completion import Completion
+from .events import ErrorReported, EventQueue, Fetched, ShardPersisted, Uploaded
+from .fetcher import Fetcher
+from .persister import Persister, lower_priority
+from .sdnotify import notify, watchdog_interval
+from .slots import Slot, SlotPool
+from .status import Counters, build_status
+from .steps import StepTable
+from .uploader import Uploader
+from .waiters import Waiter
+
+log = logging.getLogger("ckptd.daemon")
+
+Handler = Callable[[bytes, dict[str, Any]], "dict[str, Any] | None"]  # None: the reply is sent later
+
+
+def _open_store(config: DaemonConfig) -> ObjectStore | None:
+    if config.remote is None:
+        return None
+    from ..storage.s3 import S3Store
+
+    return S3Store(config.remote)
+
+
+class Daemon:
+    """One per node. Construct, then :meth:`serve` (blocks until :meth:`stop` or SIGTERM)."""
+
+    def __init__(self, config: DaemonConfig, *, store: ObjectStore | None = None) -> None:
+        """``store`` replaces the bucket ``config.remote`` describes (tests pass an in-memory one)."""
+        self.config = config
+        self.access = Access(config.group)
+        self.root = os.path.abspath(config.root)
+        self.access.make_root(self.root)
+        self.endpoint = config.endpoint
+        self.started = time.monotonic()
+        self.counters = Counters()
+        self._ctx = zmq.Context()
+        self._running = False
+        self._metrics: Any = None
+        self._status_snapshot: dict[str, Any] | None = None
+        self.events = EventQueue(self._ctx)
+        self.catalog = StepCatalog(self.root, store if store is not None else _open_store(config))
+        self.steps = StepTable(self.catalog.complete_path)
+        budget = config.shm_budget if config.shm_budget is not None else default_shm_budget()
+        self.pool = SlotPool(shm.namespace(self.root), budget, file_mode=self.access.file_mode, gid=self.access.gid, on_grant=self._grant)
+        background = lower_priority(config.nice, config.idle_priority)  # persist and upload threads yield to training
+        self.uploader: Uploader | None = None
+        if self.catalog.store is not None:
+            self.uploader = Uploader(
+                self.catalog.store, self.root, lambda res: self.completion.uploaded(res), keep=config.remote_keep,
+                keep_every=config.remote_keep_every, commit_timeout=config.commit_timeout, initializer=background,
+            )  # fmt: skip
+        self.persister = Persister(
+            self.root, self.events, workers=config.workers, keep=config.keep, write_rate_limit=config.write_rate_limit,
+            protect=self.uploader.pending if self.uploader is not None else (lambda job: set()), initializer=background,
+        )  # fmt: skip
+        self.fetcher = Fetcher(self.catalog, self.events)
+        self.completion = Completion(
+            self.root, self.steps, self.catalog, self.persister, self.uploader, self.counters, self.events, self._answer
+        )
+        self._ops: dict[str, Handler] = {
+            "hello": self._op_hello,
+            "status": self._op_status,
+            "alloc": self._op_alloc,
+            "release": self._op_release,
+            "commit": self._op_commit,
+            "wait": self._op_wait,
+            "latest": self._op_latest,
+            "hot_open": self._op_hot_open,
+            "hot_close": self._op_hot_close,
+            "fetch": self._op_fetch,
+            "fetch_wait": self._op_fetch_wait,
+        }
+        self._on_event: dict[type, Callable[[Any], None]] = {
+            ShardPersisted: self._on_persisted,
+            Uploaded: self.completion.on_uploaded,
+            Fetched: lambda ev: self._answer(self.fetcher.done(ev), report=ev.report),
+            ErrorReported: lambda ev: self.counters.error(ev.message),
+        }
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def serve(self) -> None:
+        self._bind()
+        self.fetcher.check_store()  # off the loop: READY must not wait for the network
+        recovery.recover(self.pool, self.steps, self.persister, self.uploader, self.root, self.catalog.jobs(), self.completion.persist)
+        if self.uploader is not None:
+            for job in self.catalog.jobs():
+                self.uploader.catch_up(job, self.catalog.local_steps(job))
+        self._serve_metrics()
+        self._running = True
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: self.stop())
+        log.info("ckptd %s serving %s, root %s, shm budget %.2f GiB", __version__, self.endpoint, self.root, self.pool.budget / 2**30)
+        notify(f"READY=1\nMAINPID={os.getpid()}\nSTATUS=serving {self.endpoint}")
+        try:
+            self._loop()
+        finally:
+            self._shutdown()
+
+    def stop(self) -> None:
+        self._running = False
+
+    def _loop(self) -> None:
+        watchdog = watchdog_interval()
+        last_ping = last_house = 0.0
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self.events.wake, zmq.POLLIN)
+        while self._running:
+            ready = dict(poller.poll(int(HOUSEKEEPING_S * 1000)))
+            self._drain()
+            if self._sock in ready:
+                for _ in range(256):
+                    try:
+                        frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    try:
+                        self._handle(frames)
+                    except Exception:  # no message, however malformed, may take the daemon down
+                        log.exception("dropped a message that could not be handled")
+            now = time.monotonic()
+            if watchdog is not None and now - last_ping >= watchdog:
+                notify("WATCHDOG=1")  # the loop is alive: systemd restarts a daemon that stops pinging
+                last_ping = now
+            if now - last_house >= HOUSEKEEPING_S:
+                last_house = now
+                self._housekeeping(now)
+
+    def _serve_metrics(self) -> None:
+        if not self.config.metrics_port:
+            return
+        from . import metrics
+
+        self._status_snapshot = build_status(self)
+        try:
+            self._metrics = metrics.serve(self.config.metrics_port, lambda: self._status_snapshot)
+        except OSError as e:
+            raise CheckpointError(f"cannot serve metrics on 127.0.0.1:{self.config.metrics_port}: {e.strerror or e}") from None
+        log.info("metrics on http://127.0.0.1:%d/metrics", self.config.metrics_port)
+
+    def _bind(self) -> None:
+        if self.endpoint.startswith("ipc://"):
+            path = self.endpoint[len("ipc://") :]
+            self.access.make_socket_dir(path)
+            if os.path.exists(path):
+                # a live daemon answers on it; a dead one left a stale socket file behind
+                if endpoint_answers(self._ctx, self.endpoint, 0.5):
+                    raise CheckpointError(f"another daemon is already serving {self.endpoint}")
+                os.unlink(path)
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        with self.access.file_umask():
+            self._sock.bind(self.endpoint)
+        if self.endpoint.startswith("ipc://"):
+            self.access.restrict(self.endpoint[len("ipc://") :], self.access.file_mode)
+
+    def _shutdown(self) -> None:
+        notify("STOPPING=1")
+        log.info("shutting down: finishing %d pending persist(s)", self.steps.shards_in_flight())
+        self.persister.shutdown()
+        self._drain()
+        if self.uploader is not None:
+            log.info("shutting down: finishing %d queued upload(s)", len(self.uploader.backlog()) + (self.uploader.current is not None))
+            self.uploader.close()
+            self._drain()
+        self.fetcher.shutdown()
+        if self._metrics is not None:
+            self._metrics.shutdown()
+            self._metrics.server_close()
+        if self.catalog.store is not None:
+            self.catalog.store.close()
+        self.pool.close()
+        self._sock.close(0)
+        self.events.close()
+        self._ctx.term()
+        if self.endpoint.startswith("ipc://"):
+            try:
+                os.unlink(self.endpoint[len("ipc://") :])
+            except FileNotFoundError:
+                pass
+
+    # ------------------------------------------------------------------ requests
+
+    def _handle(self, frames: list[bytes]) -> None:
+        ident = frames[0]
+        try:
+            if len(frames) < 2:
+                raise ProtocolError("empty message")
+            msg = decode_request(frames[1])
+            want = 2 + EXTRA_FRAMES.get(msg["op"], 0)
+            if len(frames) != want:
+                raise ProtocolError(f"op {msg['op']!r} takes {want - 1} frame(s), got {len(frames) - 1}")
+            msg["frames"] = frames[2:]
+        except ProtocolError as e:
+            self._send(ident, reply_error(None, "bad_request", str(e)))
+            return
+        try:
+            out = self._ops[msg["op"]](ident, msg)
+        except CheckpointError as e:
+            self._send(ident, reply_error(msg["id"], "refused", str(e)))
+            return
+        except Exception as e:  # a bug or an OS error must not take the daemon down
+            log.exception("op %s failed", msg["op"])
+            self._send(ident, reply_error(msg["id"], "internal", f"{type(e).__name__}: {e}"))
+            return
+        if out is not None:
+            self._send(ident, reply_ok(msg["id"], **out))
+
+    def _send(self, ident: bytes, data: bytes) -> None:
+        try:
+            self._sock.send_multipart([ident, data], zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            log.warning("reply dropped: %s", e)
+
+    def _answer(self, replies: list[tuple[Waiter, dict[str, Any]]], report: str | None = None) -> None:
+        """Send held-back replies (``report``: an error for status, from the event that freed them)."""
+        if report is not None:
+            self.counters.error(report)
+        for w, fields in replies:
+            self._send(w.ident, reply_ok(w.req_id, **fields))
+
+    def _grant(self, ident: bytes, msg: dict[str, Any], result: Slot | CheckpointError) -> None:
+        """The slot pool granted (or refused) a deferred ``alloc``."""
+        if isinstance(result, CheckpointError):
+            self._send(ident, reply_error(msg["id"], "refused", str(result)))
+        else:
+            self._send(ident, reply_ok(msg["id"], segment=result.name, size=result.size))
+
+    def _op_hello(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
+        return {"server_version": __version__, "root": self.root, "pid": os.getpid()}
+
+    def _op_status(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
+        return build_status(self)
+
+    def _op_alloc(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any] | None:
+        slot = self.pool.request(ident, msg)
+        return None if slot is None else {"segment": slot.name, "size": slot.size}  # None: deferred, backpressure
+
+    def _op_release(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
+        self.pool.free(self.pool.leased(msg["segment"]))
+        return {}
+
+    def _op_commit(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
+        slot = self.pool.leased(msg["segment"])
+        job, step, rank, ws, lws = msg["job"], msg["step"], msg["rank"], msg["world_size"], msg["local_world_size"]
+        if any((slot.lease or {}).get(k) != msg[k] for k in ("job", "rank", "world_size", "step")):
+            raise ProtocolError(f"commit for {job}/{step}/rank {rank} does not match the lease of {slot.name}")
+        if msg["nbytes"] > slot.size:
+            raise ProtocolError(f"commit of {msg['nbytes']} bytes exceeds segment size {slot.size}")
+        if os.path.isdir(step_dir(self.root, job, step)):
+            raise ProtocolError(f"step {step} of job {job} is already committed")
+        if not 1 <= lws <= ws:
+            raise ProtocolError(f"commit: local_world_size {lws} is not within 1..world_size ({ws})")
+        if lws < ws and self.catalog.store is None:
+            raise ProtocolError(
+                f"step {step} of job {job} spans several nodes ({lws} of {ws} ranks on this one):"
+                " a multi-node job is committed through a shared bucket; configure [remote] on every node's daemon"
+            )
+        track = self.steps.check_commit((job, step), rank, ws, lws)
+        for cid, dig in msg["replicas"].items():
+            if not isinstance(dig, str) or len(dig) != 16 or len(cid) > 4096:
+                raise ProtocolError("commit: 'replicas' must map chunk ids to 16-digit digests")
+        record = {k: msg[k] for k in ("job", "rank", "world_size", "local_world_size", "step", "nbytes", "replicas")}
+        shm.write_record(slot.name, record, tree=msg["frames"][0])  # from here on the shard survives any crash
+        record["tree"] = msg["frames"][0]  # raw JSON: parsed on the persist thread
+        self.pool.commit(slot, record)
+        self.steps.record_commit((job, step), track, rank, lws)
+        self.completion.persist(slot)
+        return {}
+
+    def _op_wait(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any] | None:
+        return self.steps.wait((msg["job"], msg["step"]), ident, msg["id"], self._deadline(msg["timeout"]))
+
+    def _op_latest(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
+        step, path = self.catalog.latest(msg["job"])
+        return {"step": step, "path": path}
+
+    def _op_hot_open(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
+        job, want = msg["job"], msg["step"]
+        newest = self.catalog.in_memory(job)
+        if newest is None:
+            return {"step": None, "reason": f"this daemon has made no step of job {job!r} durable since it started"}
+        if want is not None and want != newest.step:
+            return {"step": None, "reason": f"the daemon holds only step {newest.step} of job {job!r} in memory"}
+        if newest.manifest is None or not os.path.isdir(newest.path):
+            return {"step": None, "reason": f"step {newest.step} of job {job!r} is no longer on disk"}
+        held = self.pool.held(job, newest.step)
+        missing = sorted(set(range(newest.manifest["world_size"])) - set(held))
+        if missing:
+            return {"step": None, "reason": f"the shards of ranks {missing[:8]} of step {newest.step} are no longer in memory"}
+        self.pool.pin(list(held.values()), msg["pid"])
+        segments = {shard_name(rank): slot.name for rank, slot in held.items()}
+        return {"step": newest.step, "path": newest.path, "manifest": newest.manifest, "segments": segments, "reason": None}
+
+    def _op_hot_close(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
+        self.pool.unpin(msg["segments"], msg["pid"])
+        return {}
+
+    def _op_fetch(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
+        return {"fetch": self.fetcher.start(msg["job"], msg["step"])}
+
+    def _op_fetch_wait(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any] | None:
+        return self.fetcher.wait(msg["fetch"], ident, msg["id"], self._deadline(msg["timeout"]))
+
+    @staticmethod
+    def _deadline(timeout: float) -> float:
+        return time.monotonic() + max(0.0, min(float(timeout), WAIT_CAP_S))
+
+    # ------------------------------------------------------------------ what the workers report
+
+    def _drain(self) -> None:
+        for event in self.events.drain():
+            try:
+                self._on_event[type(event)](event)
+            except Exception:  # one bad event must not take the daemon (and every other job) down
+                log.exception("could not handle %s", type(event).__name__)
+
+    def _on_persisted(self, ev: ShardPersisted) -> None:
+        slot = self.pool.get(ev.segment)
+        if slot is not None:  # free it, remembering which shard it still holds for hot restores
+            self.pool.persisted(slot, (ev.job, ev.step, ev.rank) if ev.error is None else None)
+        self.completion.on_persisted(ev)
+
+    def _housekeeping(self, now: float) -> None:
+        if self._metrics is not None:
+            self._status_snapshot = build_status(self)  # what the next scrape reports
+        self.pool.reap(now)
+        self._answer(self.fetcher.due(now))
+        self._answer(self.steps.due(now))

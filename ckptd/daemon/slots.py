@@ -1,0 +1,261 @@
+"""The slot pool: the daemon's shared-memory staging segments, who leases them, and what they hold.
+
+A slot is ``free`` (reusable; it may still hold a persisted shard that a hot restore can read),
+``leased`` to a trainer rank that is filling it, or ``committed``: it holds a rank's complete shard
+that a persist thread is writing to disk. Leasing prefers the rank's own previous slot (the trainer
+keeps a warm mapping of it), then creates a segment if the budget allows, evicting free slots least
+recently used first, else reuses the smallest free slot that fits; when nothing fits the request is
+deferred (backpressure) and granted as soon as a slot frees up. Hot restores pin the slots they read.
+
+Main thread only (the daemon's loop). Grants of deferred requests go out through ``on_grant``, so the
+pool needs no socket: a test passes a list's ``append``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from .. import shm
+from ..config import HOT_PIN_MAX_S
+from ..errors import CheckpointError, ProtocolError
+
+log = logging.getLogger("ckptd.daemon")
+
+LEASE_FIELDS = ("job", "rank", "world_size", "step")
+
+
+class SlotState(StrEnum):
+    FREE = "free"
+    LEASED = "leased"
+    COMMITTED = "committed"
+
+
+@dataclass
+class Slot:
+    name: str
+    size: int
+    state: SlotState = SlotState.FREE
+    owner: tuple[str, int] | None = None  # (job, rank) that used it last: reused first by them
+    pid: int | None = None  # the lessee's process
+    lease: dict[str, Any] | None = None  # leased: the lease's fields; committed: the commit record
+    used_at: float = 0.0
+    mapping: shm.Mapping | None = None  # the daemon's read-only mapping, made by a persist thread
+    holds: tuple[str, int, int] | None = None  # (job, step, rank) a free slot still holds, persisted
+    pins: dict[int, float] = field(default_factory=dict)  # pid -> deadline of a hot restore reading it
+
+
+Grant = Callable[[bytes, Any, "Slot | CheckpointError"], None]  # (ident, request, slot or refusal)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class SlotPool:
+    def __init__(
+        self,
+        namespace: str,
+        budget: int,
+        *,
+        file_mode: int = 0o600,
+        gid: int | None = None,
+        on_grant: Grant | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        alive: Callable[[int], bool] = pid_alive,
+    ) -> None:
+        self.namespace, self.budget = namespace, budget
+        self._file_mode, self._gid = file_mode, gid
+        self._on_grant = on_grant or (lambda ident, msg, result: None)
+        self._clock, self._alive = clock, alive
+        self.slots: dict[str, Slot] = {}
+        self.deferred: list[tuple[bytes, dict[str, Any]]] = []  # (ident, alloc request) waiting for memory
+        self._counter = 0
+
+    def __iter__(self) -> Iterator[Slot]:
+        return iter(list(self.slots.values()))
+
+    def get(self, name: str) -> Slot | None:
+        return self.slots.get(name)
+
+    # ------------------------------------------------------------------ leasing
+
+    def request(self, ident: bytes, msg: dict[str, Any]) -> Slot | None:
+        """An ``alloc``: a leased slot now, or ``None`` and the request deferred until memory frees up."""
+        if msg["nbytes"] > self.budget:
+            raise ProtocolError(f"a shard of {msg['nbytes']} bytes exceeds the shared-memory budget of {self.budget} bytes")
+        slot = self.lease(msg)
+        if slot is None:
+            self.deferred.append((ident, msg))
+        return slot
+
+    def lease(self, msg: dict[str, Any]) -> Slot | None:
+        """Lease a slot of at least ``msg["nbytes"]`` to ``(job, rank)``, or ``None`` if none fits the budget."""
+        owner, need = (msg["job"], msg["rank"]), msg["nbytes"]
+        free = [s for s in self.slots.values() if s.state is SlotState.FREE and not s.pins and s.size >= need]
+        # the rank's own slot first: the trainer already holds a warm mapping of it
+        slot = min((s for s in free if s.owner == owner), key=lambda s: s.size, default=None)
+        used = self.bytes_held()
+        rounded = max(shm.ALIGN, -(-need // shm.ALIGN) * shm.ALIGN)
+        if slot is None and used + rounded > self.budget:
+            slot = min(free, key=lambda s: s.size, default=None)
+        if slot is None:
+            slot = self._create(need, rounded, used)
+            if slot is None:
+                return None
+        slot.state, slot.owner, slot.pid, slot.used_at = SlotState.LEASED, owner, msg["pid"], self._clock()
+        slot.holds = None
+        slot.lease = {k: msg[k] for k in LEASE_FIELDS}
+        return slot
+
+    def _create(self, need: int, rounded: int, used: int) -> Slot | None:
+        """A new segment, after evicting free slots (least recently used first) until it fits."""
+        for victim in sorted((s for s in self.slots.values() if s.state is SlotState.FREE and not s.pins), key=lambda s: s.used_at):
+            if used + rounded <= self.budget:
+                break
+            used -= victim.size
+            self.unlink(victim)
+        if used + rounded > self.budget:
+            return None
+        name = f"{self.namespace}-{self._counter:08d}"
+        self._counter += 1
+        slot = Slot(name, shm.create(name, need, mode=self._file_mode, gid=self._gid))
+        self.slots[name] = slot
+        return slot
+
+    def leased(self, name: str) -> Slot:
+        """The leased slot ``name``; ``ProtocolError`` if there is none."""
+        slot = self.slots.get(name)
+        if slot is None:
+            raise ProtocolError(f"unknown segment {name!r}")
+        if slot.state is not SlotState.LEASED:
+            raise ProtocolError(f"segment {name!r} is not leased (it is {slot.state.value})")
+        return slot
+
+    def commit(self, slot: Slot, record: dict[str, Any]) -> None:
+        """The lessee filled the slot and committed it: it is the persist threads' until :meth:`persisted`."""
+        slot.state, slot.lease = SlotState.COMMITTED, record
+
+    def persisted(self, slot: Slot, holds: tuple[str, int, int] | None) -> None:
+        """A persist thread is done with a committed slot: drop its commit record, free it, and remember
+        which shard it still holds (``None`` when persisting failed)."""
+        shm.drop_record(slot.name)
+        slot.holds = holds
+        self.free(slot)
+
+    def free(self, slot: Slot) -> None:
+        slot.state, slot.pid, slot.lease, slot.used_at = SlotState.FREE, None, None, self._clock()
+        self.retry_deferred()
+
+    def retry_deferred(self) -> None:
+        waiting, self.deferred = self.deferred, []
+        for ident, msg in waiting:
+            try:
+                slot = self.lease(msg)
+            except CheckpointError as e:
+                self._on_grant(ident, msg, e)
+                continue
+            if slot is None:
+                self.deferred.append((ident, msg))
+            else:
+                self._on_grant(ident, msg, slot)
+
+    def unlink(self, slot: Slot) -> None:
+        if slot.mapping is not None:
+            slot.mapping.close()
+            slot.mapping = None
+        shm.unlink(slot.name)
+        self.slots.pop(slot.name, None)
+
+    # ------------------------------------------------------------------ recovery
+
+    def note_name(self, name: str) -> None:
+        """A segment of this namespace exists (found at start-up): new names must come after it."""
+        self._counter = max(self._counter, int(name.rsplit("-", 1)[1]) + 1)
+
+    def adopt(self, name: str, record: dict[str, Any]) -> Slot:
+        """Take over a segment a previous run committed (its commit ``record`` read back)."""
+        slot = Slot(name, shm.size_of(name), state=SlotState.COMMITTED, owner=(record["job"], record["rank"]), lease=record)
+        self.slots[name] = slot
+        return slot
+
+    # ------------------------------------------------------------------ hot restores
+
+    def held(self, job: str, step: int) -> dict[int, Slot]:
+        """The free slots that still hold a persisted shard of ``step``, by rank."""
+        return {
+            s.holds[2]: s for s in self.slots.values() if s.state is SlotState.FREE and s.holds is not None and s.holds[:2] == (job, step)
+        }
+
+    def pin(self, slots: list[Slot], pid: int) -> None:
+        """Keep ``slots`` from reuse while ``pid`` reads them: until :meth:`unpin`, its death, or HOT_PIN_MAX_S."""
+        deadline = self._clock() + HOT_PIN_MAX_S
+        for slot in slots:
+            slot.pins[pid] = deadline
+
+    def unpin(self, names: list[Any], pid: int) -> None:
+        for name in names:
+            slot = self.slots.get(name) if isinstance(name, str) else None
+            if slot is not None:
+                slot.pins.pop(pid, None)
+        self.retry_deferred()
+
+    # ------------------------------------------------------------------ housekeeping
+
+    def reap(self, now: float) -> None:
+        """Free slots whose lessee died, lapse pins of dead readers or past their deadline, drop
+        deferred requests of dead processes."""
+        self.deferred = [(i, m) for i, m in self.deferred if self._alive(m["pid"])]  # first: a freed slot must not go to the dead
+        lapsed = False
+        for slot in list(self.slots.values()):
+            if slot.state is SlotState.LEASED and slot.pid is not None and not self._alive(slot.pid):
+                log.warning("trainer pid %s died holding %s uncommitted: slot freed, nothing of it is persisted", slot.pid, slot.name)
+                self.free(slot)
+            for pid, deadline in list(slot.pins.items()):
+                if deadline < now or not self._alive(pid):
+                    slot.pins.pop(pid)  # a hot restore's reader died, or holds the slot longer than any restore takes
+                    lapsed = True
+        if lapsed:
+            self.retry_deferred()
+
+    def close(self) -> None:
+        """Shutdown: unlink every slot but the committed ones (a restart persists those)."""
+        for slot in list(self.slots.values()):
+            if slot.state is not SlotState.COMMITTED:
+                self.unlink(slot)
+            elif slot.mapping is not None:
+                slot.mapping.close()
+                slot.mapping = None
+
+    # ------------------------------------------------------------------ for status
+
+    def bytes_held(self) -> int:
+        return sum(s.size for s in self.slots.values())
+
+    def summary(self) -> dict[str, Any]:
+        states: dict[str, int] = {}
+        for s in self.slots.values():
+            states[s.state.value] = states.get(s.state.value, 0) + 1
+        return {
+            "shm_budget": self.budget,
+            "shm_bytes": self.bytes_held(),
+            "staged_bytes": sum((s.lease or {}).get("nbytes", 0) for s in self.slots.values() if s.state is SlotState.COMMITTED),
+            "slots": states,
+            "deferred_allocs": len(self.deferred),
+            "hot_pins": {s.name: sorted(s.pins) for s in self.slots.values() if s.pins},
+        }
+
+    def steps_held(self) -> set[tuple[str, int]]:
+        """(job, step) of every persisted shard a free slot still holds."""
+        return {(s.holds[0], s.holds[1]) for s in self.slots.values() if s.holds is not None and s.state is SlotState.FREE}

@@ -1,0 +1,82 @@
+"""What ``ckptd status`` and the Prometheus metrics report: the daemon's counters, and the status
+dict built from its components. Main thread only (metrics read a copy the loop refreshes)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .. import __version__
+
+if TYPE_CHECKING:
+    from .server import Daemon
+
+
+@dataclass
+class Counters:
+    """Totals since start-up; the names are ``status`` fields and ``ckptd_<name>_total`` metrics."""
+
+    persisted_bytes: int = 0
+    persist_seconds: float = 0.0
+    steps_committed: int = 0  # steps made durable (locally, or in the bucket for multi-node jobs)
+    uploaded_bytes: int = 0
+    upload_seconds: float = 0.0
+    steps_uploaded: int = 0
+    errors: int = 0
+    last_error: str | None = None
+
+    def error(self, message: str) -> None:
+        """Remember the newest error for ``status`` and count it for metrics."""
+        self.last_error = message
+        self.errors += 1
+
+
+def _rate(nbytes: float, seconds: float) -> float | None:
+    return nbytes / seconds if seconds else None
+
+
+def _jobs(d: Daemon) -> dict[str, Any]:
+    jobs: dict[str, Any] = {}
+
+    def job(name: str) -> dict[str, Any]:
+        return jobs.setdefault(name, {"in_flight": []})
+
+    for name, steps in d.steps.in_flight().items():
+        job(name)["in_flight"] = steps
+    for name in d.catalog.jobs():
+        job(name)["latest"] = d.catalog.latest(name)[0]
+    for name, step in d.catalog.uploaded().items():
+        job(name)["uploaded"] = step
+    held = d.pool.steps_held()
+    for name, step in d.catalog.in_memory_steps().items():
+        if name in jobs and (name, step) in held:
+            jobs[name]["in_memory"] = step  # a hot restore can read it (if every rank's shard is held)
+    return jobs
+
+
+def build_status(d: Daemon) -> dict[str, Any]:
+    """The ``status`` reply: the daemon, its memory, its jobs, throughput, transfers, errors."""
+    c = d.counters
+    uploading = None
+    if d.uploader is not None and (u := d.uploader.current) is not None:
+        uploading = {"job": u.job, "step": u.step, "bytes_done": u.bytes_done, "bytes_total": u.bytes_total,
+                     "seconds": time.monotonic() - u.started if u.started else 0.0}  # fmt: skip
+    store = d.catalog.store
+    return {
+        "version": __version__,
+        "root": d.root,
+        "pid": os.getpid(),
+        "uptime_s": time.monotonic() - d.started,
+        "remote": store.url() if store is not None else None,
+        **d.pool.summary(),
+        "jobs": _jobs(d),
+        "persist_bytes_per_s": _rate(c.persisted_bytes, c.persist_seconds),
+        "upload_bytes_per_s": _rate(c.uploaded_bytes, c.upload_seconds),
+        "uploading": uploading,
+        "upload_backlog": [list(x) for x in d.uploader.backlog()] if d.uploader is not None else [],
+        "fetching": d.fetcher.progress(),
+        **dataclasses.asdict(c),
+    }

@@ -1,0 +1,150 @@
+"""The step table: per (job, step), which ranks committed, how many shards are still being written,
+whether the step is pending, durable or failed, and who waits for the answer.
+
+Main thread only (the daemon's loop): persist and upload threads report through events, and the loop
+updates the table. A step leaves ``pending`` once (durable or failed); the table keeps the newest
+:data:`~ckptd.config.TRACKS_KEPT` finished steps per job so a late ``wait()`` still gets the truth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from ..config import TRACKS_KEPT
+from ..errors import ProtocolError
+from .waiters import Waiter, Waiters
+
+StepKey = tuple[str, int]  # (job, step)
+
+
+class StepState(StrEnum):
+    PENDING = "pending"
+    DURABLE = "durable"
+    FAILED = "failed"
+
+
+@dataclass
+class StepTrack:
+    world_size: int
+    local_world_size: int = 0  # ranks of this step on this node (< world_size: a multi-node step)
+    committed: set[int] = field(default_factory=set)  # ranks whose commit the daemon recorded
+    inflight: int = 0  # shards of it being written by persist threads
+    state: StepState = StepState.PENDING
+    error: str | None = None
+    path: str | None = None  # where the durable step is: a directory, or the bucket's URL
+
+    @property
+    def all_committed(self) -> bool:
+        """Every rank this daemon serves for the step has committed."""
+        return len(self.committed) >= (self.local_world_size or self.world_size)
+
+    def answer(self) -> dict[str, Any]:
+        """The ``wait`` reply for this step."""
+        return {"state": self.state.value, "path": self.path, "error": self.error}
+
+
+class StepTable:
+    """``complete_path(job, step)`` answers for steps the table does not track (a directory or ``None``)."""
+
+    def __init__(self, complete_path: Callable[[str, int], str | None]) -> None:
+        self._complete_path = complete_path
+        self.tracks: dict[StepKey, StepTrack] = {}
+        self.waiters: Waiters[StepKey] = Waiters()
+
+    def get(self, key: StepKey) -> StepTrack | None:
+        return self.tracks.get(key)
+
+    def adopt(self, key: StepKey, world_size: int, local_world_size: int = 0) -> StepTrack:
+        """The track of ``key``, made if new (crash recovery: shards and fragments a previous run left)."""
+        return self.tracks.setdefault(key, StepTrack(world_size, local_world_size))
+
+    def check_commit(self, key: StepKey, rank: int, world_size: int, local_world_size: int) -> StepTrack:
+        """Check a rank's commit against what other ranks of the step said; ``ProtocolError`` if it
+        does not fit. Records nothing: call :meth:`record_commit` once the commit is stored."""
+        job, step = key
+        track = self.tracks.get(key) or StepTrack(world_size, local_world_size)
+        if (track.world_size, track.local_world_size or local_world_size) != (world_size, local_world_size):
+            raise ProtocolError(
+                f"step {step}: world_size {world_size} / local_world_size {local_world_size} differ from"
+                f" {track.world_size} / {track.local_world_size} of other ranks"
+            )
+        if rank in track.committed:
+            raise ProtocolError(f"rank {rank} already committed step {step} of job {job}")
+        if track.state is StepState.FAILED:
+            raise ProtocolError(f"step {step} of job {job} already failed: {track.error}")
+        return track
+
+    def record_commit(self, key: StepKey, track: StepTrack, rank: int, local_world_size: int) -> None:
+        track.local_world_size = local_world_size
+        track.committed.add(rank)
+        self.tracks[key] = track
+
+    def fail(self, key: StepKey, error: str) -> bool:
+        """Mark a pending step failed; False if it was not pending (the first outcome stands)."""
+        track = self.tracks.get(key)
+        if track is None or track.state is not StepState.PENDING:
+            return False
+        track.state, track.error = StepState.FAILED, error
+        return True
+
+    def complete(self, key: StepKey, path: str) -> None:
+        track = self.tracks[key]
+        track.state, track.path = StepState.DURABLE, path
+
+    def supersede(self, job: str, step: int) -> list[tuple[StepKey, StepTrack]]:
+        """Step ``step`` of ``job`` completed: fail older pending steps some rank never committed (they
+        can no longer complete). Returns them; their waiters are the caller's to answer."""
+        out = []
+        for (j, s), t in list(self.tracks.items()):
+            if j == job and s < step and t.state is StepState.PENDING and not t.all_committed:
+                t.state, t.error = StepState.FAILED, f"superseded: step {step} was committed before every rank committed step {s}"
+                out.append(((j, s), t))
+        return out
+
+    def forget_finished(self, job: str) -> None:
+        """Keep the newest finished tracks of ``job`` (even those retention removed from disk)."""
+        done = sorted(
+            s for (j, s), t in self.tracks.items() if j == job and t.state is not StepState.PENDING and not self.waiters.has((j, s))
+        )
+        for s in done[:-TRACKS_KEPT]:
+            del self.tracks[(job, s)]
+
+    def answer(self, key: StepKey) -> dict[str, Any]:
+        """The ``wait`` reply for ``key`` now."""
+        track = self.tracks.get(key)
+        if track is not None:
+            return track.answer()
+        path = self._complete_path(*key)
+        if path is not None:
+            return {"state": StepState.DURABLE.value, "path": path, "error": None}
+        return {"state": StepState.FAILED.value, "path": None, "error": f"the daemon has no record of step {key[1]} of job {key[0]}"}
+
+    def wait(self, key: StepKey, ident: bytes, req_id: Any, deadline: float) -> dict[str, Any] | None:
+        """The ``wait`` reply if the step is not pending; else hold the request until ``deadline``."""
+        track = self.tracks.get(key)
+        if track is None or track.state is not StepState.PENDING:
+            return self.answer(key)
+        self.waiters.add(key, ident, req_id, deadline)
+        return None
+
+    def answered(self, key: StepKey) -> list[tuple[Waiter, dict[str, Any]]]:
+        """The waiters of ``key`` with their reply, forgotten here (call once the step left pending)."""
+        return [(w, self.answer(key)) for w in self.waiters.pop(key)]
+
+    def due(self, now: float) -> list[tuple[Waiter, dict[str, Any]]]:
+        """Waiters past their deadline with the state as it is, forgotten here."""
+        return [(w, self.answer(key)) for key, w in self.waiters.due(now)]
+
+    def in_flight(self) -> dict[str, list[int]]:
+        """Pending steps by job, for ``status``."""
+        out: dict[str, list[int]] = {}
+        for (job, step), t in self.tracks.items():
+            if t.state is StepState.PENDING:
+                out.setdefault(job, []).append(step)
+        return out
+
+    def shards_in_flight(self) -> int:
+        return sum(t.inflight for t in self.tracks.values())

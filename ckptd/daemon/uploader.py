@@ -1,0 +1,195 @@
+"""The upload thread: copies complete local steps to the bucket in the order they became durable, and
+completes multi-node steps there (:mod:`ckptd.storage.remote` does the I/O).
+
+The main thread calls :meth:`Uploader.submit` (a step completed locally, or this node's part of a
+multi-node step is durable); the upload thread runs each upload, applies the bucket's retention, and
+calls ``done`` (on the upload thread) with an :class:`~ckptd.daemon.events.Uploaded`. Persist threads
+call :meth:`Uploader.pending` so local retention keeps what is not uploaded yet.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..errors import CheckpointError
+from ..layout import step_dir, tmp_dir
+from ..storage.remote import (
+    apply_remote_retention,
+    is_complete_in_bucket,
+    rank_files,
+    step_url,
+    try_complete,
+    upload_ranks,
+    upload_step,
+)
+from ..storage.retention import AnyOf, KeepEvery, KeepLatest
+from ..storage.store import ObjectStore, Progress
+from .events import Uploaded
+
+log = logging.getLogger("ckptd.daemon")
+
+
+@dataclass
+class Upload:
+    job: str
+    step: int
+    world_size: int
+    ranks: list[int] | None = None  # multi-node: this node's ranks; None: the whole local step
+    catch_up: bool = False  # queued at start-up: skip it if the bucket already has the step
+    bytes_total: int = 0
+    bytes_done: int = 0
+    started: float = 0.0
+
+
+class Uploader:
+    """One thread, one queue.
+
+    When uploads fall behind, a queued step is skipped if a newer one of the same job is queued and
+    it is not one the bucket keeps forever (``keep_every``): the bucket wants the newest state, and
+    skipping bounds the backlog. Multi-node steps are never skipped (other nodes wait for them).
+    """
+
+    POLL_S = 0.25
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        root: str,
+        done: Callable[[Uploaded], None],
+        *,
+        keep: int,
+        keep_every: int,
+        commit_timeout: float,
+        initializer: Callable[[], None] | None = None,
+    ) -> None:
+        self.store, self.root, self.done = store, root, done
+        self.forever = KeepEvery(keep_every)
+        self.retention = AnyOf((KeepLatest(keep), self.forever))
+        self.commit_timeout = commit_timeout
+        self._initializer = initializer
+        self._queue: list[Upload] = []
+        self._cv = threading.Condition()
+        self._closing = False
+        self.current: Upload | None = None
+        self._thread = threading.Thread(target=self._run, name="ckptd-upload", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: str, step: int, world_size: int, ranks: list[int] | None = None, *, catch_up: bool = False) -> None:
+        with self._cv:
+            self._queue.append(Upload(job, step, world_size, ranks, catch_up=catch_up))
+            self._cv.notify()
+
+    def catch_up(self, job: str, steps: list[int]) -> None:
+        """Start-up: a previous run may have stopped before uploading some of ``steps`` (complete local
+        steps, ascending): queue the newest and those the bucket keeps forever; each is skipped if the
+        bucket has it already."""
+        for step in sorted(self.forever.keeps(steps[:-1])) + steps[-1:]:
+            self.submit(job, step, 0, catch_up=True)  # world size: only multi-node uploads use it
+
+    def pending(self, job: str) -> set[int]:
+        """Steps of ``job`` queued or uploading: local retention must leave them alone."""
+        with self._cv:
+            out = {u.step for u in self._queue if u.job == job}
+            cur = self.current
+        if cur is not None and cur.job == job:
+            out.add(cur.step)
+        return out
+
+    def backlog(self) -> list[tuple[str, int]]:
+        with self._cv:
+            return [(u.job, u.step) for u in self._queue]
+
+    def close(self) -> None:
+        """Finish the upload in progress and the queue, then stop."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify()
+        self._thread.join()
+
+    def _next(self) -> Upload | None:
+        with self._cv:
+            while not self._queue and not self._closing:
+                self._cv.wait()
+            while self._queue:
+                u = self._queue.pop(0)
+                newer = any(q.job == u.job and q.step > u.step for q in self._queue)
+                if u.ranks is None and newer and not self.forever.keeps([u.step]):
+                    log.info("upload of job %s step %s skipped: a newer step is queued", u.job, u.step)
+                    continue
+                self.current = u
+                return u
+            return None
+
+    def _run(self) -> None:
+        if self._initializer is not None:
+            self._initializer()  # the daemon lowers this thread's CPU and I/O priority
+        while True:
+            u = self._next()
+            if u is None:
+                return
+            try:
+                res = self._upload(u)
+            except Exception as e:  # reported, never swallowed: the step's waiters or status get it
+                log.error("upload of job %s step %s failed: %s", u.job, u.step, e)
+                res = Uploaded(u.job, u.step, str(e), u.bytes_done, time.monotonic() - u.started, False, u.ranks is not None)
+            finally:
+                with self._cv:
+                    self.current = None
+            try:
+                self.done(res)
+            except Exception:
+                log.exception("upload result for job %s step %s was not delivered", u.job, u.step)
+
+    def _progress(self, u: Upload) -> Progress:
+        last = [time.monotonic()]
+
+        def cb(n: int) -> None:
+            u.bytes_done += n
+            now = time.monotonic()
+            if now - last[0] >= 10.0 and u.bytes_total:
+                last[0] = now
+                rate = u.bytes_done / max(now - u.started, 1e-9)
+                log.info(
+                    "uploading job %s step %s: %.0f%% (%.2f of %.2f GB, %.0f MB/s)",
+                    u.job, u.step, 100 * u.bytes_done / u.bytes_total, u.bytes_done / 1e9, u.bytes_total / 1e9, rate / 1e6,
+                )  # fmt: skip
+
+        return cb
+
+    def _upload(self, u: Upload) -> Uploaded:
+        u.started = time.monotonic()
+        multi = u.ranks is not None
+        url = step_url(self.store, u.job, u.step)
+        if u.catch_up and is_complete_in_bucket(self.store, u.job, u.step):
+            return Uploaded(u.job, u.step, None, 0, 0.0, True, False, url)
+        if u.ranks is None:
+            d = step_dir(self.root, u.job, u.step)
+            u.bytes_total = sum(os.path.getsize(os.path.join(d, n)) for n in os.listdir(d))
+            nbytes = upload_step(self.store, d, u.job, u.step, self._progress(u))
+        else:
+            d = tmp_dir(self.root, u.job, u.step)
+            u.bytes_total = sum(os.path.getsize(os.path.join(d, n)) for n in rank_files(u.ranks))
+            nbytes = upload_ranks(self.store, d, u.job, u.step, u.ranks, self._progress(u))
+            self._wait_complete(u)
+            shutil.rmtree(d, ignore_errors=True)  # the bucket holds the step now; this node's part is not a checkpoint
+        removed = apply_remote_retention(self.store, u.job, self.retention, busy={u.step} | self.pending(u.job))
+        if removed:
+            log.info("remote retention: removed steps %s of job %s from the bucket", removed, u.job)
+        return Uploaded(u.job, u.step, None, nbytes, time.monotonic() - u.started, True, multi, url)
+
+    def _wait_complete(self, u: Upload) -> None:
+        """Multi-node: poll the bucket until every node's ranks are there and the manifest is written."""
+        deadline = time.monotonic() + self.commit_timeout
+        while not try_complete(self.store, u.job, u.step, u.world_size):
+            if time.monotonic() > deadline:
+                raise CheckpointError(
+                    f"step {u.step} of job {u.job}: not every rank's shard reached the bucket within {self.commit_timeout:.0f} s"
+                    " (is every node's daemon configured with the same bucket and prefix?)"
+                )
+            time.sleep(self.POLL_S)

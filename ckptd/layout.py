@@ -1,0 +1,141 @@
+"""Names and paths, once: where a job's steps live on local disk and in the bucket, what shard and
+fragment files are called, and when a step counts as complete.
+
+Local root (the daemon's ``--root``)::
+
+    <root>/<job>/step-<N>.tmp/      a step being written: rank-RRRRR.safetensors + rank-RRRRR.json
+    <root>/<job>/step-<N>.fetch/    a step being downloaded from the bucket
+    <root>/<job>/step-<N>/          a complete step: it holds manifest.json (written last)
+    <root>/<job>/latest             the step number ``latest`` names
+
+Bucket (keys relative to the store's prefix)::
+
+    <job>/step-<N>/rank-RRRRR.safetensors, <job>/step-<N>/rank-RRRRR.json
+    <job>/step-<N>/manifest.json    written last: the step is complete in the bucket iff it exists
+
+Vocabulary used across the package: a rank *commits* its shard to the daemon (the ``commit`` op, the
+commit record in shared memory); a step is *complete* once its manifest exists; the daemon reports a
+complete step as *durable* to ``wait()``.
+
+Pure functions except the ``list_*`` / ``*_steps`` / ``fragments_present`` helpers, which read one
+directory. Safe on any thread, in the daemon and in the trainer.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+
+_STEP_RE = re.compile(r"^step-(\d+)$")
+_TMP_RE = re.compile(r"^step-(\d+)\.tmp$")
+_FRAGMENT_RE = re.compile(r"^rank-(\d{5})\.json$")
+_BUCKET_KEY_RE = re.compile(r"^step-(\d+)/(.+)$")
+
+
+# ---------------------------------------------------------------------------- file names in a step
+
+
+def shard_name(rank: int) -> str:
+    """The shard file of ``rank``: its staged bytes, a safetensors file."""
+    return f"rank-{rank:05d}.safetensors"
+
+
+def fragment_name(rank: int) -> str:
+    """The fragment file of ``rank``: its chunk table, checksums and tree, merged into the manifest."""
+    return f"rank-{rank:05d}.json"
+
+
+def fragment_rank(name: str) -> int | None:
+    """The rank a fragment file name belongs to, or ``None`` if ``name`` is not a fragment."""
+    m = _FRAGMENT_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+# ---------------------------------------------------------------------------- local paths
+
+
+def job_dir(root: str, job: str) -> str:
+    return os.path.join(root, job)
+
+
+def step_dir(root: str, job: str, step: int) -> str:
+    return os.path.join(root, job, f"step-{step}")
+
+
+def tmp_dir(root: str, job: str, step: int) -> str:
+    return os.path.join(root, job, f"step-{step}.tmp")
+
+
+def fetch_dir(root: str, job: str, step: int) -> str:
+    return os.path.join(root, job, f"step-{step}.fetch")
+
+
+def latest_file(root: str, job: str) -> str:
+    return os.path.join(root, job, LATEST)
+
+
+def is_complete(step_path: str) -> bool:
+    """Whether the step directory ``step_path`` is a complete checkpoint: its manifest exists."""
+    return os.path.exists(os.path.join(step_path, MANIFEST))
+
+
+# ---------------------------------------------------------------------------- local listings
+
+
+def list_jobs(root: str) -> list[str]:
+    """Job directories under ``root``, sorted."""
+    try:
+        return sorted(n for n in os.listdir(root) if os.path.isdir(os.path.join(root, n)) and not n.startswith("."))
+    except FileNotFoundError:
+        return []
+
+
+def complete_steps(root: str, job: str) -> list[int]:
+    """Steps of ``job`` whose directory holds a manifest, ascending."""
+    try:
+        names = os.listdir(job_dir(root, job))
+    except FileNotFoundError:
+        return []
+    steps = (int(m.group(1)) for n in names if (m := _STEP_RE.match(n)))
+    return sorted(s for s in steps if is_complete(step_dir(root, job, s)))
+
+
+def partial_steps(root: str, job: str) -> list[int]:
+    """Steps of ``job`` with a ``step-N.tmp`` directory (being written, or left by a crash), ascending."""
+    try:
+        names = os.listdir(job_dir(root, job))
+    except FileNotFoundError:
+        return []
+    return sorted(int(m.group(1)) for n in names if (m := _TMP_RE.match(n)))
+
+
+def fragments_present(root: str, job: str, step: int) -> set[int]:
+    """The ranks whose fragment is in ``step-N.tmp``: their shard is durable (the fragment comes last)."""
+    try:
+        names = os.listdir(tmp_dir(root, job, step))
+    except FileNotFoundError:
+        return set()
+    return {r for n in names if (r := fragment_rank(n)) is not None}
+
+
+# ---------------------------------------------------------------------------- bucket keys
+
+
+def bucket_prefix(job: str, step: int) -> str:
+    """The key prefix of one step in the bucket (ends with ``/``: ``step-1/`` must not match ``step-10/``)."""
+    return f"{job}/step-{step}/"
+
+
+def bucket_key(job: str, step: int, name: str) -> str:
+    return bucket_prefix(job, step) + name
+
+
+def parse_bucket_key(job: str, key: str) -> tuple[int, str] | None:
+    """``(step, file name)`` of a key under ``<job>/``, or ``None`` if it is not a step's file."""
+    if not key.startswith(job + "/"):
+        return None
+    m = _BUCKET_KEY_RE.match(key[len(job) + 1 :])
+    return (int(m.group(1)), m.group(2)) if m else None

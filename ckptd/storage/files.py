@@ -1,0 +1,43 @@
+"""Durable-file primitives shared by the local and bucket tiers: fsync a directory, write a file
+atomically (temporary file, fsync, rename, fsync of the directory).
+
+Blocking disk I/O: called from the daemon's persist, upload and fetch threads, never its loop.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def write_durable(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically and durably."""
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        write_all(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path) or ".")
+
+
+def write_json_durable(path: str, obj: Any) -> None:
+    """Write ``obj`` as compact JSON to ``path`` atomically and durably."""
+    write_durable(path, json.dumps(obj, separators=(",", ":"), allow_nan=False).encode())

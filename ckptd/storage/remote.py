@@ -1,0 +1,193 @@
+"""The bucket tier: what the daemon stores in the bucket, how a multi-node step completes there, how
+a step comes back, and which steps the bucket keeps (keys in :mod:`ckptd.layout`).
+
+Single node: once a step is complete on local disk, its files are uploaded data first, fragments
+next, manifest last, so a reader never sees a manifest whose data is missing. Multi-node (ranks spread
+over several daemons, each with its own root): each daemon uploads the shards and fragments of its own
+ranks once they are durable locally; whichever daemon then finds every rank's fragment in the bucket
+merges them into the manifest (the same checks as a local step: coverage, replicas) and writes it.
+Both may do so at once: they write the same manifest. The trainers' process groups play no part.
+
+Everything here blocks on the network: the daemon calls it from its upload and fetch threads only,
+through the :class:`~ckptd.storage.store.ObjectStore` protocol.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+from ..errors import CheckpointError, FormatError
+from ..format import build_manifest, validate_manifest
+from ..layout import (
+    MANIFEST,
+    bucket_key,
+    bucket_prefix,
+    fetch_dir,
+    fragment_name,
+    fragment_rank,
+    is_complete,
+    job_dir,
+    parse_bucket_key,
+    shard_name,
+    step_dir,
+)
+from .files import fsync_dir, write_all
+from .local import read_latest, update_latest
+from .retention import RetentionPolicy, doomed
+from .store import ObjectStore, Progress
+
+
+def step_url(store: ObjectStore, job: str, step: int) -> str:
+    """Where a step lives in the bucket, for messages and ``wait()``'s answer."""
+    return store.url(bucket_prefix(job, step)[:-1])
+
+
+def is_complete_in_bucket(store: ObjectStore, job: str, step: int) -> bool:
+    """Whether step ``step`` of ``job`` is complete in the bucket: its manifest exists there."""
+    return store.exists(bucket_key(job, step, MANIFEST))
+
+
+def _upload(store: ObjectStore, local_dir: str, names: list[str], job: str, step: int, progress: Progress | None) -> int:
+    total = 0
+    for name in names:
+        store.put_file(bucket_key(job, step, name), os.path.join(local_dir, name), progress)
+        total += os.path.getsize(os.path.join(local_dir, name))
+    return total
+
+
+def upload_step(store: ObjectStore, local_dir: str, job: str, step: int, progress: Progress | None = None) -> int:
+    """Upload a complete local step: shards, then fragments, then the manifest. Returns bytes sent."""
+    names = sorted(os.listdir(local_dir))
+    if MANIFEST not in names:
+        raise CheckpointError(f"{local_dir} has no {MANIFEST}: only complete steps are uploaded")
+    shards = [n for n in names if n.endswith(".safetensors")]
+    frags = [n for n in names if fragment_rank(n) is not None]
+    return _upload(store, local_dir, shards + frags + [MANIFEST], job, step, progress)
+
+
+def rank_files(ranks: list[int]) -> list[str]:
+    """A multi-node step's files of these ranks, in upload order: every shard before any fragment."""
+    return [shard_name(r) for r in sorted(ranks)] + [fragment_name(r) for r in sorted(ranks)]
+
+
+def upload_ranks(store: ObjectStore, local_dir: str, job: str, step: int, ranks: list[int], progress: Progress | None = None) -> int:
+    """Multi-node: upload this node's ranks of a step (each shard before its fragment). Returns bytes sent."""
+    return _upload(store, local_dir, rank_files(ranks), job, step, progress)
+
+
+def try_complete(store: ObjectStore, job: str, step: int, world_size: int) -> bool:
+    """Multi-node: write the step's manifest if every rank's fragment is in the bucket.
+
+    True when the step is (now, or already) complete in the bucket. Raises ``CheckpointError`` when
+    the fragments do not make a whole checkpoint (coverage, differing replicas, mismatched steps).
+    """
+    prefix = bucket_prefix(job, step)
+    names = {k[len(prefix) :] for k in store.list(prefix)}
+    if MANIFEST in names:
+        return True
+    present = {r for n in names if (r := fragment_rank(n)) is not None}
+    if not set(range(world_size)) <= present:
+        return False
+    frags = []
+    for r in range(world_size):
+        frag = json.loads(store.get_bytes(bucket_key(job, step, fragment_name(r))))
+        if shard_name(r) not in names:
+            raise CheckpointError(f"step {step} of job {job}: rank {r}'s fragment is in the bucket but its shard is not")
+        frags.append(frag)
+    manifest = build_manifest(job, step, world_size, frags)
+    store.put_bytes(bucket_key(job, step, MANIFEST), json.dumps(manifest, separators=(",", ":")).encode())
+    return True
+
+
+def remote_steps(store: ObjectStore, job: str) -> tuple[list[int], list[int]]:
+    """``(complete, partial)`` steps of ``job`` in the bucket, each sorted."""
+    complete, seen = set(), set()
+    for key in store.list(f"{job}/"):
+        parsed = parse_bucket_key(job, key)
+        if parsed is not None:
+            seen.add(parsed[0])
+            if parsed[1] == MANIFEST:
+                complete.add(parsed[0])
+    return sorted(complete), sorted(seen - complete)
+
+
+def _fetch_files(store: ObjectStore, job: str, step: int, tmp: str, progress: Progress | None) -> None:
+    """Download the step's manifest-listed files into ``tmp``, then its manifest; check every size."""
+    where = step_url(store, job, step)
+    raw = store.get_bytes(bucket_key(job, step, MANIFEST))
+    try:
+        manifest = validate_manifest(json.loads(raw), f"{where}/{MANIFEST}")
+    except ValueError as e:
+        raise FormatError(f"{where}/{MANIFEST} is not valid JSON: {e}") from None
+    if (manifest["job"], manifest["step"]) != (job, step):
+        raise FormatError(f"{where}/{MANIFEST} describes job {manifest['job']} step {manifest['step']}")
+    for name, ent in sorted(manifest["files"].items()):
+        if "/" in name or name in (".", ".."):
+            raise FormatError(f"{where}/{MANIFEST} names a file outside the step: {name!r}")
+        path = os.path.join(tmp, name)
+        store.get_file(bucket_key(job, step, name), path, progress)
+        size = os.path.getsize(path)
+        if size != ent["size"]:
+            raise FormatError(f"{where}/{name} is {size} bytes, the manifest says {ent['size']}")
+    fd = os.open(os.path.join(tmp, MANIFEST), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        write_all(fd, raw)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def download_step(store: ObjectStore, root: str, job: str, step: int, progress: Progress | None = None) -> str:
+    """Bring a step from the bucket into ``root`` (``<root>/<job>/step-N``), manifest last; returns it.
+
+    Each file's size is checked as it arrives, and every chunk's checksum before the step is renamed
+    into place: a corrupt object fails the fetch, naming the object and tensor, and leaves nothing.
+    """
+    from ..tools.verify import verify_checkpoint
+
+    final = step_dir(root, job, step)
+    if is_complete(final):
+        return final
+    tmp = fetch_dir(root, job, step)
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        _fetch_files(store, job, step, tmp, progress)
+        # every checksum, before the step enters the root: a corrupt object never becomes the newest
+        # local step that every later restore would trip over (one more read, from the page cache)
+        problems = [p.replace(tmp, step_url(store, job, step)) for p in verify_checkpoint(tmp)]
+        if problems:
+            more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+            raise FormatError(f"step {step} of job {job} in the bucket is corrupt: {problems[0]}{more}")
+        fsync_dir(tmp)
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(job_dir(root, job))
+    if (read_latest(root, job) or -1) < step:
+        update_latest(root, job, step)
+    return final
+
+
+def _delete_step(store: ObjectStore, job: str, step: int) -> None:
+    keys = store.list(bucket_prefix(job, step))
+    man = bucket_key(job, step, MANIFEST)
+    if man in keys:
+        store.delete([man])  # first: a half-deleted step never looks complete
+    store.delete([k for k in keys if k != man])
+
+
+def apply_remote_retention(
+    store: ObjectStore, job: str, policy: RetentionPolicy, busy: frozenset[int] | set[int] = frozenset()
+) -> list[int]:
+    """Remove the complete steps ``policy`` does not keep, and partial uploads older than the newest
+    complete step (they can no longer complete) except ``busy`` ones. Returns the steps removed."""
+    complete, partial = remote_steps(store, job)
+    newest = complete[-1] if complete else -1
+    gone = doomed(policy, complete) + [s for s in partial if s < newest and s not in busy]
+    for s in sorted(gone):
+        _delete_step(store, job, s)
+    return sorted(gone)

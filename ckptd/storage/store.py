@@ -1,0 +1,49 @@
+"""The object-store interface the bucket tier (:mod:`.remote`) is written against.
+
+:class:`~ckptd.storage.s3.S3Store` implements it for S3-compatible buckets; tests use an in-memory
+double. Keys (``rel``) are relative to the store's own prefix, ``/``-separated, never starting with
+``/`` and free of ``.``/``..``/empty segments. Every method blocks until done and may be called from
+any thread. Failures raise :class:`~ckptd.errors.CheckpointError` naming the operation and key;
+reading a missing object raises :class:`FileNotFoundError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+Progress = Callable[[int], None]  # bytes moved since the last call (negative when a retry rewinds)
+
+
+class ObjectStore(Protocol):
+    def url(self, rel: str = "") -> str:
+        """Where ``rel`` (or the store's root) lives, for messages: ``s3://bucket/prefix/rel``."""
+        ...
+
+    def put_file(self, rel: str, path: str, progress: Progress | None = None) -> None:
+        """Upload the local file ``path`` to ``rel``; an unreadable file raises ``OSError``."""
+        ...
+
+    def put_bytes(self, rel: str, data: bytes) -> None: ...
+
+    def get_file(self, rel: str, path: str, progress: Progress | None = None) -> None:
+        """Download ``rel`` to ``path`` atomically (a failure leaves ``path`` as it was)."""
+        ...
+
+    def get_bytes(self, rel: str) -> bytes: ...
+
+    def exists(self, rel: str) -> bool: ...
+
+    def list(self, rel_prefix: str = "") -> list[str]:
+        """Every key starting with ``rel_prefix`` (a plain string prefix), sorted."""
+        ...
+
+    def delete(self, rels: list[str]) -> None:
+        """Delete these objects; missing ones are not an error."""
+        ...
+
+    def check(self) -> None:
+        """Raise ``CheckpointError`` unless the store is reachable and usable."""
+        ...
+
+    def close(self) -> None: ...

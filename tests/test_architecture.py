@@ -1,0 +1,106 @@
+"""The architecture's rules, checked: small modules with a stated job, short functions, one home for
+each name, and no torch where none is needed (the daemon, the CLI's ``status`` and ``ls``)."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+PACKAGE = REPO / "ckptd"
+MODULES = sorted(PACKAGE.rglob("*.py"))
+MAX_MODULE_LINES = 450
+MAX_FUNCTION_LINES = 60  # longer only with a "# long: <why>" comment on the line above the def
+
+
+def _rel(p: Path) -> str:
+    return str(p.relative_to(REPO))
+
+
+@pytest.mark.parametrize("path", MODULES, ids=_rel)
+def test_module_is_small_and_says_its_job(path: Path) -> None:
+    text = path.read_text()
+    assert len(text.splitlines()) <= MAX_MODULE_LINES, f"{_rel(path)} has {len(text.splitlines())} lines"
+    if path.name != "__main__.py":
+        assert ast.get_docstring(ast.parse(text)), f"{_rel(path)} has no opening docstring saying what it does"
+
+
+def test_no_long_functions() -> None:
+    long = []
+    for path in MODULES:
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+                first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                if n > MAX_FUNCTION_LINES and "# long:" not in lines[first - 2]:
+                    long.append(f"{_rel(path)}:{node.lineno} {node.name} ({n} lines)")
+    assert not long, long
+
+
+# literals that spell a name or path of the on-disk and bucket layout live in ckptd/layout.py, the key
+# escaping in ckptd/state.py, and "is this step complete?" in layout (local) and storage/remote (bucket)
+ONE_HOME = {
+    r"rank-\{": {"ckptd/layout.py"},
+    r"rank-\(": {"ckptd/layout.py"},
+    r'"manifest\.json"': {"ckptd/layout.py"},
+    r"step-\{": {"ckptd/layout.py"},
+    r"exists\([^)]*MANIFEST": {"ckptd/layout.py", "ckptd/storage/remote.py"},
+    r"%2F": {"ckptd/state.py"},
+}
+
+
+@pytest.mark.parametrize("pattern", ONE_HOME)
+def test_each_layout_name_is_spelled_in_one_module(pattern: str) -> None:
+    homes = {_rel(p) for p in MODULES if re.search(pattern, p.read_text())}
+    assert homes == ONE_HOME[pattern], f"{pattern!r} spelled in {sorted(homes)}"
+
+
+def test_every_wire_op_has_exactly_one_handler() -> None:
+    from ckptd.protocol import SCHEMA
+
+    src = (PACKAGE / "daemon" / "server.py").read_text()
+    table = re.search(r"self\._ops: dict\[str, Handler\] = \{(.*?)\}", src, re.S)
+    assert table is not None
+    ops = re.findall(r'"(\w+)": self\._op_(\w+)', table.group(1))
+    assert sorted(op for op, _ in ops) == sorted(SCHEMA)
+    assert all(op == fn for op, fn in ops)
+
+
+def _modules_after(code: str, *args: str) -> set[str]:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    out = subprocess.run([sys.executable, *args, "-c", code], capture_output=True, text=True, env=env, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    return set(out.stdout.split())
+
+
+def test_the_daemon_and_storage_packages_never_import_torch() -> None:
+    code = (
+        "import sys, pkgutil, importlib, ckptd.daemon, ckptd.storage\n"
+        "for pkg in (ckptd.daemon, ckptd.storage):\n"
+        "    for m in pkgutil.iter_modules(pkg.__path__): importlib.import_module(pkg.__name__ + '.' + m.name)\n"
+        "import ckptd.cli, ckptd.config, ckptd.layout, ckptd.format, ckptd.protocol, ckptd.client.rpc, ckptd.tools.verify\n"
+        "print(' '.join(sys.modules))"
+    )
+    loaded = _modules_after(code)
+    assert "ckptd.daemon.server" in loaded and "ckptd.storage.s3" in loaded
+    assert not {m for m in loaded if m == "torch" or m.startswith("torch.")}
+
+
+def test_cli_status_and_ls_do_not_import_torch(tmp_path: Path) -> None:
+    """``python -X importtime`` lists every module imported; ``ls`` runs for real on a root of its own."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    for args in (["status", "--help"], ["ls", "--root", str(tmp_path)]):
+        out = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "ckptd", *args], capture_output=True, text=True, env=env, timeout=120
+        )
+        assert out.returncode == 0, out.stderr
+        imported = {line.split("|")[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+        assert "ckptd.cli" in imported
+        assert not {m for m in imported if m == "torch" or m.startswith("torch.")}, args

@@ -1,0 +1,204 @@
+"""The slot pool alone: no socket, no daemon. Leasing, budget and eviction, backpressure, hot-restore
+pins and reaping, on real /dev/shm segments (each test's own namespace, unlinked afterwards)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptd import shm
+from ckptd.config import HOT_PIN_MAX_S
+from ckptd.daemon.slots import SlotPool, SlotState
+from ckptd.errors import CheckpointError, ProtocolError
+
+MiB = 1 << 20
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    ns = shm.namespace(str(tmp_path))
+    grants: list[tuple[bytes, Any, Any]] = []
+    dead: set[int] = set()
+    clock = Clock()
+
+    def make(budget: int) -> SlotPool:
+        return SlotPool(ns, budget, on_grant=lambda i, m, r: grants.append((i, m, r)), clock=clock, alive=lambda pid: pid not in dead)
+
+    try:
+        yield {"make": make, "grants": grants, "dead": dead, "clock": clock, "ns": ns}
+    finally:
+        for name in shm.list_segments(ns):
+            shm.unlink(name)
+
+
+def _req(rank: int = 0, nbytes: int = MiB, pid: int | None = None, job: str = "j", step: int = 1) -> dict[str, Any]:
+    return {"id": 7, "job": job, "rank": rank, "world_size": 4, "step": step, "nbytes": nbytes, "pid": pid or os.getpid()}
+
+
+def test_a_rank_gets_its_own_slot_back(env: dict[str, Any]) -> None:
+    pool = env["make"](8 * MiB)
+    a, b = pool.lease(_req(rank=0)), pool.lease(_req(rank=1))
+    assert a is not None and b is not None and a.name != b.name
+    pool.free(a)
+    pool.free(b)
+    assert pool.lease(_req(rank=1)) is b  # its warm mapping in the trainer: the same segment
+    assert pool.lease(_req(rank=0)) is a
+    assert a.lease == {"job": "j", "rank": 0, "world_size": 4, "step": 1}
+
+
+def test_budget_full_defers_and_a_release_grants(env: dict[str, Any]) -> None:
+    pool = env["make"](4 * MiB)
+    first = pool.request(b"a", _req(rank=0, nbytes=3 * MiB))
+    assert first is not None and first.size == 4 * MiB  # rounded up to the 2 MiB alignment
+    assert pool.request(b"b", _req(rank=1, nbytes=3 * MiB)) is None  # over budget: deferred
+    assert len(pool.deferred) == 1 and env["grants"] == []
+    pool.free(first)
+    ((ident, msg, granted),) = env["grants"]
+    assert ident == b"b" and msg["rank"] == 1 and granted is first and granted.state is SlotState.LEASED
+    assert pool.deferred == []
+
+
+def test_a_request_larger_than_the_budget_is_refused(env: dict[str, Any]) -> None:
+    pool = env["make"](4 * MiB)
+    with pytest.raises(ProtocolError, match="exceeds the shared-memory budget"):
+        pool.request(b"x", _req(nbytes=5 * MiB))
+    assert pool.deferred == []
+
+
+def test_new_segments_evict_free_slots_least_recently_used_first(env: dict[str, Any]) -> None:
+    pool = env["make"](6 * MiB)
+    slots = [pool.lease(_req(rank=r, nbytes=2 * MiB)) for r in range(3)]
+    for s in slots:
+        env["clock"].now += 1
+        assert s is not None
+        pool.free(s)  # freed in order: slot 0 is the least recently used
+    big = pool.lease(_req(rank=9, nbytes=4 * MiB))
+    assert big is not None
+    names = {s.name for s in pool}
+    assert slots[0].name not in names and slots[1].name not in names and slots[2].name in names
+    assert not os.path.exists(shm.path_of(slots[0].name))
+    assert pool.bytes_held() <= pool.budget
+
+
+def test_a_full_budget_reuses_the_smallest_free_slot_of_another_rank(env: dict[str, Any]) -> None:
+    pool = env["make"](6 * MiB)
+    small, large = pool.lease(_req(rank=0, nbytes=2 * MiB)), pool.lease(_req(rank=1, nbytes=4 * MiB))
+    assert small is not None and large is not None
+    pool.free(small)
+    pool.free(large)
+    assert pool.lease(_req(rank=5, nbytes=MiB)) is small
+
+
+def test_committed_and_pinned_slots_are_never_leased(env: dict[str, Any]) -> None:
+    pool = env["make"](4 * MiB)
+    a = pool.lease(_req(rank=0, nbytes=2 * MiB))
+    b = pool.lease(_req(rank=1, nbytes=2 * MiB))
+    assert a is not None and b is not None
+    pool.commit(a, {"job": "j", "rank": 0, "step": 1, "nbytes": 10})
+    pool.persisted(b, ("j", 1, 1))
+    pool.pin([b], pid=os.getpid())
+    assert pool.lease(_req(rank=2, nbytes=2 * MiB)) is None  # nothing free to reuse or evict
+    pool.unpin([b.name, 3, None], os.getpid())  # names that are not segments are ignored
+    assert pool.lease(_req(rank=2, nbytes=2 * MiB)) is b
+
+
+def test_held_names_the_free_slots_of_one_step(env: dict[str, Any]) -> None:
+    pool = env["make"](8 * MiB)
+    slots = [pool.lease(_req(rank=r)) for r in range(3)]
+    for r, s in enumerate(slots):
+        assert s is not None
+        pool.persisted(s, ("j", 5, r) if r < 2 else ("j", 4, r))
+    assert {r: s.name for r, s in pool.held("j", 5).items()} == {0: slots[0].name, 1: slots[1].name}
+    assert pool.steps_held() == {("j", 5), ("j", 4)}
+    pool.lease(_req(rank=0, step=6))  # leasing a slot forgets the shard it held
+    assert set(pool.held("j", 5)) == {1}
+
+
+def test_persisted_sets_what_the_slot_holds_before_a_waiting_request_takes_it(env: dict[str, Any]) -> None:
+    pool = env["make"](2 * MiB)
+    a = pool.request(b"a", _req(rank=0))
+    assert a is not None
+    pool.commit(a, {"job": "j", "rank": 0, "step": 1, "nbytes": 10})
+    assert pool.request(b"b", _req(rank=1)) is None
+    pool.persisted(a, ("j", 1, 0))
+    assert env["grants"][0][2] is a and a.state is SlotState.LEASED
+    assert a.holds is None and pool.held("j", 1) == {}  # its bytes are being overwritten: no hot restore reads it
+
+
+def test_a_pin_lapses_even_if_its_pid_lives(env: dict[str, Any]) -> None:
+    """A live process that never calls hot_close (or a made-up pid that happens to exist) cannot hold a
+    slot forever: the pin lapses after HOT_PIN_MAX_S."""
+    pool = env["make"](2 * MiB)
+    slot = pool.lease(_req())
+    assert slot is not None
+    pool.persisted(slot, ("j", 1, 0))
+    pool.pin([slot], pid=1)  # pid 1 lives
+    env["clock"].now += HOT_PIN_MAX_S / 2
+    pool.pin([slot], pid=os.getpid())
+    env["clock"].now += HOT_PIN_MAX_S / 2 + 1
+    pool.reap(env["clock"].now)
+    assert set(slot.pins) == {os.getpid()}  # pid 1's pin is past its deadline
+    env["dead"].add(os.getpid())
+    pool.reap(env["clock"].now)
+    assert slot.pins == {}  # a reader that died
+
+
+def test_a_lapsed_pin_grants_a_waiting_request(env: dict[str, Any]) -> None:
+    pool = env["make"](2 * MiB)
+    slot = pool.lease(_req())
+    assert slot is not None
+    pool.persisted(slot, ("j", 1, 0))
+    pool.pin([slot], pid=424242)
+    assert pool.request(b"w", _req(rank=1)) is None
+    env["dead"].add(424242)
+    pool.reap(env["clock"].now)
+    assert [g[0] for g in env["grants"]] == [b"w"]
+
+
+def test_reaping_frees_dead_lessees_and_drops_their_deferred_requests(env: dict[str, Any]) -> None:
+    pool = env["make"](2 * MiB)
+    slot = pool.lease(_req(pid=31337))
+    assert slot is not None
+    assert pool.request(b"x", _req(rank=1, pid=31338)) is None
+    env["dead"].update({31337, 31338})
+    pool.reap(env["clock"].now)
+    assert slot.state is SlotState.FREE and pool.deferred == [] and env["grants"] == []
+
+
+def test_a_failed_segment_creation_is_refused_to_the_waiting_request(env: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = env["make"](4 * MiB)
+    first = pool.lease(_req(rank=0, nbytes=3 * MiB))
+    assert first is not None
+    assert pool.request(b"w", _req(rank=1, nbytes=2 * MiB)) is None
+    pool.commit(first, {"job": "j", "rank": 0, "step": 1, "nbytes": 10})
+
+    def full(name: str, size: int, **kw: object) -> int:
+        raise CheckpointError("cannot allocate: /dev/shm is full")
+
+    monkeypatch.setattr(shm, "create", full)
+    pool.unlink(first)  # memory back, but creating the segment fails
+    pool.retry_deferred()
+    ((ident, _, result),) = env["grants"]
+    assert ident == b"w" and isinstance(result, CheckpointError) and "full" in str(result)
+
+
+def test_close_keeps_only_committed_segments(env: dict[str, Any]) -> None:
+    pool = env["make"](8 * MiB)
+    kept, leased, free = (pool.lease(_req(rank=r)) for r in range(3))
+    assert kept is not None and leased is not None and free is not None
+    pool.commit(kept, {"job": "j", "rank": 0, "step": 1, "nbytes": 10})
+    pool.free(free)
+    pool.close()
+    assert shm.list_segments(env["ns"]) == [kept.name]  # a restart persists it
