@@ -104,3 +104,15 @@ def test_cli_status_and_ls_do_not_import_torch(tmp_path: Path) -> None:
         imported = {line.split("|")[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
         assert "ckptd.cli" in imported
         assert not {m for m in imported if m == "torch" or m.startswith("torch.")}, args
+
+
+def test_every_subpackage_is_packaged() -> None:
+    """A wheel (``pip install .``, the device's carried wheels) holds every subpackage, not only ``ckptd``."""
+    import tomllib
+
+    from setuptools import find_packages
+
+    conf = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    found = set(find_packages(str(REPO), include=conf["include"]))
+    packages = {".".join(p.parent.relative_to(REPO).parts) for p in PACKAGE.rglob("__init__.py")}
+    assert {"ckptd", "ckptd.client", "ckptd.daemon", "ckptd.storage", "ckptd.tools"} <= packages <= found
