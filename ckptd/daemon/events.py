@@ -86,7 +86,10 @@ class EventQueue:
             sock = self._tls.push = self._ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(self._addr)
-        sock.send(b"", zmq.NOBLOCK)
+        try:
+            sock.send(b"", zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # the loop is far behind: wake-ups are already pending, and the event is queued
 
     def drain(self) -> Iterator[Event]:
         """Main thread: every event queued so far, oldest first."""
