@@ -29,10 +29,12 @@ import re
 MANIFEST = "manifest.json"
 LATEST = "latest"
 
-_STEP_RE = re.compile(r"^step-(\d+)$")
-_TMP_RE = re.compile(r"^step-(\d+)\.tmp$")
-_FRAGMENT_RE = re.compile(r"^rank-(\d{5})\.json$")
-_BUCKET_KEY_RE = re.compile(r"^step-(\d+)/(.+)$")
+# each name is parsed, then accepted only if it is the canonical spelling of what it parsed to
+# (no "step-01", no trailing newline, ranks past 99999 included)
+_STEP_RE = re.compile(r"step-(\d+)")
+_TMP_RE = re.compile(r"step-(\d+)\.tmp")
+_FRAGMENT_RE = re.compile(r"rank-(\d{5,})\.json")
+_BUCKET_KEY_RE = re.compile(r"step-(\d+)/(.+)", re.S)
 
 
 # ---------------------------------------------------------------------------- file names in a step
@@ -50,8 +52,13 @@ def fragment_name(rank: int) -> str:
 
 def fragment_rank(name: str) -> int | None:
     """The rank a fragment file name belongs to, or ``None`` if ``name`` is not a fragment."""
-    m = _FRAGMENT_RE.match(name)
-    return int(m.group(1)) if m else None
+    m = _FRAGMENT_RE.fullmatch(name)
+    return int(m.group(1)) if m and fragment_name(int(m.group(1))) == name else None
+
+
+def _step_of(pattern: re.Pattern[str], name: str, spell: str) -> int | None:
+    m = pattern.fullmatch(name)
+    return int(m.group(1)) if m and spell.format(int(m.group(1))) == name else None
 
 
 # ---------------------------------------------------------------------------- local paths
@@ -99,7 +106,7 @@ def complete_steps(root: str, job: str) -> list[int]:
         names = os.listdir(job_dir(root, job))
     except FileNotFoundError:
         return []
-    steps = (int(m.group(1)) for n in names if (m := _STEP_RE.match(n)))
+    steps = (s for n in names if (s := _step_of(_STEP_RE, n, "step-{}")) is not None)
     return sorted(s for s in steps if is_complete(step_dir(root, job, s)))
 
 
@@ -109,7 +116,7 @@ def partial_steps(root: str, job: str) -> list[int]:
         names = os.listdir(job_dir(root, job))
     except FileNotFoundError:
         return []
-    return sorted(int(m.group(1)) for n in names if (m := _TMP_RE.match(n)))
+    return sorted(s for n in names if (s := _step_of(_TMP_RE, n, "step-{}.tmp")) is not None)
 
 
 def fragments_present(root: str, job: str, step: int) -> set[int]:
@@ -137,5 +144,8 @@ def parse_bucket_key(job: str, key: str) -> tuple[int, str] | None:
     """``(step, file name)`` of a key under ``<job>/``, or ``None`` if it is not a step's file."""
     if not key.startswith(job + "/"):
         return None
-    m = _BUCKET_KEY_RE.match(key[len(job) + 1 :])
-    return (int(m.group(1)), m.group(2)) if m else None
+    rest = key[len(job) + 1 :]
+    m = _BUCKET_KEY_RE.fullmatch(rest)
+    if m is None or "\n" in rest or bucket_key(job, int(m.group(1)), m.group(2)) != key:
+        return None
+    return int(m.group(1)), m.group(2)

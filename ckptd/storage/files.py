@@ -30,11 +30,18 @@ def write_durable(path: str, data: bytes) -> None:
     tmp = path + ".tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        write_all(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        try:
+            write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)  # a full disk leaves no half-written temporary behind
+        except OSError:
+            pass
+        raise
     fsync_dir(os.path.dirname(path) or ".")
 
 
