@@ -83,7 +83,9 @@ class StepCatalog:
             local, path = self.latest(job)
         else:
             path = self.complete_path(job, step)
-            local = step if path is not None else None
+            if path is not None:
+                return Found(step, Source.DISK, path)  # on disk: the bucket (reachable or not) is not asked
+            local = None
         remote = self.bucket_steps(job)
         if step is None:
             want = max([s for s in (local, remote[-1] if remote else None) if s is not None], default=None)
@@ -100,7 +102,11 @@ class StepCatalog:
     # ------------------------------------------------------------------ what this run completed (main thread)
 
     def note_complete(self, job: str, step: int, path: str, manifest: dict[str, Any] | None) -> None:
-        self._in_memory[job] = InMemory(step, path, manifest)
+        """Step ``step`` completed here; it is the one hot restores read unless a newer one completed
+        first (persist threads may finish an older step after a newer one, as ``latest`` allows)."""
+        cur = self._in_memory.get(job)
+        if cur is None or step >= cur.step:
+            self._in_memory[job] = InMemory(step, path, manifest)
 
     def in_memory(self, job: str) -> InMemory | None:
         return self._in_memory.get(job)

@@ -1,0 +1,486 @@
+"""The bucket tier (:mod:`ckptd.storage.remote`) on its own, against the in-memory object store double:
+the upload order of a complete step and of one node's ranks, how a multi-node step completes in the
+bucket (coverage, replicas, missing shards), which steps the bucket holds, downloading a step back
+(verified; a corrupt object, a size mismatch, a manifest naming a file outside the step or describing
+another job or step each fail with a clear error and leave nothing in the root), and the bucket's
+retention with the policies of :mod:`ckptd.storage.retention`.
+
+The steps are real: ckptd's own writer (``write_shard`` + ``finalize_step``) persists shards built
+with ``build_layout`` and filled the way the client fills a slot. No daemon, no network."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from doubles import FaultyStore, MemoryStore
+
+from ckptd.errors import CheckpointError, FormatError
+from ckptd.format import build_layout, dtype_from_name, read_manifest
+from ckptd.layout import (
+    MANIFEST,
+    bucket_key,
+    bucket_prefix,
+    fetch_dir,
+    fragment_name,
+    is_complete,
+    job_dir,
+    shard_name,
+    step_dir,
+    tmp_dir,
+)
+from ckptd.storage.local import finalize_step, read_latest, write_shard
+from ckptd.storage.remote import apply_remote_retention, download_step, remote_steps, try_complete, upload_ranks, upload_step
+from ckptd.storage.retention import AnyOf, KeepEvery, KeepLatest, Protect
+from ckptd.tools.verify import verify_checkpoint
+
+JOB = "j"
+Chunk = tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]  # state key, local data, global shape, offsets
+
+
+# ---------------------------------------------------------------------------- real steps on disk
+
+
+def shard_bytes(chunks: list[Chunk]) -> bytearray:
+    """A real shard: ckptd's header for ``chunks``, then their bytes copied into typed views of the
+    buffer, as the client fills a slot (``ckptd.client.copy``)."""
+    data = {key: t for key, t, _, _ in chunks}
+    layout = build_layout([(key, key, t.dtype, tuple(t.shape), gshape, offs) for key, t, gshape, offs in chunks])
+    buf = bytearray(layout.file_size)
+    buf[: layout.data_start] = layout.header
+    base = torch.frombuffer(buf, dtype=torch.uint8)
+    for spec in layout.chunks:
+        view = base[layout.data_start + spec.begin : layout.data_start + spec.end].view(dtype_from_name(spec.dtype)).view(spec.sizes)
+        view.copy_(data[spec.key])
+    return buf
+
+
+def rank_chunks(step: int, rank: int, world_size: int) -> list[Chunk]:
+    """Rank ``rank``'s rows of ``model/w`` (float32, two rows per rank) and, on rank 0, ``model/b`` (bfloat16)."""
+    w = torch.arange(6 * rank, 6 * rank + 6, dtype=torch.float32).reshape(2, 3) + step
+    chunks: list[Chunk] = [("model/w", w, (2 * world_size, 3), (2 * rank, 0))]
+    if rank == 0:
+        chunks.append(("model/b", torch.full((4,), float(step), dtype=torch.bfloat16), (4,), (0,)))
+    return chunks
+
+
+def write_rank(
+    root: str,
+    job: str,
+    step: int,
+    rank: int,
+    world_size: int,
+    chunks: list[Chunk] | None = None,
+    *,
+    local_world_size: int | None = None,
+    replicas: dict[str, str] | None = None,
+) -> None:
+    buf = shard_bytes(rank_chunks(step, rank, world_size) if chunks is None else chunks)
+    tree = {"rank": rank, "step": step}
+    write_shard(root, job, step, rank, world_size, memoryview(buf), len(buf), tree, replicas=replicas, local_world_size=local_world_size)
+
+
+def make_step(root: str, job: str, step: int, world_size: int = 1) -> str:
+    """A complete local step written by ckptd's own writer; returns its directory."""
+    for rank in range(world_size):
+        write_rank(root, job, step, rank, world_size)
+    return finalize_step(root, job, step, world_size)
+
+
+def uploaded(store: MemoryStore, root: str, job: str, step: int, world_size: int = 1) -> str:
+    path = make_step(root, job, step, world_size)
+    upload_step(store, path, job, step)
+    return path
+
+
+def step_keys(store: MemoryStore, job: str, step: int) -> list[str]:
+    return store.list(bucket_prefix(job, step))
+
+
+def assert_nothing_left(root: str, job: str, step: int, latest: int | None = None) -> None:
+    """A failed download left neither ``step-N`` nor ``step-N.fetch``, and ``latest`` as it was."""
+    names = sorted(os.listdir(job_dir(root, job))) if os.path.isdir(job_dir(root, job)) else []
+    assert not os.path.exists(step_dir(root, job, step)), names
+    assert not os.path.exists(fetch_dir(root, job, step)), names
+    assert [n for n in names if n.startswith(f"step-{step}")] == []
+    assert read_latest(root, job) == latest
+
+
+@pytest.fixture
+def store() -> MemoryStore:
+    return MemoryStore()
+
+
+@pytest.fixture
+def src(tmp_path: Path) -> str:
+    """The root steps are written (and uploaded) from."""
+    return str(tmp_path / "src")
+
+
+@pytest.fixture
+def dst(tmp_path: Path) -> str:
+    """A fresh root steps are downloaded into (a replaced node)."""
+    return str(tmp_path / "dst")
+
+
+# ---------------------------------------------------------------------------- upload_step
+
+
+def test_upload_step_sends_shards_then_fragments_then_manifest(store: MemoryStore, src: str) -> None:
+    path = make_step(src, JOB, 4, world_size=2)
+    moved: list[int] = []
+    sent = upload_step(store, path, JOB, 4, moved.append)
+    order = [shard_name(0), shard_name(1), fragment_name(0), fragment_name(1), MANIFEST]
+    assert [op for op, _ in store.calls] == ["put"] * 5
+    assert [key for _, key in store.calls] == [bucket_key(JOB, 4, n) for n in order]
+    for name in order:  # every object is the local file, byte for byte
+        assert store.objects[bucket_key(JOB, 4, name)] == Path(path, name).read_bytes()
+    assert sent == sum(os.path.getsize(os.path.join(path, n)) for n in order) == sum(moved)
+    assert remote_steps(store, JOB) == ([4], [])
+
+
+def test_upload_step_refuses_a_step_that_is_not_complete(store: MemoryStore, src: str) -> None:
+    write_rank(src, JOB, 4, 0, 1)  # durable shard and fragment, never finalized: no manifest
+    with pytest.raises(CheckpointError, match=r"has no manifest\.json: only complete steps are uploaded"):
+        upload_step(store, tmp_dir(src, JOB, 4), JOB, 4)
+    assert store.objects == {}
+
+
+def test_upload_failing_at_the_manifest_leaves_a_partial_step(store: MemoryStore, src: str) -> None:
+    path = make_step(src, JOB, 4)
+    with pytest.raises(CheckpointError, match="injected failure: put_file j/step-4/manifest.json"):
+        upload_step(FaultyStore(store, put_file=[MANIFEST]), path, JOB, 4)
+    assert step_keys(store, JOB, 4) == [bucket_key(JOB, 4, fragment_name(0)), bucket_key(JOB, 4, shard_name(0))]
+    assert remote_steps(store, JOB) == ([], [4])  # data without a manifest: not complete in the bucket
+    upload_step(store, path, JOB, 4)  # the retry completes it
+    assert remote_steps(store, JOB) == ([4], [])
+
+
+# ---------------------------------------------------------------------------- multi-node: upload_ranks, try_complete
+
+
+def test_upload_ranks_sends_this_nodes_shards_before_its_fragments(store: MemoryStore, src: str) -> None:
+    for rank in (0, 1):  # this node serves ranks 0 and 1 of 3
+        write_rank(src, JOB, 6, rank, 3, local_world_size=2)
+    d = tmp_dir(src, JOB, 6)
+    sent = upload_ranks(store, d, JOB, 6, [1, 0])
+    order = [shard_name(0), shard_name(1), fragment_name(0), fragment_name(1)]
+    assert [key for _, key in store.calls] == [bucket_key(JOB, 6, n) for n in order]
+    assert sent == sum(os.path.getsize(os.path.join(d, n)) for n in order)
+    assert remote_steps(store, JOB) == ([], [6])
+
+
+def test_try_complete_writes_the_manifest_once_every_rank_is_there(store: MemoryStore, tmp_path: Path, dst: str) -> None:
+    node_a, node_b = str(tmp_path / "a"), str(tmp_path / "b")
+    for rank in (0, 1):
+        write_rank(node_a, JOB, 6, rank, 3, local_world_size=2)
+    write_rank(node_b, JOB, 6, 2, 3, local_world_size=1)
+    upload_ranks(store, tmp_dir(node_a, JOB, 6), JOB, 6, [0, 1])
+    assert try_complete(store, JOB, 6, 3) is False  # rank 2's fragment is not there yet
+    assert not store.exists(bucket_key(JOB, 6, MANIFEST))
+    upload_ranks(store, tmp_dir(node_b, JOB, 6), JOB, 6, [2])
+    assert try_complete(store, JOB, 6, 3) is True
+    manifest = json.loads(store.objects[bucket_key(JOB, 6, MANIFEST)])
+    assert (manifest["job"], manifest["step"], manifest["world_size"]) == (JOB, 6, 3)
+    assert sorted(manifest["files"]) == [shard_name(0), shard_name(1), shard_name(2)]
+    assert remote_steps(store, JOB) == ([6], [])
+    puts = sum(op == "put" for op, _ in store.calls)
+    assert try_complete(store, JOB, 6, 3) is True  # already complete: nothing written again
+    assert sum(op == "put" for op, _ in store.calls) == puts
+    # the merged step is a whole, verifiable checkpoint: it comes back into a fresh root
+    path = download_step(store, dst, JOB, 6)
+    assert verify_checkpoint(path) == []
+    assert read_manifest(path)["tensors"]["model/w"]["shape"] == [6, 3]
+
+
+@pytest.mark.parametrize(
+    ("rank1_offsets", "msg"),
+    [
+        ((0, 0), r"tensor 'model/w': chunks at offsets \[0, 0\] .* overlap"),
+        ((4, 0), r"tensor 'model/w' of shape \[6, 3\]: chunks cover 12 of 18"),
+    ],
+    ids=["overlap", "gap"],
+)
+def test_try_complete_refuses_fragments_that_do_not_cover_the_tensors(
+    store: MemoryStore, src: str, rank1_offsets: tuple[int, int], msg: str
+) -> None:
+    # a global [6, 3] tensor whose rows the two ranks' chunks do not cover exactly once
+    write_rank(src, JOB, 6, 0, 2, [("model/w", torch.zeros(2, 3), (6, 3), (0, 0))], local_world_size=2)
+    write_rank(src, JOB, 6, 1, 2, [("model/w", torch.ones(2, 3), (6, 3), rank1_offsets)], local_world_size=2)
+    upload_ranks(store, tmp_dir(src, JOB, 6), JOB, 6, [0, 1])
+    with pytest.raises(CheckpointError, match=msg):
+        try_complete(store, JOB, 6, 2)
+    assert not store.exists(bucket_key(JOB, 6, MANIFEST))
+    assert remote_steps(store, JOB) == ([], [6])
+
+
+def test_try_complete_refuses_replicas_that_differ(store: MemoryStore, tmp_path: Path) -> None:
+    # both nodes hold model/emb replicated; rank 0 saves it, and each reports the digest of its copy
+    cid = json.dumps(["model/emb", [0], [4]], separators=(",", ":"))
+    node_a, node_b = str(tmp_path / "a"), str(tmp_path / "b")
+    write_rank(node_a, JOB, 2, 0, 2, [("model/emb", torch.zeros(4), (4,), (0,))], local_world_size=1, replicas={cid: "00" * 8})
+    write_rank(node_b, JOB, 2, 1, 2, [("model/x", torch.ones(2), (2,), (0,))], local_world_size=1, replicas={cid: "ff" * 8})
+    upload_ranks(store, tmp_dir(node_a, JOB, 2), JOB, 2, [0])
+    upload_ranks(store, tmp_dir(node_b, JOB, 2), JOB, 2, [1])
+    with pytest.raises(CheckpointError, match=r"tensor 'model/emb' region offsets \[0\] sizes \[4\]: ranks 0 and 1 hold different bytes"):
+        try_complete(store, JOB, 2, 2)
+    assert not store.exists(bucket_key(JOB, 2, MANIFEST))
+
+
+def test_try_complete_refuses_a_fragment_whose_shard_is_missing(store: MemoryStore, src: str) -> None:
+    for rank in (0, 1):
+        write_rank(src, JOB, 6, rank, 2, local_world_size=2)
+    upload_ranks(store, tmp_dir(src, JOB, 6), JOB, 6, [0, 1])
+    store.delete([bucket_key(JOB, 6, shard_name(1))])
+    with pytest.raises(CheckpointError, match=r"step 6 of job j: rank 1's fragment is in the bucket but its shard is not"):
+        try_complete(store, JOB, 6, 2)
+    assert not store.exists(bucket_key(JOB, 6, MANIFEST))
+
+
+def test_try_complete_refuses_a_fragment_of_another_world_size(store: MemoryStore, tmp_path: Path) -> None:
+    node_a, node_b = str(tmp_path / "a"), str(tmp_path / "b")
+    write_rank(node_a, JOB, 6, 0, 2, local_world_size=1)
+    write_rank(node_b, JOB, 6, 1, 3, local_world_size=1)  # a node still configured for an older run
+    upload_ranks(store, tmp_dir(node_a, JOB, 6), JOB, 6, [0])
+    upload_ranks(store, tmp_dir(node_b, JOB, 6), JOB, 6, [1])
+    with pytest.raises(CheckpointError, match=r"fragment of rank 1 belongs to another job/step/world size"):
+        try_complete(store, JOB, 6, 2)
+    assert not store.exists(bucket_key(JOB, 6, MANIFEST))
+
+
+# ---------------------------------------------------------------------------- remote_steps
+
+
+def test_remote_steps_splits_complete_from_partial_and_ignores_other_keys(store: MemoryStore, src: str) -> None:
+    for step in (2, 10):
+        uploaded(store, src, JOB, step)
+    with pytest.raises(CheckpointError):  # an upload that died before its manifest
+        upload_step(FaultyStore(store, put_file=[MANIFEST]), make_step(src, JOB, 3), JOB, 3)
+    uploaded(store, src, "jx", 7)  # another job whose name starts the same
+    for key in ("j/latest", "j/step-x/manifest.json", "j/notes/step-4/manifest.json", "jmanifest.json"):
+        store.put_bytes(key, b"{}")
+    assert remote_steps(store, JOB) == ([2, 10], [3])  # numeric order, not string order
+    assert remote_steps(store, "jx") == ([7], [])
+    assert remote_steps(store, "none") == ([], [])
+
+
+# ---------------------------------------------------------------------------- download_step
+
+
+def test_download_step_brings_a_step_back_verified(store: MemoryStore, src: str, dst: str) -> None:
+    original = uploaded(store, src, JOB, 3, world_size=2)
+    moved: list[int] = []
+    path = download_step(store, dst, JOB, 3, moved.append)
+    assert path == step_dir(dst, JOB, 3) and is_complete(path)
+    names = sorted(os.listdir(original))
+    got = sorted(os.listdir(path))
+    # the files the manifest lists, and the manifest: fragments are not needed once a step is complete
+    assert got == sorted([shard_name(0), shard_name(1), MANIFEST])
+    for name in got:
+        assert name in names and Path(path, name).read_bytes() == Path(original, name).read_bytes()
+    assert sum(moved) == sum(os.path.getsize(os.path.join(path, n)) for n in got if n != MANIFEST)
+    assert verify_checkpoint(path) == []
+    assert read_latest(dst, JOB) == 3
+    assert sorted(os.listdir(job_dir(dst, JOB))) == ["latest", "step-3"]
+
+
+def test_download_step_of_a_step_complete_locally_reads_nothing(store: MemoryStore, src: str) -> None:
+    path = uploaded(store, src, JOB, 3)
+    store.calls.clear()
+    assert download_step(store, src, JOB, 3) == path
+    assert store.calls == []
+
+
+def test_download_step_replaces_a_stale_fetch_directory(store: MemoryStore, src: str, dst: str) -> None:
+    uploaded(store, src, JOB, 3)
+    stale = fetch_dir(dst, JOB, 3)
+    os.makedirs(stale)
+    Path(stale, shard_name(0)).write_bytes(b"half a download from a daemon that died")
+    Path(stale, "junk").write_bytes(b"x")
+    path = download_step(store, dst, JOB, 3)
+    assert not os.path.exists(stale)
+    assert sorted(os.listdir(path)) == [MANIFEST, shard_name(0)]
+    assert verify_checkpoint(path) == []
+
+
+def test_download_step_never_moves_latest_back(store: MemoryStore, src: str, dst: str) -> None:
+    uploaded(store, src, JOB, 4)
+    make_step(dst, JOB, 9)
+    assert read_latest(dst, JOB) == 9
+    download_step(store, dst, JOB, 4)
+    assert read_latest(dst, JOB) == 9
+    assert is_complete(step_dir(dst, JOB, 4))
+
+
+def _flip(store: MemoryStore, key: str, pos: int) -> None:
+    data = bytearray(store.objects[key])
+    data[pos] ^= 0xFF
+    store.objects[key] = bytes(data)
+
+
+def _set_manifest(store: MemoryStore, job: str, step: int, manifest: dict) -> None:
+    store.objects[bucket_key(job, step, MANIFEST)] = json.dumps(manifest).encode()
+
+
+def test_download_step_rejects_a_corrupt_object_and_leaves_nothing(store: MemoryStore, src: str, dst: str) -> None:
+    original = uploaded(store, src, JOB, 3)
+    make_step(dst, JOB, 1)  # an older local step: it stays the newest after the failed fetch
+    (begin, _end) = read_manifest(original)["tensors"]["model/w"]["chunks"][0]["byte_range"]
+    _flip(store, bucket_key(JOB, 3, shard_name(0)), begin + 1)
+    url = re.escape(store.url(bucket_key(JOB, 3, shard_name(0))))
+    with pytest.raises(FormatError, match=rf"step 3 of job j in the bucket is corrupt: {url}: checksum mismatch in tensor 'model/w'"):
+        download_step(store, dst, JOB, 3)
+    assert_nothing_left(dst, JOB, 3, latest=1)
+    assert sorted(os.listdir(job_dir(dst, JOB))) == ["latest", "step-1"]
+
+
+def test_download_step_rejects_a_corrupt_shard_header(store: MemoryStore, src: str, dst: str) -> None:
+    uploaded(store, src, JOB, 3)
+    key = bucket_key(JOB, 3, shard_name(0))
+    data = store.objects[key]
+    assert data.count(b'"F32"') == 1
+    store.objects[key] = data.replace(b'"F32"', b'"I32"')  # same size, still parses: only the header checksum can tell
+    url = re.escape(store.url(key))
+    with pytest.raises(FormatError, match=rf"step 3 of job j in the bucket is corrupt: {url}: header checksum mismatch"):
+        download_step(store, dst, JOB, 3)
+    assert_nothing_left(dst, JOB, 3)
+
+
+@pytest.mark.parametrize("change", [b"\0", b""], ids=["longer", "shorter"])
+def test_download_step_rejects_an_object_of_the_wrong_size(store: MemoryStore, src: str, dst: str, change: bytes) -> None:
+    path = uploaded(store, src, JOB, 3, world_size=2)
+    key = bucket_key(JOB, 3, shard_name(1))
+    size = os.path.getsize(os.path.join(path, shard_name(1)))
+    store.objects[key] = store.objects[key] + change if change else store.objects[key][:-1]
+    got = size + 1 if change else size - 1
+    url = re.escape(store.url(key))
+    with pytest.raises(FormatError, match=rf"^{url} is {got} bytes, the manifest says {size}$"):
+        download_step(store, dst, JOB, 3)
+    assert_nothing_left(dst, JOB, 3)
+
+
+@pytest.mark.parametrize("name", ["../escape.safetensors", "sub/rank-00000.safetensors", "/etc/passwd", "..", "."])
+def test_download_step_refuses_a_manifest_naming_a_file_outside_the_step(store: MemoryStore, src: str, dst: str, name: str) -> None:
+    original = uploaded(store, src, JOB, 3)
+    manifest = read_manifest(original)
+    manifest["files"][name] = dict(manifest["files"][shard_name(0)])
+    _set_manifest(store, JOB, 3, manifest)
+    if name.startswith("sub/"):  # an object the store would hand out: only the check stops it
+        store.put_bytes(bucket_key(JOB, 3, name), store.objects[bucket_key(JOB, 3, shard_name(0))])
+    with pytest.raises(FormatError, match=rf"manifest\.json names a file outside the step: {re.escape(repr(name))}"):
+        download_step(store, dst, JOB, 3)
+    assert ("get", bucket_key(JOB, 3, name)) not in store.calls
+    assert_nothing_left(dst, JOB, 3)
+    assert sorted(p.name for p in Path(dst).rglob("*")) == [JOB]  # nothing written beside or above the step either
+
+
+@pytest.mark.parametrize(("job", "step"), [("other", 3), (JOB, 2)], ids=["another-job", "another-step"])
+def test_download_step_refuses_a_manifest_of_another_job_or_step(store: MemoryStore, src: str, dst: str, job: str, step: int) -> None:
+    # a copy of another step's objects (a bad sync between prefixes) under step 3 of job j
+    uploaded(store, src, job, step)
+    for key in step_keys(store, job, step):
+        store.put_bytes(bucket_key(JOB, 3, key.rsplit("/", 1)[1]), store.objects[key])
+    url = re.escape(store.url(bucket_key(JOB, 3, MANIFEST)))
+    with pytest.raises(FormatError, match=rf"^{url} describes job {job} step {step}$"):
+        download_step(store, dst, JOB, 3)
+    assert_nothing_left(dst, JOB, 3)
+
+
+@pytest.mark.parametrize(
+    ("raw", "msg"),
+    [
+        (b'{"kind": "ckptd-manif', "is not valid JSON"),
+        (b"\x80abc", "is not valid JSON"),
+        (b'{"kind": "ckptd-fragment"}', "is not a ckptd manifest"),
+    ],
+    ids=["truncated", "not-utf8", "a-fragment"],
+)
+def test_download_step_refuses_a_manifest_that_is_not_one(store: MemoryStore, src: str, dst: str, raw: bytes, msg: str) -> None:
+    uploaded(store, src, JOB, 3)
+    store.objects[bucket_key(JOB, 3, MANIFEST)] = raw
+    with pytest.raises(FormatError, match=msg):
+        download_step(store, dst, JOB, 3)
+    assert_nothing_left(dst, JOB, 3)
+
+
+def test_download_step_of_a_missing_object_fails_and_leaves_nothing(store: MemoryStore, src: str, dst: str) -> None:
+    uploaded(store, src, JOB, 3, world_size=2)
+    store.delete([bucket_key(JOB, 3, shard_name(1))])  # the manifest still names it
+    with pytest.raises(FileNotFoundError, match=re.escape(store.url(bucket_key(JOB, 3, shard_name(1))))):
+        download_step(store, dst, JOB, 3)
+    assert_nothing_left(dst, JOB, 3)
+
+
+def test_download_step_of_a_step_that_is_not_in_the_bucket_leaves_nothing(store: MemoryStore, src: str, dst: str) -> None:
+    with pytest.raises(CheckpointError):
+        upload_step(FaultyStore(store, put_file=[MANIFEST]), make_step(src, JOB, 3), JOB, 3)
+    with pytest.raises(FileNotFoundError, match=re.escape(store.url(bucket_key(JOB, 3, MANIFEST)))):
+        download_step(store, dst, JOB, 3)  # a partial upload: data, no manifest
+    assert_nothing_left(dst, JOB, 3)
+
+
+# ---------------------------------------------------------------------------- apply_remote_retention
+
+
+def test_remote_retention_keeps_what_the_policies_keep(store: MemoryStore, src: str) -> None:
+    for step in range(1, 8):
+        uploaded(store, src, JOB, step)
+    kept_before = {s: {k: store.objects[k] for k in step_keys(store, JOB, s)} for s in (3, 6, 7)}
+    store.calls.clear()
+    removed = apply_remote_retention(store, JOB, AnyOf((KeepLatest(2), KeepEvery(3))))
+    assert removed == [1, 2, 4, 5]
+    assert remote_steps(store, JOB) == ([3, 6, 7], [])
+    for s in removed:
+        assert step_keys(store, JOB, s) == []
+    for s, objects in kept_before.items():  # the kept steps are untouched
+        assert {k: store.objects[k] for k in step_keys(store, JOB, s)} == objects
+    # each removed step loses its manifest before its data: a half-removed step never looks complete
+    for s in removed:
+        deletes = [k for op, k in store.calls if op == "delete" and k.startswith(bucket_prefix(JOB, s))]
+        assert deletes[0] == bucket_key(JOB, s, MANIFEST) and len(deletes) == 3
+
+
+def test_remote_retention_protects_named_steps(store: MemoryStore, src: str) -> None:
+    for step in (1, 2, 3):
+        uploaded(store, src, JOB, step)
+    assert apply_remote_retention(store, JOB, AnyOf((KeepLatest(1), Protect(frozenset({1}))))) == [2]
+    assert remote_steps(store, JOB) == ([1, 3], [])
+    assert apply_remote_retention(store, JOB, KeepLatest(0)) == []  # 0: keep every step
+    assert remote_steps(store, JOB) == ([1, 3], [])
+
+
+def test_remote_retention_removes_stale_partial_uploads_but_not_busy_or_newer_ones(store: MemoryStore, src: str) -> None:
+    faulty = FaultyStore(store, put_file=[MANIFEST])
+    for step in (1, 3, 4, 7):  # uploads that died before their manifest
+        with pytest.raises(CheckpointError):
+            upload_step(faulty, make_step(src, JOB, step), JOB, step)
+    for step in (2, 5):
+        uploaded(store, src, JOB, step)
+    assert remote_steps(store, JOB) == ([2, 5], [1, 3, 4, 7])
+    # 3 is still being uploaded (busy); 7 is newer than the newest complete step: it may still complete
+    assert apply_remote_retention(store, JOB, KeepLatest(0), busy={3}) == [1, 4]
+    assert remote_steps(store, JOB) == ([2, 5], [3, 7])
+    assert apply_remote_retention(store, JOB, KeepLatest(1)) == [2, 3]
+    assert remote_steps(store, JOB) == ([5], [7])
+
+
+def test_remote_retention_without_a_complete_step_keeps_every_partial_upload(store: MemoryStore, src: str) -> None:
+    faulty = FaultyStore(store, put_file=[MANIFEST])
+    for step in (1, 2):
+        with pytest.raises(CheckpointError):
+            upload_step(faulty, make_step(src, JOB, step), JOB, step)
+    assert apply_remote_retention(store, JOB, KeepLatest(1)) == []
+    assert remote_steps(store, JOB) == ([], [1, 2])
+
+
+def test_remote_retention_touches_only_its_job(store: MemoryStore, src: str) -> None:
+    for step in (1, 2):
+        uploaded(store, src, JOB, step)
+        uploaded(store, src, "jx", step)
+    assert apply_remote_retention(store, JOB, KeepLatest(1)) == [1]
+    assert remote_steps(store, JOB) == ([2], [])
+    assert remote_steps(store, "jx") == ([1, 2], [])
