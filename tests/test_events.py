@@ -245,3 +245,12 @@ def test_a_loop_far_behind_never_fails_a_post(events: EventQueue) -> None:
     in_threads(1, post_many)
     got = [e.message for e in events.drain() if isinstance(e, ErrorReported)]
     assert got == [f"0-{n}" for n in range(5000)]
+
+
+def test_close_lets_the_context_terminate_after_a_post_from_the_closing_thread() -> None:
+    ctx = zmq.Context()
+    q = EventQueue(ctx)
+    q.post(ErrorReported("from the loop's own thread"))
+    assert [e.message for e in q.drain()] == ["from the loop's own thread"]  # type: ignore[union-attr]
+    q.close()
+    term_or_fail(ctx)  # hung before: this thread's PUSH socket was never closed

@@ -74,6 +74,8 @@ class EventQueue:
         self._addr = f"inproc://ckptd-wake-{id(self)}"
         self._queue: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._tls = threading.local()
+        self._pushes: list[zmq.Socket] = []  # each posting thread's socket, closed by close()
+        self._lock = threading.Lock()
         self.wake = ctx.socket(zmq.PULL)  # the loop polls this
         self.wake.setsockopt(zmq.LINGER, 0)
         self.wake.bind(self._addr)
@@ -86,6 +88,8 @@ class EventQueue:
             sock = self._tls.push = self._ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(self._addr)
+            with self._lock:
+                self._pushes.append(sock)
         try:
             sock.send(b"", zmq.NOBLOCK)
         except zmq.Again:
@@ -102,4 +106,10 @@ class EventQueue:
                 return
 
     def close(self) -> None:
+        """Close every socket, the posting threads' too (call once they are done), so the context can
+        terminate."""
+        with self._lock:
+            pushes, self._pushes = self._pushes, []
+        for sock in pushes:
+            sock.close(0)
         self.wake.close(0)

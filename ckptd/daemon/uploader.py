@@ -189,7 +189,7 @@ class Uploader:
         while not try_complete(self.store, u.job, u.step, u.world_size):
             if time.monotonic() > deadline:
                 raise CheckpointError(
-                    f"step {u.step} of job {u.job}: not every rank's shard reached the bucket within {self.commit_timeout:.0f} s"
+                    f"step {u.step} of job {u.job}: not every rank's shard reached the bucket within {self.commit_timeout:g} s"
                     " (is every node's daemon configured with the same bucket and prefix?)"
                 )
             time.sleep(self.POLL_S)

@@ -1,0 +1,323 @@
+"""The fetch thread (:class:`ckptd.daemon.fetcher.Fetcher`) in process, with a :class:`StepCatalog` over a
+temporary root and the in-memory bucket of :mod:`doubles`, reporting through a real
+:class:`~ckptd.daemon.events.EventQueue` (no daemon, no socket but the queue's inproc wake-up):
+``start`` posts a :class:`~ckptd.daemon.events.Fetched`; ``wait`` returns a finished answer once and
+forgets it, or holds the request; ``done`` answers held waiters, ``due`` overdue ones; a step only the
+bucket has is downloaded (``remote`` on the wire) and a local one is read in place (``local``); a
+missing step fails without a report, a corrupt bucket object fails with one and leaves nothing in the
+root; ``check_store`` reports an unusable bucket; answers nobody collected are bounded by
+``FETCHES_KEPT``. Steps are written with ckptd's own writer and uploaded with ``upload_step``."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import zmq
+from doubles import MemoryStore
+
+from ckptd.config import FETCHES_KEPT
+from ckptd.daemon.catalog import StepCatalog
+from ckptd.daemon.events import ErrorReported, Event, EventQueue, Fetched
+from ckptd.daemon.fetcher import Fetcher
+from ckptd.daemon.waiters import Waiter
+from ckptd.errors import CheckpointError, ProtocolError
+from ckptd.format import build_layout
+from ckptd.layout import MANIFEST, bucket_key, fetch_dir, shard_name, step_dir
+from ckptd.storage.local import finalize_step, latest_step, write_shard
+from ckptd.storage.remote import upload_step
+from ckptd.storage.store import Progress
+
+JOB = "j"
+WAIT_S = 30.0  # generous: only a broken fetcher waits this long
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def write_step(root: str, job: str, step: int) -> str:
+    """A complete single-rank step under ``root``, written by ckptd's local tier; returns its directory."""
+    tensors = {"model/w": torch.full((2, 4), float(step), dtype=torch.float32), "model/b": torch.arange(3, dtype=torch.int16) + step}
+    layout = build_layout(
+        [
+            ("model/w", "model/w", torch.float32, (2, 4), (2, 4), (0, 0)),
+            ("model/b", "model/b", torch.int16, (3,), (3,), (0,)),
+        ]
+    )
+    buf = bytearray(layout.file_size)
+    buf[: layout.data_start] = layout.header
+    for c in layout.chunks:
+        buf[layout.data_start + c.begin : layout.data_start + c.end] = tensors[c.name].numpy().tobytes()
+    write_shard(root, job, step, 0, 1, memoryview(buf), len(buf), {"step": step})
+    return finalize_step(root, job, step, 1)
+
+
+def put_in_bucket(store: MemoryStore, src_root: str, job: str, step: int) -> str:
+    """Write a step under ``src_root`` (another node) and upload it; returns its directory there."""
+    d = write_step(src_root, job, step)
+    upload_step(store, d, job, step)
+    return d
+
+
+class Inbox:
+    """The loop's side of the event queue: the next event, waiting on the queue's wake-up socket."""
+
+    def __init__(self, events: EventQueue) -> None:
+        self.events = events
+        self._buf: list[Event] = []
+
+    def next(self) -> Event:
+        deadline = time.monotonic() + WAIT_S
+        while not self._buf:
+            self._buf += self.events.drain()
+            if self._buf:
+                break
+            left = deadline - time.monotonic()
+            assert left > 0, "no event came"
+            self.events.wake.poll(int(left * 1000) + 1)
+        return self._buf.pop(0)
+
+    def fetched(self) -> Fetched:
+        ev = self.next()
+        assert isinstance(ev, Fetched), ev
+        return ev
+
+
+@contextmanager
+def running(catalog: StepCatalog) -> Iterator[tuple[Fetcher, Inbox]]:
+    """A fetcher over ``catalog`` posting to a real event queue; everything closed even on failure."""
+    ctx = zmq.Context()
+    try:
+        events = EventQueue(ctx)
+        try:
+            fetcher = Fetcher(catalog, events)
+            try:
+                yield fetcher, Inbox(events)
+            finally:
+                fetcher.shutdown()
+        finally:
+            events.close()
+    finally:
+        ctx.term()
+
+
+def done_answer(step: int, path: str, source: str) -> dict[str, Any]:
+    return {"state": "done", "step": step, "path": path, "source": source, "error": None}
+
+
+class GatedStore(MemoryStore):
+    """A bucket whose ``get_file`` waits for :attr:`gate` (and sets :attr:`entered`): a download in progress."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def get_file(self, rel: str, path: str, progress: Progress | None = None) -> None:
+        self.entered.set()
+        if not self.gate.wait(WAIT_S):
+            raise CheckpointError(f"gate never opened for {rel}")
+        super().get_file(rel, path, progress)
+
+
+# ---------------------------------------------------------------------------- answers and waiters
+
+
+def test_local_step_answers_the_held_waiter_on_done(tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    write_step(root, JOB, 1)
+    path3 = write_step(root, JOB, 3)
+    store = MemoryStore()
+    with running(StepCatalog(root, store)) as (fetcher, inbox):
+        fid = fetcher.start(JOB, None)
+        assert fetcher.answers[fid]["state"] == "pending"
+        deadline = time.monotonic() + 600
+        # the main thread has not handled the Fetched event yet: the request is held, whatever the thread did
+        assert fetcher.wait(fid, b"client-1", 7, deadline) is None
+        assert len(fetcher.waiters) == 1
+        ev = inbox.fetched()
+        assert ev.fid == fid and ev.report is None
+        assert ev.answer == done_answer(3, path3, "local")  # the newest complete step, read in place
+        assert fetcher.done(ev) == [(Waiter(b"client-1", 7, deadline), ev.answer)]
+        assert len(fetcher.waiters) == 0
+        assert fid not in fetcher.answers  # answered: forgotten
+        with pytest.raises(ProtocolError, match=f"unknown fetch {fid}"):
+            fetcher.wait(fid, b"client-1", 8, deadline)
+    assert not any(op == "get" for op, _ in store.calls)  # a local step is not downloaded
+
+
+def test_wait_after_done_returns_the_answer_once(tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    path1 = write_step(root, JOB, 1)
+    write_step(root, JOB, 2)
+    with running(StepCatalog(root, MemoryStore())) as (fetcher, inbox):
+        fid = fetcher.start(JOB, 1)  # an older step, by number
+        ev = inbox.fetched()
+        assert fetcher.done(ev) == []  # nobody is waiting yet: the answer is kept
+        got = fetcher.wait(fid, b"c", 1, time.monotonic() + 600)
+        assert got == done_answer(1, path1, "local")
+        assert len(fetcher.waiters) == 0
+        with pytest.raises(ProtocolError, match="unknown fetch"):
+            fetcher.wait(fid, b"c", 2, time.monotonic() + 600)  # a client that lost it asks for a new fetch
+        assert fetcher.done(Fetched(999, done_answer(1, path1, "local"))) == []  # an event for no fetch is ignored
+        assert 999 not in fetcher.answers
+
+
+def test_due_answers_overdue_waiters_with_the_state_as_it_is(tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    path = write_step(root, JOB, 5)
+    with running(StepCatalog(root)) as (fetcher, inbox):  # no bucket: the local tier alone
+        fid = fetcher.start(JOB, None)
+        t0 = 1000.0  # deadlines and "now" are plain numbers: no clock involved
+        assert fetcher.wait(fid, b"early", 1, t0 + 5) is None
+        assert fetcher.wait(fid, b"late", 2, t0 + 100) is None
+        assert fetcher.due(t0) == []
+        overdue = fetcher.due(t0 + 5)
+        assert overdue == [(Waiter(b"early", 1, t0 + 5), {"state": "pending", "step": None, "path": None, "source": None, "error": None})]
+        assert len(fetcher.waiters) == 1
+        ev = inbox.fetched()
+        assert fetcher.done(ev) == [(Waiter(b"late", 2, t0 + 100), done_answer(5, path, "local"))]
+        assert fetcher.due(t0 + 1000) == []  # answered waiters are gone
+        assert fid not in fetcher.answers
+
+
+# ---------------------------------------------------------------------------- the bucket
+
+
+def test_step_only_in_the_bucket_is_downloaded(tmp_path: Path) -> None:
+    root, other = str(tmp_path / "root"), str(tmp_path / "other")
+    path2 = write_step(root, JOB, 2)
+    store = MemoryStore()
+    src = put_in_bucket(store, other, JOB, 4)  # newer than anything local: the node lost it
+    with running(StepCatalog(root, store)) as (fetcher, inbox):
+        fid = fetcher.start(JOB, None)
+        ev = inbox.fetched()
+        assert ev.fid == fid and ev.report is None
+        assert ev.answer == done_answer(4, step_dir(root, JOB, 4), "remote")
+        assert fetcher.progress() is None  # the download is over
+        fid2 = fetcher.start(JOB, 2)  # a step the root has is read in place
+        assert inbox.fetched().answer == done_answer(2, path2, "local")
+        assert fid2 != fid
+    got = step_dir(root, JOB, 4)
+    assert sorted(os.listdir(got)) == [MANIFEST, shard_name(0)]
+    with open(os.path.join(got, shard_name(0)), "rb") as a, open(os.path.join(src, shard_name(0)), "rb") as b:
+        assert a.read() == b.read()
+    assert latest_step(root, JOB) == (4, got)
+    assert not os.path.exists(fetch_dir(root, JOB, 4))
+
+
+def test_progress_names_the_download_in_flight(tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    store = GatedStore()
+    put_in_bucket(store, str(tmp_path / "other"), JOB, 4)
+    with running(StepCatalog(root, store)) as (fetcher, inbox):
+        try:
+            fetcher.start(JOB, 4)
+            assert store.entered.wait(WAIT_S), "the download never started"
+            assert fetcher.progress() == {"job": JOB, "step": 4, "bytes_done": 0}
+        finally:
+            store.gate.set()  # before shutdown(), which waits for the download
+        ev = inbox.fetched()
+        assert ev.answer["state"] == "done" and ev.answer["source"] == "remote"
+        assert fetcher.progress() is None
+
+
+def test_missing_step_fails_without_a_report(tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    write_step(root, JOB, 1)
+    store = MemoryStore()
+    put_in_bucket(store, str(tmp_path / "other"), JOB, 4)
+    with running(StepCatalog(root, store)) as (fetcher, inbox):
+        fetcher.start(JOB, 9)
+        ev = inbox.fetched()
+        assert ev.report is None  # a step that does not exist is the client's business, not the daemon's error
+        assert {k: v for k, v in ev.answer.items() if k != "error"} == {"state": "failed", "step": 9, "path": None, "source": None}
+        assert "step 9 of job 'j' is not a committed checkpoint" in ev.answer["error"] and store.url() in ev.answer["error"]
+        fetcher.start("nothing", None)
+        ev = inbox.fetched()
+        assert ev.report is None and ev.answer["state"] == "failed" and ev.answer["step"] is None
+        assert "job 'nothing' has no committed checkpoint" in ev.answer["error"]
+    assert not os.path.exists(step_dir(root, JOB, 9))
+
+
+@pytest.mark.parametrize(
+    "damage, problem",
+    [
+        ("flip", "checksum mismatch in tensor"),
+        ("truncate", "bytes, the manifest says"),
+        ("delete", "no such object"),
+    ],
+)
+def test_corrupt_bucket_object_fails_with_a_report(tmp_path: Path, damage: str, problem: str) -> None:
+    root = str(tmp_path / "root")
+    store = MemoryStore()
+    put_in_bucket(store, str(tmp_path / "other"), JOB, 4)
+    key = bucket_key(JOB, 4, shard_name(0))
+    data = store.objects[key]
+    if damage == "flip":
+        store.objects[key] = data[:-1] + bytes([data[-1] ^ 0xFF])  # the last tensor byte
+    elif damage == "truncate":
+        store.objects[key] = data[:-1]
+    else:
+        del store.objects[key]
+    with running(StepCatalog(root, store)) as (fetcher, inbox):
+        fetcher.start(JOB, None)
+        ev = inbox.fetched()
+        assert ev.answer["state"] == "failed" and ev.answer["path"] is None and ev.answer["source"] is None
+        assert problem in ev.answer["error"]
+        assert ev.report is not None and ev.report.startswith("fetch of job j step 4: ") and problem in ev.report
+    # nothing half-downloaded enters the root: later restores do not trip over it
+    assert not os.path.exists(step_dir(root, JOB, 4)) and not os.path.exists(fetch_dir(root, JOB, 4))
+    assert latest_step(root, JOB) == (None, None)
+
+
+# ---------------------------------------------------------------------------- check_store
+
+
+@pytest.mark.parametrize("bucket", ["usable", "closed", "none"])
+def test_check_store_reports_only_an_unusable_bucket(tmp_path: Path, bucket: str) -> None:
+    store = MemoryStore()
+    if bucket == "closed":
+        store.close()  # its check() raises CheckpointError
+    with running(StepCatalog(str(tmp_path / "root"), None if bucket == "none" else store)) as (fetcher, inbox):
+        fetcher.check_store()
+        fid = fetcher.start(JOB, None)  # the same single thread: its Fetched comes after any report of the check
+        first = inbox.next()
+        if bucket == "closed":
+            assert isinstance(first, ErrorReported)
+            assert first.message.startswith("object storage: ") and "mem://bucket/ is closed" in first.message
+            first = inbox.next()
+        assert isinstance(first, Fetched) and first.fid == fid
+
+
+# ---------------------------------------------------------------------------- bounded answers
+
+
+def test_answers_nobody_collected_are_bounded(tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    path = write_step(root, JOB, 1)
+    with running(StepCatalog(root)) as (fetcher, inbox):
+        held = fetcher.start(JOB, 1)
+        held_ev = inbox.fetched()  # not handed to done(): this fetch stays pending
+        finished = []
+        for _ in range(FETCHES_KEPT + 5):
+            finished.append(fetcher.start(JOB, 1))
+            assert fetcher.done(inbox.fetched()) == []  # the client never asks
+        newest = fetcher.start(JOB, 1)  # a new fetch drops the oldest uncollected answers
+        kept = [fid for fid, r in fetcher.answers.items() if r["state"] != "pending"]
+        assert kept == finished[5:]
+        assert held in fetcher.answers and newest in fetcher.answers  # pending fetches are never dropped
+        with pytest.raises(ProtocolError, match="unknown fetch"):
+            fetcher.wait(finished[0], b"c", 1, time.monotonic() + 600)
+        assert fetcher.wait(finished[-1], b"c", 2, time.monotonic() + 600) == done_answer(1, path, "local")
+        deadline = time.monotonic() + 600
+        assert fetcher.wait(held, b"c", 3, deadline) is None
+        assert fetcher.done(held_ev) == [(Waiter(b"c", 3, deadline), done_answer(1, path, "local"))]
+        assert inbox.fetched().fid == newest

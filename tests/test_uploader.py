@@ -1,0 +1,430 @@
+"""The upload thread (:class:`ckptd.daemon.uploader.Uploader`) in process, against the in-memory bucket
+of :mod:`doubles`: a single-node upload and its :class:`~ckptd.daemon.events.Uploaded`, failures that
+are reported without stopping the thread, skipping a queued step when a newer one of the same job is
+queued (unless ``keep_every`` keeps it, it belongs to another job, or it is multi-node), ``pending`` /
+``backlog`` while uploads are held, multi-node completion through the bucket and its commit timeout,
+bucket retention after each upload (sparing queued steps' partial uploads), start-up catch-up, and
+``close`` finishing the queue. Steps on local disk are written with ckptd's own writer."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from doubles import FaultyStore, MemoryStore
+
+from ckptd.daemon.events import Uploaded
+from ckptd.daemon.uploader import Uploader
+from ckptd.errors import CheckpointError
+from ckptd.format import build_layout
+from ckptd.layout import MANIFEST, bucket_key, parse_bucket_key, step_dir, tmp_dir
+from ckptd.storage.local import finalize_step, write_shard
+from ckptd.storage.remote import download_step, rank_files, remote_steps, upload_ranks, upload_step
+from ckptd.storage.store import Progress
+
+JOB = "j"
+WAIT_S = 30.0  # generous: only a broken uploader waits this long
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def write_rank(root: str, job: str, step: int, rank: int, world_size: int) -> None:
+    """Rank ``rank``'s shard of a step into ``step-N.tmp`` (row ``rank`` of ``model/w``; rank 0 also holds ``model/b``)."""
+    tensors = {"model/w": torch.full((1, 4), float(100 * step + rank), dtype=torch.float32)}
+    items = [("model/w", "model/w", torch.float32, (1, 4), (world_size, 4), (rank, 0))]
+    if rank == 0:
+        tensors["model/b"] = torch.arange(3, dtype=torch.int16) + step
+        items.append(("model/b", "model/b", torch.int16, (3,), (3,), (0,)))
+    layout = build_layout(items)
+    buf = bytearray(layout.file_size)
+    buf[: layout.data_start] = layout.header
+    for c in layout.chunks:
+        buf[layout.data_start + c.begin : layout.data_start + c.end] = tensors[c.name].numpy().tobytes()
+    write_shard(root, job, step, rank, world_size, memoryview(buf), len(buf), {"step": step})
+
+
+def write_step(root: str, job: str, step: int) -> str:
+    """A complete single-rank step under ``root``; returns its directory."""
+    write_rank(root, job, step, 0, 1)
+    return finalize_step(root, job, step, 1)
+
+
+def local_size(d: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, n)) for n in os.listdir(d))
+
+
+def put_steps(store: MemoryStore, job: str = JOB) -> set[int]:
+    """The steps of ``job`` any object was ever written for."""
+    return {p[0] for op, k in store.calls if op == "put" and (p := parse_bucket_key(job, k)) is not None}
+
+
+class Results:
+    """The ``done`` callback: records every :class:`Uploaded`, in order; ``fail_first`` makes the first call raise."""
+
+    def __init__(self, fail_first: bool = False) -> None:
+        self.items: list[Uploaded] = []
+        self._fail_first = fail_first
+        self._cv = threading.Condition()
+
+    def __call__(self, res: Uploaded) -> None:
+        with self._cv:
+            self.items.append(res)
+            self._cv.notify_all()
+            if self._fail_first and len(self.items) == 1:
+                raise RuntimeError("the loop is gone")
+
+    def wait(self, n: int) -> list[Uploaded]:
+        with self._cv:
+            assert self._cv.wait_for(lambda: len(self.items) >= n, WAIT_S), f"only {len(self.items)} of {n} uploads reported"
+            return list(self.items)
+
+    def steps(self) -> list[tuple[str, int]]:
+        with self._cv:
+            return [(r.job, r.step) for r in self.items]
+
+
+class GatedStore(MemoryStore):
+    """A bucket whose ``put_file`` waits for :attr:`gate`: the first upload stays in progress (and
+    :attr:`entered` is set) until the test has queued what it wants behind it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def put_file(self, rel: str, path: str, progress: Progress | None = None) -> None:
+        self.entered.set()
+        if not self.gate.wait(WAIT_S):
+            raise CheckpointError(f"gate never opened for {rel}")
+        super().put_file(rel, path, progress)
+
+
+def make_uploader(
+    store: Any,
+    root: str,
+    done: Callable[[Uploaded], None],
+    *,
+    keep: int = 0,
+    keep_every: int = 0,
+    commit_timeout: float = WAIT_S,
+    initializer: Callable[[], None] | None = None,
+) -> Uploader:
+    return Uploader(store, root, done, keep=keep, keep_every=keep_every, commit_timeout=commit_timeout, initializer=initializer)
+
+
+def hold_first_upload(up: Uploader, store: GatedStore, job: str, step: int) -> None:
+    """Submit ``step`` and wait until its upload is in progress (held at the gate)."""
+    up.submit(job, step, 1)
+    assert store.entered.wait(WAIT_S), "the first upload never started"
+
+
+# ---------------------------------------------------------------------------- single node
+
+
+def test_single_node_upload_reports_uploaded_and_copies_every_file(tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    d = write_step(root, JOB, 1)
+    store, results, threads = MemoryStore(), Results(), []
+    up = make_uploader(store, root, results, initializer=lambda: threads.append(threading.current_thread().name))
+    try:
+        up.submit(JOB, 1, 1)
+        (res,) = results.wait(1)
+    finally:
+        up.close()
+    assert res == Uploaded(JOB, 1, None, local_size(d), res.seconds, True, False, store.url("j/step-1"))
+    assert res.seconds >= 0
+    assert threads == ["ckptd-upload"]  # the initializer ran once, on the upload thread
+    for name in os.listdir(d):
+        with open(os.path.join(d, name), "rb") as f:
+            assert store.objects[bucket_key(JOB, 1, name)] == f.read()
+    puts = [k for op, k in store.calls if op == "put"]
+    assert puts[-1] == bucket_key(JOB, 1, MANIFEST)  # the manifest last: the step is never seen half-uploaded
+    assert remote_steps(store, JOB) == ([1], [])
+    assert up.pending(JOB) == set() and up.backlog() == [] and up.current is None
+
+
+def test_failed_upload_is_reported_and_the_thread_goes_on(tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    write_step(root, JOB, 1)
+    write_step(root, JOB, 2)
+    mem = MemoryStore()
+    store = FaultyStore(mem, put_file=[2])  # step 1's third file: its manifest
+    results = Results()
+    up = make_uploader(store, root, results)
+    try:
+        up.submit(JOB, 1, 1)
+        first = results.wait(1)[0]
+        assert first.job == JOB and first.step == 1
+        assert first.error is not None and "injected failure" in first.error and MANIFEST in first.error
+        assert not first.complete and not first.multi_node
+        assert remote_steps(mem, JOB) == ([], [1])  # data without a manifest: not a checkpoint
+        up.submit(JOB, 2, 1)
+        second = results.wait(2)[1]
+    finally:
+        up.close()
+    assert second.step == 2 and second.error is None and second.complete
+    # step 1's partial upload is older than the newest complete step: retention removes it
+    assert remote_steps(mem, JOB) == ([2], [])
+
+
+def test_a_raising_done_callback_does_not_stop_the_thread(tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    write_step(root, JOB, 1)
+    write_step(root, "other", 1)
+    results = Results(fail_first=True)
+    up = make_uploader(MemoryStore(), root, results)
+    try:
+        up.submit(JOB, 1, 1)
+        results.wait(1)
+        up.submit("other", 1, 1)
+        got = results.wait(2)
+    finally:
+        up.close()
+    assert [(r.job, r.step, r.error) for r in got] == [(JOB, 1, None), ("other", 1, None)]
+
+
+# ---------------------------------------------------------------------------- skipping queued steps
+
+
+def test_queued_step_skipped_when_a_newer_one_of_the_job_is_queued(tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    for s in (1, 2, 3, 4):
+        write_step(root, JOB, s)
+    store, results = GatedStore(), Results()
+    up = make_uploader(store, root, results)
+    try:
+        hold_first_upload(up, store, JOB, 1)
+        for s in (2, 3, 4):
+            up.submit(JOB, s, 1)
+        assert up.current is not None and (up.current.job, up.current.step) == (JOB, 1)
+        assert up.backlog() == [(JOB, 2), (JOB, 3), (JOB, 4)]
+        assert up.pending(JOB) == {1, 2, 3, 4}  # local retention leaves queued and uploading steps alone
+        assert up.pending("other") == set()
+        store.gate.set()
+    finally:
+        store.gate.set()
+        up.close()
+    assert results.steps() == [(JOB, 1), (JOB, 4)]
+    assert all(r.error is None and r.complete for r in results.items)
+    assert put_steps(store) == {1, 4}  # nothing of the skipped steps reached the bucket
+    assert remote_steps(store, JOB) == ([1, 4], [])
+    assert up.pending(JOB) == set() and up.backlog() == []
+
+
+def test_keep_every_steps_and_other_jobs_are_not_skipped(tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    for s in (1, 2, 3, 5):
+        write_step(root, "a", s)
+    write_step(root, "b", 1)
+    store, results = GatedStore(), Results()
+    up = make_uploader(store, root, results, keep=1, keep_every=2)
+    try:
+        hold_first_upload(up, store, "a", 1)
+        for job, s in (("a", 2), ("a", 3), ("b", 1), ("a", 5)):
+            up.submit(job, s, 1)
+        store.gate.set()
+    finally:
+        store.gate.set()
+        up.close()
+    # a2: kept forever by keep_every; a3: a newer step of "a" is queued; b1: no newer step of "b"
+    assert results.steps() == [("a", 1), ("a", 2), ("b", 1), ("a", 5)]
+    assert all(r.error is None for r in results.items)
+    assert put_steps(store, "a") == {1, 2, 5}
+    assert remote_steps(store, "a") == ([2, 5], []) and remote_steps(store, "b") == ([1], [])
+
+
+def test_multi_node_step_is_never_skipped(tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    write_step(root, JOB, 1)
+    write_rank(root, JOB, 2, 0, 1)  # this node's part of step 2, durable in step-2.tmp (one rank: completes at once)
+    write_step(root, JOB, 3)
+    store, results = GatedStore(), Results()
+    up = make_uploader(store, root, results)
+    try:
+        hold_first_upload(up, store, JOB, 1)
+        up.submit(JOB, 2, 1, ranks=[0])
+        up.submit(JOB, 3, 1)
+        store.gate.set()
+    finally:
+        store.gate.set()
+        up.close()
+    assert results.steps() == [(JOB, 1), (JOB, 2), (JOB, 3)]
+    two = results.items[1]
+    assert two.error is None and two.complete and two.multi_node and two.url == store.url("j/step-2")
+    assert remote_steps(store, JOB) == ([1, 2, 3], [])
+    assert not os.path.exists(tmp_dir(root, JOB, 2))  # the bucket holds it now
+
+
+# ---------------------------------------------------------------------------- multi node
+
+
+def test_two_nodes_complete_a_step_in_the_bucket(tmp_path: Path) -> None:
+    roots = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    for rank, root in enumerate(roots):
+        write_rank(root, JOB, 7, rank, 2)
+    store = MemoryStore()
+    results = [Results(), Results()]
+    ups = [make_uploader(store, root, res) for root, res in zip(roots, results)]
+    try:
+        for rank, up in enumerate(ups):
+            up.submit(JOB, 7, 2, ranks=[rank])
+        got = [res.wait(1)[0] for res in results]
+    finally:
+        for up in ups:
+            up.close()
+    for res in got:
+        assert (res.job, res.step, res.error, res.complete, res.multi_node) == (JOB, 7, None, True, True)
+        assert res.url == store.url("j/step-7") and res.nbytes > 0
+    for root in roots:
+        assert not os.path.exists(tmp_dir(root, JOB, 7))
+    assert remote_steps(store, JOB) == ([7], [])
+    # every rank's files were put once each, its shard before its fragment
+    for rank in (0, 1):
+        keys = [k for op, k in store.calls if op == "put" and k != bucket_key(JOB, 7, MANIFEST)]
+        mine = [k for k in keys if f"rank-{rank:05d}" in k]
+        assert mine == [bucket_key(JOB, 7, n) for n in rank_files([rank])]
+    # the merged step is a sound checkpoint: it downloads (every checksum verified) into a fresh root
+    path = download_step(store, str(tmp_path / "fresh"), JOB, 7)
+    assert path == step_dir(str(tmp_path / "fresh"), JOB, 7) and os.path.exists(os.path.join(path, MANIFEST))
+
+
+def test_multi_node_step_times_out_naming_the_step(tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    write_rank(root, JOB, 7, 0, 2)  # rank 1's node never uploads
+    store, results = MemoryStore(), Results()
+    up = make_uploader(store, root, results, commit_timeout=0.5)
+    try:
+        up.submit(JOB, 7, 2, ranks=[0])
+        (res,) = results.wait(1)
+    finally:
+        up.close()
+    assert res.job == JOB and res.step == 7 and not res.complete and res.multi_node
+    assert res.error is not None and "step 7 of job j" in res.error and "not every rank" in res.error
+    assert not store.exists(bucket_key(JOB, 7, MANIFEST))
+    assert remote_steps(store, JOB) == ([], [7])
+    assert os.path.isdir(tmp_dir(root, JOB, 7))  # this node's part is kept: the step is not in the bucket
+    assert up.pending(JOB) == set()
+
+
+def test_inconsistent_fragments_fail_the_multi_node_step(tmp_path: Path) -> None:
+    """try_complete's CheckpointError (here: rank 1's fragment without its shard) is the step's error."""
+    roots = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    for rank, root in enumerate(roots):
+        write_rank(root, JOB, 7, rank, 2)
+    store, results = MemoryStore(), Results()
+    store.put_file(bucket_key(JOB, 7, rank_files([1])[1]), os.path.join(tmp_dir(roots[1], JOB, 7), rank_files([1])[1]))
+    up = make_uploader(store, roots[0], results)
+    try:
+        up.submit(JOB, 7, 2, ranks=[0])
+        (res,) = results.wait(1)
+    finally:
+        up.close()
+    assert res.error is not None and "rank 1's fragment is in the bucket but its shard is not" in res.error
+    assert not res.complete and res.multi_node
+
+
+# ---------------------------------------------------------------------------- retention and catch-up
+
+
+def test_bucket_retention_after_each_upload(tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    for s in range(1, 6):
+        write_step(root, JOB, s)
+    store, results = MemoryStore(), Results()
+    store.put_bytes(bucket_key(JOB, 0, "rank-00000.safetensors"), b"left by a crash")  # a stale partial upload
+    seen = []
+    up = make_uploader(store, root, results, keep=1, keep_every=2)
+    try:
+        for s in range(1, 6):
+            up.submit(JOB, s, 1)
+            results.wait(s)
+            seen.append(remote_steps(store, JOB))
+    finally:
+        up.close()
+    # keep=1: the newest step; keep_every=2: every 2nd step forever; the stale partial step 0 went with the first upload
+    assert seen == [([1], []), ([2], []), ([2, 3], []), ([2, 4], []), ([2, 4, 5], [])]
+    assert [op for op, k in store.calls if k.startswith("j/step-0/") and op != "list"] == ["put", "delete"]
+
+
+def test_retention_spares_the_partial_upload_of_a_queued_step(tmp_path: Path) -> None:
+    here, there = str(tmp_path / "node0"), str(tmp_path / "node1")
+    for s in (3, 5):
+        write_rank(here, JOB, s, 0, 2)
+        write_rank(there, JOB, s, 1, 2)
+    store, results = GatedStore(), Results()
+    store.gate.set()
+    for s in (3, 5):  # the other node's part of both steps is in the bucket already
+        upload_ranks(store, tmp_dir(there, JOB, s), JOB, s, [1])
+    store.gate.clear()
+    store.entered.clear()
+    up = make_uploader(store, here, results, commit_timeout=5.0)
+    try:
+        up.submit(JOB, 5, 2, ranks=[0])
+        assert store.entered.wait(WAIT_S)
+        up.submit(JOB, 3, 2, ranks=[0])  # queued while step 5 uploads: 3 is older than the newest complete step
+        store.gate.set()
+        got = results.wait(2)
+        after5 = got[0]
+    finally:
+        store.gate.set()
+        up.close()
+    assert [(r.step, r.error, r.complete) for r in got] == [(5, None, True), (3, None, True)]
+    assert after5.multi_node
+    # step 3 completed although step 5's retention ran while only rank 1 of it was in the bucket
+    assert remote_steps(store, JOB) == ([3, 5], [])
+    assert not any(op == "delete" for op, _ in store.calls)
+
+
+def test_catch_up_queues_newest_and_forever_steps_and_skips_those_in_the_bucket(tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    for s in range(1, 6):
+        write_step(root, JOB, s)
+    store, results = MemoryStore(), Results()
+    upload_step(store, step_dir(root, JOB, 4), JOB, 4)  # a previous run uploaded step 4
+    before = len(store.calls)
+    up = make_uploader(store, root, results, keep=1, keep_every=2)
+    try:
+        up.catch_up(JOB, [1, 2, 3, 4, 5])
+        got = results.wait(3)
+        up.catch_up("empty", [])  # a job without complete steps queues nothing
+    finally:
+        up.close()
+    assert [(r.step, r.error, r.complete) for r in got] == [(2, None, True), (4, None, True), (5, None, True)]
+    assert got[0].nbytes == local_size(step_dir(root, JOB, 2)) and got[2].nbytes == local_size(step_dir(root, JOB, 5))
+    assert got[1].nbytes == 0 and got[1].url == store.url("j/step-4")  # already there: not sent again
+    assert not got[1].multi_node
+    new_puts = {p[0] for op, k in store.calls[before:] if op == "put" and (p := parse_bucket_key(JOB, k)) is not None}
+    assert new_puts == {2, 5}
+    assert remote_steps(store, JOB) == ([2, 4, 5], [])
+    assert len(results.items) == 3
+
+
+# ---------------------------------------------------------------------------- close
+
+
+def test_close_finishes_the_upload_in_progress_and_the_queue(tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    for job in ("a", "b", "c"):
+        write_step(root, job, 1)
+    store, results = GatedStore(), Results()
+    up = make_uploader(store, root, results)
+    closer = threading.Thread(target=up.close, daemon=True)
+    try:
+        hold_first_upload(up, store, "a", 1)
+        up.submit("b", 1, 1)
+        up.submit("c", 1, 1)
+        closer.start()  # close while "a" is uploading and "b", "c" are queued
+        store.gate.set()
+        closer.join(WAIT_S)
+        assert not closer.is_alive(), "close() did not return"
+    finally:
+        store.gate.set()
+        up.close()
+    assert results.steps() == [("a", 1), ("b", 1), ("c", 1)]
+    assert all(r.error is None and r.complete for r in results.items)
+    assert remote_steps(store, "b") == ([1], []) and remote_steps(store, "c") == ([1], [])
