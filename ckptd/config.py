@@ -50,7 +50,7 @@ def validate_job(job: object) -> str:
     Job names become directory names under the daemon's root, so anything that could escape it
     (``..``, ``/``, empty, control characters) is refused.
     """
-    if not isinstance(job, str) or not _JOB_RE.match(job) or ".." in job:
+    if not isinstance(job, str) or not _JOB_RE.fullmatch(job) or ".." in job:
         raise ValueError(f"invalid job name {job!r}: use 1-128 of [A-Za-z0-9._-], starting with a letter or digit, no '..'")
     return job
 
@@ -95,11 +95,12 @@ def parse_size(text: str) -> int:
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
     t = text.strip().lower().removesuffix("b").removesuffix("i")
     try:
-        if t and t[-1] in units:
-            return int(float(t[:-1]) * units[t[-1]])
-        return int(t)
-    except ValueError:
-        raise ValueError(f"not a size: {text!r} (use e.g. 8G, 512M)") from None
+        n = int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+    except (ValueError, OverflowError):
+        n = -1
+    if n < 0:
+        raise ValueError(f"not a size: {text!r} (use e.g. 8G, 512M)")
+    return n
 
 
 # ---------------------------------------------------------------------------- the daemon's settings
@@ -216,8 +217,11 @@ def daemon_config(flags: dict[str, Any] | None = None, config_file: str | None =
     cfg.update({k: v for k, v in (flags or {}).items() if v is not None})
     if not cfg.get("root"):
         raise ValueError("no checkpoint root: give --root, root in --config, or CKPTD_ROOT")
-    if int(cfg["keep"]) < 1:
-        raise ValueError("keep must be >= 1")
+    for key, least in (("keep", 1), ("workers", 1), ("shm_budget", 1), ("write_rate_limit", 0), ("metrics_port", 0)):
+        if cfg.get(key) is not None and cfg[key] < least:
+            raise ValueError(f"{key} must be >= {least}")
+    if not 0 <= cfg["metrics_port"] <= 65535:
+        raise ValueError(f"metrics_port must be a TCP port (0 = off), got {cfg['metrics_port']}")
     if cfg.get("group") is not None:
         from .daemon.access import resolve_group
         from .errors import CheckpointError
