@@ -84,11 +84,19 @@ def recover(
     jobs: list[str],
     persist: Callable[[Slot], None],
 ) -> None:
-    """Everything above, then ``persist`` each adopted slot."""
+    """Everything above, then ``persist`` each adopted slot whose step is still incomplete; the slots of
+    a step finalized just now from the fragments on disk are dropped and the step is durable."""
     adopt_segments(pool, steps, root)
     for job in jobs:
         for step in partial_steps(root, job):
             finish_partial_step(root, job, step, steps, persister, uploader)
     for slot in pool:
-        if slot.state is SlotState.COMMITTED:
+        if slot.state is not SlotState.COMMITTED:
+            continue
+        job, step = (slot.lease or {})["job"], (slot.lease or {})["step"]
+        path = step_dir(root, job, step)
+        if is_complete(path):  # every fragment was on disk: the previous run died just before finalizing
+            steps.complete((job, step), path)
+            pool.unlink(slot)
+        else:
             persist(slot)

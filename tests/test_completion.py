@@ -1,0 +1,452 @@
+"""The persist path without the daemon's socket: :class:`~ckptd.daemon.persister.Persister` (a committed
+slot's shard written by a worker thread, a ``ShardPersisted`` event posted, the step finalized once every
+rank's fragment is on disk, local retention with protected steps, a multi-node step's part reported
+once, errors reported as events) driven by :class:`~ckptd.daemon.completion.Completion` (in-flight
+counts, durable and failed steps, the catalog, waiters answered once, superseded steps, removal of a
+failed step's partial directory once nothing of it is in flight).
+
+The components are wired by hand as ``ckptd.daemon.server`` wires them, over real /dev/shm segments
+(each test's own namespace, unlinked at teardown) and a real root under ``tmp_path``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import zmq
+
+from ckptd import shm
+from ckptd.daemon.catalog import StepCatalog
+from ckptd.daemon.completion import Completion
+from ckptd.daemon.events import EventQueue, ShardPersisted
+from ckptd.daemon.persister import Persister
+from ckptd.daemon.slots import Slot, SlotPool, SlotState
+from ckptd.daemon.status import Counters
+from ckptd.daemon.steps import StepState, StepTable
+from ckptd.daemon.waiters import Waiter
+from ckptd.format import build_layout, read_manifest
+from ckptd.layout import MANIFEST, fragment_name, fragments_present, shard_name, step_dir, tmp_dir
+from ckptd.storage.local import latest_step, read_latest
+from ckptd.tools.verify import verify_checkpoint
+
+MiB = 1 << 20
+JOB = "j"
+TIMEOUT_S = 30.0  # generous: a worker thread writes a few KiB
+
+
+# ---------------------------------------------------------------------------- shards
+
+
+def rank_tensors(step: int, rank: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s state at ``step``: a row block of a shared weight and a per-rank counter."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return {"model/w": torch.randn(4, 3, generator=g), f"extra/{rank}/n": torch.arange(5, dtype=torch.int64) + 10 * step + rank}
+
+
+def shard(step: int, rank: int, world_size: int, *, row: int | None = None) -> bytes:
+    """A real shard file: header from ``build_layout``, then the tensors' bytes in layout order.
+    ``row`` places the weight block (default: the rank's own rows)."""
+    ts = rank_tensors(step, rank)
+    w, n = ts["model/w"], ts[f"extra/{rank}/n"]
+    row = rank if row is None else row
+    layout = build_layout(
+        [
+            ("model/w", "model/w", w.dtype, tuple(w.shape), (4 * world_size, 3), (4 * row, 0)),
+            (f"extra/{rank}/n", f"extra/{rank}/n", n.dtype, tuple(n.shape), tuple(n.shape), (0,)),
+        ]
+    )
+    data = layout.header + b"".join(ts[c.name].numpy().tobytes() for c in layout.chunks)
+    assert len(data) == layout.file_size
+    return data
+
+
+def tree(rank: int) -> bytes:
+    return json.dumps({"model": {"w": {"__ckptd__": "tensor", "key": "model/w"}}, "rank": rank}).encode()
+
+
+# ---------------------------------------------------------------------------- the rig
+
+
+class FakeUploader:
+    """Records what Completion and the Persister's ``protect`` ask of an uploader; uploads nothing."""
+
+    def __init__(self) -> None:
+        self.submitted: list[tuple[str, int, int, list[int] | None]] = []
+
+    def submit(self, job: str, step: int, world_size: int, ranks: list[int] | None = None, *, catch_up: bool = False) -> None:
+        self.submitted.append((job, step, world_size, ranks))
+
+    def pending(self, job: str) -> set[int]:
+        return set()
+
+
+class Rig:
+    """SlotPool, StepTable, StepCatalog, Persister, Completion and EventQueue, wired as the server does."""
+
+    def __init__(
+        self,
+        root: str,
+        *,
+        workers: int = 2,
+        keep: int = 0,
+        protect: Callable[[str], set[int]] = lambda job: set(),
+        uploader: FakeUploader | None = None,
+    ) -> None:
+        self.root = root
+        self.ctx = zmq.Context()
+        self.events = EventQueue(self.ctx)
+        self.counters = Counters()
+        self.pool = SlotPool(shm.namespace(root), 64 * MiB)
+        self.catalog = StepCatalog(root)
+        self.steps = StepTable(self.catalog.complete_path)
+        self.persister = Persister(root, self.events, workers=workers, keep=keep, protect=protect)
+        self.uploader = uploader
+        self.answers: list[tuple[Waiter, dict[str, Any]]] = []
+        self.completion = Completion(
+            root,
+            self.steps,
+            self.catalog,
+            self.persister,
+            uploader,
+            self.counters,
+            self.events,
+            self.answers.extend,  # type: ignore[arg-type]
+        )
+
+    def commit(self, step: int, rank: int, world_size: int, data: bytes, *, lws: int | None = None, raw_tree: bytes | None = None) -> Slot:
+        """Lease a slot, fill it with ``data`` and commit it as ``Daemon._op_commit`` does."""
+        lws = world_size if lws is None else lws
+        slot = self.pool.lease({"job": JOB, "rank": rank, "world_size": world_size, "step": step, "nbytes": len(data), "pid": os.getpid()})
+        assert slot is not None
+        with open(shm.path_of(slot.name), "r+b") as f:
+            f.write(data)
+        record = {"job": JOB, "rank": rank, "world_size": world_size, "local_world_size": lws, "step": step, "nbytes": len(data)}
+        record["replicas"] = {}
+        raw = tree(rank) if raw_tree is None else raw_tree
+        shm.write_record(slot.name, record, tree=raw)
+        record["tree"] = raw
+        self.pool.commit(slot, record)
+        key = (JOB, step)
+        track = self.steps.check_commit(key, rank, world_size, lws)
+        self.steps.record_commit(key, track, rank, lws)
+        self.completion.persist(slot)
+        return slot
+
+    def collect(self, n: int) -> list[ShardPersisted]:
+        """Wait for ``n`` events from the persist threads without handling them."""
+        out: list[ShardPersisted] = []
+        deadline = time.monotonic() + TIMEOUT_S
+        while len(out) < n:
+            left = deadline - time.monotonic()
+            assert left > 0, f"only {len(out)} of {n} ShardPersisted events within {TIMEOUT_S} s: {out}"
+            if self.events.wake.poll(int(min(left, 0.5) * 1000)):
+                for ev in self.events.drain():
+                    assert isinstance(ev, ShardPersisted)
+                    out.append(ev)
+        assert len(out) == n, f"more events than shards: {out}"
+        return out
+
+    def handle(self, ev: ShardPersisted) -> None:
+        """What ``Daemon._on_persisted`` does with one event."""
+        slot = self.pool.get(ev.segment)
+        if slot is not None:
+            self.pool.persisted(slot, (ev.job, ev.step, ev.rank) if ev.error is None else None)
+        self.completion.on_persisted(ev)
+
+    def pump(self, n: int) -> list[ShardPersisted]:
+        """Wait for ``n`` events and handle each as the daemon's loop does."""
+        evs = self.collect(n)
+        for ev in evs:
+            self.handle(ev)
+        return evs
+
+    def wait(self, step: int, ident: bytes = b"w", req_id: int = 1) -> dict[str, Any] | None:
+        return self.steps.wait((JOB, step), ident, req_id, time.monotonic() + 3600)
+
+    def answered(self, step: int) -> list[dict[str, Any]]:
+        return [fields for w, fields in self.answers if w.ident == f"w{step}".encode()]
+
+    def close(self) -> None:
+        try:
+            self.persister.shutdown()
+        finally:
+            for slot in self.pool:
+                if slot.mapping is not None:
+                    slot.mapping.close()
+                    slot.mapping = None
+            self.events.close()
+            self.ctx.term()
+
+
+@pytest.fixture
+def make_rig(tmp_path: Path) -> Iterator[Callable[..., Rig]]:
+    root = str(tmp_path / "root")
+    os.makedirs(root)
+    made: list[Rig] = []
+
+    def make(**kw: Any) -> Rig:
+        rig = Rig(root, **kw)
+        made.append(rig)
+        return rig
+
+    try:
+        yield make
+    finally:
+        try:
+            for rig in made:
+                rig.close()
+        finally:
+            for name in shm.list_segments(shm.namespace(root)):
+                shm.unlink(name)
+
+
+def read_chunk(step_path: str, manifest: dict[str, Any], key: str, rank: int) -> bytes:
+    """The bytes the manifest places for ``rank``'s chunk of tensor ``key``."""
+    (c,) = [c for c in manifest["tensors"][key]["chunks"] if c["file"] == shard_name(rank)]
+    with open(os.path.join(step_path, c["file"]), "rb") as f:
+        f.seek(c["byte_range"][0])
+        return f.read(c["byte_range"][1] - c["byte_range"][0])
+
+
+# ---------------------------------------------------------------------------- one node
+
+
+def test_every_ranks_shard_persisted_makes_the_step_durable(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig(uploader=FakeUploader())
+    slots = [rig.commit(3, r, 2, shard(3, r, 2)) for r in range(2)]
+    assert rig.wait(3, ident=b"w3") is None  # held: the step is pending until its events are handled
+    assert rig.steps.get((JOB, 3)).inflight == 2
+    evs = rig.pump(2)
+
+    path = step_dir(rig.root, JOB, 3)
+    assert sorted(ev.rank for ev in evs) == [0, 1] and all(ev.error is None for ev in evs)
+    (last,) = [ev for ev in evs if ev.path is not None]  # exactly one shard completed the step
+    assert last.path == path and last.manifest == read_manifest(path)
+    assert verify_checkpoint(path) == []
+    assert not os.path.exists(tmp_dir(rig.root, JOB, 3))
+    assert read_latest(rig.root, JOB) == 3 and latest_step(rig.root, JOB) == (3, path)
+    manifest = read_manifest(path)
+    assert manifest["world_size"] == 2 and sorted(manifest["files"]) == [shard_name(0), shard_name(1)]
+    assert [r["tree"] for r in manifest["ranks"]] == [json.loads(tree(0)), json.loads(tree(1))]
+    for r in range(2):
+        assert read_chunk(path, manifest, "model/w", r) == rank_tensors(3, r)["model/w"].numpy().tobytes()
+        assert read_chunk(path, manifest, f"extra/{r}/n", r) == rank_tensors(3, r)[f"extra/{r}/n"].numpy().tobytes()
+
+    track = rig.steps.get((JOB, 3))
+    assert track.state is StepState.DURABLE and track.path == path and track.inflight == 0
+    mem = rig.catalog.in_memory(JOB)
+    assert mem is not None and (mem.step, mem.path) == (3, path) and mem.manifest == manifest
+    assert rig.answered(3) == [{"state": "durable", "path": path, "error": None}]
+    assert rig.uploader.submitted == [(JOB, 3, 2, None)]
+    assert rig.counters.steps_committed == 1 and rig.counters.errors == 0
+    assert rig.counters.persisted_bytes == sum(len(shard(3, r, 2)) for r in range(2))
+    for r, slot in enumerate(slots):  # freed, still holding the persisted shard for hot restores
+        assert slot.state is SlotState.FREE and slot.holds == (JOB, 3, r)
+        assert shm.read_record(slot.name) is None
+    assert set(rig.pool.held(JOB, 3)) == {0, 1}
+
+
+def test_a_step_stays_pending_until_every_rank_persisted(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig()
+    rig.commit(4, 1, 3, shard(4, 1, 3))
+    assert rig.wait(4, ident=b"w4") is None
+    (ev,) = rig.pump(1)
+    assert ev.error is None and ev.path is None and ev.manifest is None and ev.node_ranks is None
+    track = rig.steps.get((JOB, 4))
+    assert track.state is StepState.PENDING and track.inflight == 0
+    assert fragments_present(rig.root, JOB, 4) == {1}
+    assert os.path.exists(os.path.join(tmp_dir(rig.root, JOB, 4), shard_name(1)))
+    assert not os.path.exists(step_dir(rig.root, JOB, 4)) and read_latest(rig.root, JOB) is None
+    assert rig.answers == [] and rig.catalog.in_memory(JOB) is None and rig.counters.steps_committed == 0
+
+    for r in (0, 2):
+        rig.commit(4, r, 3, shard(4, r, 3))
+    rig.pump(2)
+    assert rig.steps.get((JOB, 4)).state is StepState.DURABLE
+    assert verify_checkpoint(step_dir(rig.root, JOB, 4)) == []
+    assert rig.answered(4) == [{"state": "durable", "path": step_dir(rig.root, JOB, 4), "error": None}]
+
+
+def test_local_retention_keeps_the_newest_and_the_protected_steps(make_rig: Callable[..., Rig]) -> None:
+    protected = {1}
+    rig = make_rig(keep=1, protect=lambda job: set(protected) if job == JOB else set())
+    for step in (1, 2, 3):
+        rig.commit(step, 0, 1, shard(step, 0, 1))
+        rig.pump(1)
+    assert not os.path.exists(step_dir(rig.root, JOB, 2))  # neither newest nor protected
+    for step in (1, 3):
+        assert verify_checkpoint(step_dir(rig.root, JOB, step)) == []
+    assert latest_step(rig.root, JOB) == (3, step_dir(rig.root, JOB, 3))
+
+    protected.clear()  # step 1 uploaded: the next step's retention may remove it
+    rig.commit(4, 0, 1, shard(4, 0, 1))
+    rig.pump(1)
+    assert [s for s in range(1, 5) if os.path.isdir(step_dir(rig.root, JOB, s))] == [4]
+    assert rig.counters.steps_committed == 4
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+def test_a_garbage_shard_fails_its_step_and_the_partial_directory_goes_once_nothing_is_in_flight(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig(workers=1)
+    rig.commit(5, 0, 2, shard(5, 0, 2))
+    rig.commit(5, 1, 2, b"\xff" * 4096)  # no shard header
+    assert rig.wait(5, ident=b"w5", req_id=1) is None
+    assert rig.wait(5, ident=b"w5", req_id=2) is None
+    evs = {ev.rank: ev for ev in rig.collect(2)}  # both written; handled in the order that matters here
+    assert evs[0].error is None and evs[0].path is None
+    assert evs[1].error and evs[1].nbytes == 0 and evs[1].path is None
+    assert rig.steps.get((JOB, 5)).inflight == 2
+
+    rig.handle(evs[1])  # the failure first: rank 0's shard still counts as being written
+    track = rig.steps.get((JOB, 5))
+    assert track.state is StepState.FAILED and track.error == evs[1].error and track.inflight == 1
+    assert os.path.isdir(tmp_dir(rig.root, JOB, 5))  # not removed under a shard in flight
+    assert sorted(w.req_id for w, _ in rig.answers) == [1, 2]
+    assert all(fields == {"state": "failed", "path": None, "error": evs[1].error} for _, fields in rig.answers)
+    assert rig.counters.errors == 1 and evs[1].error in (rig.counters.last_error or "")
+    assert rig.pool.get(evs[1].segment).holds is None
+
+    rig.handle(evs[0])
+    assert track.inflight == 0 and track.state is StepState.FAILED  # the first outcome stands
+    assert not os.path.exists(tmp_dir(rig.root, JOB, 5)) and not os.path.exists(step_dir(rig.root, JOB, 5))
+    assert len(rig.answers) == 2  # each waiter answered once
+    assert rig.counters.errors == 1 and rig.counters.steps_committed == 0
+
+    # the worker thread survived: the next step persists
+    rig.commit(6, 0, 1, shard(6, 0, 1))
+    (ev,) = rig.pump(1)
+    assert ev.error is None and verify_checkpoint(step_dir(rig.root, JOB, 6)) == []
+
+
+@pytest.mark.parametrize(
+    "raw_tree, message",
+    [(b"{not json", "not valid JSON"), (b"[1, 2]", "not a JSON object"), (b'"\xff"', "not valid JSON")],
+    ids=["syntax", "array", "bad-utf8"],
+)
+def test_a_malformed_tree_is_an_error_event(make_rig: Callable[..., Rig], raw_tree: bytes, message: str) -> None:
+    rig = make_rig(workers=1)
+    rig.commit(7, 0, 1, shard(7, 0, 1), raw_tree=raw_tree)
+    assert rig.wait(7, ident=b"w7") is None
+    (ev,) = rig.pump(1)
+    assert ev.error is not None and message in ev.error and ev.path is None
+    assert rig.steps.get((JOB, 7)).state is StepState.FAILED
+    assert rig.answered(7) == [{"state": "failed", "path": None, "error": ev.error}]
+    assert not os.path.exists(tmp_dir(rig.root, JOB, 7)) and not os.path.exists(step_dir(rig.root, JOB, 7))
+
+    rig.commit(8, 0, 1, shard(8, 0, 1))
+    (ev,) = rig.pump(1)
+    assert ev.error is None and ev.path == step_dir(rig.root, JOB, 8)
+
+
+def test_fragments_that_cannot_be_merged_fail_the_step_from_the_thread(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig(workers=1)
+    for r in range(2):
+        rig.commit(9, r, 2, shard(9, r, 2, row=0))  # both ranks claim rows 0-3 of model/w: rows 4-7 uncovered
+    assert rig.wait(9, ident=b"w9") is None
+    evs = rig.pump(2)
+    (bad,) = [ev for ev in evs if ev.error is not None]
+    assert "model/w" in bad.error and bad.path is None
+    assert rig.steps.get((JOB, 9)).state is StepState.FAILED
+    assert rig.answered(9) == [{"state": "failed", "path": None, "error": bad.error}]
+    assert not os.path.exists(tmp_dir(rig.root, JOB, 9)) and not os.path.exists(step_dir(rig.root, JOB, 9))
+    assert rig.catalog.in_memory(JOB) is None and read_latest(rig.root, JOB) is None
+
+
+def test_an_event_of_an_untracked_step_changes_nothing(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig()
+    rig.completion.on_persisted(ShardPersisted("seg", JOB, 99, 0, 123, 1.0, "boom"))
+    assert rig.counters == Counters() and rig.answers == [] and rig.steps.get((JOB, 99)) is None
+
+
+# ---------------------------------------------------------------------------- superseded steps
+
+
+def test_a_newer_durable_step_fails_older_steps_some_rank_never_committed(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig()
+    rig.commit(10, 0, 2, shard(10, 0, 2))  # rank 1 never commits step 10
+    assert rig.wait(10, ident=b"w10") is None
+    rig.pump(1)
+    assert os.path.isdir(tmp_dir(rig.root, JOB, 10))
+
+    for r in range(2):
+        rig.commit(11, r, 2, shard(11, r, 2))
+    assert rig.wait(11, ident=b"w11") is None
+    rig.pump(2)
+    old = rig.steps.get((JOB, 10))
+    assert old.state is StepState.FAILED and "superseded" in (old.error or "")
+    assert rig.answered(10) == [{"state": "failed", "path": None, "error": old.error}]
+    assert rig.answered(11) == [{"state": "durable", "path": step_dir(rig.root, JOB, 11), "error": None}]
+    assert not os.path.exists(tmp_dir(rig.root, JOB, 10))  # nothing of it in flight: removed
+    assert verify_checkpoint(step_dir(rig.root, JOB, 11)) == []
+
+
+def test_an_older_step_every_rank_committed_is_not_superseded(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig()
+    for r in range(2):
+        rig.commit(12, r, 2, shard(12, r, 2))
+    older = rig.collect(2)  # written, held back: step 12 is still pending here
+    for r in range(2):
+        rig.commit(13, r, 2, shard(13, r, 2))
+    rig.pump(2)
+    assert rig.steps.get((JOB, 13)).state is StepState.DURABLE
+    assert rig.steps.get((JOB, 12)).state is StepState.PENDING
+    for ev in older:
+        rig.handle(ev)
+    assert rig.steps.get((JOB, 12)).state is StepState.DURABLE
+    assert verify_checkpoint(step_dir(rig.root, JOB, 12)) == []
+    assert read_latest(rig.root, JOB) == 13  # latest never moves back
+    mem = rig.catalog.in_memory(JOB)
+    assert mem is not None and mem.step == 13  # nor does the step hot restores read
+    assert rig.counters.steps_committed == 2
+
+
+# ---------------------------------------------------------------------------- multi-node
+
+
+def test_a_multi_node_step_reports_this_nodes_part_once_with_its_ranks(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig(uploader=FakeUploader())
+    rig.commit(20, 2, 4, shard(20, 2, 4), lws=2)  # this node holds ranks 2 and 3 of 4
+    assert rig.wait(20, ident=b"w20") is None
+    (ev,) = rig.pump(1)
+    assert ev.error is None and ev.path is None and ev.node_ranks is None  # rank 3 of this node is missing
+    assert rig.uploader.submitted == []
+
+    rig.commit(20, 3, 4, shard(20, 3, 4), lws=2)
+    (ev,) = rig.pump(1)
+    assert ev.error is None and ev.path is None and ev.node_ranks == [2, 3]
+    assert rig.uploader.submitted == [(JOB, 20, 4, [2, 3])]
+    track = rig.steps.get((JOB, 20))
+    assert track.state is StepState.PENDING and track.inflight == 0  # durable once the bucket completes it
+    assert fragments_present(rig.root, JOB, 20) == {2, 3} and not os.path.exists(step_dir(rig.root, JOB, 20))
+    assert not os.path.exists(os.path.join(tmp_dir(rig.root, JOB, 20), MANIFEST))
+    assert rig.answers == [] and rig.counters.steps_committed == 0
+
+    for r in (2, 3):  # both shards in flight at once: still reported once
+        rig.commit(21, r, 4, shard(21, r, 4), lws=2)
+    evs = rig.pump(2)
+    assert all(ev.error is None and ev.path is None for ev in evs)
+    assert [ev.node_ranks for ev in evs if ev.node_ranks is not None] == [[2, 3]]
+    assert rig.uploader.submitted == [(JOB, 20, 4, [2, 3]), (JOB, 21, 4, [2, 3])]
+
+
+def test_a_multi_node_part_already_reported_is_not_reported_again(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig(uploader=FakeUploader())
+    rig.persister.mark_node_reported(JOB, 21)  # e.g. handed to the uploader by recovery
+    rig.commit(21, 0, 2, shard(21, 0, 2), lws=1)
+    (ev,) = rig.pump(1)
+    assert ev.error is None and ev.node_ranks is None and rig.uploader.submitted == []
+
+    rig.persister.forget_node(JOB, 22)  # forgetting another step changes nothing for it
+    rig.commit(22, 0, 2, shard(22, 0, 2), lws=1)
+    (ev,) = rig.pump(1)
+    assert ev.node_ranks == [0] and rig.uploader.submitted == [(JOB, 22, 2, [0])]
+    assert fragment_name(0) in os.listdir(tmp_dir(rig.root, JOB, 22))

@@ -1,0 +1,447 @@
+"""Crash recovery at start-up without the daemon's socket (:mod:`ckptd.daemon.recovery`): what a previous
+run left in shared memory and under the root. Segments with a commit record are adopted and handed to
+``persist`` (and made durable by the real Persister and Completion); a segment without a record, with an
+unreadable record, or of a step already complete is unlinked; a partial step with every fragment is
+finalized, one that no shard can complete is removed, one a recovered shard can complete is kept; this
+node's whole part of a multi-node step goes to the uploader again.
+
+Real /dev/shm segments (each test's own namespace, unlinked at teardown) and a real root under ``tmp_path``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import zmq
+
+from ckptd import shm
+from ckptd.daemon import recovery
+from ckptd.daemon.catalog import StepCatalog
+from ckptd.daemon.completion import Completion
+from ckptd.daemon.events import EventQueue, ShardPersisted
+from ckptd.daemon.persister import Persister
+from ckptd.daemon.slots import Slot, SlotPool, SlotState
+from ckptd.daemon.status import Counters
+from ckptd.daemon.steps import StepState, StepTable
+from ckptd.daemon.waiters import Waiter
+from ckptd.format import build_layout, read_manifest
+from ckptd.layout import fragment_name, fragments_present, is_complete, shard_name, step_dir, tmp_dir
+from ckptd.storage import local
+from ckptd.tools.verify import verify_checkpoint
+
+MiB = 1 << 20
+JOB = "j"
+TIMEOUT_S = 30.0
+
+
+# ---------------------------------------------------------------------------- shards
+
+
+def shard(step: int, rank: int, world_size: int, *, row: int | None = None) -> bytes:
+    """A real shard file: rows ``4*row..4*row+3`` of ``model/w`` (default: the rank's own) and a per-rank tensor."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    ts = {"model/w": torch.randn(4, 3, generator=g), f"extra/{rank}/n": torch.arange(5, dtype=torch.int64) + 10 * step + rank}
+    w, n = ts["model/w"], ts[f"extra/{rank}/n"]
+    row = rank if row is None else row
+    layout = build_layout(
+        [
+            ("model/w", "model/w", w.dtype, tuple(w.shape), (4 * world_size, 3), (4 * row, 0)),
+            (f"extra/{rank}/n", f"extra/{rank}/n", n.dtype, tuple(n.shape), tuple(n.shape), (0,)),
+        ]
+    )
+    data = layout.header + b"".join(ts[c.name].numpy().tobytes() for c in layout.chunks)
+    assert len(data) == layout.file_size
+    return data
+
+
+def tree(rank: int) -> bytes:
+    return json.dumps({"rank": rank, "model": {"w": {"__ckptd__": "tensor", "key": "model/w"}}}).encode()
+
+
+def record(step: int, rank: int, world_size: int, nbytes: int, lws: int | None = None) -> dict[str, Any]:
+    """A commit record as ``Daemon._op_commit`` writes it (the tree is added by ``shm.write_record``)."""
+    lws = world_size if lws is None else lws
+    return {"job": JOB, "rank": rank, "world_size": world_size, "local_world_size": lws, "step": step, "nbytes": nbytes, "replicas": {}}
+
+
+def write_fragment(root: str, step: int, rank: int, world_size: int, lws: int | None = None, *, row: int | None = None) -> None:
+    """Rank ``rank``'s shard and fragment in ``step-N.tmp``, as a persist thread of the previous run wrote them."""
+    data = shard(step, rank, world_size, row=row)
+    local.write_shard(root, JOB, step, rank, world_size, memoryview(data), len(data), json.loads(tree(rank)), 0.0, {}, lws)
+
+
+def complete_step(root: str, step: int, world_size: int) -> str:
+    for r in range(world_size):
+        write_fragment(root, step, r, world_size)
+    return local.finalize_step(root, JOB, step, world_size)
+
+
+# ---------------------------------------------------------------------------- the previous run and this one
+
+
+class FakeUploader:
+    """Records what recovery and Completion hand an uploader; uploads nothing."""
+
+    def __init__(self) -> None:
+        self.submitted: list[tuple[str, int, int, list[int] | None]] = []
+
+    def submit(self, job: str, step: int, world_size: int, ranks: list[int] | None = None, *, catch_up: bool = False) -> None:
+        self.submitted.append((job, step, world_size, ranks))
+
+    def pending(self, job: str) -> set[int]:
+        return set()
+
+
+class Node:
+    """One node's root and shared-memory namespace: what a previous run left, and this run's components
+    (SlotPool, StepTable, StepCatalog, Persister, Completion, EventQueue) wired as the server wires them."""
+
+    def __init__(self, root: str, uploader: FakeUploader | None) -> None:
+        self.root, self.ns, self.uploader = root, shm.namespace(root), uploader
+        self.ctx = zmq.Context()
+        self.events = EventQueue(self.ctx)
+        self.counters = Counters()
+        self.pool = SlotPool(self.ns, 64 * MiB)
+        self.catalog = StepCatalog(root)
+        self.steps = StepTable(self.catalog.complete_path)
+        self.persister = Persister(root, self.events, workers=2, keep=0)
+        self.answers: list[tuple[Waiter, dict[str, Any]]] = []
+        self.completion = Completion(
+            root,
+            self.steps,
+            self.catalog,
+            self.persister,
+            uploader,
+            self.counters,
+            self.events,
+            self.answers.extend,  # type: ignore[arg-type]
+        )
+        self.handed: list[Slot] = []
+
+    # what the previous run left in shared memory
+
+    def segment(self, index: int, data: bytes = b"", rec: dict[str, Any] | None = None, *, raw_record: bytes | None = None) -> str:
+        """Segment ``<ns>-<index>`` holding ``data``, with commit record ``rec`` (tree added) or the bytes ``raw_record``."""
+        name = f"{self.ns}-{index:08d}"
+        shm.create(name, max(len(data), 1))
+        with open(shm.path_of(name), "r+b") as f:
+            f.write(data)
+        if rec is not None:
+            shm.write_record(name, rec, tree=tree(rec.get("rank", 0)))
+        if raw_record is not None:
+            with open(shm.path_of(name) + shm.RECORD_SUFFIX, "wb") as f:
+                f.write(raw_record)
+        return name
+
+    def committed(self, index: int, step: int, rank: int, world_size: int, lws: int | None = None) -> str:
+        data = shard(step, rank, world_size)
+        return self.segment(index, data, record(step, rank, world_size, len(data), lws))
+
+    # this run
+
+    def recover(self, persist: bool = True) -> None:
+        """``recovery.recover`` over the job directories, as ``Daemon.serve`` calls it; ``persist=False``
+        only records what it hands to ``persist``."""
+
+        def hand(slot: Slot) -> None:
+            self.handed.append(slot)
+            if persist:
+                self.completion.persist(slot)
+
+        recovery.recover(self.pool, self.steps, self.persister, self.uploader, self.root, self.catalog.jobs(), hand)  # type: ignore[arg-type]
+
+    def pump(self, n: int) -> list[ShardPersisted]:
+        """Wait for ``n`` events and handle them as ``Daemon._on_persisted`` does."""
+        out: list[ShardPersisted] = []
+        deadline = time.monotonic() + TIMEOUT_S
+        while len(out) < n:
+            left = deadline - time.monotonic()
+            assert left > 0, f"only {len(out)} of {n} ShardPersisted events within {TIMEOUT_S} s: {out}"
+            if self.events.wake.poll(int(min(left, 0.5) * 1000)):
+                for ev in self.events.drain():
+                    assert isinstance(ev, ShardPersisted)
+                    out.append(ev)
+                    slot = self.pool.get(ev.segment)
+                    if slot is not None:
+                        self.pool.persisted(slot, (ev.job, ev.step, ev.rank) if ev.error is None else None)
+                    self.completion.on_persisted(ev)
+        assert len(out) == n, f"more events than shards: {out}"
+        return out
+
+    def close(self) -> None:
+        try:
+            self.persister.shutdown()
+        finally:
+            for slot in self.pool:
+                if slot.mapping is not None:
+                    slot.mapping.close()
+                    slot.mapping = None
+            self.events.close()
+            self.ctx.term()
+
+
+@pytest.fixture
+def make_node(tmp_path: Path) -> Iterator[Callable[..., Node]]:
+    root = str(tmp_path / "root")
+    os.makedirs(os.path.join(root, JOB))
+    made: list[Node] = []
+
+    def make(uploader: bool = True) -> Node:
+        made.append(Node(root, FakeUploader() if uploader else None))
+        return made[-1]
+
+    try:
+        yield make
+    finally:
+        try:
+            for n in made:
+                n.close()
+        finally:
+            for name in shm.list_segments(shm.namespace(root)):
+                shm.unlink(name)
+
+
+@pytest.fixture
+def node(make_node: Callable[..., Node]) -> Node:
+    return make_node()
+
+
+def partial_dirs(root: str) -> list[str]:
+    return sorted(n for n in os.listdir(os.path.join(root, JOB)) if n.endswith(".tmp"))
+
+
+# ---------------------------------------------------------------------------- segments
+
+
+def test_segments_with_commit_records_are_adopted_and_handed_to_persist(node: Node) -> None:
+    a = node.committed(0, step=5, rank=1, world_size=2)
+    b = node.committed(3, step=5, rank=0, world_size=2)
+    c = node.committed(4, step=6, rank=0, world_size=1)
+    node.recover(persist=False)
+
+    assert sorted(s.name for s in node.handed) == [a, b, c]
+    for name, (step, rank, ws) in {a: (5, 1, 2), b: (5, 0, 2), c: (6, 0, 1)}.items():
+        slot = node.pool.get(name)
+        assert slot is not None and slot.state is SlotState.COMMITTED and slot.owner == (JOB, rank)
+        assert slot.lease == {**record(step, rank, ws, len(shard(step, rank, ws))), "tree": json.loads(tree(rank))}
+        assert slot.size == shm.size_of(name)
+    five, six = node.steps.get((JOB, 5)), node.steps.get((JOB, 6))
+    assert five is not None and (five.world_size, five.local_world_size, five.committed) == (2, 2, {0, 1})
+    assert six is not None and six.committed == {0} and six.state is StepState.PENDING and six.inflight == 0
+    assert shm.list_segments(node.ns) == [a, b, c]
+    # names a new lease makes come after those found
+    slot = node.pool.lease({"job": JOB, "rank": 0, "world_size": 1, "step": 7, "nbytes": 10, "pid": os.getpid()})
+    assert slot is not None and slot.name == f"{node.ns}-00000005"
+
+
+def test_recovered_shards_are_persisted_into_a_durable_step(node: Node) -> None:
+    names = [node.committed(i, step=8, rank=r, world_size=2) for i, r in enumerate((1, 0))]
+    node.recover()
+    assert node.steps.get((JOB, 8)).inflight == 2
+    evs = node.pump(2)
+
+    path = step_dir(node.root, JOB, 8)
+    assert all(ev.error is None for ev in evs) and [ev.path for ev in evs if ev.path] == [path]
+    assert verify_checkpoint(path) == []
+    manifest = read_manifest(path)
+    assert sorted(manifest["files"]) == [shard_name(0), shard_name(1)]
+    assert [r["tree"] for r in manifest["ranks"]] == [json.loads(tree(0)), json.loads(tree(1))]
+    assert node.steps.get((JOB, 8)).state is StepState.DURABLE and node.counters.steps_committed == 1
+    assert local.latest_step(node.root, JOB) == (8, path)
+    for name in names:  # persisted: the record is dropped, the segment kept as a free slot
+        assert shm.read_record(name) is None and node.pool.get(name).state is SlotState.FREE
+    assert node.uploader.submitted == [(JOB, 8, 2, None)]
+
+
+def _no_record(node: Node) -> str:
+    return node.segment(2, shard(1, 0, 1))
+
+
+def _torn_record(node: Node) -> str:
+    return node.segment(2, shard(1, 0, 1), raw_record=b'{"job":"j","rank":0,"world_si')
+
+
+def _not_an_object(node: Node) -> str:
+    return node.segment(2, shard(1, 0, 1), raw_record=b"[1, 2, 3]")
+
+
+def _no_world_size(node: Node) -> str:
+    rec = record(1, 0, 1, len(shard(1, 0, 1)))
+    del rec["world_size"]
+    return node.segment(2, shard(1, 0, 1), rec)
+
+
+def _no_rank(node: Node) -> str:
+    rec = record(1, 0, 1, len(shard(1, 0, 1)))
+    del rec["rank"]
+    return node.segment(2, shard(1, 0, 1), rec)
+
+
+def _job_not_a_string(node: Node) -> str:
+    return node.segment(2, shard(1, 0, 1), {**record(1, 0, 1, len(shard(1, 0, 1))), "job": 17})
+
+
+def _step_already_complete(node: Node) -> str:
+    complete_step(node.root, 1, 1)  # the previous run finalized it just before dying
+    return node.committed(2, step=1, rank=0, world_size=1)
+
+
+@pytest.mark.parametrize(
+    "leave", [_no_record, _torn_record, _not_an_object, _no_world_size, _no_rank, _job_not_a_string, _step_already_complete]
+)
+def test_segments_without_a_usable_record_are_unlinked(node: Node, leave: Any) -> None:
+    dropped = leave(node)
+    kept = node.committed(1, step=3, rank=0, world_size=1)
+    node.recover()
+    node.pump(1)
+
+    assert [s.name for s in node.handed] == [kept]
+    assert shm.list_segments(node.ns) == [kept]
+    assert not os.path.exists(shm.path_of(dropped)) and not os.path.exists(shm.path_of(dropped) + shm.RECORD_SUFFIX)
+    assert node.pool.get(dropped) is None
+    assert set(node.steps.tracks) == {(JOB, 3)}  # nothing tracked for the dropped one
+    assert node.counters.errors == 0 and verify_checkpoint(step_dir(node.root, JOB, 3)) == []
+    if leave is _step_already_complete:  # left as it was
+        assert verify_checkpoint(step_dir(node.root, JOB, 1)) == []
+    # a new segment is named after every one found, the dropped one included
+    slot = node.pool.lease({"job": "other", "rank": 0, "world_size": 1, "step": 4, "nbytes": 10, "pid": os.getpid()})
+    assert slot is not None and slot.name == f"{node.ns}-00000003"
+
+
+# ---------------------------------------------------------------------------- partial steps
+
+
+def test_a_partial_step_with_every_fragment_is_finalized(node: Node) -> None:
+    for r in range(3):
+        write_fragment(node.root, 4, r, 3)
+    node.recover()
+
+    path = step_dir(node.root, JOB, 4)
+    assert partial_dirs(node.root) == [] and is_complete(path)
+    assert verify_checkpoint(path) == []
+    assert read_manifest(path)["world_size"] == 3
+    assert local.latest_step(node.root, JOB) == (4, path)
+    assert node.handed == [] and node.uploader.submitted == []
+
+
+def test_a_partial_step_no_shard_can_complete_is_removed(node: Node) -> None:
+    write_fragment(node.root, 2, 0, 2)  # rank 1 never committed: nothing in shared memory either
+    os.makedirs(tmp_dir(node.root, JOB, 3))
+    with open(os.path.join(tmp_dir(node.root, JOB, 3), shard_name(0)), "wb") as f:
+        f.write(b"half a shard")  # died before its fragment: not durable
+    write_fragment(node.root, 5, 0, 1)
+    with open(os.path.join(tmp_dir(node.root, JOB, 5), fragment_name(0)), "wb") as f:
+        f.write(b"{torn")  # no readable fragment: world size unknown
+    node.recover()
+
+    assert partial_dirs(node.root) == []
+    assert [s for s in range(6) if os.path.exists(step_dir(node.root, JOB, s))] == []
+    assert node.steps.tracks == {} and node.handed == [] and node.uploader.submitted == []
+
+
+def test_a_partial_step_whose_fragments_cannot_be_merged_is_removed(node: Node) -> None:
+    for r in range(2):
+        write_fragment(node.root, 6, r, 2, row=0)  # both claim rows 0-3 of model/w
+    path = complete_step(node.root, 7, 1)
+    write_fragment(node.root, 7, 0, 1)  # a leftover partial of a step already complete
+    node.recover()
+
+    assert partial_dirs(node.root) == []
+    assert not os.path.exists(step_dir(node.root, JOB, 6))
+    assert verify_checkpoint(path) == []  # the complete step is never overwritten
+
+
+def test_a_partial_step_a_recovered_shard_can_complete_is_kept_and_completed(node: Node) -> None:
+    write_fragment(node.root, 9, 0, 2)  # rank 0 was persisted before the crash
+    name = node.committed(0, step=9, rank=1, world_size=2)  # rank 1 committed, not persisted yet
+    node.recover(persist=False)
+
+    assert partial_dirs(node.root) == ["step-9.tmp"] and fragments_present(node.root, JOB, 9) == {0}
+    track = node.steps.get((JOB, 9))
+    assert track is not None and track.committed == {0, 1} and track.state is StepState.PENDING
+    assert [s.name for s in node.handed] == [name]
+
+    node.completion.persist(node.handed[0])
+    (ev,) = node.pump(1)
+    path = step_dir(node.root, JOB, 9)
+    assert ev.error is None and ev.path == path and verify_checkpoint(path) == []
+    assert sorted(read_manifest(path)["files"]) == [shard_name(0), shard_name(1)]
+    assert node.steps.get((JOB, 9)).state is StepState.DURABLE and partial_dirs(node.root) == []
+
+
+# ---------------------------------------------------------------------------- multi-node
+
+
+def test_this_nodes_whole_part_of_a_multi_node_step_is_uploaded_again(node: Node) -> None:
+    for r in (2, 3):  # ranks 2 and 3 of 4 live on this node
+        write_fragment(node.root, 10, r, 4, lws=2)
+    node.recover()
+
+    assert node.uploader.submitted == [(JOB, 10, 4, [2, 3])]
+    assert partial_dirs(node.root) == ["step-10.tmp"]  # the uploader reads it; the bucket completes the step
+    track = node.steps.get((JOB, 10))
+    assert track is not None and (track.world_size, track.local_world_size, track.committed) == (4, 2, {2, 3})
+    assert track.state is StepState.PENDING and not os.path.exists(step_dir(node.root, JOB, 10))
+
+    # handed to the uploader: the persist threads do not report this node's part a second time
+    name = node.committed(0, step=10, rank=3, world_size=4, lws=2)
+    slot = node.pool.adopt(name, shm.read_record(name) or {})
+    node.completion.persist(slot)
+    (ev,) = node.pump(1)
+    assert ev.error is None and ev.node_ranks is None
+    assert node.uploader.submitted == [(JOB, 10, 4, [2, 3])]
+
+
+def test_a_multi_node_part_a_recovered_shard_completes_is_reported_once(node: Node) -> None:
+    write_fragment(node.root, 11, 2, 4, lws=2)
+    node.committed(0, step=11, rank=3, world_size=4, lws=2)
+    node.recover()
+    assert node.uploader.submitted == []  # not yet: rank 3 is being written
+    (ev,) = node.pump(1)
+    assert ev.error is None and ev.node_ranks == [2, 3]
+    assert node.uploader.submitted == [(JOB, 11, 4, [2, 3])]
+    assert node.steps.get((JOB, 11)).state is StepState.PENDING
+
+
+def test_a_multi_node_part_missing_ranks_of_this_node_is_removed(node: Node) -> None:
+    write_fragment(node.root, 12, 2, 4, lws=2)  # rank 3 of this node never committed
+    node.recover()
+    assert partial_dirs(node.root) == [] and node.uploader.submitted == [] and node.steps.tracks == {}
+
+
+def test_a_multi_node_part_without_an_uploader_is_removed(make_node: Callable[..., Node]) -> None:
+    node = make_node(uploader=False)
+    for r in (2, 3):
+        write_fragment(node.root, 13, r, 4, lws=2)
+    node.recover()
+    assert partial_dirs(node.root) == [] and node.steps.tracks == {}
+
+
+def test_finish_partial_step_alone_finalizes_a_step_its_track_describes(node: Node) -> None:
+    for r in range(2):
+        write_fragment(node.root, 14, r, 2)
+    node.steps.adopt((JOB, 14), 2, 2)
+    recovery.finish_partial_step(node.root, JOB, 14, node.steps, node.persister, None)
+    assert verify_checkpoint(step_dir(node.root, JOB, 14)) == [] and partial_dirs(node.root) == []
+
+
+def test_a_step_finalized_by_recovery_is_reported_durable_and_not_written_again(node: Node) -> None:
+    """Every shard and fragment was on disk, the commit records still in shared memory: the previous run
+    died just before finalizing. Recovery finalizes the step; its slots are not persisted a second time
+    (that failed the complete step with "already exists")."""
+    names = []
+    for r in range(2):
+        names.append(node.committed(r, step=1, rank=r, world_size=2))
+        write_fragment(node.root, 1, r, 2)
+    node.recover()
+    assert node.handed == []
+    assert node.steps.answer((JOB, 1))["state"] == "durable"
+    assert verify_checkpoint(step_dir(node.root, JOB, 1)) == []
+    assert shm.list_segments(node.ns) == [] and not any(os.path.exists(shm.path_of(n)) for n in names)
