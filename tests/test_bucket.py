@@ -17,10 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from _shards import Chunk, shard_bytes
 from doubles import FaultyStore, MemoryStore
 
 from ckptd.errors import CheckpointError, FormatError
-from ckptd.format import build_layout, dtype_from_name, read_manifest
+from ckptd.format import read_manifest
 from ckptd.layout import (
     MANIFEST,
     bucket_key,
@@ -39,24 +40,9 @@ from ckptd.storage.retention import AnyOf, KeepEvery, KeepLatest, Protect
 from ckptd.tools.verify import verify_checkpoint
 
 JOB = "j"
-Chunk = tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]  # state key, local data, global shape, offsets
 
 
 # ---------------------------------------------------------------------------- real steps on disk
-
-
-def shard_bytes(chunks: list[Chunk]) -> bytearray:
-    """A real shard: ckptd's header for ``chunks``, then their bytes copied into typed views of the
-    buffer, as the client fills a slot (``ckptd.client.copy``)."""
-    data = {key: t for key, t, _, _ in chunks}
-    layout = build_layout([(key, key, t.dtype, tuple(t.shape), gshape, offs) for key, t, gshape, offs in chunks])
-    buf = bytearray(layout.file_size)
-    buf[: layout.data_start] = layout.header
-    base = torch.frombuffer(buf, dtype=torch.uint8)
-    for spec in layout.chunks:
-        view = base[layout.data_start + spec.begin : layout.data_start + spec.end].view(dtype_from_name(spec.dtype)).view(spec.sizes)
-        view.copy_(data[spec.key])
-    return buf
 
 
 def rank_chunks(step: int, rank: int, world_size: int) -> list[Chunk]:

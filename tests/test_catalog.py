@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from _shards import shard_bytes
 from doubles import FaultyStore, MemoryStore
 
 from ckptd.daemon.catalog import Found, InMemory, NoStep, StepCatalog
 from ckptd.errors import CheckpointError
-from ckptd.format import build_layout, dtype_from_name, read_manifest
+from ckptd.format import read_manifest
 from ckptd.layout import MANIFEST, job_dir, latest_file, step_dir
 from ckptd.protocol import Source
 from ckptd.storage.local import finalize_step, write_shard
@@ -37,13 +38,7 @@ def make_step(root: str, job: str, step: int) -> str:
 
 def write_partial(root: str, job: str, step: int) -> None:
     """Rank 0's durable shard and fragment in ``step-N.tmp``: a step that never completed."""
-    w = torch.arange(6, dtype=torch.float32).reshape(2, 3) + step
-    layout = build_layout([("model/w", "model/w", w.dtype, (2, 3), (2, 3), (0, 0))])
-    buf = bytearray(layout.file_size)
-    buf[: layout.data_start] = layout.header
-    (spec,) = layout.chunks
-    base = torch.frombuffer(buf, dtype=torch.uint8)
-    base[layout.data_start + spec.begin : layout.data_start + spec.end].view(dtype_from_name(spec.dtype)).view(spec.sizes).copy_(w)
+    buf = shard_bytes([("model/w", torch.arange(6, dtype=torch.float32).reshape(2, 3) + step, (2, 3), (0, 0))])
     write_shard(root, job, step, 0, 1, memoryview(buf), len(buf), {"step": step})
 
 

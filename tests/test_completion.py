@@ -13,176 +13,22 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-import zmq
+from _rig import JOB, FakeUploader, Rig, rank_tensors, shard, tree
 
 from ckptd import shm
-from ckptd.daemon.catalog import StepCatalog
-from ckptd.daemon.completion import Completion
-from ckptd.daemon.events import EventQueue, ShardPersisted
-from ckptd.daemon.persister import Persister
-from ckptd.daemon.slots import Slot, SlotPool, SlotState
+from ckptd.daemon.events import ShardPersisted
+from ckptd.daemon.slots import SlotState
 from ckptd.daemon.status import Counters
-from ckptd.daemon.steps import StepState, StepTable
-from ckptd.daemon.waiters import Waiter
-from ckptd.format import build_layout, read_manifest
+from ckptd.daemon.steps import StepState
+from ckptd.format import read_manifest
 from ckptd.layout import MANIFEST, fragment_name, fragments_present, shard_name, step_dir, tmp_dir
 from ckptd.storage.local import latest_step, read_latest
 from ckptd.tools.verify import verify_checkpoint
-
-MiB = 1 << 20
-JOB = "j"
-TIMEOUT_S = 30.0  # generous: a worker thread writes a few KiB
-
-
-# ---------------------------------------------------------------------------- shards
-
-
-def rank_tensors(step: int, rank: int) -> dict[str, torch.Tensor]:
-    """Rank ``rank``'s state at ``step``: a row block of a shared weight and a per-rank counter."""
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return {"model/w": torch.randn(4, 3, generator=g), f"extra/{rank}/n": torch.arange(5, dtype=torch.int64) + 10 * step + rank}
-
-
-def shard(step: int, rank: int, world_size: int, *, row: int | None = None) -> bytes:
-    """A real shard file: header from ``build_layout``, then the tensors' bytes in layout order.
-    ``row`` places the weight block (default: the rank's own rows)."""
-    ts = rank_tensors(step, rank)
-    w, n = ts["model/w"], ts[f"extra/{rank}/n"]
-    row = rank if row is None else row
-    layout = build_layout(
-        [
-            ("model/w", "model/w", w.dtype, tuple(w.shape), (4 * world_size, 3), (4 * row, 0)),
-            (f"extra/{rank}/n", f"extra/{rank}/n", n.dtype, tuple(n.shape), tuple(n.shape), (0,)),
-        ]
-    )
-    data = layout.header + b"".join(ts[c.name].numpy().tobytes() for c in layout.chunks)
-    assert len(data) == layout.file_size
-    return data
-
-
-def tree(rank: int) -> bytes:
-    return json.dumps({"model": {"w": {"__ckptd__": "tensor", "key": "model/w"}}, "rank": rank}).encode()
-
-
-# ---------------------------------------------------------------------------- the rig
-
-
-class FakeUploader:
-    """Records what Completion and the Persister's ``protect`` ask of an uploader; uploads nothing."""
-
-    def __init__(self) -> None:
-        self.submitted: list[tuple[str, int, int, list[int] | None]] = []
-
-    def submit(self, job: str, step: int, world_size: int, ranks: list[int] | None = None, *, catch_up: bool = False) -> None:
-        self.submitted.append((job, step, world_size, ranks))
-
-    def pending(self, job: str) -> set[int]:
-        return set()
-
-
-class Rig:
-    """SlotPool, StepTable, StepCatalog, Persister, Completion and EventQueue, wired as the server does."""
-
-    def __init__(
-        self,
-        root: str,
-        *,
-        workers: int = 2,
-        keep: int = 0,
-        protect: Callable[[str], set[int]] = lambda job: set(),
-        uploader: FakeUploader | None = None,
-    ) -> None:
-        self.root = root
-        self.ctx = zmq.Context()
-        self.events = EventQueue(self.ctx)
-        self.counters = Counters()
-        self.pool = SlotPool(shm.namespace(root), 64 * MiB)
-        self.catalog = StepCatalog(root)
-        self.steps = StepTable(self.catalog.complete_path)
-        self.persister = Persister(root, self.events, workers=workers, keep=keep, protect=protect)
-        self.uploader = uploader
-        self.answers: list[tuple[Waiter, dict[str, Any]]] = []
-        self.completion = Completion(
-            root,
-            self.steps,
-            self.catalog,
-            self.persister,
-            uploader,
-            self.counters,
-            self.events,
-            self.answers.extend,  # type: ignore[arg-type]
-        )
-
-    def commit(self, step: int, rank: int, world_size: int, data: bytes, *, lws: int | None = None, raw_tree: bytes | None = None) -> Slot:
-        """Lease a slot, fill it with ``data`` and commit it as ``Daemon._op_commit`` does."""
-        lws = world_size if lws is None else lws
-        slot = self.pool.lease({"job": JOB, "rank": rank, "world_size": world_size, "step": step, "nbytes": len(data), "pid": os.getpid()})
-        assert slot is not None
-        with open(shm.path_of(slot.name), "r+b") as f:
-            f.write(data)
-        record = {"job": JOB, "rank": rank, "world_size": world_size, "local_world_size": lws, "step": step, "nbytes": len(data)}
-        record["replicas"] = {}
-        raw = tree(rank) if raw_tree is None else raw_tree
-        shm.write_record(slot.name, record, tree=raw)
-        record["tree"] = raw
-        self.pool.commit(slot, record)
-        key = (JOB, step)
-        track = self.steps.check_commit(key, rank, world_size, lws)
-        self.steps.record_commit(key, track, rank, lws)
-        self.completion.persist(slot)
-        return slot
-
-    def collect(self, n: int) -> list[ShardPersisted]:
-        """Wait for ``n`` events from the persist threads without handling them."""
-        out: list[ShardPersisted] = []
-        deadline = time.monotonic() + TIMEOUT_S
-        while len(out) < n:
-            left = deadline - time.monotonic()
-            assert left > 0, f"only {len(out)} of {n} ShardPersisted events within {TIMEOUT_S} s: {out}"
-            if self.events.wake.poll(int(min(left, 0.5) * 1000)):
-                for ev in self.events.drain():
-                    assert isinstance(ev, ShardPersisted)
-                    out.append(ev)
-        assert len(out) == n, f"more events than shards: {out}"
-        return out
-
-    def handle(self, ev: ShardPersisted) -> None:
-        """What ``Daemon._on_persisted`` does with one event."""
-        slot = self.pool.get(ev.segment)
-        if slot is not None:
-            self.pool.persisted(slot, (ev.job, ev.step, ev.rank) if ev.error is None else None)
-        self.completion.on_persisted(ev)
-
-    def pump(self, n: int) -> list[ShardPersisted]:
-        """Wait for ``n`` events and handle each as the daemon's loop does."""
-        evs = self.collect(n)
-        for ev in evs:
-            self.handle(ev)
-        return evs
-
-    def wait(self, step: int, ident: bytes = b"w", req_id: int = 1) -> dict[str, Any] | None:
-        return self.steps.wait((JOB, step), ident, req_id, time.monotonic() + 3600)
-
-    def answered(self, step: int) -> list[dict[str, Any]]:
-        return [fields for w, fields in self.answers if w.ident == f"w{step}".encode()]
-
-    def close(self) -> None:
-        try:
-            self.persister.shutdown()
-        finally:
-            for slot in self.pool:
-                if slot.mapping is not None:
-                    slot.mapping.close()
-                    slot.mapping = None
-            self.events.close()
-            self.ctx.term()
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 import zmq
+from _shards import shard_bytes
 from doubles import MemoryStore
 
 from ckptd.config import FETCHES_KEPT
@@ -29,7 +30,6 @@ from ckptd.daemon.events import ErrorReported, Event, EventQueue, Fetched
 from ckptd.daemon.fetcher import Fetcher
 from ckptd.daemon.waiters import Waiter
 from ckptd.errors import CheckpointError, ProtocolError
-from ckptd.format import build_layout
 from ckptd.layout import MANIFEST, bucket_key, fetch_dir, shard_name, step_dir
 from ckptd.storage.local import finalize_step, latest_step, write_shard
 from ckptd.storage.remote import upload_step
@@ -44,17 +44,8 @@ WAIT_S = 30.0  # generous: only a broken fetcher waits this long
 
 def write_step(root: str, job: str, step: int) -> str:
     """A complete single-rank step under ``root``, written by ckptd's local tier; returns its directory."""
-    tensors = {"model/w": torch.full((2, 4), float(step), dtype=torch.float32), "model/b": torch.arange(3, dtype=torch.int16) + step}
-    layout = build_layout(
-        [
-            ("model/w", "model/w", torch.float32, (2, 4), (2, 4), (0, 0)),
-            ("model/b", "model/b", torch.int16, (3,), (3,), (0,)),
-        ]
-    )
-    buf = bytearray(layout.file_size)
-    buf[: layout.data_start] = layout.header
-    for c in layout.chunks:
-        buf[layout.data_start + c.begin : layout.data_start + c.end] = tensors[c.name].numpy().tobytes()
+    w, b = torch.full((2, 4), float(step), dtype=torch.float32), torch.arange(3, dtype=torch.int16) + step
+    buf = shard_bytes([("model/w", w, (2, 4), (0, 0)), ("model/b", b, (3,), (0,))])
     write_shard(root, job, step, 0, 1, memoryview(buf), len(buf), {"step": step})
     return finalize_step(root, job, step, 1)
 

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from _shards import shard_bytes
 from doubles import PHASES, FaultyDisk
 
 from ckptd.client.reader import CheckpointReader
 from ckptd.errors import CheckpointError, FormatError
-from ckptd.format import MANIFEST, build_layout, digest
+from ckptd.format import MANIFEST, digest
 from ckptd.layout import (
     complete_steps,
     fetch_dir,
@@ -49,14 +50,8 @@ def _rank_tensors(rank: int, ws: int, value: float, rows: int) -> list[tuple[str
 
 def _shard(rank: int, ws: int = WS, value: float = 1.0, rows: int = 2, slack: int = 0) -> tuple[memoryview, int]:
     """A staged shard as a slot holds it (header, then the chunks' bytes, then ``slack`` unused bytes) and its size."""
-    items = _rank_tensors(rank, ws, value, rows)
-    layout = build_layout([(k, k, t.dtype, tuple(t.shape), g, o) for k, t, g, o in items])
-    buf = bytearray(layout.file_size + slack)
-    buf[: layout.data_start] = layout.header
-    by_key = {k: t for k, t, _, _ in items}
-    for c in layout.chunks:
-        buf[layout.data_start + c.begin : layout.data_start + c.end] = by_key[c.key].numpy().tobytes()
-    return memoryview(buf), layout.file_size
+    buf = shard_bytes(_rank_tensors(rank, ws, value, rows), slack)
+    return memoryview(buf), len(buf) - slack
 
 
 def _write_ranks(root: str, step: int, ws: int = WS, value: float = 1.0) -> None:

@@ -12,63 +12,21 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-import zmq
+from _rig import JOB, FakeUploader, Rig, record, shard, tree
 
 from ckptd import shm
 from ckptd.daemon import recovery
-from ckptd.daemon.catalog import StepCatalog
-from ckptd.daemon.completion import Completion
-from ckptd.daemon.events import EventQueue, ShardPersisted
-from ckptd.daemon.persister import Persister
-from ckptd.daemon.slots import Slot, SlotPool, SlotState
-from ckptd.daemon.status import Counters
-from ckptd.daemon.steps import StepState, StepTable
-from ckptd.daemon.waiters import Waiter
-from ckptd.format import build_layout, read_manifest
+from ckptd.daemon.slots import Slot, SlotState
+from ckptd.daemon.steps import StepState
+from ckptd.format import read_manifest
 from ckptd.layout import fragment_name, fragments_present, is_complete, shard_name, step_dir, tmp_dir
 from ckptd.storage import local
 from ckptd.tools.verify import verify_checkpoint
-
-MiB = 1 << 20
-JOB = "j"
-TIMEOUT_S = 30.0
-
-
-# ---------------------------------------------------------------------------- shards
-
-
-def shard(step: int, rank: int, world_size: int, *, row: int | None = None) -> bytes:
-    """A real shard file: rows ``4*row..4*row+3`` of ``model/w`` (default: the rank's own) and a per-rank tensor."""
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    ts = {"model/w": torch.randn(4, 3, generator=g), f"extra/{rank}/n": torch.arange(5, dtype=torch.int64) + 10 * step + rank}
-    w, n = ts["model/w"], ts[f"extra/{rank}/n"]
-    row = rank if row is None else row
-    layout = build_layout(
-        [
-            ("model/w", "model/w", w.dtype, tuple(w.shape), (4 * world_size, 3), (4 * row, 0)),
-            (f"extra/{rank}/n", f"extra/{rank}/n", n.dtype, tuple(n.shape), tuple(n.shape), (0,)),
-        ]
-    )
-    data = layout.header + b"".join(ts[c.name].numpy().tobytes() for c in layout.chunks)
-    assert len(data) == layout.file_size
-    return data
-
-
-def tree(rank: int) -> bytes:
-    return json.dumps({"rank": rank, "model": {"w": {"__ckptd__": "tensor", "key": "model/w"}}}).encode()
-
-
-def record(step: int, rank: int, world_size: int, nbytes: int, lws: int | None = None) -> dict[str, Any]:
-    """A commit record as ``Daemon._op_commit`` writes it (the tree is added by ``shm.write_record``)."""
-    lws = world_size if lws is None else lws
-    return {"job": JOB, "rank": rank, "world_size": world_size, "local_world_size": lws, "step": step, "nbytes": nbytes, "replicas": {}}
 
 
 def write_fragment(root: str, step: int, rank: int, world_size: int, lws: int | None = None, *, row: int | None = None) -> None:
@@ -83,46 +41,12 @@ def complete_step(root: str, step: int, world_size: int) -> str:
     return local.finalize_step(root, JOB, step, world_size)
 
 
-# ---------------------------------------------------------------------------- the previous run and this one
-
-
-class FakeUploader:
-    """Records what recovery and Completion hand an uploader; uploads nothing."""
-
-    def __init__(self) -> None:
-        self.submitted: list[tuple[str, int, int, list[int] | None]] = []
-
-    def submit(self, job: str, step: int, world_size: int, ranks: list[int] | None = None, *, catch_up: bool = False) -> None:
-        self.submitted.append((job, step, world_size, ranks))
-
-    def pending(self, job: str) -> set[int]:
-        return set()
-
-
-class Node:
-    """One node's root and shared-memory namespace: what a previous run left, and this run's components
-    (SlotPool, StepTable, StepCatalog, Persister, Completion, EventQueue) wired as the server wires them."""
+class Node(Rig):
+    """One node's root and shared-memory namespace: what a previous run left, and this run's components."""
 
     def __init__(self, root: str, uploader: FakeUploader | None) -> None:
-        self.root, self.ns, self.uploader = root, shm.namespace(root), uploader
-        self.ctx = zmq.Context()
-        self.events = EventQueue(self.ctx)
-        self.counters = Counters()
-        self.pool = SlotPool(self.ns, 64 * MiB)
-        self.catalog = StepCatalog(root)
-        self.steps = StepTable(self.catalog.complete_path)
-        self.persister = Persister(root, self.events, workers=2, keep=0)
-        self.answers: list[tuple[Waiter, dict[str, Any]]] = []
-        self.completion = Completion(
-            root,
-            self.steps,
-            self.catalog,
-            self.persister,
-            uploader,
-            self.counters,
-            self.events,
-            self.answers.extend,  # type: ignore[arg-type]
-        )
+        super().__init__(root, uploader=uploader)
+        self.ns = shm.namespace(root)
         self.handed: list[Slot] = []
 
     # what the previous run left in shared memory
@@ -156,35 +80,6 @@ class Node:
                 self.completion.persist(slot)
 
         recovery.recover(self.pool, self.steps, self.persister, self.uploader, self.root, self.catalog.jobs(), hand)  # type: ignore[arg-type]
-
-    def pump(self, n: int) -> list[ShardPersisted]:
-        """Wait for ``n`` events and handle them as ``Daemon._on_persisted`` does."""
-        out: list[ShardPersisted] = []
-        deadline = time.monotonic() + TIMEOUT_S
-        while len(out) < n:
-            left = deadline - time.monotonic()
-            assert left > 0, f"only {len(out)} of {n} ShardPersisted events within {TIMEOUT_S} s: {out}"
-            if self.events.wake.poll(int(min(left, 0.5) * 1000)):
-                for ev in self.events.drain():
-                    assert isinstance(ev, ShardPersisted)
-                    out.append(ev)
-                    slot = self.pool.get(ev.segment)
-                    if slot is not None:
-                        self.pool.persisted(slot, (ev.job, ev.step, ev.rank) if ev.error is None else None)
-                    self.completion.on_persisted(ev)
-        assert len(out) == n, f"more events than shards: {out}"
-        return out
-
-    def close(self) -> None:
-        try:
-            self.persister.shutdown()
-        finally:
-            for slot in self.pool:
-                if slot.mapping is not None:
-                    slot.mapping.close()
-                    slot.mapping = None
-            self.events.close()
-            self.ctx.term()
 
 
 @pytest.fixture

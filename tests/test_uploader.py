@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _shards import Chunk, shard_bytes
 from doubles import FaultyStore, MemoryStore
 
 from ckptd.daemon.events import Uploaded
 from ckptd.daemon.uploader import Uploader
 from ckptd.errors import CheckpointError
-from ckptd.format import build_layout
 from ckptd.layout import MANIFEST, bucket_key, parse_bucket_key, step_dir, tmp_dir
 from ckptd.storage.local import finalize_step, write_shard
 from ckptd.storage.remote import download_step, rank_files, remote_steps, upload_ranks, upload_step
@@ -35,16 +35,10 @@ WAIT_S = 30.0  # generous: only a broken uploader waits this long
 
 def write_rank(root: str, job: str, step: int, rank: int, world_size: int) -> None:
     """Rank ``rank``'s shard of a step into ``step-N.tmp`` (row ``rank`` of ``model/w``; rank 0 also holds ``model/b``)."""
-    tensors = {"model/w": torch.full((1, 4), float(100 * step + rank), dtype=torch.float32)}
-    items = [("model/w", "model/w", torch.float32, (1, 4), (world_size, 4), (rank, 0))]
+    chunks: list[Chunk] = [("model/w", torch.full((1, 4), float(100 * step + rank), dtype=torch.float32), (world_size, 4), (rank, 0))]
     if rank == 0:
-        tensors["model/b"] = torch.arange(3, dtype=torch.int16) + step
-        items.append(("model/b", "model/b", torch.int16, (3,), (3,), (0,)))
-    layout = build_layout(items)
-    buf = bytearray(layout.file_size)
-    buf[: layout.data_start] = layout.header
-    for c in layout.chunks:
-        buf[layout.data_start + c.begin : layout.data_start + c.end] = tensors[c.name].numpy().tobytes()
+        chunks.append(("model/b", torch.arange(3, dtype=torch.int16) + step, (3,), (0,)))
+    buf = shard_bytes(chunks)
     write_shard(root, job, step, rank, world_size, memoryview(buf), len(buf), {"step": step})
 
 
