@@ -8,6 +8,7 @@ main thread owns every table (slots, steps, fetches): an event is how a worker's
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections.abc import Iterator
@@ -90,10 +91,9 @@ class EventQueue:
             sock.connect(self._addr)
             with self._lock:
                 self._pushes.append(sock)
-        try:
+        # zmq.Again: the loop is far behind, wake-ups are already pending, and the event is queued
+        with contextlib.suppress(zmq.Again):
             sock.send(b"", zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # the loop is far behind: wake-ups are already pending, and the event is queued
 
     def drain(self) -> Iterator[Event]:
         """Main thread: every event queued so far, oldest first."""
