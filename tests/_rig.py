@@ -167,3 +167,13 @@ def record(step: int, rank: int, world_size: int, nbytes: int, lws: int | None =
     """A commit record as ``Daemon._op_commit`` writes it (the tree is added by ``shm.write_record``)."""
     lws = world_size if lws is None else lws
     return {"job": JOB, "rank": rank, "world_size": world_size, "local_world_size": lws, "step": step, "nbytes": nbytes, "replicas": {}}
+
+
+def tear_down(rigs: list[Rig], root: str) -> None:
+    """Close every rig, then unlink every segment of ``root``'s namespace, even when closing fails."""
+    try:
+        for rig in rigs:
+            rig.close()
+    finally:
+        for name in shm.list_segments(shm.namespace(root)):
+            shm.unlink(name)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _rig import JOB, FakeUploader, Rig, rank_tensors, shard, tree
+from _rig import JOB, FakeUploader, Rig, rank_tensors, shard, tear_down, tree
 
 from ckptd import shm
 from ckptd.daemon.events import ShardPersisted
@@ -45,12 +45,7 @@ def make_rig(tmp_path: Path) -> Iterator[Callable[..., Rig]]:
     try:
         yield make
     finally:
-        try:
-            for rig in made:
-                rig.close()
-        finally:
-            for name in shm.list_segments(shm.namespace(root)):
-                shm.unlink(name)
+        tear_down(made, root)
 
 
 def read_chunk(step_path: str, manifest: dict[str, Any], key: str, rank: int) -> bytes:

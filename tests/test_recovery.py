@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _rig import JOB, FakeUploader, Rig, record, shard, tree
+from _rig import JOB, FakeUploader, Rig, record, shard, tear_down, tree
 
 from ckptd import shm
 from ckptd.daemon import recovery
@@ -86,21 +86,17 @@ class Node(Rig):
 def make_node(tmp_path: Path) -> Iterator[Callable[..., Node]]:
     root = str(tmp_path / "root")
     os.makedirs(os.path.join(root, JOB))
-    made: list[Node] = []
+    made: list[Rig] = []
 
     def make(uploader: bool = True) -> Node:
-        made.append(Node(root, FakeUploader() if uploader else None))
-        return made[-1]
+        node = Node(root, FakeUploader() if uploader else None)
+        made.append(node)
+        return node
 
     try:
         yield make
     finally:
-        try:
-            for n in made:
-                n.close()
-        finally:
-            for name in shm.list_segments(shm.namespace(root)):
-                shm.unlink(name)
+        tear_down(made, root)
 
 
 @pytest.fixture
