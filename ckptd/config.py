@@ -37,6 +37,13 @@ HOUSEKEEPING_S = 0.5  # period of reaping dead lessees, lapsed pins, overdue wai
 TRACKS_KEPT = 256  # finished steps remembered per job, so a late wait() gets the truth
 FETCHES_KEPT = 256  # finished fetch answers kept for a client that has not asked yet
 HOT_PIN_MAX_S = 600.0  # a hot restore's pin on a slot lapses after this, whatever its pid
+MAX_WORLD_SIZE = 1 << 20  # ranks of one step (a wire field and a recovered record are refused above it)
+MAX_LOCAL_WORLD_SIZE = 4096  # ranks one daemon serves in one step
+MAX_STEP = (1 << 63) - 1
+MAX_DEFERRED_ALLOCS = 4096  # allocs held back for memory at once; more are refused
+MAX_NAME_BYTES = 256  # segment names and other short strings on the wire
+MAX_TREE_DEPTH = 256  # nesting of a committed tree or a manifest's JSON
+LEASE_TIMEOUT_S = 3600.0  # a leased slot not committed or released by then is taken back
 
 
 # ---------------------------------------------------------------------------- names and environment
@@ -62,6 +69,13 @@ def default_endpoint() -> str:
         return env
     base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
     return f"ipc://{os.path.join(base, f'ckptd-{os.getuid()}', 'ckptd.sock')}"
+
+
+def trusted_group() -> str | None:
+    """``CKPTD_TRUST_GROUP``: the client also connects to a daemon whose socket belongs to this group
+    (a daemon run by another user for the group's members); by default only a socket owned by the
+    client's own user (or root) is trusted."""
+    return os.environ.get("CKPTD_TRUST_GROUP") or None
 
 
 def default_job() -> str:

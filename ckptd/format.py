@@ -17,7 +17,9 @@ is one sequential write and the daemon never deserializes tensors.
 Manifest (``manifest.json``, written last; a step directory without it is not a checkpoint):
 a JSON object with ``format_version`` (integer, this module's :data:`FORMAT_VERSION`), ``kind``
 ``"ckptd-manifest"``, ``job``, ``step``, ``world_size``, ``created_unix``, ``files`` (file name →
-``{"rank", "size", "header_xxh3_64"}``), ``tensors`` (state key → ``{"dtype", "shape", "chunks":
+``{"rank", "size", "header_xxh3_64"}``), ``committed_at`` (integer, nanoseconds since the epoch when
+the daemon accepted the step's last commit; 0 in checkpoints written before it existed: it orders
+steps for ``latest``), ``tensors`` (state key → ``{"dtype", "shape", "chunks":
 [{"file", "name", "offsets", "sizes", "byte_range", "xxh3_64"}]}``, ``byte_range`` absolute in the
 file) and ``ranks`` (one ``{"rank", "file", "tree"}`` per saving rank: the non-tensor state as a
 tagged JSON tree, see :mod:`ckptd.state`). Checksums are XXH3-64 as 16 lowercase hex digits.
@@ -26,7 +28,7 @@ Fragment (``rank-RRRRR.json``, one per rank beside its shard until the step comp
 with ``format_version``, ``kind`` ``"ckptd-fragment"``, ``job``, ``step``, ``rank``, ``world_size``,
 ``local_world_size``, ``file``, ``size``, ``header_xxh3_64``, ``chunks`` (``{"name", "key", "dtype",
 "sizes", "global_shape", "offsets", "byte_range", "xxh3_64"}`` each), ``replicas`` (chunk id → sample
-digest of the chunks other ranks hold too) and ``tree``. :func:`build_manifest` merges them.
+digest of the chunks other ranks hold too), ``committed_at`` and ``tree``. :func:`build_manifest` merges them.
 """
 
 from __future__ import annotations
@@ -268,8 +270,10 @@ def build_fragment(
     layout: ShardLayout,
     replicas: dict[str, str],
     tree: Any,
+    committed_at: int = 0,
 ) -> dict[str, Any]:
-    """The fragment of one rank's shard (``shard``: its bytes, header included); checksums every chunk."""
+    """The fragment of one rank's shard (``shard``: its bytes, header included); checksums every chunk.
+    ``committed_at``: when the daemon accepted the rank's commit (ns since the epoch), which orders steps."""
     start = layout.data_start
     chunks = [
         {
@@ -297,6 +301,7 @@ def build_fragment(
         "header_xxh3_64": digest(shard[:start]),
         "chunks": chunks,
         "replicas": replicas,
+        "committed_at": committed_at,
         "tree": tree,
     }
 
@@ -370,6 +375,8 @@ def build_manifest(job: str, step: int, world_size: int, frags: list[dict[str, A
         "step": step,
         "world_size": world_size,
         "created_unix": time.time(),
+        # commit order, not step number, decides which step is the latest (a rollback saves lower steps later)
+        "committed_at": max((fr.get("committed_at") or 0 for fr in frags), default=0),
         "files": files,
         "tensors": tensors,
         "ranks": ranks,
