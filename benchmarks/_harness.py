@@ -182,12 +182,8 @@ class DaemonProcess:
         except ImportError:
             return
         with contextlib.suppress(Exception):
-            ns = shm.namespace(self.root)
-            for name in os.listdir(shm.SHM_DIR):
-                if name.startswith(ns + "-"):
-                    print(f"warning: ckptd left /dev/shm/{name} behind; removing it", file=sys.stderr)
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(os.path.join(shm.SHM_DIR, name))
+            for name in shm.purge(self.root):
+                print(f"warning: ckptd left {name} in {shm.SHM_DIR} behind; removed it", file=sys.stderr)
 
 
 # ---------------------------------------------------------------------------- results

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from typing import Any
@@ -103,6 +104,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--group", default=None, help="also let this group use the socket, segments and checkpoints (default: owner only)")
     s.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on 127.0.0.1:PORT (default 0: off)")
     s.add_argument(
+        "--lease-timeout",
+        type=float,
+        default=None,
+        help="seconds a slot may stay leased, uncommitted, before it is reclaimed (default 3600)",
+    )
+    s.add_argument(
         "--idle-priority",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -147,6 +154,9 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr, format="%(asctime)s ckptd %(levelname)s %(message)s")
     for noisy in ("botocore", "boto3", "s3transfer", "urllib3"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
+    # whatever the daemon creates without an explicit mode (temporary files, directories) is private from
+    # birth: 077, or 027 when a group shares the checkpoints
+    os.umask(0o077 if cfg.group is None else 0o027)
     try:
         Daemon(cfg).serve()
     except CheckpointError as e:

@@ -147,10 +147,12 @@ class DaemonConfig:
     remote_keep: int = REMOTE_KEEP  # newest steps kept in the bucket...
     remote_keep_every: int = REMOTE_KEEP_EVERY  # ...plus every Nth step, forever (0: none)
     commit_timeout: float = COMMIT_TIMEOUT_S  # multi-node: seconds to wait for the other nodes' shards
+    lease_timeout: float = LEASE_TIMEOUT_S  # a slot leased but neither committed nor released is taken back after this
 
 
 SERVE_KEYS = (
     "root", "endpoint", "shm_budget", "keep", "workers", "write_rate_limit", "nice", "log_level", "group", "metrics_port", "idle_priority",
+    "lease_timeout",
 )  # fmt: skip
 _STR_KEYS = ("root", "endpoint", "log_level", "group")
 _SIZE_KEYS = ("shm_budget", "write_rate_limit")
@@ -168,6 +170,7 @@ def _from_env() -> dict[str, Any]:
         "group": os.environ.get("CKPTD_GROUP") or None,
         "metrics_port": env_int("CKPTD_METRICS_PORT", 0),
         "idle_priority": os.environ.get("CKPTD_IDLE_PRIORITY", "1") not in ("0", "false", "no"),
+        "lease_timeout": env_float("CKPTD_LEASE_TIMEOUT", LEASE_TIMEOUT_S),
     }
 
 
@@ -214,7 +217,9 @@ def _from_file(path: str) -> dict[str, Any]:
                 value = parse_size(value)
             except ValueError as e:
                 raise ValueError(f"{path}: {key}: {e}") from None
-        want = str if key in _STR_KEYS else bool if key == "idle_priority" else int
+        want = str if key in _STR_KEYS else bool if key == "idle_priority" else float if key == "lease_timeout" else int
+        if want is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
         if not isinstance(value, want) or (isinstance(value, bool) and want is not bool):
             raise ValueError(f"{path}: {key} must be a {want.__name__}, got {value!r}")
         out[key] = value
@@ -231,7 +236,7 @@ def daemon_config(flags: dict[str, Any] | None = None, config_file: str | None =
     cfg.update({k: v for k, v in (flags or {}).items() if v is not None})
     if not cfg.get("root"):
         raise ValueError("no checkpoint root: give --root, root in --config, or CKPTD_ROOT")
-    for key, least in (("keep", 1), ("workers", 1), ("shm_budget", 1), ("write_rate_limit", 0), ("metrics_port", 0)):
+    for key, least in (("keep", 1), ("workers", 1), ("shm_budget", 1), ("write_rate_limit", 0), ("metrics_port", 0), ("lease_timeout", 1)):
         if cfg.get(key) is not None and cfg[key] < least:
             raise ValueError(f"{key} must be >= {least}")
     if not 0 <= cfg["metrics_port"] <= 65535:
@@ -247,5 +252,6 @@ def daemon_config(flags: dict[str, Any] | None = None, config_file: str | None =
     cfg["endpoint"] = cfg.get("endpoint") or default_endpoint()
     cfg["write_rate_limit"] = float(cfg["write_rate_limit"])
     cfg["commit_timeout"] = float(cfg.get("commit_timeout", COMMIT_TIMEOUT_S))
+    cfg["lease_timeout"] = float(cfg.get("lease_timeout", LEASE_TIMEOUT_S))
     known = {f.name for f in dataclasses.fields(DaemonConfig)}
     return DaemonConfig(**{k: v for k, v in cfg.items() if k in known})

@@ -4,14 +4,20 @@ Transport: a ZeroMQ DEALER (client) to ROUTER (daemon). Every message is one fra
 JSON object. Requests carry ``"v"`` (:data:`PROTOCOL_VERSION`), ``"op"``, ``"id"`` (an integer the
 reply echoes) and the op's fields below; replies carry ``"v"``, ``"id"``, ``"ok"`` and either the
 result fields or ``"error"`` (a message) and ``"code"`` (a word). Unknown versions, ops and fields,
-missing fields and wrong types are refused with ``code`` ``"bad_request"``; nothing is guessed.
+missing fields, wrong types and values out of bounds (pids within the kernel's ``pid_max``, world
+sizes up to :data:`~ckptd.config.MAX_WORLD_SIZE`, ranks below the world size, short strings) are
+refused with ``code`` ``"bad_request"``; nothing is guessed. A REQ socket's empty delimiter frame is
+accepted, and its replies carry one.
 
 Ops (who sends them: the trainer's client, on whichever of its threads needs the answer):
 
 ``hello`` → ``{"server_version", "root", "pid"}``.
-``alloc`` ``{job, rank, world_size, step, nbytes, pid}`` → ``{"segment", "size"}``: lease a staging
-    slot of at least ``nbytes``. The reply is deferred while the memory budget is full (backpressure).
-``commit`` ``{job, rank, world_size, local_world_size, step, segment, nbytes, replicas}`` plus a
+``alloc`` ``{job, rank, world_size, step, nbytes, pid}`` → ``{"segment", "size", "lease"}``: lease a
+    staging slot of at least ``nbytes``. The reply is deferred while the memory budget is full
+    (backpressure; at most :data:`~ckptd.config.MAX_DEFERRED_ALLOCS` wait at once). ``lease`` is a
+    secret token: only a request that names it may commit or release the slot. A lease neither
+    committed nor released within the daemon's lease timeout (or whose ``pid`` dies) is taken back.
+``commit`` ``{job, rank, world_size, local_world_size, step, segment, lease, nbytes, replicas}`` plus a
     second frame, the rank's non-tensor tree as JSON: the slot holds a complete shard (``replicas``:
     chunk id → sample digest of every chunk other ranks hold too; ``local_world_size``: how many of
     the step's ranks this daemon serves, fewer than ``world_size`` for a multi-node job, which the
@@ -19,18 +25,18 @@ Ops (who sends them: the trainer's client, on whichever of its threads needs the
     the commit in shared memory, after which the step is made durable even if the trainer dies. The
     daemon stores the tree frame as it came and parses it on a persist thread (a malformed tree
     fails the step), so a large tree does not delay the reply.
-``release`` ``{segment}``: give a leased slot back unused (the copy failed).
+``release`` ``{segment, lease}``: give a leased slot back unused (the copy failed).
 ``wait`` ``{job, step, timeout}`` → ``{"state": "pending"|"durable"|"failed", "path", "error"}``;
     the reply is held up to ``timeout`` seconds for the step to leave ``pending``.
 ``latest`` ``{job}`` → ``{"step", "path"}`` (``null`` when the job has no committed step).
 ``status`` ``{}`` → daemon-wide counters.
-``hot_open`` ``{job, step, pid}`` → ``{"step", "path", "manifest", "segments", "reason"}``: the newest
+``hot_open`` ``{job, step, pid}`` → ``{"step", "path", "manifest", "segments", "pin", "reason"}``: the newest
     durable step of the job (``step`` null) or ``step``, if the daemon still holds every
     rank's shard of it in shared memory: its manifest and, per shard file, the segment holding the
-    same bytes. The segments are pinned for ``pid`` (not reused) until ``hot_close``, its death, or
-    10 minutes.
+    same bytes. The segments are pinned (not reused) until ``hot_close`` names the ``pin`` token,
+    ``pid`` dies, or 10 minutes pass.
     ``"step": null`` and a ``reason`` when it does not hold them.
-``hot_close`` ``{pid, segments}``: unpin segments that ``hot_open`` gave this pid.
+``hot_close`` ``{pin, segments}``: unpin segments that ``hot_open`` pinned with ``pin``.
 ``fetch`` ``{job, step}`` → ``{"fetch"}``: find the newest complete step (``step`` null) or ``step``
     under the root or in the bucket, downloading it into the root if only the bucket has it, on a
     daemon thread. ``fetch_wait`` ``{fetch, timeout}`` → ``{"state": "pending"|"done"|"failed",
@@ -41,14 +47,20 @@ Ops (who sends them: the trainer's client, on whichever of its threads needs the
 from __future__ import annotations
 
 import json
+import math
+import re
 from enum import StrEnum
+from functools import cache
 from typing import Any
 
-from .config import validate_job
+from .config import MAX_LOCAL_WORLD_SIZE, MAX_NAME_BYTES, MAX_STEP, MAX_WORLD_SIZE, validate_job
 from .errors import ProtocolError
 
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 64 << 20
+MAX_ID = (1 << 63) - 1
+MAX_NBYTES = 1 << 50  # one rank's shard
+MAX_REPLICAS = 1 << 20
 
 _INT = (int,)
 _NUM = (int, float)
@@ -63,20 +75,33 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
         "world_size": _INT,
         "step": _INT,
         "segment": _STR,
+        "lease": _STR,
         "nbytes": _INT,
         "replicas": (dict,),
         "local_world_size": _INT,
     },  # fmt: skip
-    "release": {"segment": _STR},
+    "release": {"segment": _STR, "lease": _STR},
     "wait": {"job": _STR, "step": _INT, "timeout": _NUM},
     "latest": {"job": _STR},
     "status": {},
     "hot_open": {"job": _STR, "step": (int, type(None)), "pid": _INT},
-    "hot_close": {"pid": _INT, "segments": (list,)},
+    "hot_close": {"pin": _STR, "segments": (list,)},
     "fetch": {"job": _STR, "step": (int, type(None))},
     "fetch_wait": {"fetch": _INT, "timeout": _NUM},
 }
+# the commit record the daemon keeps in shared memory beside a committed segment (read back after a crash)
+RECORD_SCHEMA: dict[str, tuple[type, ...]] = {
+    "job": _STR, "rank": _INT, "world_size": _INT, "local_world_size": _INT, "step": _INT, "nbytes": _INT,
+    "replicas": (dict,), "committed_at": _INT,
+}  # fmt: skip
 _ENVELOPE = {"v", "op", "id"}
+# closed ranges of the integer fields, wherever they appear
+_RANGES = {
+    "rank": (0, MAX_WORLD_SIZE - 1), "world_size": (1, MAX_WORLD_SIZE), "local_world_size": (1, MAX_LOCAL_WORLD_SIZE),
+    "step": (0, MAX_STEP), "nbytes": (0, MAX_NBYTES), "fetch": (1, MAX_ID), "committed_at": (0, MAX_ID),
+}  # fmt: skip
+_TOKEN_RE = re.compile(r"[0-9a-f]{32}")
+_DIGEST_RE = re.compile(r"[0-9a-f]{16}")
 
 
 class Source(StrEnum):
@@ -119,28 +144,75 @@ def decode_request(frame: bytes) -> dict[str, Any]:
         raise ProtocolError(f"unknown op {op!r}")
     if not _is_int(msg.get("id")):
         raise ProtocolError("field 'id' missing or not an integer")
-    fields = SCHEMA[op]
-    extra = set(msg) - _ENVELOPE - set(fields)
+    if not -MAX_ID <= msg["id"] <= MAX_ID:
+        raise ProtocolError("field 'id' is not a 64-bit integer")
+    check_fields(f"op {op!r}", SCHEMA[op], msg, extra_ok=_ENVELOPE)
+    return msg
+
+
+def validate_record(rec: Any) -> dict[str, Any]:
+    """A commit record read back from shared memory after a crash, checked like a ``commit`` message."""
+    if not isinstance(rec, dict):
+        raise ProtocolError("commit record is not a JSON object")
+    check_fields("commit record", RECORD_SCHEMA, rec)
+    return rec
+
+
+def check_fields(
+    what: str, fields: dict[str, tuple[type, ...]], msg: dict[str, Any], extra_ok: frozenset[str] | set[str] = frozenset()
+) -> None:
+    """Every field of ``fields`` present with its type and within its bounds, and no other; ``ProtocolError`` naming it."""
+    extra = set(msg) - (extra_ok or set()) - set(fields)
     if extra:
-        raise ProtocolError(f"op {op!r}: unknown fields {sorted(extra)}")
+        raise ProtocolError(f"{what}: unknown fields {sorted(extra)[:8]}")
     for name, types in fields.items():
         if name not in msg:
-            raise ProtocolError(f"op {op!r}: missing field {name!r}")
+            raise ProtocolError(f"{what}: missing field {name!r}")
         val = msg[name]
         ok = _is_int(val) if types is _INT else (isinstance(val, types) and not isinstance(val, bool))
         if not ok:
-            raise ProtocolError(f"op {op!r}: field {name!r} has the wrong type ({type(val).__name__})")
-    if "job" in fields:
+            raise ProtocolError(f"{what}: field {name!r} has the wrong type ({type(val).__name__})")
+        _check_value(what, name, val)
+    if "world_size" in fields and msg.get("rank", 0) >= msg["world_size"]:
+        raise ProtocolError(f"{what}: rank {msg.get('rank')} outside world_size {msg['world_size']}")
+    if "local_world_size" in fields and msg["local_world_size"] > msg["world_size"]:
+        raise ProtocolError(f"{what}: local_world_size {msg['local_world_size']} is not within 1..world_size ({msg['world_size']})")
+
+
+def _check_value(what: str, name: str, val: Any) -> None:  # noqa: C901 - one case per field
+    if name in _RANGES and val is not None:
+        lo, hi = _RANGES[name]
+        if not lo <= val <= hi:
+            raise ProtocolError(f"{what}: field {name!r} = {val} is outside {lo}..{hi}")
+    elif name == "pid" and not 1 <= val <= pid_max():
+        raise ProtocolError(f"{what}: field 'pid' = {val} is not a process id (1..{pid_max()})")
+    elif name == "job":
         try:
-            validate_job(msg["job"])
+            validate_job(val)
         except ValueError as e:
             raise ProtocolError(str(e)) from None
-    for name in ("rank", "step", "nbytes"):
-        if name in fields and isinstance(msg[name], int) and msg[name] < 0:
-            raise ProtocolError(f"op {op!r}: field {name!r} must be >= 0")
-    if "world_size" in fields and not 0 <= msg.get("rank", 0) < msg["world_size"]:
-        raise ProtocolError(f"op {op!r}: rank {msg.get('rank')} outside world_size {msg['world_size']}")
-    return msg
+    elif name == "timeout" and not (math.isfinite(val) and val >= 0):
+        raise ProtocolError(f"{what}: field 'timeout' must be a finite number >= 0")
+    elif name in ("lease", "pin") and not _TOKEN_RE.fullmatch(val):
+        raise ProtocolError(f"{what}: field {name!r} is not a token this daemon hands out")
+    elif name == "segment" and len(val) > MAX_NAME_BYTES:
+        raise ProtocolError(f"{what}: field 'segment' is longer than {MAX_NAME_BYTES} characters")
+    elif name == "segments" and (len(val) > MAX_LOCAL_WORLD_SIZE or not all(isinstance(v, str) and len(v) <= MAX_NAME_BYTES for v in val)):
+        raise ProtocolError(f"{what}: field 'segments' must be at most {MAX_LOCAL_WORLD_SIZE} segment names")
+    elif name == "replicas" and (
+        len(val) > MAX_REPLICAS or not all(len(k) <= 4096 and isinstance(d, str) and _DIGEST_RE.fullmatch(d) for k, d in val.items())
+    ):
+        raise ProtocolError(f"{what}: 'replicas' must map at most {MAX_REPLICAS} chunk ids to 16-digit digests")
+
+
+@cache
+def pid_max() -> int:
+    """The kernel's largest process id (``/proc/sys/kernel/pid_max``; 2**22 where unreadable)."""
+    try:
+        with open("/proc/sys/kernel/pid_max") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 1 << 22
 
 
 def _is_int(v: Any) -> bool:

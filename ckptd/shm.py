@@ -1,122 +1,282 @@
-"""POSIX shared-memory segments, created and unlinked by the daemon only.
+"""POSIX shared-memory segments, created and unlinked by the daemon only, in a directory only it owns.
 
-Segments are plain files in ``/dev/shm`` (not ``multiprocessing.shared_memory``, whose resource
-tracker unlinks segments when the creating process exits). Names are
-``ckptd-<uid>-<ns>-<NNNNNNNN>`` where ``ns`` is derived from the daemon's root directory, so a
-restarted daemon finds its own segments and two daemons on one node never collide. A commit
-record ``<segment>.commit`` (JSON, written atomically) marks a segment whose shard must be made
-durable; it survives a daemon crash together with the segment.
+``/dev/shm`` is writable by every local user, so nothing found there is trusted by name. Each daemon
+keeps its segments in a private directory ``/dev/shm/ckptd-<uid>-<16 random hex>`` (mode 0700, 0710
+with a group: members may open a segment they were told the name of, but not list the directory),
+named in ``<root>/.ckptd-shm`` so that a restarted daemon finds what its previous run committed. A
+segment is ``<32 random hex>`` in it; on the wire it is named ``<directory>/<file>``. The daemon
+opens, maps, adopts and unlinks only regular files it owns with the mode it set (``O_NOFOLLOW``,
+``fstat``): anything else is logged and left alone, never fatal. Names are unguessable and created
+with ``O_EXCL`` (a collision is retried).
+
+A commit record ``<segment>.commit`` marks a segment whose shard must be made durable; it survives
+a daemon crash together with the segment. It is one line of JSON (the record's fields), a newline,
+then the commit's tree exactly as the client sent it: the tree can never change the record's fields.
+(``multiprocessing.shared_memory`` is not used: its resource tracker unlinks segments when the
+creating process exits.)
 
 Who calls what: the daemon creates, records and unlinks (main thread) and reads segments (persist
-workers); a trainer only maps an existing segment it was leased (:class:`Mapping`).
+workers) through :class:`SegmentDir`; a trainer only maps an existing segment it was leased
+(:class:`Mapping`).
 """
 
 from __future__ import annotations
 
-import hashlib
+import errno
 import json
+import logging
 import mmap
 import os
 import re
+import secrets
+import stat
 from typing import Any
 
 from .errors import CheckpointError
 
+log = logging.getLogger("ckptd.daemon")
+
 SHM_DIR = os.environ.get("CKPTD_SHM_DIR", "/dev/shm")
-SEGMENT_RE = re.compile(r"^ckptd-\d+-[0-9a-f]{8}-\d{8}$")
+MARKER = ".ckptd-shm"  # in the daemon's root: the name of its private segment directory
 RECORD_SUFFIX = ".commit"
 ALIGN = 2 << 20  # round segment sizes up so slots can be reused by slightly larger shards
+_DIR_RE = re.compile(r"ckptd-\d+-[0-9a-f]{16}")
+_FILE_RE = re.compile(r"[0-9a-f]{32}")
+NAME_RE = re.compile(rf"{_DIR_RE.pattern}/{_FILE_RE.pattern}")
+_OPEN = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def namespace(root: str) -> str:
-    h = hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:8]
-    return f"ckptd-{os.getuid()}-{h}"
+class Untrusted(CheckpointError):
+    """A file in the segment directory that this daemon did not make (another user, a symlink, a mode)."""
 
 
 def path_of(name: str) -> str:
-    if not SEGMENT_RE.match(name):
+    """The path of segment ``name`` (``<directory>/<file>``, as the daemon names it on the wire)."""
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
         raise CheckpointError(f"invalid segment name {name!r}")
     return os.path.join(SHM_DIR, name)
 
 
-def list_segments(ns: str) -> list[str]:
-    """Names of this namespace's segments present in shared memory, sorted."""
-    try:
-        names = os.listdir(SHM_DIR)
-    except FileNotFoundError:
-        return []
-    return sorted(n for n in names if n.startswith(ns + "-") and SEGMENT_RE.match(n))
+def _check_dir(path: str) -> os.stat_result:
+    """``path`` is a real directory of this user that no one else may write into."""
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise Untrusted(f"{path} is not a private directory of uid {os.geteuid()} (uid {st.st_uid}, mode {st.st_mode:o})")
+    return st
 
 
-def create(name: str, size: int, *, mode: int = 0o600, gid: int | None = None) -> int:
-    """Create a segment of ``size`` bytes with every page allocated; returns the rounded size.
+class SegmentDir:
+    """The daemon's private segment directory (daemon main thread; ``open_owned`` on any thread)."""
 
-    ``mode`` is applied whatever the umask; ``gid`` (if given) becomes the segment's group, for
-    trainers that run as another user of that group.
+    def __init__(self, root: str, *, file_mode: int = 0o600, gid: int | None = None) -> None:
+        """Use the directory ``<root>/.ckptd-shm`` names if it is still ours, else make a new one."""
+        self.file_mode, self.gid = file_mode, gid
+        self._marker = os.path.join(root, MARKER)
+        self.name = self._reuse() or self._make()
+        self.path = os.path.join(SHM_DIR, self.name)
 
-    ``posix_fallocate`` makes a full ``/dev/shm`` fail here with ENOSPC instead of a SIGBUS in the
-    trainer's copy later, and prefaults the pages so the first copy runs at memory speed.
-    """
-    size = max(ALIGN, -(-size // ALIGN) * ALIGN)
-    path = path_of(name)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
-    try:
-        os.fchmod(fd, mode)
-        if gid is not None:
-            os.fchown(fd, -1, gid)
-        os.posix_fallocate(fd, 0, size)
-        # fallocated tmpfs pages are still zeroed one fault at a time when the trainer first maps
-        # them (0.4-3 s per GB, measured); writing the zeros here costs 0.14 s per GB and leaves
-        # the trainer's MAP_POPULATE at ~0.12 s per GB
-        zeros = memoryview(bytes(min(size, 64 << 20)))
-        for off in range(0, size, len(zeros)):
-            os.pwrite(fd, zeros[: size - off], off)
-    except OSError as e:
-        os.close(fd)
-        os.unlink(path)
-        raise CheckpointError(f"cannot allocate {size} bytes of shared memory in {SHM_DIR}: {e.strerror}") from None
-    os.close(fd)
-    return size
-
-
-def size_of(name: str) -> int:
-    return os.stat(path_of(name)).st_size
-
-
-def unlink(name: str) -> None:
-    for p in (path_of(name), path_of(name) + RECORD_SUFFIX):
+    @staticmethod
+    def read_marker(root: str) -> str | None:
+        """The directory name ``root``'s marker holds, if it is well formed and the directory is ours."""
         try:
-            os.unlink(p)
+            with open(os.path.join(root, MARKER)) as f:
+                name = f.read().strip()
+        except (OSError, UnicodeDecodeError):
+            return None
+        if not _DIR_RE.fullmatch(name):
+            return None
+        try:
+            _check_dir(os.path.join(SHM_DIR, name))
+        except (OSError, Untrusted):
+            return None
+        return name
+
+    def _reuse(self) -> str | None:
+        name = self.read_marker(os.path.dirname(self._marker))
+        if name is None and os.path.exists(self._marker):
+            log.warning("%s does not name a private segment directory of this user: starting a new one", self._marker)
+        return name
+
+    def _make(self) -> str:
+        from .storage.files import write_durable
+
+        while True:
+            name = f"ckptd-{os.geteuid()}-{secrets.token_hex(8)}"
+            path = os.path.join(SHM_DIR, name)
+            try:
+                os.mkdir(path, 0o700)
+            except FileExistsError:
+                continue
+            except OSError as e:
+                raise CheckpointError(f"cannot create a segment directory in {SHM_DIR}: {e.strerror}") from None
+            if self.gid is not None:
+                os.chown(path, -1, self.gid)
+                os.chmod(path, 0o710)  # members reach a segment by name, cannot list or create
+            _check_dir(path)
+            write_durable(self._marker, f"{name}\n".encode())
+            return name
+
+    def _path(self, name: str) -> str:
+        d, sep, f = name.partition("/")
+        if d != self.name or not sep or not _FILE_RE.fullmatch(f):
+            raise Untrusted(f"segment {name!r} is not in this daemon's directory {self.path}")
+        return os.path.join(self.path, f)
+
+    # ------------------------------------------------------------------ segments
+
+    def names(self) -> tuple[list[str], list[str]]:
+        """``(segments, strays)``: segment names in the directory, and every other entry's file name."""
+        try:
+            entries = sorted(os.listdir(self.path))
+        except FileNotFoundError:
+            return [], []
+        segs = [f"{self.name}/{e}" for e in entries if _FILE_RE.fullmatch(e)]
+        strays = [e for e in entries if not _FILE_RE.fullmatch(e) and not (_FILE_RE.fullmatch(e[:32]) and e[32:] == RECORD_SUFFIX)]
+        return segs, strays
+
+    def create(self, size: int) -> tuple[str, int]:
+        """A new segment of at least ``size`` bytes, every page allocated; returns its name and size.
+
+        ``posix_fallocate`` makes a full ``/dev/shm`` fail here with ENOSPC instead of a SIGBUS in the
+        trainer's copy later, and prefaults the pages so the first copy runs at memory speed.
+        """
+        size = max(ALIGN, -(-size // ALIGN) * ALIGN)
+        while True:
+            name = f"{self.name}/{secrets.token_hex(16)}"
+            path = self._path(name)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN, self.file_mode)
+                break
+            except FileExistsError:
+                continue
+        try:
+            os.fchmod(fd, self.file_mode)
+            if self.gid is not None:
+                os.fchown(fd, -1, self.gid)
+            os.posix_fallocate(fd, 0, size)
+            # fallocated tmpfs pages are still zeroed one fault at a time when the trainer first maps
+            # them (0.4-3 s per GB, measured); writing the zeros here costs 0.14 s per GB and leaves
+            # the trainer's MAP_POPULATE at ~0.12 s per GB
+            zeros = memoryview(bytes(min(size, 64 << 20)))
+            for off in range(0, size, len(zeros)):
+                os.pwrite(fd, zeros[: size - off], off)
+        except OSError as e:
+            os.close(fd)
+            os.unlink(path)
+            raise CheckpointError(f"cannot allocate {size} bytes of shared memory in {SHM_DIR}: {e.strerror}") from None
+        os.close(fd)
+        return name, size
+
+    def open_owned(self, name: str, flags: int = os.O_RDONLY) -> int:
+        """An fd of segment (or record) ``name`` if it is a regular file this daemon made; else :class:`Untrusted`."""
+        path = self._path(name.removesuffix(RECORD_SUFFIX)) + (RECORD_SUFFIX if name.endswith(RECORD_SUFFIX) else "")
+        try:
+            fd = os.open(path, flags | _OPEN)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise Untrusted(f"{path} is a symbolic link") from None
+            raise
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != self.file_mode:
+            os.close(fd)
+            raise Untrusted(f"{path} is not a file this daemon made (uid {st.st_uid}, mode {st.st_mode:o})")
+        return fd
+
+    def size_of(self, name: str) -> int:
+        fd = self.open_owned(name)
+        try:
+            return os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+
+    def unlink(self, name: str) -> None:
+        """Remove segment ``name`` and its record (names are checked; the directory is ours, so an
+        unlink cannot reach another user's file)."""
+        path = self._path(name)
+        for p in (path, path + RECORD_SUFFIX):
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+
+    def remove_stray(self, entry: str) -> None:
+        """Remove a leftover that is not a segment (a torn record's temporary file)."""
+        try:
+            os.unlink(os.path.join(self.path, os.path.basename(entry)))
+        except OSError as e:
+            log.warning("cannot remove %s from %s: %s", entry, self.path, e.strerror)
+
+    def close(self) -> None:
+        """Shutdown: remove the directory and the marker when no segment is left in it."""
+        try:
+            os.rmdir(self.path)
+        except OSError:
+            return  # committed segments remain for the next run
+        try:
+            os.unlink(self._marker)
+        except OSError:
+            pass
+
+    # ------------------------------------------------------------------ commit records
+
+    def write_record(self, name: str, record: dict[str, Any], tree: bytes = b"{}") -> None:
+        """Record a commit for segment ``name`` atomically (tmpfs: no fsync needed, it lives as long
+        as the segment): the record's fields as one JSON line, then the raw tree bytes."""
+        path = self._path(name) + RECORD_SUFFIX
+        tmp = path + ".tmp"
+        try:
+            os.unlink(tmp)  # a torn earlier attempt
+        except FileNotFoundError:
+            pass
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN, self.file_mode)
+        with open(fd, "wb") as f:
+            f.write(json.dumps(record, separators=(",", ":")).encode() + b"\n")
+            f.write(tree)
+        os.replace(tmp, path)
+
+    def read_record(self, name: str) -> tuple[dict[str, Any], bytes] | None:
+        """``(fields, tree)`` of segment ``name``'s commit record, or ``None`` when there is none or it
+        is torn; :class:`Untrusted` when the record is not this daemon's file."""
+        try:
+            fd = self.open_owned(name + RECORD_SUFFIX)
+        except FileNotFoundError:
+            return None
+        with open(fd, "rb") as f:
+            head, nl, tree = f.read().partition(b"\n")
+        try:
+            rec = json.loads(head)
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            return None  # a torn record never happened: the commit was never acknowledged
+        return (rec, tree) if nl and isinstance(rec, dict) else None
+
+    def drop_record(self, name: str) -> None:
+        try:
+            os.unlink(self._path(name) + RECORD_SUFFIX)
         except FileNotFoundError:
             pass
 
 
-def write_record(name: str, record: dict[str, Any], tree: bytes = b"{}") -> None:
-    """Record a commit for segment ``name`` atomically (tmpfs: no fsync needed, lives as long as the
-    segment). ``tree`` is the commit's raw tree JSON, stored as it came, under the key ``"tree"``."""
-    path = path_of(name) + RECORD_SUFFIX
-    tmp = path + ".tmp"
-    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
-        f.write(json.dumps(record, separators=(",", ":")).encode()[:-1] + b',"tree":' + tree + b"}")
-    os.replace(tmp, path)
+def segments_of(root: str) -> list[str]:
+    """Segment names the daemon of ``root`` holds now (tests and tools; no directory is created)."""
+    d = SegmentDir.read_marker(root)
+    if d is None:
+        return []
+    return [f"{d}/{e}" for e in sorted(os.listdir(os.path.join(SHM_DIR, d))) if _FILE_RE.fullmatch(e)]
 
 
-def read_record(name: str) -> dict[str, Any] | None:
-    try:
-        with open(path_of(name) + RECORD_SUFFIX, "rb") as f:
-            rec = json.loads(f.read())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError):
-        return None  # a torn record never happened: the commit was never acknowledged
-    return rec if isinstance(rec, dict) else None
-
-
-def drop_record(name: str) -> None:
-    try:
-        os.unlink(path_of(name) + RECORD_SUFFIX)
-    except FileNotFoundError:
-        pass
+def purge(root: str) -> list[str]:
+    """Remove the segment directory of ``root``'s daemon and all in it (after a test or a demo); returns
+    what was removed."""
+    d = SegmentDir.read_marker(root)
+    if d is None:
+        return []
+    path = os.path.join(SHM_DIR, d)
+    gone = sorted(os.listdir(path))
+    for e in gone:
+        os.unlink(os.path.join(path, e))
+    os.rmdir(path)
+    os.unlink(os.path.join(root, MARKER))
+    return gone
 
 
 class Mapping:
@@ -126,14 +286,19 @@ class Mapping:
     minor fault per page on its first copy (4x slower than a warm mapping).
     """
 
-    def __init__(self, name: str, *, writable: bool = True) -> None:
+    def __init__(self, name: str, *, writable: bool = True, fd: int | None = None) -> None:
         """Map segment ``name``: read-write and populated for a trainer; read-only and lazily
-        faulted for the daemon (``MAP_POPULATE`` holds the GIL for the whole call, which would
-        stall the daemon's request loop; faults taken inside ``os.write`` and the hashing do not)."""
+        faulted for the daemon, which passes the ``fd`` it checked (``MAP_POPULATE`` holds the GIL
+        for the whole call, which would stall the daemon's request loop; faults taken inside
+        ``os.write`` and the hashing do not)."""
         self.name = name
-        fd = os.open(path_of(name), os.O_RDWR if writable else os.O_RDONLY)
+        if fd is None:
+            fd = os.open(path_of(name), (os.O_RDWR if writable else os.O_RDONLY) | _OPEN)
         try:
-            self.size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointError(f"segment {name!r} is not a regular file")
+            self.size = st.st_size
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
             populate = getattr(mmap, "MAP_POPULATE", 0) if writable else 0
             self._mm = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | populate, prot=prot)

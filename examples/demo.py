@@ -18,7 +18,6 @@ daemon named by ``CKPTD_ENDPOINT`` as job ``CKPTD_JOB``.
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import re
 import shutil
@@ -291,7 +290,7 @@ def main() -> int:
     tmp = tempfile.mkdtemp(prefix="ckptd-demo-")
     endpoint = f"ipc://{tmp}/ckptd.sock"
     daemon_log = os.path.join(tmp, "daemon.log")
-    shm_glob = os.path.join(ckptd.shm.SHM_DIR, ckptd.shm.namespace(os.path.join(tmp, "ckpts")) + "-*")
+    ckpts = os.path.join(tmp, "ckpts")
     state: dict[str, object] = {}
     failure: str | None = None
     print(f"ckptd demo in {tmp}")
@@ -312,13 +311,8 @@ def main() -> int:
                 failure = f"the daemon exited with code {rc} on SIGTERM"
             if failure is not None:
                 print(f"--- daemon log ({daemon_log}) ---\n{read(daemon_log)}--- end of daemon log ---", file=sys.stderr)
-        left = sorted(glob.glob(shm_glob))
+        left = ckptd.shm.purge(ckpts)  # clean up anyway: shared memory outlives us
         if left:
-            for path in left:  # clean up anyway: shared memory outlives us
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
             if failure is None:
                 failure = f"the daemon left shared-memory segments behind: {left}"
         shutil.rmtree(tmp, ignore_errors=True)

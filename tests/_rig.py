@@ -82,7 +82,7 @@ class Rig:
         self.ctx = zmq.Context()
         self.events = EventQueue(self.ctx)
         self.counters = Counters()
-        self.pool = SlotPool(shm.namespace(root), 64 * MiB)
+        self.pool = SlotPool(shm.SegmentDir(root), 64 * MiB)
         self.catalog = StepCatalog(root)
         self.steps = StepTable(self.catalog.complete_path)
         self.persister = Persister(root, self.events, workers=workers, keep=keep, protect=protect)
@@ -108,7 +108,7 @@ class Rig:
             f.write(data)
         rec = record(step, rank, world_size, len(data), lws)
         raw = tree(rank) if raw_tree is None else raw_tree
-        shm.write_record(slot.name, rec, tree=raw)
+        self.pool.segments.write_record(slot.name, rec, tree=raw)
         rec["tree"] = raw
         self.pool.commit(slot, rec)
         key = (JOB, step)
@@ -166,7 +166,10 @@ class Rig:
 def record(step: int, rank: int, world_size: int, nbytes: int, lws: int | None = None) -> dict[str, Any]:
     """A commit record as ``Daemon._op_commit`` writes it (the tree is added by ``shm.write_record``)."""
     lws = world_size if lws is None else lws
-    return {"job": JOB, "rank": rank, "world_size": world_size, "local_world_size": lws, "step": step, "nbytes": nbytes, "replicas": {}}
+    return {
+        "job": JOB, "rank": rank, "world_size": world_size, "local_world_size": lws, "step": step, "nbytes": nbytes, "replicas": {},
+        "committed_at": 1_000_000 + step,  # commit order follows the step here
+    }  # fmt: skip
 
 
 def tear_down(rigs: list[Rig], root: str) -> None:
@@ -175,5 +178,4 @@ def tear_down(rigs: list[Rig], root: str) -> None:
         for rig in rigs:
             rig.close()
     finally:
-        for name in shm.list_segments(shm.namespace(root)):
-            shm.unlink(name)
+        shm.purge(root)

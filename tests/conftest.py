@@ -83,7 +83,7 @@ class DaemonProc:
         self.proc = None
 
     def segments(self) -> list[str]:
-        return shm.list_segments(shm.namespace(self.root))
+        return shm.segments_of(self.root)
 
     def cleanup(self) -> None:
         if self.proc is not None:
@@ -93,8 +93,7 @@ class DaemonProc:
             finally:
                 self._logf.close()
                 self.proc = None
-        for name in self.segments():
-            shm.unlink(name)
+        shm.purge(self.root)
 
 
 @pytest.fixture

@@ -33,7 +33,7 @@ def _snapshot_one(d: DaemonProc) -> None:
 
 
 def _segments(d: DaemonProc) -> list[str]:
-    return shm.list_segments(shm.namespace(os.path.abspath(d.root)))
+    return shm.segments_of(os.path.abspath(d.root))
 
 
 def test_owner_only_by_default(make_daemon) -> None:
@@ -43,6 +43,7 @@ def test_owner_only_by_default(make_daemon) -> None:
     assert _mode(d.root)[0] == 0o700
     segs = _segments(d)
     assert segs
+    assert _mode(os.path.dirname(shm.path_of(segs[0])))[0] == 0o700  # private: nobody else lists or creates in it
     for name in segs:
         assert _mode(shm.path_of(name))[0] == 0o600
         if os.path.exists(shm.path_of(name) + shm.RECORD_SUFFIX):
@@ -87,6 +88,7 @@ def test_group_members_get_in_and_others_do_not() -> None:
         assert _mode(d.root) == (0o2750, gid)
         for name in _segments(d):
             assert _mode(shm.path_of(name)) == (0o660, gid)
+        assert _mode(os.path.dirname(shm.path_of(name))) == (0o710, gid)  # members open a named segment, cannot list
         step_dir = Path(d.root) / "t" / "step-1"
         assert os.stat(step_dir).st_gid == gid  # inherited through the setgid root
 

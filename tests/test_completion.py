@@ -20,7 +20,6 @@ from typing import Any
 import pytest
 from _rig import JOB, FakeUploader, Rig, rank_tensors, shard, tear_down, tree
 
-from ckptd import shm
 from ckptd.daemon.events import ShardPersisted
 from ckptd.daemon.slots import SlotState
 from ckptd.daemon.status import Counters
@@ -90,7 +89,7 @@ def test_every_ranks_shard_persisted_makes_the_step_durable(make_rig: Callable[.
     assert rig.counters.persisted_bytes == sum(len(shard(3, r, 2)) for r in range(2))
     for r, slot in enumerate(slots):  # freed, still holding the persisted shard for hot restores
         assert slot.state is SlotState.FREE and slot.holds == (JOB, 3, r)
-        assert shm.read_record(slot.name) is None
+        assert rig.pool.segments.read_record(slot.name) is None
     assert set(rig.pool.held(JOB, 3)) == {0, 1}
 
 

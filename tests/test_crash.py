@@ -146,20 +146,17 @@ def test_full_disk_fails_the_step_and_keeps_the_previous(make_daemon, small_fs) 
 
 def test_restart_after_finalize_drops_the_stale_record(make_daemon) -> None:  # noqa: ANN001
     """A crash between the manifest rename and dropping the commit record must not re-persist."""
-    import json
-
     from ckptd import shm
 
     daemon = make_daemon()
     model, optim = make()
     with daemon.client("j") as c, daemon.rpc() as rpc:
-        seg = rpc.call("alloc", job="j", rank=0, world_size=1, step=1, nbytes=4096, pid=os.getpid())["segment"]
-        rpc.call("release", segment=seg)
+        rep = rpc.call("alloc", job="j", rank=0, world_size=1, step=1, nbytes=4096, pid=os.getpid())
+        rpc.call("release", segment=rep["segment"], lease=rep["lease"])
         path = c.snapshot(model, optim, step=1, blocking=True).wait(30)
     daemon.kill()
-    record = {"job": "j", "rank": 0, "world_size": 1, "step": 1, "nbytes": 4096, "tree": {}, "replicas": {}}
-    with open(shm.path_of(seg) + shm.RECORD_SUFFIX, "w") as f:
-        json.dump(record, f)  # as if the crash came right after finalizing step 1
+    record = {"job": "j", "rank": 0, "world_size": 1, "local_world_size": 1, "step": 1, "nbytes": 4096, "replicas": {}, "committed_at": 1}
+    shm.SegmentDir(daemon.root).write_record(rep["segment"], record)  # as if the crash came right after finalizing step 1
     daemon.start([])
     assert daemon.segments() == []
     with daemon.client("j") as c:

@@ -52,19 +52,22 @@ def _op(op: str, **f) -> bytes:  # noqa: ANN003
 
 
 ONE = {"world_size": 1, "local_world_size": 1}  # a one-rank job on one node
+NO_SEGMENT, NO_LEASE = "ckptd-0-0123456789abcdef/" + "0" * 32, "0" * 32
 BAD_MESSAGES = [
     ("garbage", [b"\x00\x01garbage"], "bad_request"),
     ("two frames", [b"{}", b"{}"], "bad_request"),
-    ("commit without its tree frame", [_op("commit", job="j", rank=0, **ONE, step=1, segment="ckptd-0-00000000-00000001",
+    ("commit without its tree frame", [_op("commit", job="j", rank=0, **ONE, step=1, segment=NO_SEGMENT, lease=NO_LEASE,
                                            nbytes=1, replicas={})], "bad_request"),
     ("hello with an extra frame", [_op("hello"), b"{}"], "bad_request"),
     ("json list", [b"[]"], "bad_request"),
     ("unknown op", [_op("explode")], "bad_request"),
     ("bad job", [_op("latest", job="../x")], "bad_request"),
-    ("unknown segment", [_op("commit", job="j", rank=0, **ONE, step=1, segment="ckptd-0-00000000-00000001", nbytes=1,
+    ("unknown segment", [_op("commit", job="j", rank=0, **ONE, step=1, segment=NO_SEGMENT, lease=NO_LEASE, nbytes=1,
                               replicas={}), b"{}"],
      "refused"),
-    ("malformed segment name", [_op("release", segment="../../etc/passwd")], "refused"),
+    ("malformed segment name", [_op("release", segment="../../etc/passwd", lease=NO_LEASE)], "refused"),
+    ("pid beyond pid_max", [_op("alloc", job="j", rank=0, world_size=1, step=1, nbytes=10, pid=2**64)], "bad_request"),
+    ("world of 2**40 ranks", [_op("alloc", job="j", rank=0, world_size=2**40, step=1, nbytes=10, pid=os.getpid())], "bad_request"),
     ("a retired op", [_op("locate", job="j", step=5)], "bad_request"),
     ("alloc over budget", [_op("alloc", job="j", rank=0, world_size=1, step=1, nbytes=1 << 50, pid=os.getpid())], "refused"),
 ]  # fmt: skip
@@ -80,21 +83,24 @@ def test_bad_message_gets_error_and_daemon_keeps_serving(raw: Raw, daemon, frame
 
 def test_commit_must_match_lease(daemon) -> None:  # noqa: ANN001
     with daemon.rpc() as rpc:
-        seg = rpc.call("alloc", job="j", rank=0, world_size=1, step=1, nbytes=100, pid=os.getpid())["segment"]
+        rep = rpc.call("alloc", job="j", rank=0, world_size=1, step=1, nbytes=100, pid=os.getpid())
+        seg, lease = rep["segment"], rep["lease"]
         with pytest.raises(ProtocolError, match="does not match the lease"):
-            rpc.call("commit", job="j", rank=0, **ONE, step=2, segment=seg, nbytes=100, replicas={}, frames=(b"{}",))
+            rpc.call("commit", job="j", rank=0, **ONE, step=2, segment=seg, lease=lease, nbytes=100, replicas={}, frames=(b"{}",))
         with pytest.raises(ProtocolError, match="exceeds segment size"):
-            rpc.call("commit", job="j", rank=0, **ONE, step=1, segment=seg, nbytes=1 << 40, replicas={}, frames=(b"{}",))
-        rpc.call("release", segment=seg)
+            rpc.call("commit", job="j", rank=0, **ONE, step=1, segment=seg, lease=lease, nbytes=1 << 40, replicas={}, frames=(b"{}",))
+        rpc.call("release", segment=seg, lease=lease)
         with pytest.raises(ProtocolError, match="not leased"):
-            rpc.call("release", segment=seg)
+            rpc.call("release", segment=seg, lease=lease)
 
 
 def test_garbage_shard_fails_the_step_not_the_daemon(daemon) -> None:  # noqa: ANN001
     """A committed slot whose bytes are not a shard: wait() raises, nothing is committed."""
     with daemon.client("j") as c, daemon.rpc() as rpc:
-        seg = rpc.call("alloc", job="j", rank=0, world_size=1, step=1, nbytes=4096, pid=os.getpid())["segment"]
-        rpc.call("commit", job="j", rank=0, **ONE, step=1, segment=seg, nbytes=4096, replicas={}, frames=(b"{}",))
+        rep = rpc.call("alloc", job="j", rank=0, world_size=1, step=1, nbytes=4096, pid=os.getpid())
+        rpc.call(
+            "commit", job="j", rank=0, **ONE, step=1, segment=rep["segment"], lease=rep["lease"], nbytes=4096, replicas={}, frames=(b"{}",)
+        )
         rep = rpc.call("wait", job="j", step=1, timeout=10.0)
         assert rep["state"] == "failed" and "header" in rep["error"]
         assert c.latest() is None
@@ -108,12 +114,24 @@ def test_malformed_tree_fails_the_step_not_the_daemon(daemon) -> None:  # noqa: 
     model, optim = make()
     with daemon.client("j") as c, daemon.rpc() as rpc:
         c.snapshot(model, optim, step=1, blocking=True).wait(30)
-        seg = rpc.call("alloc", job="j", rank=0, world_size=1, step=2, nbytes=1 << 20, pid=os.getpid())["segment"]
+        rep = rpc.call("alloc", job="j", rank=0, world_size=1, step=2, nbytes=1 << 20, pid=os.getpid())
+        seg = rep["segment"]
         src = os.path.join(daemon.root, "j", "step-1", "rank-00000.safetensors")
         shard = open(src, "rb").read()
         with open(f"/dev/shm/{seg}", "r+b") as f:
             f.write(shard)  # a valid shard, so only the tree is wrong
-        rpc.call("commit", job="j", rank=0, **ONE, step=2, segment=seg, nbytes=len(shard), replicas={}, frames=(b"{not json",))
+        rpc.call(
+            "commit",
+            job="j",
+            rank=0,
+            **ONE,
+            step=2,
+            segment=seg,
+            lease=rep["lease"],
+            nbytes=len(shard),
+            replicas={},
+            frames=(b"{not json",),
+        )
         rep = rpc.call("wait", job="j", step=2, timeout=10.0)
         assert rep["state"] == "failed" and "tree is not valid JSON" in rep["error"]
         assert c.latest() == 1 and c.hello()["ok"]
@@ -122,13 +140,13 @@ def test_malformed_tree_fails_the_step_not_the_daemon(daemon) -> None:  # noqa: 
 def test_backpressure_defers_alloc_until_a_slot_frees(make_daemon) -> None:  # noqa: ANN001
     d = make_daemon("--shm-budget", "4M")
     with d.client("j") as c1, d.rpc() as rpc, Raw(d.endpoint) as raw:
-        seg = rpc.call("alloc", job="j", rank=0, world_size=2, step=1, nbytes=3 << 20, pid=os.getpid())["segment"]
+        first = rpc.call("alloc", job="j", rank=0, world_size=2, step=1, nbytes=3 << 20, pid=os.getpid())
         # the second rank's request waits for the first slot to be released
         s = raw.s
         s.send(request("alloc", 99, job="j", rank=1, world_size=2, step=1, nbytes=3 << 20, pid=os.getpid()))
         assert not s.poll(700), "alloc over budget should have been deferred"
         assert c1.status()["deferred_allocs"] == 1
-        rpc.call("release", segment=seg)
+        rpc.call("release", segment=first["segment"], lease=first["lease"])
         assert s.poll(5000)
         rep = json.loads(s.recv())
         assert rep["ok"] and rep["id"] == 99
@@ -163,9 +181,9 @@ def test_second_daemon_on_same_endpoint_refuses(daemon, make_daemon) -> None:  #
 
 def test_clean_stop_unlinks_segments(daemon) -> None:  # noqa: ANN001
     with daemon.rpc() as rpc:
-        seg = rpc.call("alloc", job="j", rank=0, world_size=1, step=1, nbytes=100, pid=os.getpid())["segment"]
-        rpc.call("release", segment=seg)
-    assert daemon.segments() == [seg]
+        rep = rpc.call("alloc", job="j", rank=0, world_size=1, step=1, nbytes=100, pid=os.getpid())
+        rpc.call("release", segment=rep["segment"], lease=rep["lease"])
+    assert daemon.segments() == [rep["segment"]]
     assert daemon.stop() == 0
     assert daemon.segments() == []
 

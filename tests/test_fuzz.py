@@ -14,17 +14,29 @@ from ckptd.protocol import request
 N_MESSAGES = 3000
 
 
-def _valid(rng: random.Random, seg: str) -> bytes:
+def _valid(rng: random.Random, seg: str, lease: str = "0" * 32) -> bytes:
     # every op but "wait" and "fetch_wait", whose reply a mutated timeout may hold back for up to 30 s by design
     choices = [
         request("hello", 1),
         request("latest", 1, job="j"),
         request("alloc", 1, job="j", rank=0, world_size=1, step=1, nbytes=rng.randrange(1 << 16), pid=os.getpid()),
-        request("release", 1, segment=seg),
-        request("commit", 1, job="j", rank=0, world_size=1, local_world_size=1, step=rng.randrange(5), segment=seg, nbytes=10, replicas={}),
+        request("release", 1, segment=seg, lease=lease),
+        request(
+            "commit",
+            1,
+            job="j",
+            rank=0,
+            world_size=1,
+            local_world_size=1,
+            step=rng.randrange(5),
+            segment=seg,
+            lease=lease,
+            nbytes=10,
+            replicas={},
+        ),
         request("status", 1),
         request("hot_open", 1, job="j", step=rng.choice([None, 1]), pid=os.getpid()),
-        request("hot_close", 1, pid=os.getpid(), segments=[seg]),
+        request("hot_close", 1, pin=lease, segments=[seg]),
         request("fetch", 1, job="j", step=rng.choice([None, 1])),
     ]
     return rng.choice(choices)
@@ -54,7 +66,7 @@ def test_fuzzed_messages_all_answered(daemon) -> None:  # noqa: ANN001
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.connect(daemon.endpoint)
-    seg = "ckptd-0-00000000-00000001"
+    seg = "ckptd-0-0123456789abcdef/" + "0" * 32
     answered = 0
     t0 = time.monotonic()
     try:
@@ -74,7 +86,7 @@ def test_fuzzed_messages_all_answered(daemon) -> None:  # noqa: ANN001
                 assert reply["v"] == 1 and isinstance(reply["ok"], bool)
                 answered += 1
                 if reply["ok"] and "segment" in reply:  # a lease we got by chance: give it back
-                    s.send_multipart([request("release", 2, segment=reply["segment"])])
+                    s.send_multipart([request("release", 2, segment=reply["segment"], lease=reply["lease"])])
                     assert s.poll(5000)
                     s.recv()
             assert time.monotonic() - t0 < 120, "fuzzing took too long"

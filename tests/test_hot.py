@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 
 import pytest
@@ -70,8 +71,10 @@ def test_pinned_slot_is_not_overwritten_and_dead_readers_unpin(make_daemon) -> N
         c.snapshot(model, optim, step=2, blocking=True).wait()  # must lease another slot
         assert open(shm.path_of(seg), "rb").read() == before
         # a reader that died leaves no pin behind
-        assert rpc.call("hot_open", job="hot", step=None, pid=2**22 + 12345)["step"] == 2
-        rpc.call("hot_close", pid=os.getpid(), segments=[seg])
+        gone = subprocess.Popen(["true"])
+        gone.wait()  # a pid that no longer lives
+        assert rpc.call("hot_open", job="hot", step=None, pid=gone.pid)["step"] == 2
+        rpc.call("hot_close", pin=held["pin"], segments=[seg])
         deadline = time.monotonic() + 10  # housekeeping drops the dead pid's pin within a second
         while rpc.call("status")["hot_pins"] and time.monotonic() < deadline:
             time.sleep(0.1)

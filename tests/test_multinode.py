@@ -51,11 +51,12 @@ def test_multinode_step_without_a_bucket_is_refused(make_daemon) -> None:  # noq
 
     d = make_daemon()
     with d.rpc() as rpc:
-        seg = rpc.call("alloc", job="mn", rank=0, world_size=2, step=1, nbytes=4096, pid=os.getpid())["segment"]
-        fields = dict(job="mn", rank=0, world_size=2, local_world_size=1, step=1, segment=seg, nbytes=4096, replicas={})
+        rep = rpc.call("alloc", job="mn", rank=0, world_size=2, step=1, nbytes=4096, pid=os.getpid())
+        seg = rep["segment"]
+        fields = dict(job="mn", rank=0, world_size=2, local_world_size=1, step=1, segment=seg, lease=rep["lease"], nbytes=4096, replicas={})
         with pytest.raises(CheckpointError, match=r"spans several nodes .* configure \[remote\]"):
             rpc.call("commit", frames=(b"{}",), **fields)
-        rpc.call("release", segment=seg)
+        rpc.call("release", segment=seg, lease=rep["lease"])
 
 
 def test_a_node_daemon_killed_mid_upload_uploads_its_part_after_the_restart(make_daemon, short_tmp: Path, s3_bucket: RemoteConfig) -> None:  # noqa: ANN001

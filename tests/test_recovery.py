@@ -46,27 +46,26 @@ class Node(Rig):
 
     def __init__(self, root: str, uploader: FakeUploader | None) -> None:
         super().__init__(root, uploader=uploader)
-        self.ns = shm.namespace(root)
         self.handed: list[Slot] = []
 
     # what the previous run left in shared memory
 
-    def segment(self, index: int, data: bytes = b"", rec: dict[str, Any] | None = None, *, raw_record: bytes | None = None) -> str:
-        """Segment ``<ns>-<index>`` holding ``data``, with commit record ``rec`` (tree added) or the bytes ``raw_record``."""
-        name = f"{self.ns}-{index:08d}"
-        shm.create(name, max(len(data), 1))
+    def segment(self, data: bytes = b"", rec: dict[str, Any] | None = None, *, raw_record: bytes | None = None) -> str:
+        """A segment of this daemon's directory holding ``data``, with commit record ``rec`` (tree added)
+        or the bytes ``raw_record`` (as the daemon's own file: mode 0600)."""
+        name, _ = self.pool.segments.create(max(len(data), 1))
         with open(shm.path_of(name), "r+b") as f:
             f.write(data)
         if rec is not None:
-            shm.write_record(name, rec, tree=tree(rec.get("rank", 0)))
+            self.pool.segments.write_record(name, rec, tree=tree(rec.get("rank", 0)))
         if raw_record is not None:
-            with open(shm.path_of(name) + shm.RECORD_SUFFIX, "wb") as f:
+            with open(os.open(shm.path_of(name) + shm.RECORD_SUFFIX, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
                 f.write(raw_record)
         return name
 
-    def committed(self, index: int, step: int, rank: int, world_size: int, lws: int | None = None) -> str:
+    def committed(self, step: int, rank: int, world_size: int, lws: int | None = None) -> str:
         data = shard(step, rank, world_size)
-        return self.segment(index, data, record(step, rank, world_size, len(data), lws))
+        return self.segment(data, record(step, rank, world_size, len(data), lws))
 
     # this run
 
@@ -112,28 +111,28 @@ def partial_dirs(root: str) -> list[str]:
 
 
 def test_segments_with_commit_records_are_adopted_and_handed_to_persist(node: Node) -> None:
-    a = node.committed(0, step=5, rank=1, world_size=2)
-    b = node.committed(3, step=5, rank=0, world_size=2)
-    c = node.committed(4, step=6, rank=0, world_size=1)
+    a = node.committed(step=5, rank=1, world_size=2)
+    b = node.committed(step=5, rank=0, world_size=2)
+    c = node.committed(step=6, rank=0, world_size=1)
     node.recover(persist=False)
 
-    assert sorted(s.name for s in node.handed) == [a, b, c]
+    assert sorted(s.name for s in node.handed) == sorted([a, b, c])
     for name, (step, rank, ws) in {a: (5, 1, 2), b: (5, 0, 2), c: (6, 0, 1)}.items():
         slot = node.pool.get(name)
         assert slot is not None and slot.state is SlotState.COMMITTED and slot.owner == (JOB, rank)
-        assert slot.lease == {**record(step, rank, ws, len(shard(step, rank, ws))), "tree": json.loads(tree(rank))}
-        assert slot.size == shm.size_of(name)
+        assert slot.lease == {**record(step, rank, ws, len(shard(step, rank, ws))), "tree": tree(rank)}
+        assert slot.size == node.pool.segments.size_of(name)
     five, six = node.steps.get((JOB, 5)), node.steps.get((JOB, 6))
     assert five is not None and (five.world_size, five.local_world_size, five.committed) == (2, 2, {0, 1})
     assert six is not None and six.committed == {0} and six.state is StepState.PENDING and six.inflight == 0
-    assert shm.list_segments(node.ns) == [a, b, c]
-    # names a new lease makes come after those found
+    assert shm.segments_of(node.root) == sorted([a, b, c])
+    # a new lease never gets the name of a segment found
     slot = node.pool.lease({"job": JOB, "rank": 0, "world_size": 1, "step": 7, "nbytes": 10, "pid": os.getpid()})
-    assert slot is not None and slot.name == f"{node.ns}-00000005"
+    assert slot is not None and slot.name not in (a, b, c)
 
 
 def test_recovered_shards_are_persisted_into_a_durable_step(node: Node) -> None:
-    names = [node.committed(i, step=8, rank=r, world_size=2) for i, r in enumerate((1, 0))]
+    names = [node.committed(step=8, rank=r, world_size=2) for i, r in enumerate((1, 0))]
     node.recover()
     assert node.steps.get((JOB, 8)).inflight == 2
     evs = node.pump(2)
@@ -147,41 +146,41 @@ def test_recovered_shards_are_persisted_into_a_durable_step(node: Node) -> None:
     assert node.steps.get((JOB, 8)).state is StepState.DURABLE and node.counters.steps_committed == 1
     assert local.latest_step(node.root, JOB) == (8, path)
     for name in names:  # persisted: the record is dropped, the segment kept as a free slot
-        assert shm.read_record(name) is None and node.pool.get(name).state is SlotState.FREE
+        assert node.pool.segments.read_record(name) is None and node.pool.get(name).state is SlotState.FREE
     assert node.uploader.submitted == [(JOB, 8, 2, None)]
 
 
 def _no_record(node: Node) -> str:
-    return node.segment(2, shard(1, 0, 1))
+    return node.segment(shard(1, 0, 1))
 
 
 def _torn_record(node: Node) -> str:
-    return node.segment(2, shard(1, 0, 1), raw_record=b'{"job":"j","rank":0,"world_si')
+    return node.segment(shard(1, 0, 1), raw_record=b'{"job":"j","rank":0,"world_si')
 
 
 def _not_an_object(node: Node) -> str:
-    return node.segment(2, shard(1, 0, 1), raw_record=b"[1, 2, 3]")
+    return node.segment(shard(1, 0, 1), raw_record=b"[1, 2, 3]")
 
 
 def _no_world_size(node: Node) -> str:
     rec = record(1, 0, 1, len(shard(1, 0, 1)))
     del rec["world_size"]
-    return node.segment(2, shard(1, 0, 1), rec)
+    return node.segment(shard(1, 0, 1), rec)
 
 
 def _no_rank(node: Node) -> str:
     rec = record(1, 0, 1, len(shard(1, 0, 1)))
     del rec["rank"]
-    return node.segment(2, shard(1, 0, 1), rec)
+    return node.segment(shard(1, 0, 1), rec)
 
 
 def _job_not_a_string(node: Node) -> str:
-    return node.segment(2, shard(1, 0, 1), {**record(1, 0, 1, len(shard(1, 0, 1))), "job": 17})
+    return node.segment(shard(1, 0, 1), {**record(1, 0, 1, len(shard(1, 0, 1))), "job": 17})
 
 
 def _step_already_complete(node: Node) -> str:
     complete_step(node.root, 1, 1)  # the previous run finalized it just before dying
-    return node.committed(2, step=1, rank=0, world_size=1)
+    return node.committed(step=1, rank=0, world_size=1)
 
 
 @pytest.mark.parametrize(
@@ -189,21 +188,20 @@ def _step_already_complete(node: Node) -> str:
 )
 def test_segments_without_a_usable_record_are_unlinked(node: Node, leave: Any) -> None:
     dropped = leave(node)
-    kept = node.committed(1, step=3, rank=0, world_size=1)
+    kept = node.committed(step=3, rank=0, world_size=1)
     node.recover()
     node.pump(1)
 
     assert [s.name for s in node.handed] == [kept]
-    assert shm.list_segments(node.ns) == [kept]
+    assert shm.segments_of(node.root) == [kept]
     assert not os.path.exists(shm.path_of(dropped)) and not os.path.exists(shm.path_of(dropped) + shm.RECORD_SUFFIX)
     assert node.pool.get(dropped) is None
     assert set(node.steps.tracks) == {(JOB, 3)}  # nothing tracked for the dropped one
     assert node.counters.errors == 0 and verify_checkpoint(step_dir(node.root, JOB, 3)) == []
     if leave is _step_already_complete:  # left as it was
         assert verify_checkpoint(step_dir(node.root, JOB, 1)) == []
-    # a new segment is named after every one found, the dropped one included
     slot = node.pool.lease({"job": "other", "rank": 0, "world_size": 1, "step": 4, "nbytes": 10, "pid": os.getpid()})
-    assert slot is not None and slot.name == f"{node.ns}-00000003"
+    assert slot is not None and slot.name not in (kept, dropped)
 
 
 # ---------------------------------------------------------------------------- partial steps
@@ -251,7 +249,7 @@ def test_a_partial_step_whose_fragments_cannot_be_merged_is_removed(node: Node) 
 
 def test_a_partial_step_a_recovered_shard_can_complete_is_kept_and_completed(node: Node) -> None:
     write_fragment(node.root, 9, 0, 2)  # rank 0 was persisted before the crash
-    name = node.committed(0, step=9, rank=1, world_size=2)  # rank 1 committed, not persisted yet
+    name = node.committed(step=9, rank=1, world_size=2)  # rank 1 committed, not persisted yet
     node.recover(persist=False)
 
     assert partial_dirs(node.root) == ["step-9.tmp"] and fragments_present(node.root, JOB, 9) == {0}
@@ -282,8 +280,9 @@ def test_this_nodes_whole_part_of_a_multi_node_step_is_uploaded_again(node: Node
     assert track.state is StepState.PENDING and not os.path.exists(step_dir(node.root, JOB, 10))
 
     # handed to the uploader: the persist threads do not report this node's part a second time
-    name = node.committed(0, step=10, rank=3, world_size=4, lws=2)
-    slot = node.pool.adopt(name, shm.read_record(name) or {})
+    name = node.committed(step=10, rank=3, world_size=4, lws=2)
+    rec, raw = node.pool.segments.read_record(name) or ({}, b"")
+    slot = node.pool.adopt(name, node.pool.segments.size_of(name), {**rec, "tree": raw})
     node.completion.persist(slot)
     (ev,) = node.pump(1)
     assert ev.error is None and ev.node_ranks is None
@@ -292,7 +291,7 @@ def test_this_nodes_whole_part_of_a_multi_node_step_is_uploaded_again(node: Node
 
 def test_a_multi_node_part_a_recovered_shard_completes_is_reported_once(node: Node) -> None:
     write_fragment(node.root, 11, 2, 4, lws=2)
-    node.committed(0, step=11, rank=3, world_size=4, lws=2)
+    node.committed(step=11, rank=3, world_size=4, lws=2)
     node.recover()
     assert node.uploader.submitted == []  # not yet: rank 3 is being written
     (ev,) = node.pump(1)
@@ -329,10 +328,10 @@ def test_a_step_finalized_by_recovery_is_reported_durable_and_not_written_again(
     (that failed the complete step with "already exists")."""
     names = []
     for r in range(2):
-        names.append(node.committed(r, step=1, rank=r, world_size=2))
+        names.append(node.committed(step=1, rank=r, world_size=2))
         write_fragment(node.root, 1, r, 2)
     node.recover()
     assert node.handed == []
     assert node.steps.answer((JOB, 1))["state"] == "durable"
     assert verify_checkpoint(step_dir(node.root, JOB, 1)) == []
-    assert shm.list_segments(node.ns) == [] and not any(os.path.exists(shm.path_of(n)) for n in names)
+    assert shm.segments_of(node.root) == [] and not any(os.path.exists(shm.path_of(n)) for n in names)

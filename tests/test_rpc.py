@@ -63,7 +63,7 @@ def test_call_returns_the_reply(daemon: DaemonProc) -> None:
 @pytest.mark.parametrize(
     "op,fields,msg",
     [
-        ("release", {"segment": "no-such-segment"}, "unknown segment 'no-such-segment'"),  # refused by the op
+        ("release", {"segment": "ckptd-0-0123456789abcdef/" + "0" * 32, "lease": "0" * 32}, "unknown segment 'ckptd-0-"),  # by the op
         ("latest", {"job": "../etc"}, "invalid job name '../etc'"),  # refused as a bad request
         ("hello", {"extra": 1}, "unknown fields ['extra']"),
         ("wait", {"job": "j", "step": 1, "timeout": "soon"}, "field 'timeout' has the wrong type"),
@@ -227,12 +227,12 @@ def test_a_held_request_blocks_neither_other_threads_nor_gives_up_while_the_daem
             assert t.is_alive() and not outcome, outcome
             assert ch.call("hello")["pid"] == d.proc.pid
         finally:
-            ch.call("release", segment=first["segment"])
+            ch.call("release", segment=first["segment"], lease=first["lease"])
             t.join(HANG)
         assert not t.is_alive() and len(outcome) == 1 and isinstance(outcome[0], dict), outcome
         grant = outcome[0]
         assert grant["ok"] and grant["size"] >= 3 * MIB
-        ch.call("release", segment=grant["segment"])
+        ch.call("release", segment=grant["segment"], lease=grant["lease"])
         assert _slots(ch) == ({"free": 1}, 0)
 
 
@@ -242,7 +242,7 @@ def test_a_held_request_blocks_neither_other_threads_nor_gives_up_while_the_daem
 def test_late_grant_is_never_the_answer_to_a_later_request(make_daemon) -> None:  # noqa: ANN001
     """An ``alloc`` deferred past its ``rpc_timeout``; freeing the budget makes the daemon grant it late.
     The calls after it get their own answers, not that grant."""
-    d = make_daemon("--shm-budget", "4M")
+    d = make_daemon("--shm-budget", "4M", "--lease-timeout", "2")
     with d.rpc(timeout=5.0) as ch:
         first = _alloc(ch, 1, 3 * MIB)
         t0 = time.monotonic()
@@ -252,19 +252,21 @@ def test_late_grant_is_never_the_answer_to_a_later_request(make_daemon) -> None:
         assert _slots(ch) == ({"leased": 1}, 1)  # still deferred in the daemon
 
         # the daemon sends the late grant just before this reply
-        released = ch.call("release", segment=first["segment"])
+        released = ch.call("release", segment=first["segment"], lease=first["lease"])
         assert released["ok"] and "segment" not in released and "size" not in released, released
         slots, deferred = _slots(ch)
         assert (slots, deferred) == ({"leased": 1}, 0)  # the late grant was made: the freed slot went to it
         hello = ch.call("hello")
         assert hello["pid"] == d.proc.pid and "segment" not in hello
 
-        # the late grant took the only slot; give it back (it is the first lease's segment, reused)
-        assert ch.call("release", segment=first["segment"])["ok"]
-        assert _slots(ch) == ({"free": 1}, 0)
+        # the late grant took the only slot under a lease token nobody received: the first lease's token
+        # does not release it, the lease timeout does
+        with pytest.raises(ProtocolError, match="not leased to this client"):
+            ch.call("release", segment=first["segment"], lease=first["lease"])
+        _until(lambda: _slots(ch) == ({"free": 1}, 0))
         again = _alloc(ch, 3, MIB)  # and the next alloc is answered with a lease of its own
         assert again["ok"] and again["segment"] == first["segment"]
-        ch.call("release", segment=again["segment"])
+        ch.call("release", segment=again["segment"], lease=again["lease"])
         assert _slots(ch) == ({"free": 1}, 0)
 
 

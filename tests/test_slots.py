@@ -28,19 +28,19 @@ class Clock:
 
 @pytest.fixture
 def env(tmp_path: Path) -> Iterator[dict[str, Any]]:
-    ns = shm.namespace(str(tmp_path))
+    segments = shm.SegmentDir(str(tmp_path))
     grants: list[tuple[bytes, Any, Any]] = []
     dead: set[int] = set()
     clock = Clock()
 
     def make(budget: int) -> SlotPool:
-        return SlotPool(ns, budget, on_grant=lambda i, m, r: grants.append((i, m, r)), clock=clock, alive=lambda pid: pid not in dead)
+        grant = lambda i, m, r: grants.append((i, m, r))  # noqa: E731
+        return SlotPool(segments, budget, on_grant=grant, clock=clock, alive=lambda pid: pid not in dead, lease_timeout=100.0)
 
     try:
-        yield {"make": make, "grants": grants, "dead": dead, "clock": clock, "ns": ns}
+        yield {"make": make, "grants": grants, "dead": dead, "clock": clock, "root": str(tmp_path)}
     finally:
-        for name in shm.list_segments(ns):
-            shm.unlink(name)
+        shm.purge(str(tmp_path))
 
 
 def _req(rank: int = 0, nbytes: int = MiB, pid: int | None = None, job: str = "j", step: int = 1) -> dict[str, Any]:
@@ -108,9 +108,11 @@ def test_committed_and_pinned_slots_are_never_leased(env: dict[str, Any]) -> Non
     assert a is not None and b is not None
     pool.commit(a, {"job": "j", "rank": 0, "step": 1, "nbytes": 10})
     pool.persisted(b, ("j", 1, 1))
-    pool.pin([b], pid=os.getpid())
+    pin = pool.pin([b], pid=os.getpid())
     assert pool.lease(_req(rank=2, nbytes=2 * MiB)) is None  # nothing free to reuse or evict
-    pool.unpin([b.name, 3, None], os.getpid())  # names that are not segments are ignored
+    pool.unpin([b.name], "0" * 32)  # another reader's token: the pin stays
+    assert pool.lease(_req(rank=2, nbytes=2 * MiB)) is None
+    pool.unpin([b.name, 3, None], pin)  # names that are not segments are ignored
     assert pool.lease(_req(rank=2, nbytes=2 * MiB)) is b
 
 
@@ -149,7 +151,7 @@ def test_a_pin_lapses_even_if_its_pid_lives(env: dict[str, Any]) -> None:
     pool.pin([slot], pid=os.getpid())
     env["clock"].now += HOT_PIN_MAX_S / 2 + 1
     pool.reap(env["clock"].now)
-    assert set(slot.pins) == {os.getpid()}  # pid 1's pin is past its deadline
+    assert [pid for pid, _ in slot.pins.values()] == [os.getpid()]  # pid 1's pin is past its deadline
     env["dead"].add(os.getpid())
     pool.reap(env["clock"].now)
     assert slot.pins == {}  # a reader that died
@@ -184,10 +186,10 @@ def test_a_failed_segment_creation_is_refused_to_the_waiting_request(env: dict[s
     assert pool.request(b"w", _req(rank=1, nbytes=2 * MiB)) is None
     pool.commit(first, {"job": "j", "rank": 0, "step": 1, "nbytes": 10})
 
-    def full(name: str, size: int, **kw: object) -> int:
+    def full(size: int) -> tuple[str, int]:
         raise CheckpointError("cannot allocate: /dev/shm is full")
 
-    monkeypatch.setattr(shm, "create", full)
+    monkeypatch.setattr(pool.segments, "create", full)
     pool.unlink(first)  # memory back, but creating the segment fails
     pool.retry_deferred()
     ((ident, _, result),) = env["grants"]
@@ -201,4 +203,55 @@ def test_close_keeps_only_committed_segments(env: dict[str, Any]) -> None:
     pool.commit(kept, {"job": "j", "rank": 0, "step": 1, "nbytes": 10})
     pool.free(free)
     pool.close()
-    assert shm.list_segments(env["ns"]) == [kept.name]  # a restart persists it
+    assert shm.segments_of(env["root"]) == [kept.name]  # a restart persists it
+
+
+def test_a_lease_is_bound_to_its_token(env: dict[str, Any]) -> None:
+    """Another client naming the segment (it can guess or see names in status) cannot commit or release it."""
+    pool = env["make"](4 * MiB)
+    slot = pool.lease(_req())
+    assert slot is not None and slot.token is not None
+    for token in ("0" * 32, slot.token[::-1]):
+        with pytest.raises(ProtocolError, match="not leased to this client"):
+            pool.leased(slot.name, token)
+    assert pool.leased(slot.name, slot.token) is slot
+    pool.free(slot)
+    again = pool.lease(_req())
+    assert again is slot and again.token is not None and pool.leased(again.name, again.token) is slot
+    with pytest.raises(ProtocolError):
+        pool.leased(slot.name, "0" * 32)
+
+
+@pytest.mark.parametrize("pid", [1, "other namespace"])
+def test_a_lease_whose_pid_never_dies_lapses(env: dict[str, Any], pid: Any) -> None:
+    """pid 1 (always alive) or a pid in another PID namespace (some unrelated live process here) would
+    hold the slot forever: the lease timeout takes it back and hands it to a waiting request."""
+    pool = env["make"](2 * MiB)
+    slot = pool.lease(_req(pid=1 if pid == 1 else os.getppid()))
+    assert slot is not None
+    assert pool.request(b"w", _req(rank=1)) is None
+    env["clock"].now += 99
+    pool.reap(env["clock"].now)
+    assert slot.state is SlotState.LEASED and env["grants"] == []
+    env["clock"].now += 2
+    pool.reap(env["clock"].now)
+    assert [g[0] for g in env["grants"]] == [b"w"] and slot.state is SlotState.LEASED and slot.owner == ("j", 1)
+
+
+def test_deferred_allocations_are_bounded(env: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptd.daemon import slots as slots_mod
+
+    monkeypatch.setattr(slots_mod, "MAX_DEFERRED_ALLOCS", 3)
+    pool = env["make"](2 * MiB)
+    assert pool.lease(_req()) is not None
+    for i in range(3):
+        assert pool.request(b"%d" % i, _req(rank=1 + i)) is None
+    with pytest.raises(CheckpointError, match="already wait"):
+        pool.request(b"x", _req(rank=9))
+    assert len(pool.deferred) == 3
+
+
+def test_a_pid_that_is_no_pid_reads_as_dead() -> None:
+    from ckptd.daemon.slots import pid_alive
+
+    assert pid_alive(os.getpid()) and not pid_alive(2**64) and not pid_alive(-5)

@@ -118,6 +118,7 @@ class Client:
         self._rpc = Channel(self.endpoint, self.timeout)
         self._stager = Stager()
         self._maps = SlotMaps()
+        self._leases: dict[str, str] = {}  # segment -> the lease token the daemon gave this client for it
         self._trees = TreeEncoder()
         self._guard = CopyGuard()
         self._guarded: tuple[Any, set[int]] = (None, set())  # optimizer-owned storages, for the stage they were computed for
@@ -213,11 +214,15 @@ class Client:
         rep = self._rpc.call(
             "alloc", rpc_timeout=self.alloc_timeout, job=self.job, rank=rank, world_size=world, step=step, nbytes=nbytes, pid=os.getpid()
         )
+        self._leases[rep["segment"]] = rep["lease"]  # the secret that lets this client, and no other, commit or release it
         return rep["segment"]
 
     def _release(self, segment: str) -> None:
+        lease = self._leases.pop(segment, None)
+        if lease is None:
+            return
         try:
-            self._rpc.call("release", segment=segment)
+            self._rpc.call("release", segment=segment, lease=lease)
         except CheckpointError as e:
             log.warning("could not release %s: %s", segment, e)
 
@@ -274,7 +279,8 @@ class Client:
 
     def _commit(self, handle: SnapshotHandle, commit: dict[str, Any], tree_json: bytes) -> None:
         try:
-            self._rpc.call("commit", frames=(tree_json,), **commit)
+            self._rpc.call("commit", frames=(tree_json,), lease=self._leases[commit["segment"]], **commit)
+            self._leases.pop(commit["segment"], None)
         except BaseException as e:
             handle._error = e
             if not isinstance(e, DaemonUnavailable):

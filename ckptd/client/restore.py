@@ -56,7 +56,7 @@ def _restore_hot(
     try:
         extra = restore_state(held["path"], model, optim, rank, reader=reader)
     finally:
-        rpc.call("hot_close", pid=os.getpid(), segments=list(held["segments"].values()))
+        rpc.call("hot_close", pin=held["pin"], segments=list(held["segments"].values()))
     return extra, restored(held["step"], held["path"], Source.MEMORY)
 
 

@@ -52,13 +52,11 @@ def lower_priority(nice: int, idle: bool) -> Callable[[], None]:
     return init
 
 
-def parse_tree(raw: Any) -> dict[str, Any]:
-    """A commit's tree: parsed from the raw frame (a recovered record holds it parsed already)."""
-    if isinstance(raw, dict):
-        return raw
+def parse_tree(raw: bytes) -> dict[str, Any]:
+    """A commit's tree, parsed from the raw frame the trainer sent (or the commit record kept)."""
     try:
         tree = json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise ProtocolError(f"the committed tree is not valid JSON: {e}") from None
     if not isinstance(tree, dict):
         raise ProtocolError("the committed tree is not a JSON object")
@@ -76,9 +74,11 @@ class Persister:
         write_rate_limit: float = 0.0,
         protect: Callable[[str], set[int]] = lambda job: set(),
         initializer: Callable[[], None] | None = None,
+        open_segment: Callable[[str], int] | None = None,
     ) -> None:
-        """``keep``: complete local steps kept per job, besides those ``protect(job)`` names (not uploaded yet)."""
-        self.root, self._events = root, events
+        """``keep``: complete local steps kept per job, besides those ``protect(job)`` names (not uploaded yet).
+        ``open_segment``: a read-only fd of a segment, checked to be the daemon's own file."""
+        self.root, self._events, self._open_segment = root, events, open_segment
         self.keep, self.write_rate_limit, self._protect = keep, write_rate_limit, protect
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptd-persist", initializer=initializer)
         self._job_locks: dict[str, threading.Lock] = {}
@@ -120,10 +120,11 @@ class Persister:
             if slot.mapping is None:  # mapped here, not on the main loop: ~0.1 s per GB with MAP_POPULATE
                 from .. import shm
 
-                slot.mapping = shm.Mapping(slot.name, writable=False)
+                fd = self._open_segment(slot.name) if self._open_segment is not None else None
+                slot.mapping = shm.Mapping(slot.name, writable=False, fd=fd)
             local.write_shard(
                 self.root, job, step, rank, ws, slot.mapping.view, rec["nbytes"], parse_tree(rec["tree"]),
-                self.write_rate_limit, rec.get("replicas", {}), lws,
+                self.write_rate_limit, rec.get("replicas", {}), lws, rec.get("committed_at", 0),
             )  # fmt: skip
             seconds = time.monotonic() - t0
             path, node_ranks = self._after_write(job, step, ws, lws)

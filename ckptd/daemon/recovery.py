@@ -16,8 +16,9 @@ import logging
 from collections.abc import Callable
 
 from .. import shm
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ProtocolError
 from ..layout import fragments_present, is_complete, partial_steps, step_dir
+from ..protocol import validate_record
 from ..storage import local
 from .persister import Persister
 from .slots import Slot, SlotPool, SlotState
@@ -28,25 +29,48 @@ log = logging.getLogger("ckptd.daemon")
 
 
 def adopt_segments(pool: SlotPool, steps: StepTable, root: str) -> None:
-    """Adopt committed-but-not-durable segments of this pool's namespace; drop the rest."""
-    for name in shm.list_segments(pool.namespace):
-        pool.note_name(name)
-        rec = shm.read_record(name)
-        if rec is None:
-            shm.unlink(name)
-            continue
+    """Adopt committed-but-not-durable segments of this daemon's directory; drop the rest. A file it
+    cannot trust (not its own, a symlink, a record that does not check out) is logged and skipped,
+    never adopted and never fatal."""
+    segs = pool.segments
+    found, strays = segs.names()
+    for entry in strays:  # a torn record's temporary file, or something that is not ours to keep
+        log.warning("removing %s/%s: not a segment of this daemon", segs.path, entry)
+        segs.remove_stray(entry)
+    for name in found:
         try:
-            if is_complete(step_dir(root, rec["job"], rec["step"])):
-                shm.unlink(name)  # finalized just before the crash: nothing left to do
-                continue
-            pool.adopt(name, rec)
-            steps.adopt((rec["job"], rec["step"]), rec["world_size"], rec.get("local_world_size", 0)).committed.add(rec["rank"])
-        except (KeyError, TypeError, OSError):
-            log.warning("dropping segment %s with an unreadable commit record", name)
-            pool.slots.pop(name, None)
-            shm.unlink(name)
-            continue
-        log.info("recovered committed shard %s: job %s step %s rank %s", name, rec["job"], rec["step"], rec["rank"])
+            adopt_segment(pool, steps, root, name)
+        except (shm.Untrusted, ProtocolError) as e:
+            log.warning("ignoring segment %s: %s", name, e)
+            if not isinstance(e, shm.Untrusted):
+                segs.unlink(name)  # our own file with a record that does not check out: nothing to recover
+        except OSError as e:
+            log.warning("ignoring segment %s: %s", name, e)
+
+
+def adopt_segment(pool: SlotPool, steps: StepTable, root: str, name: str) -> None:
+    """Adopt one segment if its commit record is sound and its step still needs it; else unlink it."""
+    segs = pool.segments
+    size = segs.size_of(name)  # Untrusted unless it is our own regular file
+    got = segs.read_record(name)
+    if got is None:
+        segs.unlink(name)  # never committed (or the record is torn: never acknowledged)
+        return
+    rec, tree = validate_record(got[0]), got[1]
+    if rec["nbytes"] > size:
+        raise ProtocolError(f"its record claims {rec['nbytes']} bytes, the segment has {size}")
+    if is_complete(step_dir(root, rec["job"], rec["step"])):
+        segs.unlink(name)  # finalized just before the crash: nothing left to do
+        return
+    known = steps.get((rec["job"], rec["step"]))
+    sizes = (rec["world_size"], rec["local_world_size"])
+    if known is not None and ((known.world_size, known.local_world_size) != sizes or rec["rank"] in known.committed):
+        raise ProtocolError(f"its record (rank {rec['rank']} of {rec['world_size']}) contradicts another segment of step {rec['step']}")
+    rec["tree"] = tree
+    track = steps.adopt((rec["job"], rec["step"]), rec["world_size"], rec["local_world_size"])
+    pool.adopt(name, size, rec)
+    track.committed.add(rec["rank"])
+    log.info("recovered committed shard %s: job %s step %s rank %s", name, rec["job"], rec["step"], rec["rank"])
 
 
 def finish_partial_step(root: str, job: str, step: int, steps: StepTable, persister: Persister, uploader: Uploader | None) -> None:

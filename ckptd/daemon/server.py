@@ -11,6 +11,7 @@ package imports torch. Which step is complete, and which one a restore reads, is
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import signal
@@ -74,7 +75,10 @@ class Daemon:
         self.catalog = StepCatalog(self.root, store if store is not None else _open_store(config))
         self.steps = StepTable(self.catalog.complete_path)
         budget = config.shm_budget if config.shm_budget is not None else default_shm_budget()
-        self.pool = SlotPool(shm.namespace(self.root), budget, file_mode=self.access.file_mode, gid=self.access.gid, on_grant=self._grant)
+        segments = shm.SegmentDir(self.root, file_mode=self.access.file_mode, gid=self.access.gid)
+        self.pool = SlotPool(segments, budget, on_grant=self._grant, lease_timeout=config.lease_timeout)
+        self._req_peers: collections.OrderedDict[bytes, None] = collections.OrderedDict()  # REQ sockets: replies need a delimiter
+        self._last_commit_ns: dict[str, int] = {}
         background = lower_priority(config.nice, config.idle_priority)  # persist and upload threads yield to training
         self.uploader: Uploader | None = None
         if self.catalog.store is not None:
@@ -85,6 +89,7 @@ class Daemon:
         self.persister = Persister(
             self.root, self.events, workers=config.workers, keep=config.keep, write_rate_limit=config.write_rate_limit,
             protect=self.uploader.pending if self.uploader is not None else (lambda job: set()), initializer=background,
+            open_segment=segments.open_owned,
         )  # fmt: skip
         self.fetcher = Fetcher(self.catalog, self.events)
         self.completion = Completion(
@@ -142,24 +147,30 @@ class Daemon:
         poller.register(self.events.wake, zmq.POLLIN)
         while self._running:
             ready = dict(poller.poll(int(HOUSEKEEPING_S * 1000)))
-            self._drain()
+            self._guarded(self._drain)
             if self._sock in ready:
                 for _ in range(256):
                     try:
                         frames = self._sock.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    try:
-                        self._handle(frames)
-                    except Exception:  # no message, however malformed, may take the daemon down
-                        log.exception("dropped a message that could not be handled")
+                    self._guarded(self._handle, frames)  # no message, however malformed, may take the daemon down
             now = time.monotonic()
             if watchdog is not None and now - last_ping >= watchdog:
                 notify("WATCHDOG=1")  # the loop is alive: systemd restarts a daemon that stops pinging
                 last_ping = now
             if now - last_house >= HOUSEKEEPING_S:
                 last_house = now
-                self._housekeeping(now)
+                self._guarded(self._housekeeping, now)
+
+    @staticmethod
+    def _guarded(fn: Callable[..., None], *args: Any) -> None:
+        """Run one unit of the loop's work; whatever it raises is logged, and the loop (every other job's
+        checkpoints) goes on."""
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("%s failed; the daemon carries on", getattr(fn, "__name__", fn))
 
     def _serve_metrics(self) -> None:
         if not self.config.metrics_port:
@@ -219,6 +230,12 @@ class Daemon:
 
     def _handle(self, frames: list[bytes]) -> None:
         ident = frames[0]
+        if len(frames) > 2 and frames[1] == b"":  # a REQ socket's envelope: identity, empty delimiter, message
+            frames = [ident, *frames[2:]]
+            self._req_peers[ident] = None
+            self._req_peers.move_to_end(ident)
+            while len(self._req_peers) > 65536:
+                self._req_peers.popitem(last=False)
         try:
             if len(frames) < 2:
                 raise ProtocolError("empty message")
@@ -244,7 +261,7 @@ class Daemon:
 
     def _send(self, ident: bytes, data: bytes) -> None:
         try:
-            self._sock.send_multipart([ident, data], zmq.NOBLOCK)
+            self._sock.send_multipart([ident, b"", data] if ident in self._req_peers else [ident, data], zmq.NOBLOCK)
         except zmq.ZMQError as e:
             log.warning("reply dropped: %s", e)
 
@@ -260,7 +277,7 @@ class Daemon:
         if isinstance(result, CheckpointError):
             self._send(ident, reply_error(msg["id"], "refused", str(result)))
         else:
-            self._send(ident, reply_ok(msg["id"], segment=result.name, size=result.size))
+            self._send(ident, reply_ok(msg["id"], segment=result.name, size=result.size, lease=result.token))
 
     def _op_hello(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
         return {"server_version": __version__, "root": self.root, "pid": os.getpid()}
@@ -270,14 +287,14 @@ class Daemon:
 
     def _op_alloc(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any] | None:
         slot = self.pool.request(ident, msg)
-        return None if slot is None else {"segment": slot.name, "size": slot.size}  # None: deferred, backpressure
+        return None if slot is None else {"segment": slot.name, "size": slot.size, "lease": slot.token}  # None: deferred
 
     def _op_release(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
-        self.pool.free(self.pool.leased(msg["segment"]))
+        self.pool.free(self.pool.leased(msg["segment"], msg["lease"]))
         return {}
 
     def _op_commit(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
-        slot = self.pool.leased(msg["segment"])
+        slot = self.pool.leased(msg["segment"], msg["lease"])
         job, step, rank, ws, lws = msg["job"], msg["step"], msg["rank"], msg["world_size"], msg["local_world_size"]
         if any((slot.lease or {}).get(k) != msg[k] for k in ("job", "rank", "world_size", "step")):
             raise ProtocolError(f"commit for {job}/{step}/rank {rank} does not match the lease of {slot.name}")
@@ -285,24 +302,28 @@ class Daemon:
             raise ProtocolError(f"commit of {msg['nbytes']} bytes exceeds segment size {slot.size}")
         if os.path.isdir(step_dir(self.root, job, step)):
             raise ProtocolError(f"step {step} of job {job} is already committed")
-        if not 1 <= lws <= ws:
-            raise ProtocolError(f"commit: local_world_size {lws} is not within 1..world_size ({ws})")
         if lws < ws and self.catalog.store is None:
             raise ProtocolError(
                 f"step {step} of job {job} spans several nodes ({lws} of {ws} ranks on this one):"
                 " a multi-node job is committed through a shared bucket; configure [remote] on every node's daemon"
             )
         track = self.steps.check_commit((job, step), rank, ws, lws)
-        for cid, dig in msg["replicas"].items():
-            if not isinstance(dig, str) or len(dig) != 16 or len(cid) > 4096:
-                raise ProtocolError("commit: 'replicas' must map chunk ids to 16-digit digests")
         record = {k: msg[k] for k in ("job", "rank", "world_size", "local_world_size", "step", "nbytes", "replicas")}
-        shm.write_record(slot.name, record, tree=msg["frames"][0])  # from here on the shard survives any crash
-        record["tree"] = msg["frames"][0]  # raw JSON: parsed on the persist thread
-        self.pool.commit(slot, record)
+        record["committed_at"] = self._commit_time(job)
+        tree = msg["frames"][0]
+        self.pool.segments.write_record(slot.name, record, tree=tree)  # from here on the shard survives any crash
+        record["tree"] = tree  # raw JSON: parsed on the persist thread
+        self.pool.commit(slot, record, len(tree))
         self.steps.record_commit((job, step), track, rank, lws)
         self.completion.persist(slot)
         return {}
+
+    def _commit_time(self, job: str) -> int:
+        """Nanoseconds since the epoch, strictly increasing per job in this run (a clock stepped back
+        must not make a later commit look older): the commit order ``latest`` follows."""
+        t = max(time.time_ns(), self._last_commit_ns.get(job, 0) + 1)
+        self._last_commit_ns[job] = t
+        return t
 
     def _op_wait(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any] | None:
         return self.steps.wait((msg["job"], msg["step"]), ident, msg["id"], self._deadline(msg["timeout"]))
@@ -324,12 +345,12 @@ class Daemon:
         missing = sorted(set(range(newest.manifest["world_size"])) - set(held))
         if missing:
             return {"step": None, "reason": f"the shards of ranks {missing[:8]} of step {newest.step} are no longer in memory"}
-        self.pool.pin(list(held.values()), msg["pid"])
+        pin = self.pool.pin(list(held.values()), msg["pid"])
         segments = {shard_name(rank): slot.name for rank, slot in held.items()}
-        return {"step": newest.step, "path": newest.path, "manifest": newest.manifest, "segments": segments, "reason": None}
+        return {"step": newest.step, "path": newest.path, "manifest": newest.manifest, "segments": segments, "pin": pin, "reason": None}
 
     def _op_hot_close(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
-        self.pool.unpin(msg["segments"], msg["pid"])
+        self.pool.unpin(msg["segments"], msg["pin"])
         return {}
 
     def _op_fetch(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:

@@ -13,8 +13,10 @@ pool needs no socket: a test passes a list's ``append``.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
+import secrets
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -22,7 +24,7 @@ from enum import StrEnum
 from typing import Any
 
 from .. import shm
-from ..config import HOT_PIN_MAX_S
+from ..config import HOT_PIN_MAX_S, LEASE_TIMEOUT_S, MAX_DEFERRED_ALLOCS
 from ..errors import CheckpointError, ProtocolError
 
 log = logging.getLogger("ckptd.daemon")
@@ -43,11 +45,14 @@ class Slot:
     state: SlotState = SlotState.FREE
     owner: tuple[str, int] | None = None  # (job, rank) that used it last: reused first by them
     pid: int | None = None  # the lessee's process
+    token: str | None = None  # leased: the secret only the lessee got; it must name it to commit or release
+    leased_at: float = 0.0
     lease: dict[str, Any] | None = None  # leased: the lease's fields; committed: the commit record
+    tree_bytes: int = 0  # committed: the tree the daemon holds in memory (counted in the budget)
     used_at: float = 0.0
     mapping: shm.Mapping | None = None  # the daemon's read-only mapping, made by a persist thread
     holds: tuple[str, int, int] | None = None  # (job, step, rank) a free slot still holds, persisted
-    pins: dict[int, float] = field(default_factory=dict)  # pid -> deadline of a hot restore reading it
+    pins: dict[str, tuple[int, float]] = field(default_factory=dict)  # pin token -> (reader pid, deadline)
 
 
 Grant = Callable[[bytes, Any, "Slot | CheckpointError"], None]  # (ident, request, slot or refusal)
@@ -60,28 +65,27 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
+    except (OverflowError, ValueError, OSError):
+        return False  # not a pid at all
     return True
 
 
 class SlotPool:
     def __init__(
         self,
-        namespace: str,
+        segments: shm.SegmentDir,
         budget: int,
         *,
-        file_mode: int = 0o600,
-        gid: int | None = None,
         on_grant: Grant | None = None,
         clock: Callable[[], float] = time.monotonic,
         alive: Callable[[int], bool] = pid_alive,
+        lease_timeout: float = LEASE_TIMEOUT_S,
     ) -> None:
-        self.namespace, self.budget = namespace, budget
-        self._file_mode, self._gid = file_mode, gid
+        self.segments, self.budget, self.lease_timeout = segments, budget, lease_timeout
         self._on_grant = on_grant or (lambda ident, msg, result: None)
         self._clock, self._alive = clock, alive
         self.slots: dict[str, Slot] = {}
         self.deferred: list[tuple[bytes, dict[str, Any]]] = []  # (ident, alloc request) waiting for memory
-        self._counter = 0
 
     def __iter__(self) -> Iterator[Slot]:
         return iter(list(self.slots.values()))
@@ -97,6 +101,8 @@ class SlotPool:
             raise ProtocolError(f"a shard of {msg['nbytes']} bytes exceeds the shared-memory budget of {self.budget} bytes")
         slot = self.lease(msg)
         if slot is None:
+            if len(self.deferred) >= MAX_DEFERRED_ALLOCS:
+                raise CheckpointError(f"{len(self.deferred)} allocations already wait for shared memory; try again later")
             self.deferred.append((ident, msg))
         return slot
 
@@ -115,7 +121,7 @@ class SlotPool:
             if slot is None:
                 return None
         slot.state, slot.owner, slot.pid, slot.used_at = SlotState.LEASED, owner, msg["pid"], self._clock()
-        slot.holds = None
+        slot.holds, slot.token, slot.leased_at = None, secrets.token_hex(16), slot.used_at
         slot.lease = {k: msg[k] for k in LEASE_FIELDS}
         return slot
 
@@ -128,34 +134,37 @@ class SlotPool:
             self.unlink(victim)
         if used + rounded > self.budget:
             return None
-        name = f"{self.namespace}-{self._counter:08d}"
-        self._counter += 1
-        slot = Slot(name, shm.create(name, need, mode=self._file_mode, gid=self._gid))
+        name, size = self.segments.create(need)
+        slot = Slot(name, size)
         self.slots[name] = slot
         return slot
 
-    def leased(self, name: str) -> Slot:
-        """The leased slot ``name``; ``ProtocolError`` if there is none."""
+    def leased(self, name: str, token: str) -> Slot:
+        """The slot ``name`` leased with ``token``; ``ProtocolError`` if there is none (another client's
+        lease, one that lapsed, or no such segment)."""
         slot = self.slots.get(name)
         if slot is None:
             raise ProtocolError(f"unknown segment {name!r}")
         if slot.state is not SlotState.LEASED:
             raise ProtocolError(f"segment {name!r} is not leased (it is {slot.state.value})")
+        if slot.token is None or not hmac.compare_digest(slot.token.encode(), token.encode()):
+            raise ProtocolError(f"segment {name!r} is not leased to this client (wrong lease token)")
         return slot
 
-    def commit(self, slot: Slot, record: dict[str, Any]) -> None:
+    def commit(self, slot: Slot, record: dict[str, Any], tree_bytes: int = 0) -> None:
         """The lessee filled the slot and committed it: it is the persist threads' until :meth:`persisted`."""
-        slot.state, slot.lease = SlotState.COMMITTED, record
+        slot.state, slot.lease, slot.token, slot.tree_bytes = SlotState.COMMITTED, record, None, tree_bytes
 
     def persisted(self, slot: Slot, holds: tuple[str, int, int] | None) -> None:
         """A persist thread is done with a committed slot: drop its commit record, free it, and remember
         which shard it still holds (``None`` when persisting failed)."""
-        shm.drop_record(slot.name)
+        self.segments.drop_record(slot.name)
         slot.holds = holds
         self.free(slot)
 
     def free(self, slot: Slot) -> None:
         slot.state, slot.pid, slot.lease, slot.used_at = SlotState.FREE, None, None, self._clock()
+        slot.token, slot.tree_bytes = None, 0
         self.retry_deferred()
 
     def retry_deferred(self) -> None:
@@ -166,6 +175,10 @@ class SlotPool:
             except CheckpointError as e:
                 self._on_grant(ident, msg, e)
                 continue
+            except OSError as e:  # /dev/shm itself failing: refuse this one, keep the others waiting
+                log.error("deferred allocation failed: %s", e)
+                self._on_grant(ident, msg, CheckpointError(f"cannot allocate shared memory: {e}"))
+                continue
             if slot is None:
                 self.deferred.append((ident, msg))
             else:
@@ -175,18 +188,15 @@ class SlotPool:
         if slot.mapping is not None:
             slot.mapping.close()
             slot.mapping = None
-        shm.unlink(slot.name)
+        self.segments.unlink(slot.name)
         self.slots.pop(slot.name, None)
 
     # ------------------------------------------------------------------ recovery
 
-    def note_name(self, name: str) -> None:
-        """A segment of this namespace exists (found at start-up): new names must come after it."""
-        self._counter = max(self._counter, int(name.rsplit("-", 1)[1]) + 1)
-
-    def adopt(self, name: str, record: dict[str, Any]) -> Slot:
-        """Take over a segment a previous run committed (its commit ``record`` read back)."""
-        slot = Slot(name, shm.size_of(name), state=SlotState.COMMITTED, owner=(record["job"], record["rank"]), lease=record)
+    def adopt(self, name: str, size: int, record: dict[str, Any]) -> Slot:
+        """Take over a segment a previous run committed (its commit ``record`` read back, checked)."""
+        slot = Slot(name, size, state=SlotState.COMMITTED, owner=(record["job"], record["rank"]), lease=record)
+        slot.tree_bytes = len(record.get("tree") or b"")
         self.slots[name] = slot
         return slot
 
@@ -198,33 +208,40 @@ class SlotPool:
             s.holds[2]: s for s in self.slots.values() if s.state is SlotState.FREE and s.holds is not None and s.holds[:2] == (job, step)
         }
 
-    def pin(self, slots: list[Slot], pid: int) -> None:
-        """Keep ``slots`` from reuse while ``pid`` reads them: until :meth:`unpin`, its death, or HOT_PIN_MAX_S."""
-        deadline = self._clock() + HOT_PIN_MAX_S
+    def pin(self, slots: list[Slot], pid: int) -> str:
+        """Keep ``slots`` from reuse while ``pid`` reads them: until :meth:`unpin` with the returned
+        token, the reader's death, or HOT_PIN_MAX_S."""
+        token, deadline = secrets.token_hex(16), self._clock() + HOT_PIN_MAX_S
         for slot in slots:
-            slot.pins[pid] = deadline
+            slot.pins[token] = (pid, deadline)
+        return token
 
-    def unpin(self, names: list[Any], pid: int) -> None:
+    def unpin(self, names: list[Any], token: str) -> None:
+        """Drop pin ``token`` from the slots ``names``; another reader's pins are untouched."""
         for name in names:
             slot = self.slots.get(name) if isinstance(name, str) else None
             if slot is not None:
-                slot.pins.pop(pid, None)
+                slot.pins.pop(token, None)
         self.retry_deferred()
 
     # ------------------------------------------------------------------ housekeeping
 
     def reap(self, now: float) -> None:
-        """Free slots whose lessee died, lapse pins of dead readers or past their deadline, drop
-        deferred requests of dead processes."""
+        """Free slots whose lessee died or held them past the lease timeout (a pid the daemon cannot
+        see, in another PID namespace, never dies for it), lapse pins of dead readers or past their
+        deadline, drop deferred requests of dead processes."""
         self.deferred = [(i, m) for i, m in self.deferred if self._alive(m["pid"])]  # first: a freed slot must not go to the dead
         lapsed = False
         for slot in list(self.slots.values()):
             if slot.state is SlotState.LEASED and slot.pid is not None and not self._alive(slot.pid):
                 log.warning("trainer pid %s died holding %s uncommitted: slot freed, nothing of it is persisted", slot.pid, slot.name)
                 self.free(slot)
-            for pid, deadline in list(slot.pins.items()):
+            elif slot.state is SlotState.LEASED and now - slot.leased_at > self.lease_timeout:
+                log.warning("the lease of %s (pid %s) lapsed after %.0f s uncommitted: slot freed", slot.name, slot.pid, self.lease_timeout)
+                self.free(slot)
+            for token, (pid, deadline) in list(slot.pins.items()):
                 if deadline < now or not self._alive(pid):
-                    slot.pins.pop(pid)  # a hot restore's reader died, or holds the slot longer than any restore takes
+                    slot.pins.pop(token)  # a hot restore's reader died, or holds the slot longer than any restore takes
                     lapsed = True
         if lapsed:
             self.retry_deferred()
@@ -237,11 +254,13 @@ class SlotPool:
             elif slot.mapping is not None:
                 slot.mapping.close()
                 slot.mapping = None
+        self.segments.close()
 
     # ------------------------------------------------------------------ for status
 
     def bytes_held(self) -> int:
-        return sum(s.size for s in self.slots.values())
+        """Segments, and the trees of committed slots the daemon holds until they are persisted."""
+        return sum(s.size + s.tree_bytes for s in self.slots.values())
 
     def summary(self) -> dict[str, Any]:
         states: dict[str, int] = {}
@@ -253,7 +272,7 @@ class SlotPool:
             "staged_bytes": sum((s.lease or {}).get("nbytes", 0) for s in self.slots.values() if s.state is SlotState.COMMITTED),
             "slots": states,
             "deferred_allocs": len(self.deferred),
-            "hot_pins": {s.name: sorted(s.pins) for s in self.slots.values() if s.pins},
+            "hot_pins": {s.name: sorted(pid for pid, _ in s.pins.values()) for s in self.slots.values() if s.pins},
         }
 
     def steps_held(self) -> set[tuple[str, int]]:

@@ -49,6 +49,7 @@ def write_shard(
     rate_limit: float = 0.0,
     replicas: dict[str, str] | None = None,
     local_world_size: int | None = None,
+    committed_at: int = 0,
 ) -> None:
     """Write one staged shard (``view[:nbytes]``) and then its fragment into ``step-N.tmp`` durably.
 
@@ -60,7 +61,7 @@ def write_shard(
     d = tmp_dir(root, job, step)
     os.makedirs(d, exist_ok=True)
     path, frag_path = os.path.join(d, shard_name(rank)), os.path.join(d, fragment_name(rank))
-    frag = build_fragment(job, step, rank, world_size, local_world_size or world_size, view, layout, replicas or {}, tree)
+    frag = build_fragment(job, step, rank, world_size, local_world_size or world_size, view, layout, replicas or {}, tree, committed_at)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
