@@ -223,7 +223,8 @@ def _export(args: argparse.Namespace) -> int:
 
 def _ls(args: argparse.Namespace) -> int:
     from .format import read_manifest
-    from .layout import complete_steps, list_jobs, step_dir
+    from .layout import list_jobs, step_dir
+    from .storage.local import latest_step, steps_by_commit
 
     root = args.root
     if root is None:
@@ -237,7 +238,8 @@ def _ls(args: argparse.Namespace) -> int:
             return 1
     print(f"{'job':<20} {'step':>8} {'size':>10} {'ranks':>5}  {'layout':<34} created")
     for j in [args.job] if args.job else list_jobs(root):
-        for step in complete_steps(root, j):
+        latest = latest_step(root, j)[0]
+        for step in steps_by_commit(root, j):  # oldest commit first: after a rollback the latest is not the highest
             try:
                 m = read_manifest(step_dir(root, j, step))
             except FormatError as e:
@@ -247,5 +249,6 @@ def _ls(args: argparse.Namespace) -> int:
             sharded = sum(1 for t in m["tensors"].values() if len(t["chunks"]) > 1)
             layout = f"{len(m['tensors'])} tensors, {sharded} sharded"
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.get("created_unix", 0)))
-            print(f"{j:<20} {step:>8} {size / 1e9:>8.3f}GB {m['world_size']:>5}  {layout:<34} {when}")
+            mark = "  <- latest" if step == latest else ""
+            print(f"{j:<20} {step:>8} {size / 1e9:>8.3f}GB {m['world_size']:>5}  {layout:<34} {when}{mark}")
     return 0

@@ -6,7 +6,8 @@ Local root (the daemon's ``--root``)::
     <root>/<job>/step-<N>.tmp/      a step being written: rank-RRRRR.safetensors + rank-RRRRR.json
     <root>/<job>/step-<N>.fetch/    a step being downloaded from the bucket
     <root>/<job>/step-<N>/          a complete step: it holds manifest.json (written last)
-    <root>/<job>/latest             the step number ``latest`` names
+    <root>/<job>/step-<N>.del/      a step retention is deleting (renamed out of the way first)
+    <root>/<job>/latest             the step number ``latest`` names: the complete step committed last
 
 Bucket (keys relative to the store's prefix)::
 
@@ -33,6 +34,7 @@ LATEST = "latest"
 # (no "step-01", no trailing newline, ranks past 99999 included)
 _STEP_RE = re.compile(r"step-(\d+)")
 _TMP_RE = re.compile(r"step-(\d+)\.tmp")
+_DEL_RE = re.compile(r"step-(\d+)\.del")
 _FRAGMENT_RE = re.compile(r"rank-(\d{5,})\.json")
 _BUCKET_KEY_RE = re.compile(r"step-(\d+)/(.+)", re.S)
 
@@ -80,6 +82,12 @@ def fetch_dir(root: str, job: str, step: int) -> str:
     return os.path.join(root, job, f"step-{step}.fetch")
 
 
+def trash_dir(root: str, job: str, step: int) -> str:
+    """Where retention moves a complete step before deleting it: out of the committed namespace in one
+    rename, so a crash mid-delete never leaves a ``step-N`` with a manifest and missing shards."""
+    return os.path.join(root, job, f"step-{step}.del")
+
+
 def latest_file(root: str, job: str) -> str:
     return os.path.join(root, job, LATEST)
 
@@ -117,6 +125,15 @@ def partial_steps(root: str, job: str) -> list[int]:
     except FileNotFoundError:
         return []
     return sorted(s for n in names if (s := _step_of(_TMP_RE, n, "step-{}.tmp")) is not None)
+
+
+def trashed_steps(root: str, job: str) -> list[int]:
+    """Steps of ``job`` with a ``step-N.del`` directory (retention was deleting it), ascending."""
+    try:
+        names = os.listdir(job_dir(root, job))
+    except FileNotFoundError:
+        return []
+    return sorted(s for n in names if (s := _step_of(_DEL_RE, n, "step-{}.del")) is not None)
 
 
 def fragments_present(root: str, job: str, step: int) -> set[int]:

@@ -28,7 +28,12 @@ Ops (who sends them: the trainer's client, on whichever of its threads needs the
 ``release`` ``{segment, lease}``: give a leased slot back unused (the copy failed).
 ``wait`` ``{job, step, timeout}`` → ``{"state": "pending"|"durable"|"failed", "path", "error"}``;
     the reply is held up to ``timeout`` seconds for the step to leave ``pending``.
-``latest`` ``{job}`` → ``{"step", "path"}`` (``null`` when the job has no committed step).
+``latest`` ``{job}`` → ``{"step", "path", "source"}``: the job's latest complete step, the one
+    committed last (commit order: after a rollback a lower step number can be the latest), under the
+    root or, with a bucket, in the bucket (``source`` ``"local"`` / ``"remote"``; ``path`` null for
+    a step only the bucket holds; ``step`` null when the job has none). With a bucket the reply waits
+    for the bucket's listing; an unreachable bucket answers with the local step, or an error when
+    there is none (never a silent "none").
 ``status`` ``{}`` → daemon-wide counters.
 ``hot_open`` ``{job, step, pid}`` → ``{"step", "path", "manifest", "segments", "pin", "reason"}``: the newest
     durable step of the job (``step`` null) or ``step``, if the daemon still holds every

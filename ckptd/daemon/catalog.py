@@ -1,10 +1,16 @@
 """The step catalog: the daemon's one answer to "which complete steps does a job have, and which
 one does a restore read" — under the local root, in the bucket, and in shared memory.
 
-* :meth:`StepCatalog.latest` — the newest complete local step (``latest`` when it names a complete
-  step, else the highest complete one): the ``latest`` op, ``status``, a fetch without a bucket.
-* :meth:`StepCatalog.find` — the step a restore reads: the one asked for, or the newest complete
-  step under the root or in the bucket (blocks on the network: the fetch thread only).
+One definition of "the latest step" of a job: the complete step committed last (commit order, not
+the step number: see :mod:`ckptd.storage.local`), under the root or in the bucket.
+
+* :meth:`StepCatalog.latest` — the latest complete local step (``latest`` when it names a complete
+  step, else the one committed last): ``status``, ``hot_open``, the ``latest`` op without a bucket.
+* :meth:`StepCatalog.latest_anywhere` — the latest step under the root *or* in the bucket (a replaced
+  node's empty root, every root of a multi-node job): the ``latest`` op with a bucket, on the lookup
+  thread; a restore of "the latest". Blocks on the network.
+* :meth:`StepCatalog.find` — the step a restore reads: the one asked for, or the latest anywhere
+  (blocks on the network: the fetch thread only).
 * :meth:`StepCatalog.in_memory` — the newest step this daemon completed since it started, with its
   manifest: the only step a hot restore reads from shared memory.
 * :meth:`StepCatalog.note_uploaded` / :meth:`uploaded` — the newest step complete in the bucket
@@ -20,10 +26,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointError
-from ..layout import complete_steps, is_complete, list_jobs, step_dir
+from ..layout import is_complete, list_jobs, step_dir
 from ..protocol import Source
-from ..storage.local import latest_step
-from ..storage.remote import remote_steps
+from ..storage.local import committed_at, latest_step, steps_by_commit
+from ..storage.remote import bucket_committed_at, bucket_steps_by_commit, remote_steps
 from ..storage.store import ObjectStore
 
 
@@ -66,7 +72,8 @@ class StepCatalog:
         return path if is_complete(path) else None
 
     def local_steps(self, job: str) -> list[int]:
-        return complete_steps(self.root, job)
+        """Complete local steps of ``job``, oldest commit first."""
+        return steps_by_commit(self.root, job)
 
     def bucket_steps(self, job: str) -> list[int]:
         """Complete steps of ``job`` in the bucket (network: worker threads only); none without one."""
@@ -76,36 +83,56 @@ class StepCatalog:
         """Where this catalog looks, for messages."""
         return f"under {self.root}" + (f" or in {self.store.url()}" if self.store is not None else "")
 
+    def latest_anywhere(self, job: str) -> Found | None:
+        """The latest complete step of ``job`` under the root or in the bucket, whichever was committed
+        later (the local copy when both hold it); ``None`` if neither has one. Blocks on the network.
+
+        An unreachable bucket raises (naming the local step, if any): the bucket may hold a later step
+        (another node saved on), and resuming from a stale local one without a word is what we exist to
+        prevent. A restore of an explicit step still works from disk."""
+        local, path = self.latest(job)
+        found = Found(local, Source.DISK, path) if local is not None and path is not None else None
+        if self.store is None:
+            return found
+        try:
+            complete, _ = bucket_steps_by_commit(self.store, job)
+            remote = complete[-1] if complete else None
+            if remote is None or remote == local:
+                return found
+            if found is not None and path is not None:
+                if (committed_at(path), local) >= (bucket_committed_at(self.store, job, remote), remote):
+                    return found
+        except CheckpointError as e:
+            if found is None:
+                raise
+            raise CheckpointError(
+                f"{e}; the bucket may hold a later step of job {job!r} than step {local} on this node's disk:"
+                f" restore step={local} explicitly to resume from it"
+            ) from None
+        return Found(remote, Source.BUCKET, None)
+
     def find(self, job: str, step: int | None = None) -> Found:
-        """Step ``step`` of ``job`` (or the newest complete one), preferring the local copy; raises
+        """Step ``step`` of ``job`` (or the latest anywhere), preferring the local copy; raises
         :class:`NoStep` when neither the root nor the bucket has it. Blocks on the network."""
         if step is None:
-            local, path = self.latest(job)
-        else:
-            path = self.complete_path(job, step)
-            if path is not None:
-                return Found(step, Source.DISK, path)  # on disk: the bucket (reachable or not) is not asked
-            local = None
-        remote = self.bucket_steps(job)
-        if step is None:
-            want = max([s for s in (local, remote[-1] if remote else None) if s is not None], default=None)
-            if want is None:
+            found = self.latest_anywhere(job)
+            if found is None:
                 raise NoStep(f"job {job!r} has no committed checkpoint {self.where()}")
-        else:
-            want = step
-            if local is None and step not in remote:
-                raise NoStep(f"step {step} of job {job!r} is not a committed checkpoint {self.where()}")
-        if want == local:
-            return Found(want, Source.DISK, path)
-        return Found(want, Source.BUCKET, None)
+            return found
+        path = self.complete_path(job, step)
+        if path is not None:
+            return Found(step, Source.DISK, path)  # on disk: the bucket (reachable or not) is not asked
+        if step not in self.bucket_steps(job):
+            raise NoStep(f"step {step} of job {job!r} is not a committed checkpoint {self.where()}")
+        return Found(step, Source.BUCKET, None)
 
     # ------------------------------------------------------------------ what this run completed (main thread)
 
     def note_complete(self, job: str, step: int, path: str, manifest: dict[str, Any] | None) -> None:
-        """Step ``step`` completed here; it is the one hot restores read unless a newer one completed
-        first (persist threads may finish an older step after a newer one, as ``latest`` allows)."""
+        """Step ``step`` completed here; it is the one hot restores read unless one committed later
+        completed first (persist threads may finish steps in any order; commit order decides)."""
         cur = self._in_memory.get(job)
-        if cur is None or step >= cur.step:
+        if cur is None or (_committed(manifest), step) >= (_committed(cur.manifest), cur.step):
             self._in_memory[job] = InMemory(step, path, manifest)
 
     def in_memory(self, job: str) -> InMemory | None:
@@ -119,3 +146,8 @@ class StepCatalog:
 
     def uploaded(self) -> dict[str, int]:
         return dict(self._uploaded)
+
+
+def _committed(manifest: dict[str, Any] | None) -> int:
+    value = (manifest or {}).get("committed_at", 0)
+    return value if isinstance(value, int) else 0

@@ -49,6 +49,15 @@ class Uploaded:
 
 
 @dataclass(frozen=True)
+class LatestFound:
+    """The lookup thread answered a ``latest`` request that had to ask the bucket."""
+
+    ident: bytes
+    req_id: Any
+    answer: dict[str, Any]  # the reply's fields
+
+
+@dataclass(frozen=True)
 class Fetched:
     """The fetch thread chose (and, from the bucket, downloaded) the step a restore reads."""
 

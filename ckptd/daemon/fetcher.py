@@ -3,7 +3,9 @@ which step to read and, when only the bucket has it, downloads it into the root 
 
 The main thread starts fetches (``fetch``) and holds ``fetch_wait`` requests; one fetch thread runs
 them one at a time (downloads take minutes and share the network with uploads) and reports a
-:class:`~ckptd.daemon.events.Fetched`. The same thread checks the bucket at start-up, so READY never
+:class:`~ckptd.daemon.events.Fetched`. A ``latest`` request that must ask the bucket runs on a lookup
+thread of its own (never behind a download) and is answered through a
+:class:`~ckptd.daemon.events.LatestFound`. The same thread checks the bucket at start-up, so READY never
 waits for the network. Answers nobody asked for (a client that died mid-restore) are bounded.
 """
 
@@ -20,7 +22,7 @@ from ..errors import CheckpointError, ProtocolError
 from ..protocol import Source
 from ..storage.remote import download_step
 from .catalog import NoStep, StepCatalog
-from .events import ErrorReported, EventQueue, Fetched
+from .events import ErrorReported, EventQueue, Fetched, LatestFound
 from .waiters import Waiter, Waiters
 
 log = logging.getLogger("ckptd.daemon")
@@ -30,6 +32,7 @@ class Fetcher:
     def __init__(self, catalog: StepCatalog, events: EventQueue) -> None:
         self.catalog, self._events = catalog, events
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-fetch")
+        self._lookups = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-lookup")
         self.answers: dict[int, dict[str, Any]] = {}  # fetch id -> its fetch_wait reply (state pending until done)
         self.waiters: Waiters[int] = Waiters()
         self._ids = itertools.count(1)
@@ -60,6 +63,21 @@ class Fetcher:
             del self.answers[old]  # answers nobody asked for: a client that died mid-restore
         self._pool.submit(self._run, fid, job, step)
         return fid
+
+    def latest(self, job: str, ident: bytes, req_id: Any) -> None:
+        """Main thread: answer a ``latest`` request from the root and the bucket, on the lookup thread."""
+        self._lookups.submit(self._run_latest, job, ident, req_id)
+
+    def _run_latest(self, job: str, ident: bytes, req_id: Any) -> None:
+        try:
+            found = self.catalog.latest_anywhere(job)
+            answer: dict[str, Any] = {"step": None, "path": None, "source": None}
+            if found is not None:
+                answer = {"step": found.step, "path": found.path, "source": found.source.to_wire()}
+        except Exception as e:  # the bucket is unreachable: say so, never answer "none" or a possibly stale step
+            log.error("latest of job %s: %s", job, e)
+            answer = {"error": f"cannot ask the bucket for job {job!r}'s latest step: {e}"}
+        self._events.post(LatestFound(ident, req_id, answer))
 
     def wait(self, fid: int, ident: bytes, req_id: Any, deadline: float) -> dict[str, Any] | None:
         """Main thread: the answer if the fetch is done (then forgotten: a client that lost it asks
@@ -92,6 +110,7 @@ class Fetcher:
         return None if cur is None else {"job": cur[0], "step": cur[1], "bytes_done": cur[2][0]}
 
     def shutdown(self) -> None:
+        self._lookups.shutdown(wait=True)
         self._pool.shutdown(wait=True)
 
     def _run(self, fid: int, job: str, step: int | None) -> None:

@@ -81,14 +81,12 @@ class Persister:
         self.root, self._events, self._open_segment = root, events, open_segment
         self.keep, self.write_rate_limit, self._protect = keep, write_rate_limit, protect
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptd-persist", initializer=initializer)
-        self._job_locks: dict[str, threading.Lock] = {}
-        self._locks_guard = threading.Lock()
         self._node_reported: set[tuple[str, int]] = set()  # multi-node steps whose local part went to the uploader
 
-    def job_lock(self, job: str) -> threading.Lock:
-        """Serializes completing and pruning a job's steps across persist and upload threads."""
-        with self._locks_guard:
-            return self._job_locks.setdefault(job, threading.Lock())
+    def job_lock(self, job: str) -> threading.RLock:
+        """Serializes completing and pruning a job's steps and moving its ``latest`` across persist,
+        upload and fetch threads (:func:`ckptd.storage.local.job_lock`)."""
+        return local.job_lock(self.root, job)
 
     def submit(self, slot: Slot) -> None:
         """Main thread: persist this committed slot. It is the worker's until its event is handled."""

@@ -3,6 +3,7 @@ the root, finished or cleaned up before the first request is served.
 
 * A segment with a commit record holds a rank's committed shard: it is adopted and persisted again,
   unless its step is already complete (the previous run finalized it just before dying).
+* A step retention was deleting when the daemon died (``step-N.del``) is deleted.
 * A partial step (``step-N.tmp``) whose every fragment is present is finalized; this node's whole
   part of a multi-node step is handed to the uploader again (the other nodes wait for it); one that
   recovered shards can still complete is kept; any other is removed.
@@ -112,6 +113,8 @@ def recover(
     a step finalized just now from the fragments on disk are dropped and the step is durable."""
     adopt_segments(pool, steps, root)
     for job in jobs:
+        for step in local.empty_trash(root, job):
+            log.info("finished deleting step %s of job %s (retention was interrupted)", step, job)
         for step in partial_steps(root, job):
             finish_partial_step(root, job, step, steps, persister, uploader)
     for slot in pool:

@@ -26,13 +26,13 @@ from .. import __version__, shm
 from ..config import HOUSEKEEPING_S, WAIT_CAP_S, DaemonConfig, default_shm_budget
 from ..errors import CheckpointError, ProtocolError
 from ..layout import shard_name, step_dir
-from ..protocol import EXTRA_FRAMES, MAX_MESSAGE_BYTES, decode_request, endpoint_answers, reply_error, reply_ok
+from ..protocol import EXTRA_FRAMES, MAX_MESSAGE_BYTES, Source, decode_request, endpoint_answers, reply_error, reply_ok
 from ..storage.store import ObjectStore
 from . import recovery
 from .access import Access
 from .catalog import StepCatalog
 from .completion import Completion
-from .events import ErrorReported, EventQueue, Fetched, ShardPersisted, Uploaded
+from .events import ErrorReported, EventQueue, Fetched, LatestFound, ShardPersisted, Uploaded
 from .fetcher import Fetcher
 from .persister import Persister, lower_priority
 from .sdnotify import notify, watchdog_interval
@@ -113,6 +113,7 @@ class Daemon:
             Uploaded: self.completion.on_uploaded,
             Fetched: lambda ev: self._answer(self.fetcher.done(ev), report=ev.report),
             ErrorReported: lambda ev: self.counters.error(ev.message),
+            LatestFound: self._on_latest,
         }
 
     # ------------------------------------------------------------------ lifecycle
@@ -328,9 +329,18 @@ class Daemon:
     def _op_wait(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any] | None:
         return self.steps.wait((msg["job"], msg["step"]), ident, msg["id"], self._deadline(msg["timeout"]))
 
-    def _op_latest(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
+    def _op_latest(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any] | None:
+        if self.catalog.store is not None:  # the bucket may hold a later step (a replaced node, a multi-node job)
+            self.fetcher.latest(msg["job"], ident, msg["id"])
+            return None
         step, path = self.catalog.latest(msg["job"])
-        return {"step": step, "path": path}
+        return {"step": step, "path": path, "source": None if step is None else Source.DISK.to_wire()}
+
+    def _on_latest(self, ev: LatestFound) -> None:
+        if "error" in ev.answer:
+            self._send(ev.ident, reply_error(ev.req_id, "refused", ev.answer["error"]))
+        else:
+            self._send(ev.ident, reply_ok(ev.req_id, **ev.answer))
 
     def _op_hot_open(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
         job, want = msg["job"], msg["step"]
@@ -339,6 +349,9 @@ class Daemon:
             return {"step": None, "reason": f"this daemon has made no step of job {job!r} durable since it started"}
         if want is not None and want != newest.step:
             return {"step": None, "reason": f"the daemon holds only step {newest.step} of job {job!r} in memory"}
+        latest, _ = self.catalog.latest(job)
+        if want is None and latest != newest.step:
+            return {"step": None, "reason": f"step {newest.step} of job {job!r} is in memory, but the latest step is {latest}"}
         if newest.manifest is None or not os.path.isdir(newest.path):
             return {"step": None, "reason": f"step {newest.step} of job {job!r} is no longer on disk"}
         held = self.pool.held(job, newest.step)

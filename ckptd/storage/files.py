@@ -25,10 +25,21 @@ def write_all(fd: int, data: bytes | memoryview) -> None:
         view = view[os.write(fd, view) :]
 
 
+def create_new(path: str, mode: int = 0o644) -> int:
+    """A write fd of a file made here and now: never one found in place, never through a symlink
+    (``O_EXCL|O_NOFOLLOW``). A leftover of a crashed writer is removed first (unlinking a planted
+    symlink removes the link, not its target)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+
+
 def write_durable(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically and durably."""
+    """Write ``data`` to ``path`` atomically and durably (through a temporary made by :func:`create_new`)."""
     tmp = path + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = create_new(tmp)
     try:
         try:
             write_all(fd, data)

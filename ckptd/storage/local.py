@@ -6,21 +6,54 @@ observes every rank's fragment (the daemon serializes it per job; across daemons
 ``step-N.tmp`` arbitrates), then :func:`apply_retention`. A step directory without ``manifest.json``
 is never named by ``latest`` and is removed on restart. Blocking disk I/O: the daemon's persist
 threads call the writers; :func:`latest_step` is also read by trainers and tools (no daemon needed).
+
+**Which step is the latest**: the complete step *committed* last (the manifest's ``committed_at``),
+not the highest step number. A user who rolls back (restores step 100 of 100, 200, 300) and trains
+on saves 110, 120: those are the current line, ``latest`` names them, and retention keeps the
+newest steps in commit order, so it drops 200 and 300 (the abandoned branch) before any step of the
+new line. ``latest`` moves only forward in commit order; the steps of one line complete in any order.
+Every writer of ``latest`` and every retention pass of a job holds :func:`job_lock`.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
+import threading
 import time
 from typing import Any
 
 from ..errors import CheckpointError, FormatError
 from ..format import build_fragment, build_manifest, parse_header
-from ..layout import MANIFEST, complete_steps, fragment_name, is_complete, job_dir, latest_file, shard_name, step_dir, tmp_dir
-from .files import fsync_dir, write_durable, write_json_durable
-from .retention import RetentionPolicy, doomed
+from ..layout import (
+    MANIFEST,
+    complete_steps,
+    fragment_name,
+    is_complete,
+    job_dir,
+    latest_file,
+    shard_name,
+    step_dir,
+    tmp_dir,
+    trash_dir,
+    trashed_steps,
+)
+from .files import create_new, fsync_dir, write_durable, write_json_durable
+from .retention import Protect, RetentionPolicy, doomed
+
+log = logging.getLogger("ckptd.daemon")
+_locks: dict[tuple[str, str], threading.RLock] = {}
+_locks_guard = threading.Lock()
+_order_cache: dict[tuple[str, int, int], int] = {}  # (manifest path, inode, mtime) -> committed_at
+
+
+def job_lock(root: str, job: str) -> threading.RLock:
+    """The one lock that serializes completing steps, moving ``latest`` and retention of a job in
+    this process (persist, upload and fetch threads). Reentrant: completing a step moves ``latest``."""
+    with _locks_guard:
+        return _locks.setdefault((os.path.abspath(root), job), threading.RLock())
 
 WRITE_BLOCK = 16 << 20
 
@@ -59,11 +92,14 @@ def write_shard(
     if layout.file_size != nbytes:
         raise FormatError(f"staged shard is {nbytes} bytes but its header describes {layout.file_size}")
     d = tmp_dir(root, job, step)
+    new_job = not os.path.isdir(job_dir(root, job))
     os.makedirs(d, exist_ok=True)
+    if new_job:
+        fsync_dir(root)  # the job's directory entry itself must survive a power loss
     path, frag_path = os.path.join(d, shard_name(rank)), os.path.join(d, fragment_name(rank))
     frag = build_fragment(job, step, rank, world_size, local_world_size or world_size, view, layout, replicas or {}, tree, committed_at)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = create_new(path)
         try:
             _write_paced(fd, view, nbytes, rate_limit)
             os.fsync(fd)
@@ -101,45 +137,80 @@ def finalize_step(root: str, job: str, step: int, world_size: int) -> str:
 
     Returns the complete step's directory. Call only when every rank's fragment is present.
     """
-    d = tmp_dir(root, job, step)
-    frags = [read_fragment(root, job, step, r) for r in range(world_size)]
-    write_json_durable(os.path.join(d, MANIFEST), build_manifest(job, step, world_size, frags))
-    final = step_dir(root, job, step)
+    d, final = tmp_dir(root, job, step), step_dir(root, job, step)
     if os.path.exists(final):
         raise CheckpointError(f"{final} already exists: a complete checkpoint is never overwritten")
+    frags = [read_fragment(root, job, step, r) for r in range(world_size)]
+    write_json_durable(os.path.join(d, MANIFEST), build_manifest(job, step, world_size, frags))
     os.rename(d, final)
     fsync_dir(job_dir(root, job))
-    update_latest(root, job, step)
+    try:
+        update_latest(root, job, step)
+    except OSError as e:  # the step is complete and durable all the same; latest_step() finds it by its manifest
+        log.error("step %s of job %s is complete but %s could not be updated: %s", step, job, latest_file(root, job), e)
     return final
 
 
 def read_latest(root: str, job: str) -> int | None:
     """The step number in ``latest``, or ``None`` (missing or unreadable). Not checked for completeness."""
     try:
-        with open(latest_file(root, job)) as f:
-            return int(f.read().strip())
-    except (FileNotFoundError, ValueError):
-        return None
+        with open(latest_file(root, job), "rb") as f:
+            text = f.read(64).decode("ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None  # missing, unreadable, a directory: latest_step() falls back to the manifests
+    return int(text) if text.isdigit() else None
+
+
+def committed_at(path: str) -> int:
+    """When the complete step at ``path`` was committed (its manifest's ``committed_at``; 0 for a
+    manifest written before ckptd recorded it, or one that cannot be read). Cached: manifests never change."""
+    man = os.path.join(path, MANIFEST)
+    try:
+        st = os.stat(man)
+    except OSError:
+        return 0
+    key = (man, st.st_ino, st.st_mtime_ns)
+    if key not in _order_cache:
+        try:
+            with open(man, "rb") as f:
+                value = json.loads(f.read()).get("committed_at", 0)
+        except (OSError, ValueError, AttributeError, RecursionError):
+            value = 0
+        if len(_order_cache) > 65536:
+            _order_cache.clear()
+        _order_cache[key] = value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+    return _order_cache[key]
+
+
+def steps_by_commit(root: str, job: str) -> list[int]:
+    """The complete local steps of ``job``, oldest commit first (ties, and old manifests, by step number)."""
+    return sorted(complete_steps(root, job), key=lambda s: (committed_at(step_dir(root, job, s)), s))
 
 
 def update_latest(root: str, job: str, step: int) -> None:
-    """Point ``latest`` at ``step`` unless it already names a newer step that still exists."""
-    cur = read_latest(root, job)
-    if cur is not None and cur > step and os.path.isdir(step_dir(root, job, cur)):
-        return
-    write_durable(latest_file(root, job), f"{step}\n".encode())
+    """Point ``latest`` at the complete step ``step`` unless it names a complete step committed later."""
+    with job_lock(root, job):
+        cur = read_latest(root, job)
+        if cur is not None and cur != step and is_complete(step_dir(root, job, cur)):
+            if (committed_at(step_dir(root, job, cur)), cur) > (committed_at(step_dir(root, job, step)), step):
+                return
+        write_durable(latest_file(root, job), f"{step}\n".encode())
 
 
 def latest_step(root: str, job: str) -> tuple[int | None, str | None]:
-    """The newest complete local step of ``job`` and its directory (``latest`` if it names a complete
-    step, else the highest complete one), or ``(None, None)``."""
-    cur = read_latest(root, job)
-    if cur is not None and is_complete(step_dir(root, job, cur)):
-        return cur, step_dir(root, job, cur)
-    steps = complete_steps(root, job)
+    """The latest complete local step of ``job`` and its directory, or ``(None, None)``: the complete
+    step committed last, by the manifests. The ``latest`` file decides only among steps committed at
+    the same time (manifests written before ckptd recorded ``committed_at``), so a ``latest`` that could
+    not be written, or names a removed step, never hides the step committed last."""
+    steps = steps_by_commit(root, job)
     if not steps:
         return None, None
-    return steps[-1], step_dir(root, job, steps[-1])
+    last = steps[-1]
+    cur = read_latest(root, job)
+    if cur is not None and cur != last and is_complete(step_dir(root, job, cur)):
+        if committed_at(step_dir(root, job, cur)) >= committed_at(step_dir(root, job, last)):
+            last = cur
+    return last, step_dir(root, job, last)
 
 
 def remove_partial(root: str, job: str, step: int) -> None:
@@ -147,11 +218,28 @@ def remove_partial(root: str, job: str, step: int) -> None:
 
 
 def apply_retention(root: str, job: str, policy: RetentionPolicy) -> list[int]:
-    """Remove the complete steps of ``job`` that ``policy`` does not keep; returns them.
+    """Remove the complete steps of ``job`` that ``policy`` does not keep (given them in commit order),
+    never the one ``latest`` names; returns them.
 
-    Partial steps are not touched here: the daemon removes those it knows can no longer complete.
+    Each step is first renamed to ``step-N.del`` (one atomic step out of the committed namespace),
+    then deleted. Partial steps are not touched here: the daemon removes those it knows can no longer complete.
     """
-    removed = doomed(policy, complete_steps(root, job))
+    with job_lock(root, job):
+        latest, _ = latest_step(root, job)
+        keep_latest = Protect(frozenset([latest] if latest is not None else []))
+        removed = [s for s in doomed(policy, steps_by_commit(root, job)) if not keep_latest.keeps([s])]
+        for s in removed:
+            os.rename(step_dir(root, job, s), trash_dir(root, job, s))
+        if removed:
+            fsync_dir(job_dir(root, job))
     for s in removed:
-        shutil.rmtree(step_dir(root, job, s), ignore_errors=True)
-    return removed
+        shutil.rmtree(trash_dir(root, job, s), ignore_errors=True)
+    return sorted(removed)
+
+
+def empty_trash(root: str, job: str) -> list[int]:
+    """Finish deleting the steps a crash left half-deleted by retention (``step-N.del``); returns them."""
+    steps = trashed_steps(root, job)
+    for s in steps:
+        shutil.rmtree(trash_dir(root, job, s), ignore_errors=True)
+    return steps

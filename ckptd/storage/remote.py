@@ -33,8 +33,8 @@ from ..layout import (
     shard_name,
     step_dir,
 )
-from .files import fsync_dir, write_all
-from .local import read_latest, update_latest
+from .files import create_new, fsync_dir, write_all
+from .local import job_lock, update_latest
 from .retention import RetentionPolicy, doomed
 from .store import ObjectStore, Progress
 
@@ -113,6 +113,31 @@ def remote_steps(store: ObjectStore, job: str) -> tuple[list[int], list[int]]:
     return sorted(complete), sorted(seen - complete)
 
 
+_commit_cache: dict[tuple[str, str, int], int] = {}  # (bucket url, job, step) -> committed_at: manifests never change
+
+
+def bucket_committed_at(store: ObjectStore, job: str, step: int) -> int:
+    """When step ``step`` (complete in the bucket) was committed: its manifest's ``committed_at``, 0 if
+    absent (older ckptd) or unreadable. Reads the manifest once per process."""
+    key = (store.url(), job, step)
+    if key not in _commit_cache:
+        try:
+            value = json.loads(store.get_bytes(bucket_key(job, step, MANIFEST))).get("committed_at", 0)
+        except (ValueError, AttributeError, RecursionError):
+            value = 0
+        if len(_commit_cache) > 65536:
+            _commit_cache.clear()
+        _commit_cache[key] = value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+    return _commit_cache[key]
+
+
+def bucket_steps_by_commit(store: ObjectStore, job: str) -> tuple[list[int], list[int]]:
+    """``(complete, partial)`` steps of ``job`` in the bucket: the complete ones oldest commit first (the
+    last is the bucket's latest), the partial ones ascending."""
+    complete, partial = remote_steps(store, job)
+    return sorted(complete, key=lambda s: (bucket_committed_at(store, job, s), s)), partial
+
+
 def _fetch_files(store: ObjectStore, job: str, step: int, tmp: str, progress: Progress | None) -> None:
     """Download the step's manifest-listed files into ``tmp``, then its manifest; check every size."""
     where = step_url(store, job, step)
@@ -131,7 +156,7 @@ def _fetch_files(store: ObjectStore, job: str, step: int, tmp: str, progress: Pr
         size = os.path.getsize(path)
         if size != ent["size"]:
             raise FormatError(f"{where}/{name} is {size} bytes, the manifest says {ent['size']}")
-    fd = os.open(os.path.join(tmp, MANIFEST), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = create_new(os.path.join(tmp, MANIFEST))
     try:
         write_all(fd, raw)
         os.fsync(fd)
@@ -162,13 +187,17 @@ def download_step(store: ObjectStore, root: str, job: str, step: int, progress: 
             more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
             raise FormatError(f"step {step} of job {job} in the bucket is corrupt: {problems[0]}{more}")
         fsync_dir(tmp)
-        os.rename(tmp, final)
+        with job_lock(root, job):
+            if os.path.isdir(final) and not is_complete(final):  # a leftover without a manifest is no checkpoint
+                shutil.rmtree(final)
+            if not is_complete(final):
+                os.rename(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    shutil.rmtree(tmp, ignore_errors=True)  # still there only if another fetch completed the step first
     fsync_dir(job_dir(root, job))
-    if (read_latest(root, job) or -1) < step:
-        update_latest(root, job, step)
+    update_latest(root, job, step)  # under the job's lock; moves only if this step was committed after latest's
     return final
 
 
@@ -183,11 +212,12 @@ def _delete_step(store: ObjectStore, job: str, step: int) -> None:
 def apply_remote_retention(
     store: ObjectStore, job: str, policy: RetentionPolicy, busy: frozenset[int] | set[int] = frozenset()
 ) -> list[int]:
-    """Remove the complete steps ``policy`` does not keep, and partial uploads older than the newest
-    complete step (they can no longer complete) except ``busy`` ones. Returns the steps removed."""
-    complete, partial = remote_steps(store, job)
-    newest = complete[-1] if complete else -1
-    gone = doomed(policy, complete) + [s for s in partial if s < newest and s not in busy]
+    """Remove the complete steps ``policy`` does not keep (given them in commit order; never the latest),
+    and partial uploads below the latest complete step (they can no longer complete) except ``busy``
+    ones. Returns the steps removed."""
+    complete, partial = bucket_steps_by_commit(store, job)
+    latest = complete[-1] if complete else -1
+    gone = [s for s in doomed(policy, complete) if s != latest] + [s for s in partial if s < latest and s not in busy]
     for s in sorted(gone):
         _delete_step(store, job, s)
     return sorted(gone)

@@ -1,7 +1,8 @@
 """Which complete steps a tier keeps: small policies that compose (as Orbax's ``LatestN`` and
 ``EveryNSteps`` do), applied by :mod:`.local` and :mod:`.remote` after each new step.
 
-A policy answers one question, ``keeps(steps)``: of these complete steps (ascending), which must stay.
+A policy answers one question, ``keeps(steps)``: of these complete steps (oldest commit first: after a
+rollback a lower step number can be newer), which must stay.
 Every step no policy of an :class:`AnyOf` keeps is removed. Pure functions of their input: any thread.
 """
 
@@ -14,13 +15,13 @@ from typing import Protocol
 
 class RetentionPolicy(Protocol):
     def keeps(self, steps: Sequence[int]) -> set[int]:
-        """The steps of ``steps`` (complete steps, ascending) this policy keeps."""
+        """The steps of ``steps`` (complete steps, oldest commit first) this policy keeps."""
         ...
 
 
 @dataclass(frozen=True)
 class KeepLatest:
-    """The newest ``n`` steps (every step when ``n`` is 0)."""
+    """The ``n`` steps committed last (every step when ``n`` is 0)."""
 
     n: int
 
