@@ -384,3 +384,33 @@ def test_shards_in_flight_sums_every_tracks_inflight_shards() -> None:
     assert table.shards_in_flight() == 3
     a.inflight -= 2
     assert table.shards_in_flight() == 1
+
+
+def test_more_commits_than_this_daemon_serves_are_refused() -> None:
+    """A client claiming local_world_size 2 of a 4-rank multi-node step cannot commit a third rank here
+    (ranks 2 and 3 are another node's): the step would complete with another node's ranks from here."""
+    table = StepTable(CompletePaths())
+    commit(table, "j", 1, 0, 4, 2)
+    commit(table, "j", 1, 1, 4, 2)
+    with pytest.raises(ProtocolError, match="one too many"):
+        table.check_commit(("j", 1), 2, 4, 2)
+
+
+def test_a_durable_step_refuses_commits() -> None:
+    """A multi-node step durable in the bucket (nothing under this root) must not take a late commit."""
+    table = StepTable(CompletePaths())
+    commit(table, "j", 1, 0, 4, 1)
+    table.complete(("j", 1), "s3://b/j/step-1")
+    with pytest.raises(ProtocolError, match="already committed"):
+        table.check_commit(("j", 1), 1, 4, 1)
+
+
+def test_forget_finished_never_drops_a_step_whose_shards_are_being_written() -> None:
+    table = StepTable(CompletePaths())
+    track = commit(table, "j", 0, 0, 2)
+    track.inflight = 1
+    table.fail(("j", 0), "rank 1's shard failed")  # rank 0's is still being written
+    for s in range(1, TRACKS_KEPT + 5):
+        finished(table, "j", s)
+    table.forget_finished("j")
+    assert table.get(("j", 0)) is track

@@ -75,6 +75,13 @@ class StepTable:
             raise ProtocolError(f"rank {rank} already committed step {step} of job {job}")
         if track.state is StepState.FAILED:
             raise ProtocolError(f"step {step} of job {job} already failed: {track.error}")
+        if track.state is StepState.DURABLE:
+            raise ProtocolError(f"step {step} of job {job} is already committed ({track.path})")
+        if track.committed and track.all_committed:
+            raise ProtocolError(
+                f"step {step} of job {job}: all {track.local_world_size} ranks this daemon serves have committed;"
+                f" rank {rank} is one too many (local_world_size must count the ranks on this node)"
+            )
         return track
 
     def record_commit(self, key: StepKey, track: StepTrack, rank: int, local_world_size: int) -> None:
@@ -105,9 +112,12 @@ class StepTable:
         return out
 
     def forget_finished(self, job: str) -> None:
-        """Keep the newest finished tracks of ``job`` (even those retention removed from disk)."""
+        """Keep the newest finished tracks of ``job`` (even those retention removed from disk); never one
+        whose shards are still being written or waited for."""
         done = sorted(
-            s for (j, s), t in self.tracks.items() if j == job and t.state is not StepState.PENDING and not self.waiters.has((j, s))
+            s
+            for (j, s), t in self.tracks.items()
+            if j == job and t.state is not StepState.PENDING and t.inflight == 0 and not self.waiters.has((j, s))
         )
         for s in done[:-TRACKS_KEPT]:
             del self.tracks[(job, s)]
