@@ -183,9 +183,29 @@ def _step_already_complete(node: Node) -> str:
     return node.committed(step=1, rank=0, world_size=1)
 
 
+def _job_escapes_the_root(node: Node) -> str:
+    return node.segment(shard(1, 0, 1), {**record(1, 0, 1, len(shard(1, 0, 1))), "job": "../escape"})
+
+
+def _world_of_2_40(node: Node) -> str:
+    return node.segment(shard(1, 0, 1), {**record(1, 0, 1, len(shard(1, 0, 1))), "world_size": 2**40})
+
+
+def _rank_beyond_world(node: Node) -> str:
+    return node.segment(shard(1, 0, 1), {**record(1, 0, 1, len(shard(1, 0, 1))), "rank": 3})
+
+
+def _more_bytes_than_the_segment(node: Node) -> str:
+    return node.segment(shard(1, 0, 1), {**record(1, 0, 1, len(shard(1, 0, 1))), "nbytes": 1 << 40})
+
+
 @pytest.mark.parametrize(
-    "leave", [_no_record, _torn_record, _not_an_object, _no_world_size, _no_rank, _job_not_a_string, _step_already_complete]
-)
+    "leave",
+    [
+        _no_record, _torn_record, _not_an_object, _no_world_size, _no_rank, _job_not_a_string, _step_already_complete,
+        _job_escapes_the_root, _world_of_2_40, _rank_beyond_world, _more_bytes_than_the_segment,
+    ],
+)  # fmt: skip
 def test_segments_without_a_usable_record_are_unlinked(node: Node, leave: Any) -> None:
     dropped = leave(node)
     kept = node.committed(step=3, rank=0, world_size=1)
@@ -335,3 +355,35 @@ def test_a_step_finalized_by_recovery_is_reported_durable_and_not_written_again(
     assert node.steps.answer((JOB, 1))["state"] == "durable"
     assert verify_checkpoint(step_dir(node.root, JOB, 1)) == []
     assert shm.segments_of(node.root) == [] and not any(os.path.exists(shm.path_of(n)) for n in names)
+
+
+def test_leftovers_that_are_not_segments_are_removed(node: Node) -> None:
+    """A record torn while being written leaves ``<segment>.commit.tmp``; other names do not belong either."""
+    kept = node.committed(step=3, rank=0, world_size=1)
+    for junk in (kept.split("/")[1] + ".commit.tmp", "notes.txt"):
+        with open(os.path.join(node.pool.segments.path, junk), "w") as f:
+            f.write("x")
+    node.recover()
+    node.pump(1)
+    assert sorted(os.listdir(node.pool.segments.path)) == [kept.split("/")[1]]
+
+
+def test_a_record_the_daemon_did_not_write_is_ignored(node: Node) -> None:
+    """Only root (or the daemon's own user) can write into the directory; a record with another mode is
+    still not trusted: the segment is neither adopted nor unlinked, and recovery goes on."""
+    odd = node.committed(step=4, rank=0, world_size=1)
+    os.chmod(shm.path_of(odd) + shm.RECORD_SUFFIX, 0o644)
+    kept = node.committed(step=5, rank=0, world_size=1)
+    node.recover()
+    node.pump(1)
+    assert [s.name for s in node.handed] == [kept] and node.pool.get(odd) is None
+    assert os.path.exists(shm.path_of(odd))
+    assert set(node.steps.tracks) == {(JOB, 5)}
+
+
+def test_of_two_records_claiming_the_same_rank_only_one_is_adopted(node: Node) -> None:
+    a = node.committed(step=6, rank=0, world_size=1)
+    b = node.committed(step=6, rank=0, world_size=1)
+    node.recover(persist=False)
+    assert len(node.handed) == 1 and {a, b} - {node.handed[0].name} != set()
+    assert len(shm.segments_of(node.root)) == 1  # the contradicting one is dropped
