@@ -104,6 +104,22 @@ def env_int(name: str, default: int) -> int:
     return _env(name, default, int, "an integer")
 
 
+def _parse_rate(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return float(parse_size(text))
+
+
+def _parse_bool(text: str) -> bool:
+    t = text.strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(text)
+
+
 def parse_size(text: str) -> int:
     """Bytes from ``8G``, ``512M``, ``64KiB`` or a plain number; ``ValueError`` names the text."""
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -165,11 +181,11 @@ def _from_env() -> dict[str, Any]:
         "root": os.environ.get("CKPTD_ROOT"),
         "keep": env_int("CKPTD_KEEP", KEEP),
         "workers": env_int("CKPTD_WORKERS", WORKERS),
-        "write_rate_limit": env_float("CKPTD_WRITE_RATE_LIMIT", 0.0),
+        "write_rate_limit": _env("CKPTD_WRITE_RATE_LIMIT", 0.0, _parse_rate, "a size per second (e.g. 500M)"),
         "nice": env_int("CKPTD_NICE", NICE),
         "group": os.environ.get("CKPTD_GROUP") or None,
         "metrics_port": env_int("CKPTD_METRICS_PORT", 0),
-        "idle_priority": os.environ.get("CKPTD_IDLE_PRIORITY", "1") not in ("0", "false", "no"),
+        "idle_priority": _env("CKPTD_IDLE_PRIORITY", True, _parse_bool, "a boolean (1/0, true/false, yes/no)"),
         "lease_timeout": env_float("CKPTD_LEASE_TIMEOUT", LEASE_TIMEOUT_S),
     }
 

@@ -22,6 +22,7 @@ from ckptd.storage.s3 import RemoteConfig
 ENV_NAMES = (
     "CKPTD_ROOT", "CKPTD_ENDPOINT", "CKPTD_JOB", "CKPTD_KEEP", "CKPTD_WORKERS", "CKPTD_WRITE_RATE_LIMIT", "CKPTD_NICE",
     "CKPTD_GROUP", "CKPTD_METRICS_PORT", "CKPTD_IDLE_PRIORITY", "CKPTD_TIMEOUT", "CKPTD_ALLOC_TIMEOUT", "TORCHELASTIC_RUN_ID",
+    "CKPTD_LEASE_TIMEOUT", "CKPTD_TRUST_GROUP",
 )  # fmt: skip
 REMOTE_TIER_DEFAULTS = (config.REMOTE_KEEP, config.REMOTE_KEEP_EVERY, config.COMMIT_TIMEOUT_S)
 
@@ -524,3 +525,17 @@ def test_settings_that_cannot_run_are_refused_up_front(tmp_path: Path, flags: di
     """A daemon that could not start its threads, or would refuse every allocation, is a config error."""
     with pytest.raises(ValueError, match=msg):
         daemon_config({"root": str(tmp_path), **flags})
+
+
+def test_environment_sizes_and_booleans_are_spelled_as_on_the_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CKPTD_WRITE_RATE_LIMIT", "500M")
+    monkeypatch.setenv("CKPTD_IDLE_PRIORITY", "False")
+    cfg = daemon_config({"root": "/r"})
+    assert cfg.write_rate_limit == 500 << 20 and cfg.idle_priority is False
+    monkeypatch.setenv("CKPTD_IDLE_PRIORITY", "perhaps")
+    with pytest.raises(ValueError, match="CKPTD_IDLE_PRIORITY='perhaps' is not a boolean"):
+        daemon_config({"root": "/r"})
+    monkeypatch.setenv("CKPTD_IDLE_PRIORITY", "1")
+    monkeypatch.setenv("CKPTD_LEASE_TIMEOUT", "0")
+    with pytest.raises(ValueError, match="lease_timeout must be >= 1"):
+        daemon_config({"root": "/r"})
