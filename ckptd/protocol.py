@@ -16,7 +16,9 @@ Ops (who sends them: the trainer's client, on whichever of its threads needs the
     staging slot of at least ``nbytes``. The reply is deferred while the memory budget is full
     (backpressure; at most :data:`~ckptd.config.MAX_DEFERRED_ALLOCS` wait at once). ``lease`` is a
     secret token: only a request that names it may commit or release the slot. A lease neither
-    committed nor released within the daemon's lease timeout (or whose ``pid`` dies) is taken back.
+    committed nor released within the daemon's lease timeout (or whose holder dies) is taken back.
+    Over ``ipc://`` the holder's pid is the one the kernel reports for the socket's peer
+    (``SO_PEERCRED``, in the daemon's PID namespace), not the ``pid`` field; over ``tcp://`` the field.
 ``commit`` ``{job, rank, world_size, local_world_size, step, segment, lease, nbytes, replicas}`` plus a
     second frame, the rank's non-tensor tree as JSON: the slot holds a complete shard (``replicas``:
     chunk id → sample digest of every chunk other ranks hold too; ``local_world_size``: how many of

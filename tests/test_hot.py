@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 
 import pytest
 import torch
 from _models import assert_same, full_state, make, train_step
+from conftest import REPO
 
 from ckptd import shm
 from ckptd.errors import FormatError
@@ -71,9 +73,13 @@ def test_pinned_slot_is_not_overwritten_and_dead_readers_unpin(make_daemon) -> N
         c.snapshot(model, optim, step=2, blocking=True).wait()  # must lease another slot
         assert open(shm.path_of(seg), "rb").read() == before
         # a reader that died leaves no pin behind
-        gone = subprocess.Popen(["true"])
-        gone.wait()  # a pid that no longer lives
-        assert rpc.call("hot_open", job="hot", step=None, pid=gone.pid)["step"] == 2
+        # another reader pins step 2 and dies without hot_close (the daemon knows its pid from the socket)
+        code = (
+            "import sys; from ckptd.client.rpc import Channel; ch = Channel(sys.argv[1], 30.0);"
+            "print(ch.call('hot_open', job='hot', step=None, pid=1)['step'])"
+        )
+        out = subprocess.run([sys.executable, "-c", code, d.endpoint], capture_output=True, text=True, timeout=60, cwd=REPO)
+        assert out.stdout.strip() == "2", out.stderr
         rpc.call("hot_close", pin=held["pin"], segments=[seg])
         deadline = time.monotonic() + 10  # housekeeping drops the dead pid's pin within a second
         while rpc.call("status")["hot_pins"] and time.monotonic() < deadline:

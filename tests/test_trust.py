@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import zmq
 from _models import assert_same, full_state, make, train_step
+from conftest import REPO
 from test_remote import remote_toml
 
 from ckptd import shm
@@ -243,6 +244,22 @@ def test_another_client_cannot_commit_or_release_a_lease_it_did_not_take(daemon)
         assert b.call("status")["slots"] == {"leased": 1}  # still A's
         a.call("release", segment=seg, lease=lease["lease"])
         assert b.call("status")["slots"] == {"free": 1}
+
+
+def test_a_lease_whose_holder_dies_is_reaped_whatever_pid_it_claimed(daemon) -> None:  # noqa: ANN001
+    """A client claims pid 1 (always alive; or its pid in another PID namespace) and dies holding a lease:
+    the daemon takes the holder's pid from the socket (SO_PEERCRED), not from the message, and reaps it."""
+    code = (
+        "import sys; from ckptd.client.rpc import Channel; ch = Channel(sys.argv[1], 30.0);"
+        "print(ch.call('alloc', job='j', rank=0, world_size=1, step=1, nbytes=4096, pid=1)['segment'])"
+    )
+    out = subprocess.run([sys.executable, "-c", code, daemon.endpoint], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    with daemon.rpc() as rpc:
+        deadline = time.monotonic() + 20
+        while rpc.call("status")["slots"] != {"free": 1} and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert rpc.call("status")["slots"] == {"free": 1}
 
 
 def test_a_req_socket_gets_its_answer(daemon) -> None:  # noqa: ANN001

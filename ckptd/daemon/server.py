@@ -47,6 +47,16 @@ log = logging.getLogger("ckptd.daemon")
 Handler = Callable[[bytes, dict[str, Any]], "dict[str, Any] | None"]  # None: the reply is sent later
 
 
+def peer_pid(frame: zmq.Frame) -> int | None:
+    """The sender's pid from an ipc message's metadata (libzmq reads it with ``SO_PEERCRED``:
+    ``Peer-Address`` is ``host:uid:gid:pid``); ``None`` over tcp or where the transport gives none."""
+    try:
+        parts = frame.get("Peer-Address").rsplit(":", 3)
+    except (zmq.ZMQError, AttributeError, UnicodeDecodeError):
+        return None
+    return int(parts[3]) if len(parts) == 4 and parts[3].isdigit() and int(parts[3]) > 0 else None
+
+
 def _open_store(config: DaemonConfig) -> ObjectStore | None:
     if config.remote is None:
         return None
@@ -152,10 +162,11 @@ class Daemon:
             if self._sock in ready:
                 for _ in range(256):
                     try:
-                        frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                        parts = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    self._guarded(self._handle, frames)  # no message, however malformed, may take the daemon down
+                    # no message, however malformed, may take the daemon down
+                    self._guarded(self._handle, [p.bytes for p in parts], peer_pid(parts[-1]))
             now = time.monotonic()
             if watchdog is not None and now - last_ping >= watchdog:
                 notify("WATCHDOG=1")  # the loop is alive: systemd restarts a daemon that stops pinging
@@ -229,7 +240,8 @@ class Daemon:
 
     # ------------------------------------------------------------------ requests
 
-    def _handle(self, frames: list[bytes]) -> None:
+    def _handle(self, frames: list[bytes], peer: int | None = None) -> None:
+        """One request; ``peer``: the sender's pid as the kernel reports it (ipc), or ``None``."""
         ident = frames[0]
         if len(frames) > 2 and frames[1] == b"":  # a REQ socket's envelope: identity, empty delimiter, message
             frames = [ident, *frames[2:]]
@@ -245,6 +257,10 @@ class Daemon:
             if len(frames) != want:
                 raise ProtocolError(f"op {msg['op']!r} takes {want - 1} frame(s), got {len(frames) - 1}")
             msg["frames"] = frames[2:]
+            if peer is not None and "pid" in msg:
+                # liveness by the transport: the kernel's pid of the sender, in this daemon's PID namespace
+                # (a trainer in a container reports its own namespace's pid; a hostile client, any pid)
+                msg["pid"] = peer
         except ProtocolError as e:
             self._send(ident, reply_error(None, "bad_request", str(e)))
             return
