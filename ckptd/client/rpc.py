@@ -4,24 +4,100 @@ thread. Torch-free: the trainer's :class:`~ckptd.client.client.Client` and the C
 
 Any thread may call :meth:`Channel.call`; each thread gets its own socket, so a background copy
 thread's commit never waits behind the training thread's request.
+
+Before it connects to an ``ipc://`` endpoint, a channel checks that the socket is its own user's
+daemon's (:func:`check_socket`): anyone who can bind a socket at that path would otherwise receive the
+trainer's requests and answer them. ``tcp://`` (and abstract ``ipc://@name``) endpoints have no owner to
+check: use them on trusted networks only.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
+import stat
 import threading
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import zmq
 
+from ..config import trusted_group
 from ..errors import CheckpointError, DaemonUnavailable, ProtocolError
 from ..protocol import decode_reply, endpoint_answers, request
 
 
+def check_socket(endpoint: str, op: str | None = None) -> None:
+    """Refuse an ``ipc://`` socket this user should not trust; ``tcp://`` and abstract endpoints pass.
+
+    Trusted: a socket (not a symlink, not another kind of file) owned by this user or root, or, only
+    when ``CKPTD_TRUST_GROUP`` names a group, one whose group is that group; in a directory (not a
+    symlink) owned by this user, root or the socket's owner and writable by nobody else, so that no one
+    else can put a socket of their own there between this check and the connect. Raises
+    :class:`DaemonUnavailable` at once when the socket does not exist (no daemon: nothing to wait for),
+    else :class:`CheckpointError` naming the path, its owner and how to trust it. Two ``lstat`` calls:
+    cheap enough for every new socket.
+    """
+    if not endpoint.startswith("ipc://") or endpoint.startswith("ipc://@"):
+        return
+    path = endpoint[len("ipc://") :]
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        where = f" (op {op})" if op else ""
+        raise DaemonUnavailable(f"no ckptd daemon at {endpoint}{where}: {path} does not exist; is `ckptd serve` running?") from None
+    except OSError as e:
+        raise CheckpointError(f"cannot check the ckptd socket {path}: {e.strerror or e}") from None
+    me = os.geteuid()
+    if not stat.S_ISSOCK(st.st_mode):
+        _refuse(endpoint, f"{path} is {'a symlink' if stat.S_ISLNK(st.st_mode) else 'not a socket'}", st)
+    if st.st_uid not in (me, 0) and st.st_gid != _trusted_gid():
+        hint = f"if a daemon run by that user serves your group, trust the group with CKPTD_TRUST_GROUP={_name('group', st.st_gid)}"
+        _refuse(endpoint, f"the socket {path} belongs to another user", st, hint)
+    d = os.path.dirname(os.path.abspath(path))
+    dst = os.lstat(d)
+    if not stat.S_ISDIR(dst.st_mode):
+        _refuse(endpoint, f"the socket's directory {d} is a symlink", dst)
+    if dst.st_uid not in (me, 0, st.st_uid):
+        _refuse(endpoint, f"the socket's directory {d} belongs to another user", dst)
+    if dst.st_mode & 0o022:
+        _refuse(endpoint, f"the socket's directory {d} is writable by other users (anyone of them could replace the socket)", dst)
+
+
+def _trusted_gid() -> int | None:
+    name = trusted_group()
+    if name is None:
+        return None
+    import grp
+
+    try:
+        return grp.getgrgid(int(name)).gr_gid if name.isdigit() else grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise CheckpointError(f"CKPTD_TRUST_GROUP={name!r} names no group on this node") from None
+
+
+def _name(kind: str, n: int) -> str:
+    """The user (``kind`` ``"user"``) or group name of a number, or the number when it has none."""
+    import grp
+    import pwd
+
+    try:
+        return pwd.getpwuid(n).pw_name if kind == "user" else grp.getgrgid(n).gr_name
+    except KeyError:
+        return str(n)
+
+
+def _refuse(endpoint: str, problem: str, st: os.stat_result, hint: str | None = None) -> NoReturn:
+    owner = f"owner {_name('user', st.st_uid)} (uid {st.st_uid}), group {_name('group', st.st_gid)} (gid {st.st_gid})"
+    mode = f"mode {stat.S_IMODE(st.st_mode):o}"
+    hint = hint or "remove it, or run the daemon with --endpoint in a directory only its user can write"
+    raise CheckpointError(f"refusing to connect to {endpoint}: {problem} ({owner}, {mode}), so it may not be your ckptd daemon; {hint}")
+
+
 class Channel:
     """``timeout`` bounds each request unless the call gives its own ``rpc_timeout``; a longer wait
-    (an ``alloc`` under backpressure) checks every ``timeout`` that the daemon still answers."""
+    (an ``alloc`` under backpressure) checks every ``timeout`` that the daemon still answers. Each new
+    socket is preceded by :func:`check_socket`."""
 
     def __init__(self, endpoint: str, timeout: float) -> None:
         self.endpoint, self.timeout = endpoint, timeout
@@ -39,7 +115,7 @@ class Channel:
             raise CheckpointError("client is closed")
         timeout = self.timeout if rpc_timeout is None else rpc_timeout
         req_id = next(self._ids)
-        s = self._socket()
+        s = self._socket(op)
         s.send_multipart([request(op, req_id, **fields), *frames])
         t0 = time.monotonic()
         deadline = t0 + timeout
@@ -63,12 +139,18 @@ class Channel:
             return rep
 
     def alive(self) -> bool:
-        """Whether the daemon answers ``hello`` on a fresh socket within ``timeout``."""
+        """Whether the daemon answers ``hello`` on a fresh socket within ``timeout``; ``False`` at once
+        when its socket file is gone, :class:`CheckpointError` when the socket is not to be trusted."""
+        try:
+            check_socket(self.endpoint)
+        except DaemonUnavailable:
+            return False
         return endpoint_answers(self._ctx, self.endpoint, self.timeout)
 
-    def _socket(self) -> zmq.Socket:
+    def _socket(self, op: str) -> zmq.Socket:
         s = getattr(self._tls, "sock", None)
         if s is None:
+            check_socket(self.endpoint, op)
             s = self._ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
             try:

@@ -4,6 +4,11 @@ Owner-only (the default): the checkpoint root 0700, the socket's directory 0700,
 segment 0600. With ``--group G``: root 2750 (setgid, so every step below inherits the group and G's
 members can restore), socket directory 0750, socket and segments 0660 with group G.
 Called by the daemon's main thread at start-up (root, socket) and when it creates a segment.
+
+The socket's directory is trusted only when it is the daemon user's own: whoever can write in it can
+bind a socket of their own in place of the daemon's and receive every trainer's requests (a
+``/tmp/ckptd-<uid>`` made in advance by another user, where ``XDG_RUNTIME_DIR`` is unset). The client's
+side of the same check is in :mod:`ckptd.client.rpc`.
 """
 
 from __future__ import annotations
@@ -11,11 +16,22 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import stat
 from collections.abc import Iterator
 
 from ..errors import CheckpointError
 
 log = logging.getLogger("ckptd.daemon")
+
+
+def describe_owner(uid: int) -> str:
+    """``nobody (uid 65534)``; ``uid 1234`` for a uid with no passwd entry."""
+    import pwd
+
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
 
 
 def resolve_group(group: str | int | None) -> int | None:
@@ -55,10 +71,56 @@ class Access:
             log.warning("checkpoint root %s is accessible to every user on this node (mode %o)", root, mode & 0o7777)
 
     def make_socket_dir(self, path: str) -> None:
-        d = os.path.dirname(path)
-        if d and not os.path.isdir(d):
-            os.makedirs(d)
-            self.restrict(d, self.dir_mode)
+        """Make the directory of the socket at ``path`` (mode ``dir_mode``) or check an existing one, and
+        check what is at ``path``, before the daemon removes a stale socket there and binds. Raises
+        ``CheckpointError`` naming the path, its owner and mode when the directory is a symlink, not a
+        directory, another user's or writable by group or others, or when ``path`` is a symlink, not a
+        socket, or another user's file."""
+        d = os.path.dirname(os.path.abspath(path))
+        try:
+            st = os.lstat(d)
+        except FileNotFoundError:
+            st = self._create_socket_dir(d)
+        problem = (
+            f"is a symlink (to {os.readlink(d)})" if stat.S_ISLNK(st.st_mode)
+            else "is not a directory" if not stat.S_ISDIR(st.st_mode)
+            else "belongs to another user" if st.st_uid != os.geteuid()
+            else "is writable by other users" if st.st_mode & 0o022
+            else None
+        )  # fmt: skip
+        if problem:
+            raise CheckpointError(
+                f"socket directory {d} {problem} ({_owned(st)}; the daemon runs as {describe_owner(os.geteuid())}):"
+                f" whoever can write in it can put a socket of their own in the daemon's place; {_fix(d)}"
+            )
+        self._check_socket_path(path)
+
+    def _create_socket_dir(self, d: str) -> os.stat_result:
+        """Parents as ``makedirs`` makes them; the directory itself by this call, never one found there."""
+        os.makedirs(os.path.dirname(d), exist_ok=True)
+        try:
+            os.mkdir(d, 0o700)  # private from birth; the group, if any, comes next
+        except FileExistsError:
+            return os.lstat(d)  # made by someone else meanwhile: checked like any existing one
+        self.restrict(d, self.dir_mode)
+        return os.lstat(d)
+
+    @staticmethod
+    def _check_socket_path(path: str) -> None:
+        """The daemon removes a stale socket before it binds: never through a symlink, never a file
+        that is not a socket or not its own."""
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return
+        what = (
+            f"is a symlink (to {os.readlink(path)})" if stat.S_ISLNK(st.st_mode)
+            else "is not a socket" if not stat.S_ISSOCK(st.st_mode)
+            else "is another user's socket" if st.st_uid != os.geteuid()
+            else None
+        )  # fmt: skip
+        if what:
+            raise CheckpointError(f"the daemon's socket path {path} {what} ({_owned(st)}); the daemon will not remove it: {_fix(path)}")
 
     @contextlib.contextmanager
     def file_umask(self) -> Iterator[None]:
@@ -69,3 +131,12 @@ class Access:
             yield
         finally:
             os.umask(old)
+
+
+def _owned(st: os.stat_result) -> str:
+    return f"owner {describe_owner(st.st_uid)}, mode {stat.S_IMODE(st.st_mode):o}"
+
+
+def _fix(path: str) -> str:
+    """What to do about a socket directory or path the daemon refuses."""
+    return f"set XDG_RUNTIME_DIR or --endpoint to a directory only the daemon's user can write, or remove {path} if it should not be there"

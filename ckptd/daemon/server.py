@@ -78,6 +78,7 @@ class Daemon:
         self.started = time.monotonic()
         self.counters = Counters()
         self._ctx = zmq.Context()
+        self._check_endpoint()  # before anything is created in /dev/shm: a refused start leaves nothing behind
         self._running = False
         self._metrics: Any = None
         self._status_snapshot: dict[str, Any] | None = None
@@ -196,15 +197,25 @@ class Daemon:
             raise CheckpointError(f"cannot serve metrics on 127.0.0.1:{self.config.metrics_port}: {e.strerror or e}") from None
         log.info("metrics on http://127.0.0.1:%d/metrics", self.config.metrics_port)
 
+    def _check_endpoint(self) -> None:
+        """Refuse an ipc endpoint whose directory is not the daemon's own, or one a live daemon serves."""
+        if not self.endpoint.startswith("ipc://"):
+            return
+        path = self.endpoint[len("ipc://") :]
+        try:
+            self.access.make_socket_dir(path)
+            if os.path.exists(path) and endpoint_answers(self._ctx, self.endpoint, 0.5):
+                raise CheckpointError(f"another daemon is already serving {self.endpoint}")
+        except BaseException:
+            self._ctx.term()
+            raise
+
     def _bind(self) -> None:
         if self.endpoint.startswith("ipc://"):
             path = self.endpoint[len("ipc://") :]
-            self.access.make_socket_dir(path)
-            if os.path.exists(path):
-                # a live daemon answers on it; a dead one left a stale socket file behind
-                if endpoint_answers(self._ctx, self.endpoint, 0.5):
-                    raise CheckpointError(f"another daemon is already serving {self.endpoint}")
-                os.unlink(path)
+            self.access.make_socket_dir(path)  # checked again: this is the moment it counts
+            if os.path.lexists(path):
+                os.unlink(path)  # a dead daemon's stale socket (a live one was refused at start)
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
