@@ -222,9 +222,9 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    from .format import read_manifest
     from .layout import list_jobs, step_dir
     from .storage.local import latest_step, steps_by_commit
+    from .validate import read_manifest
 
     root = args.root
     if root is None:

@@ -42,7 +42,7 @@ MAX_LOCAL_WORLD_SIZE = 4096  # ranks one daemon serves in one step
 MAX_STEP = (1 << 63) - 1
 MAX_DEFERRED_ALLOCS = 4096  # allocs held back for memory at once; more are refused
 MAX_NAME_BYTES = 256  # segment names and other short strings on the wire
-MAX_TREE_DEPTH = 256  # nesting of a committed tree or a manifest's JSON
+MAX_TREE_DEPTH = 256  # nesting of one rank's tree (committed, in a fragment, in a manifest; documents get 3 more levels)
 LEASE_TIMEOUT_S = 3600.0  # a leased slot not committed or released by then is taken back
 
 

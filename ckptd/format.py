@@ -23,6 +23,7 @@ steps for ``latest``), ``tensors`` (state key → ``{"dtype", "shape", "chunks":
 [{"file", "name", "offsets", "sizes", "byte_range", "xxh3_64"}]}``, ``byte_range`` absolute in the
 file) and ``ranks`` (one ``{"rank", "file", "tree"}`` per saving rank: the non-tensor state as a
 tagged JSON tree, see :mod:`ckptd.state`). Checksums are XXH3-64 as 16 lowercase hex digits.
+Readers trust none of it: :mod:`ckptd.validate` checks every field, file names and nesting depth included.
 
 Fragment (``rank-RRRRR.json``, one per rank beside its shard until the step completes): a JSON object
 with ``format_version``, ``kind`` ``"ckptd-fragment"``, ``job``, ``step``, ``rank``, ``world_size``,
@@ -33,9 +34,11 @@ digest of the chunks other ranks hold too), ``committed_at`` and ``tree``. :func
 
 from __future__ import annotations
 
+import bisect
+import heapq
+import itertools
 import json
 import math
-import os
 import struct
 import time
 from dataclasses import dataclass
@@ -44,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from .errors import CheckpointError, FormatError
-from .layout import MANIFEST, shard_name
+from .layout import shard_name
 
 if TYPE_CHECKING:
     import torch
@@ -52,6 +55,7 @@ if TYPE_CHECKING:
 FORMAT_VERSION = 1
 HEADER_ALIGN = 64
 MAX_HEADER_BYTES = 256 << 20  # refuse absurd headers from untrusted shared memory or disk
+Chunk = dict[str, Any]  # a chunk entry of a manifest or fragment
 
 # safetensors dtype names → element size; the daemon validates shards with this table alone
 _ITEMSIZE = {
@@ -228,38 +232,6 @@ def parse_header(buf: Any, limit: int) -> ShardLayout:
 # ----------------------------------------------------------------------------- manifest
 
 
-def read_manifest(step_dir: str) -> dict[str, Any]:
-    """Read and validate ``step_dir/manifest.json``; raise :class:`FormatError` naming what is wrong."""
-    path = os.path.join(step_dir, MANIFEST)
-    try:
-        with open(path, "rb") as f:
-            obj = json.loads(f.read())
-    except FileNotFoundError:
-        raise FormatError(f"{step_dir} has no {MANIFEST}: not a complete ckptd checkpoint") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FormatError(f"{path} is not valid JSON: {e}") from None
-    return validate_manifest(obj, path)
-
-
-def validate_manifest(obj: Any, path: str) -> dict[str, Any]:
-    """Check a parsed manifest's structure (``path`` names it in errors); return it."""
-    if not isinstance(obj, dict) or obj.get("kind") != "ckptd-manifest":
-        raise FormatError(f"{path} is not a ckptd manifest")
-    if obj.get("format_version") != FORMAT_VERSION:
-        raise FormatError(f"{path}: format_version {obj.get('format_version')!r} is not supported (this ckptd reads {FORMAT_VERSION})")
-    for field, typ in (("job", str), ("step", int), ("world_size", int), ("files", dict), ("tensors", dict), ("ranks", list)):
-        if not isinstance(obj.get(field), typ):
-            raise FormatError(f"{path}: field {field!r} missing or not a {typ.__name__}")
-    for key, ent in obj["tensors"].items():
-        if not isinstance(ent, dict) or not isinstance(ent.get("chunks"), list):
-            raise FormatError(f"{path}: tensor {key!r} has no chunk list")
-        itemsize(ent.get("dtype"))
-        for c in ent["chunks"]:
-            if not isinstance(c, dict) or c.get("file") not in obj["files"]:
-                raise FormatError(f"{path}: tensor {key!r} names a file not listed in the manifest")
-    return obj
-
-
 def build_fragment(
     job: str,
     step: int,
@@ -306,28 +278,105 @@ def build_fragment(
     }
 
 
-def _boxes_overlap(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a["offsets"], a["sizes"], b["offsets"], b["sizes"]))
-
-
 def check_coverage(tensors: dict[str, Any]) -> None:
-    """Every global tensor is covered exactly once by its chunks; raise naming the key and region."""
+    """Every global tensor is covered exactly once by its chunks; raise naming the key and region.
+    O(n log n) in a tensor's chunks for the shardings torch makes (see :func:`_overlapping_pair`)."""
     for key, ent in tensors.items():
-        total = 0
-        chunks = sorted(ent["chunks"], key=lambda c: c["offsets"])
-        for i, c in enumerate(chunks):
-            total += math.prod(c["sizes"])
-            for o in chunks[i + 1 :]:
-                if o["offsets"][:1] and c["offsets"][:1] and o["offsets"][0] >= c["offsets"][0] + c["sizes"][0]:
-                    break
-                if _boxes_overlap(c, o):
-                    raise CheckpointError(
-                        f"tensor {key!r}: chunks at offsets {c['offsets']} ({c['file']}) and {o['offsets']} ({o['file']}) overlap;"
-                        " state keys must be globally unique"
-                    )
+        chunks = [c for c in ent["chunks"] if math.prod(c["sizes"])]  # an empty chunk holds no element to overlap
+        pair = _overlapping_pair(chunks)
+        if pair is not None:
+            c, o = pair
+            raise CheckpointError(
+                f"tensor {key!r}: chunks at offsets {c['offsets']} ({c['file']}) and {o['offsets']} ({o['file']}) overlap;"
+                " state keys must be globally unique"
+            )
+        total = sum(math.prod(c["sizes"]) for c in chunks)
         want = math.prod(ent["shape"])
         if total != want:
             raise CheckpointError(f"tensor {key!r} of shape {ent['shape']}: chunks cover {total} of {want} elements")
+
+
+def _overlapping_pair(chunks: list[Chunk]) -> tuple[Chunk, Chunk] | None:
+    """Two of ``chunks`` (none of them empty) that share an element, or ``None``.
+
+    A dimension along which every chunk spans the same extent tells no two apart, so it is dropped;
+    the others are ordered by how many distinct offsets the chunks have along them, the first is swept.
+    """
+    if len(chunks) < 2:
+        return None
+    spans = [{(c["offsets"][d], c["sizes"][d]) for c in chunks} for d in range(len(chunks[0]["offsets"]))]
+    dims = sorted((d for d, s in enumerate(spans) if len(s) > 1), key=lambda d: -len({o for o, _ in spans[d]}))
+    if not dims:
+        return chunks[0], chunks[1]  # all alike: a scalar or a region saved twice
+    if len(dims) <= 2:
+        return _overlap_2d(chunks, dims[0], dims[-1])
+    cuts = [sorted({c["offsets"][d] for c in chunks} | {c["offsets"][d] + c["sizes"][d] for c in chunks}) for d in dims]
+    if math.prod(len(x) - 1 for x in cuts) <= 16 * len(chunks):
+        return _overlap_cells(chunks, dims, cuts)
+    return _overlap_sweep(chunks, dims)
+
+
+def _overlap_2d(chunks: list[Chunk], a: int, b: int) -> tuple[Chunk, Chunk] | None:
+    """Sweep along ``a``: the chunks that contain the sweep position all overlap along ``a``, so (no
+    overlap found so far) they are disjoint along ``b``, kept as intervals sorted by start; a new
+    chunk can meet only the last of them that starts before it ends. O(n log n) whatever the chunks.
+    With ``a == b`` (one sharded dimension) the band holds one chunk at most."""
+    order = sorted(range(len(chunks)), key=lambda i: chunks[i]["offsets"][a])
+    ends: list[tuple[int, int]] = []  # heap: (end along a, index) of the chunks in the band
+    band: list[tuple[int, int, int]] = []  # (start, end, index) along b: disjoint, sorted
+    for i in order:
+        c = chunks[i]
+        pos = c["offsets"][a]
+        while ends and ends[0][0] <= pos:
+            j = heapq.heappop(ends)[1]
+            lo_j = chunks[j]["offsets"][b]
+            del band[bisect.bisect_left(band, (lo_j, lo_j + chunks[j]["sizes"][b], j))]
+        lo = c["offsets"][b]
+        hi = lo + c["sizes"][b]
+        k = bisect.bisect_left(band, (hi,))
+        if k and band[k - 1][1] > lo:
+            return chunks[band[k - 1][2]], c
+        band.insert(k, (lo, hi, i))
+        heapq.heappush(ends, (pos + c["sizes"][a], i))
+    return None
+
+
+def _overlap_cells(chunks: list[Chunk], dims: list[int], cuts: list[list[int]]) -> tuple[Chunk, Chunk] | None:
+    """The grid that every chunk boundary cuts the tensor into holds few cells (as for any grid
+    sharding): each chunk claims its cells, the first cell claimed twice names an overlap. O(cells)."""
+    index = [{v: i for i, v in enumerate(x)} for x in cuts]
+    owner: dict[tuple[int, ...], Chunk] = {}
+    for c in chunks:
+        ranges = [range(ix[c["offsets"][d]], ix[c["offsets"][d] + c["sizes"][d]]) for ix, d in zip(index, dims)]
+        for cell in itertools.product(*ranges):
+            o = owner.setdefault(cell, c)
+            if o is not c:
+                return o, c
+    return None
+
+
+def _overlap_sweep(chunks: list[Chunk], dims: list[int]) -> tuple[Chunk, Chunk] | None:
+    """Chunks irregular in three or more dimensions (no sharding torch makes): a sweep along the first
+    dimension, each chunk compared with those it meets there; quadratic at worst."""
+    a, rest = dims[0], dims[1:]
+    active: list[tuple[int, int, Chunk]] = []  # heap: (end along a, order, chunk)
+    for n, c in enumerate(sorted(chunks, key=lambda c: c["offsets"][a])):
+        pos = c["offsets"][a]
+        while active and active[0][0] <= pos:
+            heapq.heappop(active)
+        for _, _, o in active:
+            if all(o["offsets"][d] < c["offsets"][d] + c["sizes"][d] and c["offsets"][d] < o["offsets"][d] + o["sizes"][d] for d in rest):
+                return o, c
+        heapq.heappush(active, (pos + c["sizes"][a], n, c))
+    return None
+
+
+def _region(cid: str) -> str:
+    try:
+        key, offsets, sizes = json.loads(cid)
+        return f"tensor {key!r} region offsets {offsets} sizes {sizes}"
+    except (ValueError, TypeError, RecursionError):  # an id this ckptd did not write
+        return f"chunk {cid!r}"
 
 
 def check_replicas(frags: list[dict[str, Any]]) -> None:
@@ -336,11 +385,9 @@ def check_replicas(frags: list[dict[str, Any]]) -> None:
     for fr in frags:
         for cid, dig in (fr.get("replicas") or {}).items():
             if cid in seen and seen[cid][0] != dig:
-                key, offsets, sizes = json.loads(cid)
                 raise CheckpointError(
-                    f"tensor {key!r} region offsets {offsets} sizes {sizes}: ranks {seen[cid][1]} and {fr['rank']} hold"
-                    " different bytes under the same name; state keys (FQNs) must be globally unique, e.g. name experts"
-                    " by their global index"
+                    f"{_region(cid)}: ranks {seen[cid][1]} and {fr['rank']} hold different bytes under the same name;"
+                    " state keys (FQNs) must be globally unique, e.g. name experts by their global index"
                 )
             seen.setdefault(cid, (dig, fr["rank"]))
 

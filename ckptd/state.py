@@ -9,7 +9,8 @@ The tree is plain JSON. Objects with the single tag key ``"__ckptd__"`` stand fo
 ``{"__ckptd__": "tensor", "key": K}``, ``{"__ckptd__": "tuple", "items": [..]}``,
 ``{"__ckptd__": "dict", "items": [[k, v], ..]}`` (a dict with non-string keys, or one that holds
 the tag key), ``{"__ckptd__": "float", "value": "nan" | "inf" | "-inf"}``. Unknown tags are
-rejected on read.
+rejected on read. A tree nests at most ``config.MAX_TREE_DEPTH`` levels (``{}`` is one, tags count as
+the JSON they are): deeper state is refused when saved, a deeper tree when read.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .config import MAX_TREE_DEPTH
 from .errors import FormatError
 
 TAG = "__ckptd__"
@@ -121,7 +123,14 @@ def flatten(root: dict[str, Any]) -> tuple[Any, list[LocalChunk]]:
     chunks: list[LocalChunk] = []
     seen: set[str] = set()
 
-    def enc(v: Any, path: tuple[str, ...]) -> Any:
+    def enc(v: Any, path: tuple[str, ...], depth: int) -> Any:
+        """``v`` encoded as the JSON it becomes ``depth`` levels down in the tree."""
+        if v is None or isinstance(v, (bool, int, str)) or (isinstance(v, float) and math.isfinite(v)):
+            return v
+        if hasattr(v, "item") and callable(v.item) and type(v).__module__ == "numpy":
+            return enc(v.item(), path, depth)
+        if depth > MAX_TREE_DEPTH:
+            raise _too_deep(path)
         if isinstance(v, torch.Tensor):
             key = join_key(path)
             if key in seen:
@@ -129,50 +138,59 @@ def flatten(root: dict[str, Any]) -> tuple[Any, list[LocalChunk]]:
             seen.add(key)
             chunks.extend(local_chunks(key, v))
             return {TAG: "tensor", "key": key}
-        if v is None or isinstance(v, (bool, int, str)):
-            return v
         if isinstance(v, float):
-            if math.isfinite(v):
-                return v
             return {TAG: "float", "value": "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")}
         if isinstance(v, dict):
             if all(isinstance(k, str) for k in v) and TAG not in v:
-                return {k: enc(x, path + (k,)) for k, x in v.items()}
-            return {TAG: "dict", "items": [[enc(k, path + ("<key>",)), enc(x, path + (str(k),))] for k, x in v.items()]}
+                return {k: enc(x, path + (k,), depth + 1) for k, x in v.items()}
+            if depth + 2 > MAX_TREE_DEPTH:  # its item list and [key, value] pairs nest two levels further
+                raise _too_deep(path)
+            items = [[enc(k, path + ("<key>",), depth + 3), enc(x, path + (str(k),), depth + 3)] for k, x in v.items()]
+            return {TAG: "dict", "items": items}
         if isinstance(v, list):
-            return [enc(x, path + (str(i),)) for i, x in enumerate(v)]
+            return [enc(x, path + (str(i),), depth + 1) for i, x in enumerate(v)]
         if isinstance(v, tuple):
-            return {TAG: "tuple", "items": [enc(x, path + (str(i),)) for i, x in enumerate(v)]}
-        if hasattr(v, "item") and callable(v.item) and type(v).__module__ == "numpy":
-            return enc(v.item(), path)
+            if depth + 1 > MAX_TREE_DEPTH:  # its item list nests one level further
+                raise _too_deep(path)
+            return {TAG: "tuple", "items": [enc(x, path + (str(i),), depth + 2) for i, x in enumerate(v)]}
         raise TypeError(f"cannot checkpoint {type(v).__name__} at {'/'.join(path)}: use JSON types and tensors")
 
-    tree = {k: enc(v, (k,)) for k, v in root.items()}
+    tree = {k: enc(v, (k,), 2) for k, v in root.items()}
     return tree, chunks
 
 
-def unflatten(tree: Any, resolve: Callable[[str], Any]) -> Any:
-    """Rebuild the object a tree describes, calling ``resolve(key)`` for every tensor reference."""
+def _too_deep(path: tuple[str, ...]) -> ValueError:
+    # the reader refuses deeper trees (ckptd.validate): say so when saving, naming the place
+    return ValueError(f"cannot checkpoint the state at {'/'.join(path)}: it nests deeper than {MAX_TREE_DEPTH} levels")
 
-    def dec(v: Any) -> Any:
+
+def unflatten(tree: Any, resolve: Callable[[str], Any]) -> Any:
+    """Rebuild the object a tree describes, calling ``resolve(key)`` for every tensor reference.
+
+    A tree deeper than ``MAX_TREE_DEPTH`` raises :class:`FormatError` before the stack runs out
+    (manifests are checked whole by :mod:`ckptd.validate`; this guards every other caller)."""
+
+    def dec(v: Any, depth: int) -> Any:
+        if depth > MAX_TREE_DEPTH and isinstance(v, (list, dict)):
+            raise FormatError(f"the saved tree nests deeper than {MAX_TREE_DEPTH} levels: the checkpoint is corrupt or hostile")
         if isinstance(v, list):
-            return [dec(x) for x in v]
+            return [dec(x, depth + 1) for x in v]
         if isinstance(v, dict):
             if TAG not in v:
-                return {k: dec(x) for k, x in v.items()}
+                return {k: dec(x, depth + 1) for k, x in v.items()}
             tag = v[TAG]
             if tag == "tensor":
                 return resolve(v["key"])
             if tag == "tuple":
-                return tuple(dec(x) for x in v["items"])
+                return tuple(dec(x, depth + 2) for x in v["items"])
             if tag == "dict":
-                return {_hashable(dec(k)): dec(x) for k, x in v["items"]}
+                return {_hashable(dec(k, depth + 3)): dec(x, depth + 3) for k, x in v["items"]}
             if tag == "float":
                 return float(v["value"])
             raise FormatError(f"unknown tree tag {tag!r}: written by a newer ckptd?")
         return v
 
-    return dec(tree)
+    return dec(tree, 1)
 
 
 def _hashable(k: Any) -> Any:

@@ -21,7 +21,6 @@ from _shards import Chunk, shard_bytes
 from doubles import FaultyStore, MemoryStore
 
 from ckptd.errors import CheckpointError, FormatError
-from ckptd.format import read_manifest
 from ckptd.layout import (
     MANIFEST,
     bucket_key,
@@ -38,6 +37,7 @@ from ckptd.storage.local import finalize_step, read_latest, write_shard
 from ckptd.storage.remote import apply_remote_retention, download_step, remote_steps, try_complete, upload_ranks, upload_step
 from ckptd.storage.retention import AnyOf, KeepEvery, KeepLatest, Protect
 from ckptd.tools.verify import verify_checkpoint
+from ckptd.validate import read_manifest
 
 JOB = "j"
 

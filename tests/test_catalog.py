@@ -20,11 +20,11 @@ from doubles import FaultyStore, MemoryStore
 
 from ckptd.daemon.catalog import Found, InMemory, NoStep, StepCatalog
 from ckptd.errors import CheckpointError
-from ckptd.format import read_manifest
 from ckptd.layout import MANIFEST, job_dir, latest_file, step_dir
 from ckptd.protocol import Source
 from ckptd.storage.local import finalize_step, write_shard
 from ckptd.storage.remote import download_step, upload_step
+from ckptd.validate import read_manifest
 
 JOB = "j"
 

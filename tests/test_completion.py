@@ -24,10 +24,10 @@ from ckptd.daemon.events import ShardPersisted
 from ckptd.daemon.slots import SlotState
 from ckptd.daemon.status import Counters
 from ckptd.daemon.steps import StepState
-from ckptd.format import read_manifest
 from ckptd.layout import MANIFEST, fragment_name, fragments_present, shard_name, step_dir, tmp_dir
 from ckptd.storage.local import latest_step, read_latest
 from ckptd.tools.verify import verify_checkpoint
+from ckptd.validate import read_manifest
 
 
 @pytest.fixture

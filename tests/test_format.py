@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from ckptd.errors import FormatError
-from ckptd.format import FORMAT_VERSION, build_layout, parse_header, read_manifest
+from ckptd.format import FORMAT_VERSION, build_layout, parse_header
 from ckptd.storage.files import write_json_durable
+from ckptd.validate import read_manifest
 
 
 def _layout():

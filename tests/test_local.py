@@ -16,8 +16,9 @@ from doubles import PHASES, FaultyDisk
 
 from ckptd.client.reader import CheckpointReader
 from ckptd.errors import CheckpointError, FormatError
-from ckptd.format import MANIFEST, digest
+from ckptd.format import digest
 from ckptd.layout import (
+    MANIFEST,
     complete_steps,
     fetch_dir,
     fragment_name,

@@ -23,10 +23,10 @@ from ckptd import shm
 from ckptd.daemon import recovery
 from ckptd.daemon.slots import Slot, SlotState
 from ckptd.daemon.steps import StepState
-from ckptd.format import read_manifest
 from ckptd.layout import fragment_name, fragments_present, is_complete, shard_name, step_dir, tmp_dir
 from ckptd.storage import local
 from ckptd.tools.verify import verify_checkpoint
+from ckptd.validate import read_manifest
 
 
 def write_fragment(root: str, step: int, rank: int, world_size: int, lws: int | None = None, *, row: int | None = None) -> None:

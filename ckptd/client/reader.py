@@ -17,11 +17,12 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, FormatError
-from ..format import digest, dtype_from_name, read_manifest, validate_manifest
+from ..format import digest, dtype_from_name
 from ..layout import MANIFEST, is_complete
 from ..state import TAG, join_key, local_chunks, unflatten
 from ..storage.local import latest_step
 from ..tools.verify import stale_warning
+from ..validate import read_manifest, validate_manifest
 
 
 class CheckpointReader:

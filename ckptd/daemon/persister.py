@@ -11,7 +11,6 @@ and I/O priority: on a busy node the trainer's step time matters more.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -20,11 +19,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..errors import ProtocolError
-from ..format import read_manifest
+from ..config import MAX_TREE_DEPTH
+from ..errors import FormatError, ProtocolError
 from ..layout import fragments_present, tmp_dir
 from ..storage import local
 from ..storage.retention import AnyOf, KeepLatest, Protect
+from ..validate import load_json, nesting_depth, read_manifest
 from .events import EventQueue, ShardPersisted
 from .slots import Slot
 
@@ -55,9 +55,11 @@ def lower_priority(nice: int, idle: bool) -> Callable[[], None]:
 def parse_tree(raw: bytes) -> dict[str, Any]:
     """A commit's tree, parsed from the raw frame the trainer sent (or the commit record kept)."""
     try:
-        tree = json.loads(raw)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise ProtocolError(f"the committed tree is not valid JSON: {e}") from None
+        tree = load_json(raw, "the committed tree")
+    except FormatError as e:
+        raise ProtocolError(str(e)) from None
+    if nesting_depth(tree, MAX_TREE_DEPTH) > MAX_TREE_DEPTH:
+        raise ProtocolError(f"the committed tree nests deeper than {MAX_TREE_DEPTH} levels")
     if not isinstance(tree, dict):
         raise ProtocolError("the committed tree is not a JSON object")
     return tree

@@ -40,6 +40,7 @@ from ..layout import (
     trash_dir,
     trashed_steps,
 )
+from ..validate import parse_fragment
 from .files import create_new, fsync_dir, write_durable, write_json_durable
 from .retention import Protect, RetentionPolicy, doomed
 
@@ -54,6 +55,7 @@ def job_lock(root: str, job: str) -> threading.RLock:
     this process (persist, upload and fetch threads). Reentrant: completing a step moves ``latest``."""
     with _locks_guard:
         return _locks.setdefault((os.path.abspath(root), job), threading.RLock())
+
 
 WRITE_BLOCK = 16 << 20
 
@@ -116,8 +118,9 @@ def write_shard(
 
 
 def read_fragment(root: str, job: str, step: int, rank: int) -> dict[str, Any]:
-    with open(os.path.join(tmp_dir(root, job, step), fragment_name(rank)), "rb") as f:
-        return json.loads(f.read())
+    path = os.path.join(tmp_dir(root, job, step), fragment_name(rank))
+    with open(path, "rb") as f:
+        return parse_fragment(f.read(), path)
 
 
 def fragment_sizes(root: str, job: str, step: int, ranks: set[int]) -> tuple[int | None, int | None]:
@@ -127,7 +130,7 @@ def fragment_sizes(root: str, job: str, step: int, ranks: set[int]) -> tuple[int
             frag = read_fragment(root, job, step, r)
             ws = int(frag["world_size"])
             return ws, int(frag.get("local_world_size", ws))
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, FormatError):
             continue
     return None, None
 

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import struct
 from typing import Any
 
 import xxhash
 
 from ..errors import CheckpointError, FormatError
-from ..format import MAX_HEADER_BYTES, check_coverage, parse_header, read_manifest
-from ..layout import complete_steps, step_dir
+from ..format import MAX_HEADER_BYTES, ChunkSpec, check_coverage, parse_header
+from ..layout import MANIFEST, complete_steps, step_dir
+from ..validate import confined_name, read_manifest
 
 _STEP_COUNTER = re.compile(r"^optim/state/.+/step$")
 _BLOCK = 64 << 20
@@ -34,55 +36,71 @@ def _digest_range(fd: int, begin: int, end: int) -> str:
 
 
 def verify_checkpoint(step_path: str) -> list[str]:
-    """Every problem found in ``step_path`` as a sentence naming the file and tensor; empty if sound."""
+    """Every problem found in ``step_path`` as a sentence naming the file and tensor; empty if sound.
+
+    The manifest is untrusted: a malformed one is one problem (the :class:`FormatError` naming its field),
+    and only files it names inside ``step_path`` are opened, each once."""
+    manifest_path = os.path.join(step_path, MANIFEST)
     try:
         manifest = read_manifest(step_path)
     except FormatError as e:
         return [str(e)]
-    problems: list[str] = []
-    headers: dict[str, dict[str, Any]] = {}
-    for name, meta in manifest["files"].items():
-        path = os.path.join(step_path, name)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError as e:
-            problems.append(f"{path}: cannot open ({e.strerror})")
-            continue
-        try:
-            size = os.fstat(fd).st_size
-            if size != meta.get("size"):
-                problems.append(f"{path}: {size} bytes, the manifest says {meta.get('size')}")
-            head = os.pread(fd, 8, 0)
-            n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
-            layout = parse_header(os.pread(fd, 8 + min(n, MAX_HEADER_BYTES), 0), size)
-            if xxhash.xxh3_64_hexdigest(layout.header) != meta.get("header_xxh3_64"):
-                problems.append(f"{path}: header checksum mismatch")
-            headers[name] = {(layout.data_start + c.begin, layout.data_start + c.end): c for c in layout.chunks}
-        except (FormatError, struct.error) as e:
-            problems.append(f"{path}: {e}")
-        finally:
-            os.close(fd)
+    except OSError as e:
+        return [f"{manifest_path}: cannot read ({e.strerror})"]
+    chunks: dict[str, list[tuple[str, str, dict[str, Any]]]] = {name: [] for name in manifest["files"]}
     for key, ent in manifest["tensors"].items():
         for c in ent["chunks"]:
-            path = os.path.join(step_path, c["file"])
-            spec = headers.get(c["file"], {}).get(tuple(c["byte_range"]))
-            if c["file"] in headers and (spec is None or spec.key != key or list(spec.sizes) != c["sizes"] or spec.dtype != ent["dtype"]):
-                problems.append(f"{path}: tensor {key!r} bytes {c['byte_range']} do not match the shard header")
-                continue
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError:
-                continue  # already reported above
-            try:
-                if _digest_range(fd, *c["byte_range"]) != c["xxh3_64"]:
-                    problems.append(f"{path}: checksum mismatch in tensor {key!r} (bytes {c['byte_range'][0]}-{c['byte_range'][1]})")
-            finally:
-                os.close(fd)
+            chunks[c["file"]].append((key, ent["dtype"], c))
+    problems: list[str] = []
+    for name, meta in manifest["files"].items():
+        path = os.path.join(step_path, confined_name(name, manifest_path, "files"))
+        problems += _verify_file(path, meta, chunks[name])
     try:
         check_coverage(manifest["tensors"])
     except CheckpointError as e:
         problems.append(f"{step_path}: {e}")
     return problems
+
+
+def _verify_file(path: str, meta: dict[str, Any], chunks: list[tuple[str, str, dict[str, Any]]]) -> list[str]:
+    """The problems of one shard file: size, header, and the checksum of every chunk ``(key, dtype, entry)`` in it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # O_NONBLOCK: a FIFO in the step cannot hang verify
+    except OSError as e:
+        return [f"{path}: cannot open ({e.strerror})"]
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return [f"{path}: not a regular file"]
+        problems, specs = _check_header(fd, path, meta, st.st_size)
+        for key, dtype, c in chunks:
+            b, e = c["byte_range"]
+            if specs is not None:  # else the header's problem is reported; the checksums still tell which data is sound
+                spec = specs.get((b, e))
+                if spec is None or spec.key != key or list(spec.sizes) != list(c["sizes"]) or spec.dtype != dtype:
+                    problems.append(f"{path}: tensor {key!r} bytes {c['byte_range']} do not match the shard header")
+                    continue
+            if _digest_range(fd, b, e) != c["xxh3_64"]:
+                problems.append(f"{path}: checksum mismatch in tensor {key!r} (bytes {b}-{e})")
+        return problems
+    finally:
+        os.close(fd)
+
+
+def _check_header(fd: int, path: str, meta: dict[str, Any], size: int) -> tuple[list[str], dict[tuple[int, int], ChunkSpec] | None]:
+    """Size and header problems of an open shard, and its chunks by absolute byte range (``None`` if unreadable)."""
+    problems = []
+    if size != meta["size"]:
+        problems.append(f"{path}: {size} bytes, the manifest says {meta['size']}")
+    try:
+        head = os.pread(fd, 8, 0)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+        layout = parse_header(os.pread(fd, 8 + min(n, MAX_HEADER_BYTES), 0), size)
+    except (FormatError, struct.error) as e:
+        return problems + [f"{path}: {e}"], None
+    if xxhash.xxh3_64_hexdigest(layout.header) != meta["header_xxh3_64"]:
+        problems.append(f"{path}: header checksum mismatch")
+    return problems, {(layout.data_start + c.begin, layout.data_start + c.end): c for c in layout.chunks}
 
 
 def stale_warning(step_path: str, manifest: dict[str, Any] | None = None) -> str | None:
@@ -96,7 +114,7 @@ def stale_warning(step_path: str, manifest: dict[str, Any] | None = None) -> str
         return None
     try:
         prev = read_manifest(step_dir(root, job, earlier[-1]))
-    except FormatError:
+    except (FormatError, OSError):
         return None
 
     def digests(m: dict[str, Any], counters: bool) -> dict[str, list[str]]:
