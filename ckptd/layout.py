@@ -120,20 +120,20 @@ def complete_steps(root: str, job: str) -> list[int]:
 
 def partial_steps(root: str, job: str) -> list[int]:
     """Steps of ``job`` with a ``step-N.tmp`` directory (being written, or left by a crash), ascending."""
-    try:
-        names = os.listdir(job_dir(root, job))
-    except FileNotFoundError:
-        return []
-    return sorted(s for n in names if (s := _step_of(_TMP_RE, n, "step-{}.tmp")) is not None)
+    return _steps_named(root, job, _TMP_RE, "step-{}.tmp")
 
 
 def trashed_steps(root: str, job: str) -> list[int]:
     """Steps of ``job`` with a ``step-N.del`` directory (retention was deleting it), ascending."""
+    return _steps_named(root, job, _DEL_RE, "step-{}.del")
+
+
+def _steps_named(root: str, job: str, pattern: re.Pattern[str], spell: str) -> list[int]:
     try:
         names = os.listdir(job_dir(root, job))
     except FileNotFoundError:
         return []
-    return sorted(s for n in names if (s := _step_of(_DEL_RE, n, "step-{}.del")) is not None)
+    return sorted(s for n in names if (s := _step_of(pattern, n, spell)) is not None)
 
 
 def fragments_present(root: str, job: str, step: int) -> set[int]:
