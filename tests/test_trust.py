@@ -204,27 +204,32 @@ def test_a_foreign_file_in_the_segment_directory_is_never_adopted_and_never_fata
 def test_a_tree_cannot_rewrite_the_commit_record(make_daemon) -> None:  # noqa: ANN001
     """The commit's tree frame used to be spliced into the record's JSON: a tree of
     ``{...},"job":"../escape","step":7`` took over the record after a restart and the step was written to
-    ``<root>/../escape``. Now the tree is stored after the record; a restart persists the right job."""
-    d = make_daemon("--write-rate-limit", "1k")  # slow disk: the daemon dies before persisting
+    ``<root>/../escape``. Now the tree is stored after the record; a restart fails that step (its tree is
+    not JSON) and writes nothing outside the root."""
+    d = make_daemon()
     model, optim = make()
     with d.client("j") as c:
         c.snapshot(model, optim, step=1, blocking=True).wait(60)
     shard = open(os.path.join(d.root, "j", "step-1", "rank-00000.safetensors"), "rb").read()
+    d.stop()
+    d.start(["--workers", "1", "--write-rate-limit", "1k"])  # one slow persist thread: both commits stay staged
+    evil = b'{"model":{}},"job":"../escape","step":7,"x":{"y":1}'
     with d.rpc() as rpc:
-        rep = rpc.call("alloc", job="j", rank=0, world_size=1, step=2, nbytes=len(shard), pid=os.getpid())
-        with open(shm.path_of(rep["segment"]), "r+b") as f:
-            f.write(shard)
-        evil = b'{"model":{}},"job":"../escape","step":7,"x":{"y":1}'
-        fields = dict(job="j", rank=0, world_size=1, local_world_size=1, step=2, nbytes=len(shard), replicas={})
-        rpc.call("commit", segment=rep["segment"], lease=rep["lease"], frames=(evil,), **fields)
+        for step, tree in ((2, b"{}"), (3, evil)):
+            rep = rpc.call("alloc", job="j", rank=0, world_size=1, step=step, nbytes=len(shard), pid=os.getpid())
+            with open(shm.path_of(rep["segment"]), "r+b") as f:
+                f.write(shard)
+            fields = dict(job="j", rank=0, world_size=1, local_world_size=1, step=step, nbytes=len(shard), replicas={})
+            rpc.call("commit", segment=rep["segment"], lease=rep["lease"], frames=(tree,), **fields)
     d.kill()
-    d.start([])
+    d.start([])  # full speed: the restart persists what the records hold
     with d.rpc() as rpc:
-        rep = rpc.call("wait", job="j", step=2, timeout=20.0)
+        assert rpc.call("wait", job="j", step=2, timeout=20.0)["state"] == "durable"
+        rep = rpc.call("wait", job="j", step=3, timeout=20.0)
     assert rep["state"] == "failed" and "tree is not valid JSON" in rep["error"]  # the tree, not the record
     root = Path(d.root)
     assert not (root.parent / "escape").exists() and not (root / "escape").exists()
-    assert sorted(os.listdir(root / "j")) == ["latest", "step-1"]
+    assert sorted(os.listdir(root / "j")) == ["latest", "step-1", "step-2"]
 
 
 # ---------------------------------------------------------------------------- leases and messages
