@@ -19,6 +19,7 @@ Ops (who sends them: the trainer's client, on whichever of its threads needs the
     committed nor released within the daemon's lease timeout (or whose holder dies) is taken back.
     Over ``ipc://`` the holder's pid is the one the kernel reports for the socket's peer
     (``SO_PEERCRED``, in the daemon's PID namespace), not the ``pid`` field; over ``tcp://`` the field.
+    Over ``ipc://`` only that process may commit or release the lease, whatever token another names.
 ``commit`` ``{job, rank, world_size, local_world_size, step, segment, lease, nbytes, replicas}`` plus a
     second frame, the rank's non-tensor tree as JSON: the slot holds a complete shard (``replicas``:
     chunk id → sample digest of every chunk other ranks hold too; ``local_world_size``: how many of
@@ -140,11 +141,11 @@ def decode_request(frame: bytes) -> dict[str, Any]:
         raise ProtocolError(f"message of {len(frame)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
     try:
         msg = json.loads(frame)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ProtocolError(f"message is not valid JSON: {e}") from None
+    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, an integer of over 4,300 digits, deep nesting
+        raise ProtocolError(f"message is not valid JSON: {str(e)[:200] or type(e).__name__}") from None
     if not isinstance(msg, dict):
         raise ProtocolError("message is not a JSON object")
-    if msg.get("v") != PROTOCOL_VERSION:
+    if not _is_int(msg.get("v")) or msg["v"] != PROTOCOL_VERSION:  # true and 1.0 are not version 1
         raise ProtocolError(f"protocol version {msg.get('v')!r} is not supported (daemon speaks {PROTOCOL_VERSION})")
     op = msg.get("op")
     if not isinstance(op, str) or op not in SCHEMA:
@@ -255,8 +256,8 @@ def endpoint_answers(ctx: Any, endpoint: str, timeout: float) -> bool:
 def decode_reply(frame: bytes) -> dict[str, Any]:
     try:
         msg = json.loads(frame)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ProtocolError(f"daemon sent a reply that is not JSON: {e}") from None
+    except (ValueError, RecursionError) as e:
+        raise ProtocolError(f"daemon sent a reply that is not JSON: {str(e)[:200] or type(e).__name__}") from None
     if not isinstance(msg, dict) or msg.get("v") != PROTOCOL_VERSION or not isinstance(msg.get("ok"), bool):
         raise ProtocolError(f"daemon sent a malformed reply: {str(msg)[:200]}")
     return msg

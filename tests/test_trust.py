@@ -251,6 +251,24 @@ def test_another_client_cannot_commit_or_release_a_lease_it_did_not_take(daemon)
         assert b.call("status")["slots"] == {"free": 1}
 
 
+def test_a_leaked_lease_token_is_useless_to_another_process(daemon) -> None:  # noqa: ANN001
+    """Even holding the token (seen in a log, say), another process cannot release or commit the lease:
+    over ipc the daemon also checks that the request comes from the process that took it."""
+    with daemon.rpc() as rpc:
+        lease = rpc.call("alloc", job="j", rank=0, world_size=1, step=1, nbytes=4096, pid=os.getpid())
+        code = (
+            "import sys; from ckptd.client.rpc import Channel; from ckptd.errors import ProtocolError;"
+            "ch = Channel(sys.argv[1], 30.0)\n"
+            "try:\n    ch.call('release', segment=sys.argv[2], lease=sys.argv[3]); print('RELEASED')\n"
+            "except ProtocolError as e:\n    print(e)"
+        )
+        cmd = [sys.executable, "-c", code, daemon.endpoint, lease["segment"], lease["lease"]]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=REPO)
+        assert "another process took the lease" in out.stdout, (out.stdout, out.stderr)
+        assert rpc.call("status")["slots"] == {"leased": 1}
+        rpc.call("release", segment=lease["segment"], lease=lease["lease"])
+
+
 def test_a_lease_whose_holder_dies_is_reaped_whatever_pid_it_claimed(daemon) -> None:  # noqa: ANN001
     """A client claims pid 1 (always alive; or its pid in another PID namespace) and dies holding a lease:
     the daemon takes the holder's pid from the socket (SO_PEERCRED), not from the message, and reaps it."""

@@ -267,13 +267,17 @@ class Daemon:
             want = 2 + EXTRA_FRAMES.get(msg["op"], 0)
             if len(frames) != want:
                 raise ProtocolError(f"op {msg['op']!r} takes {want - 1} frame(s), got {len(frames) - 1}")
-            msg["frames"] = frames[2:]
+            msg["frames"], msg["peer"] = frames[2:], peer
             if peer is not None and "pid" in msg:
                 # liveness by the transport: the kernel's pid of the sender, in this daemon's PID namespace
                 # (a trainer in a container reports its own namespace's pid; a hostile client, any pid)
                 msg["pid"] = peer
         except ProtocolError as e:
             self._send(ident, reply_error(None, "bad_request", str(e)))
+            return
+        except Exception as e:  # a validation bug: still one answer, and the daemon goes on
+            log.exception("could not decode a request")
+            self._send(ident, reply_error(None, "bad_request", f"undecodable request: {type(e).__name__}"))
             return
         try:
             out = self._ops[msg["op"]](ident, msg)
@@ -318,11 +322,11 @@ class Daemon:
         return None if slot is None else {"segment": slot.name, "size": slot.size, "lease": slot.token}  # None: deferred
 
     def _op_release(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
-        self.pool.free(self.pool.leased(msg["segment"], msg["lease"]))
+        self.pool.free(self.pool.leased(msg["segment"], msg["lease"], msg["peer"]))
         return {}
 
     def _op_commit(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
-        slot = self.pool.leased(msg["segment"], msg["lease"])
+        slot = self.pool.leased(msg["segment"], msg["lease"], msg["peer"])
         job, step, rank, ws, lws = msg["job"], msg["step"], msg["rank"], msg["world_size"], msg["local_world_size"]
         if any((slot.lease or {}).get(k) != msg[k] for k in ("job", "rank", "world_size", "step")):
             raise ProtocolError(f"commit for {job}/{step}/rank {rank} does not match the lease of {slot.name}")
@@ -390,7 +394,7 @@ class Daemon:
         return {"step": newest.step, "path": newest.path, "manifest": newest.manifest, "segments": segments, "pin": pin, "reason": None}
 
     def _op_hot_close(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
-        self.pool.unpin(msg["segments"], msg["pin"])
+        self.pool.unpin(msg["segments"], msg["pin"], msg["peer"])
         return {}
 
     def _op_fetch(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:

@@ -139,9 +139,9 @@ class SlotPool:
         self.slots[name] = slot
         return slot
 
-    def leased(self, name: str, token: str) -> Slot:
-        """The slot ``name`` leased with ``token``; ``ProtocolError`` if there is none (another client's
-        lease, one that lapsed, or no such segment)."""
+    def leased(self, name: str, token: str, peer: int | None = None) -> Slot:
+        """The slot ``name`` leased with ``token`` (by process ``peer``, when the transport tells);
+        ``ProtocolError`` if there is none (another client's lease, one that lapsed, or no such segment)."""
         slot = self.slots.get(name)
         if slot is None:
             raise ProtocolError(f"unknown segment {name!r}")
@@ -149,6 +149,8 @@ class SlotPool:
             raise ProtocolError(f"segment {name!r} is not leased (it is {slot.state.value})")
         if slot.token is None or not hmac.compare_digest(slot.token.encode(), token.encode()):
             raise ProtocolError(f"segment {name!r} is not leased to this client (wrong lease token)")
+        if peer is not None and slot.pid is not None and peer != slot.pid:
+            raise ProtocolError(f"segment {name!r} is not leased to this client (another process took the lease)")
         return slot
 
     def commit(self, slot: Slot, record: dict[str, Any], tree_bytes: int = 0) -> None:
@@ -216,12 +218,13 @@ class SlotPool:
             slot.pins[token] = (pid, deadline)
         return token
 
-    def unpin(self, names: list[Any], token: str) -> None:
-        """Drop pin ``token`` from the slots ``names``; another reader's pins are untouched."""
+    def unpin(self, names: list[Any], token: str, peer: int | None = None) -> None:
+        """Drop pin ``token`` (taken by process ``peer``, when the transport tells) from the slots
+        ``names``; another reader's pins are untouched."""
         for name in names:
             slot = self.slots.get(name) if isinstance(name, str) else None
-            if slot is not None:
-                slot.pins.pop(token, None)
+            if slot is not None and token in slot.pins and (peer is None or slot.pins[token][0] == peer):
+                slot.pins.pop(token)
         self.retry_deferred()
 
     # ------------------------------------------------------------------ housekeeping
