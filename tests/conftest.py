@@ -31,6 +31,7 @@ class DaemonProc:
         self.args = args
         self.log = base / "daemon.log"
         self.proc: subprocess.Popen | None = None
+        self.shm_dirs: set[str | None] = set()
 
     def start(self, extra_args: list[str] | None = None, wait: bool = True) -> DaemonProc:
         cmd = [sys.executable, "-m", "ckptd", "serve", "--root", self.root, "--endpoint", self.endpoint, *(extra_args or self.args)]
@@ -48,6 +49,7 @@ class DaemonProc:
             try:
                 with Client(endpoint=self.endpoint, job="probe", timeout=0.5) as c:
                     c.hello()
+                self.shm_dirs.add(shm.SegmentDir.read_marker(self.root))  # cleaned up even if the root goes first
                 return
             except Exception:
                 time.sleep(0.1)
@@ -94,6 +96,8 @@ class DaemonProc:
                 self._logf.close()
                 self.proc = None
         shm.purge(self.root)
+        for name in self.shm_dirs - {None}:
+            shutil.rmtree(os.path.join(shm.SHM_DIR, name), ignore_errors=True)  # type: ignore[arg-type]
 
 
 @pytest.fixture

@@ -119,7 +119,8 @@ def small_fs(short_tmp):  # noqa: ANN001, ANN201
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
-def test_full_disk_fails_the_step_and_keeps_the_previous(make_daemon, small_fs) -> None:  # noqa: ANN001
+def test_full_disk_fails_the_step_and_keeps_the_previous(small_fs, make_daemon) -> None:  # noqa: ANN001
+    # small_fs first: it is unmounted after the daemon is stopped and its segment directory removed
     """ENOSPC during persist: wait() raises clearly, the partial step is removed, the previous step
     stays intact and loads, and the daemon keeps serving."""
     daemon = make_daemon(start=False)
