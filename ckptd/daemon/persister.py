@@ -11,6 +11,7 @@ and I/O priority: on a busy node the trainer's step time matters more.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -21,10 +22,10 @@ from typing import Any
 
 from ..config import MAX_TREE_DEPTH
 from ..errors import FormatError, ProtocolError
-from ..layout import fragments_present, tmp_dir
+from ..layout import MANIFEST, fragments_present, tmp_dir
 from ..storage import local
 from ..storage.retention import AnyOf, KeepLatest, Protect
-from ..validate import load_json, nesting_depth, read_manifest
+from ..validate import load_json, nesting_depth
 from .events import EventQueue, ShardPersisted
 from .slots import Slot
 
@@ -63,6 +64,11 @@ def parse_tree(raw: bytes) -> dict[str, Any]:
     if not isinstance(tree, dict):
         raise ProtocolError("the committed tree is not a JSON object")
     return tree
+
+
+def _own_manifest(path: str) -> dict[str, Any]:
+    with open(os.path.join(path, MANIFEST), "rb") as f:
+        return json.loads(f.read())
 
 
 class Persister:
@@ -128,7 +134,9 @@ class Persister:
             )  # fmt: skip
             seconds = time.monotonic() - t0
             path, node_ranks = self._after_write(job, step, ws, lws)
-            manifest = read_manifest(path) if path is not None else None  # kept in memory for hot restores: they read no disk
+            # kept in memory for hot restores (they read no disk): the manifest this thread wrote a moment ago
+            # under the daemon's own root, so parsed, not validated again (that costs ~0.2 s per 10,000 tensors)
+            manifest = _own_manifest(path) if path is not None else None
             event = ShardPersisted(slot.name, job, step, rank, rec["nbytes"], seconds, None, path, manifest, node_ranks)
         except Exception as e:  # reported to every waiter of the step, never swallowed
             log.error("persisting %s (job %s step %s rank %s) failed: %s", slot.name, job, step, rank, e)
