@@ -35,8 +35,8 @@ Ops (who sends them: the trainer's client, on whichever of its threads needs the
     committed last (commit order: after a rollback a lower step number can be the latest), under the
     root or, with a bucket, in the bucket (``source`` ``"local"`` / ``"remote"``; ``path`` null for
     a step only the bucket holds; ``step`` null when the job has none). With a bucket the reply waits
-    for the bucket's listing; an unreachable bucket answers with the local step, or an error when
-    there is none (never a silent "none").
+    for the bucket's listing; an unreachable bucket is an error naming the local step, if any (never
+    a silent "none", never a possibly stale step).
 ``status`` ``{}`` → daemon-wide counters.
 ``hot_open`` ``{job, step, pid}`` → ``{"step", "path", "manifest", "segments", "pin", "reason"}``: the newest
     durable step of the job (``step`` null) or ``step``, if the daemon still holds every
@@ -199,7 +199,7 @@ def _check_value(what: str, name: str, val: Any) -> None:  # noqa: C901 - one ca
             validate_job(val)
         except ValueError as e:
             raise ProtocolError(str(e)) from None
-    elif name == "timeout" and not (math.isfinite(val) and val >= 0):
+    elif name == "timeout" and not ((isinstance(val, int) or math.isfinite(val)) and val >= 0):
         raise ProtocolError(f"{what}: field 'timeout' must be a finite number >= 0")
     elif name in ("lease", "pin") and not _TOKEN_RE.fullmatch(val):
         raise ProtocolError(f"{what}: field {name!r} is not a token this daemon hands out")

@@ -193,7 +193,7 @@ class SegmentDir:
         """Remove segment ``name`` and its record (names are checked; the directory is ours, so an
         unlink cannot reach another user's file)."""
         path = self._path(name)
-        for p in (path, path + RECORD_SUFFIX):
+        for p in (path + RECORD_SUFFIX, path):  # the record first: a record never outlives its segment
             try:
                 os.unlink(p)
             except FileNotFoundError:

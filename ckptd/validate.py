@@ -146,7 +146,12 @@ def _dtype_size(v: Any, where: str, field: str) -> int:
         _fail(where, field, f"{_short.repr(v)} is not a dtype this ckptd knows")
 
 
+MAX_DIMS = 64  # torch allows at most 64 dimensions; more is hostile (and math.prod over them slow)
+
+
 def _shape(v: Any, where: str, field: str) -> list[int]:
+    if isinstance(v, list) and len(v) > MAX_DIMS:
+        _fail(where, field, f"has {len(v)} dimensions, more than {MAX_DIMS}")
     shape = _ints(v, where, field)
     if math.prod(shape) > _I64:
         _fail(where, field, f"{_short.repr(v)} holds more than 2**63 - 1 elements")

@@ -121,8 +121,9 @@ def test_upload_step_sends_shards_then_fragments_then_manifest(store: MemoryStor
     moved: list[int] = []
     sent = upload_step(store, path, JOB, 4, moved.append)
     order = [shard_name(0), shard_name(1), fragment_name(0), fragment_name(1), MANIFEST]
-    assert [op for op, _ in store.calls] == ["put"] * 5
-    assert [key for _, key in store.calls] == [bucket_key(JOB, 4, n) for n in order]
+    # first the manifest of an older step of that number goes (none here), then data, fragments, manifest
+    assert [op for op, _ in store.calls] == ["delete"] + ["put"] * 5
+    assert [key for _, key in store.calls] == [bucket_key(JOB, 4, n) for n in [MANIFEST, *order]]
     for name in order:  # every object is the local file, byte for byte
         assert store.objects[bucket_key(JOB, 4, name)] == Path(path, name).read_bytes()
     assert sent == sum(os.path.getsize(os.path.join(path, n)) for n in order) == sum(moved)
@@ -470,3 +471,55 @@ def test_remote_retention_touches_only_its_job(store: MemoryStore, src: str) -> 
     assert apply_remote_retention(store, JOB, KeepLatest(1)) == [1]
     assert remote_steps(store, JOB) == ([2], [])
     assert remote_steps(store, "jx") == ([1, 2], [])
+
+
+# ---------------------------------------------------------------------------- commit order in the bucket
+
+
+def _manifest_at(store: MemoryStore, step: int, at: int) -> None:
+    store.put_bytes(f"{JOB}/step-{step}/manifest.json", json.dumps({"committed_at": at}).encode())
+
+
+def test_a_step_number_saved_again_is_ordered_by_its_new_commit() -> None:
+    """After a rollback a step number is deleted by retention and saved again: the order must follow the
+    new manifest, not a cached time of the old one (retention would delete the step just uploaded)."""
+    from ckptd.storage.remote import bucket_steps_by_commit
+
+    store = MemoryStore()
+    for at, step in enumerate((100, 200, 300, 110)):
+        _manifest_at(store, step, at)
+    assert bucket_steps_by_commit(store, JOB)[0] == [100, 200, 300, 110]
+    assert apply_remote_retention(store, JOB, KeepLatest(2)) == [100, 200]
+    _manifest_at(store, 200, 9)  # 200 saved again, on the new line: an upload replaces its manifest
+    from ckptd.storage import remote
+
+    remote._commit_cache.pop((store.url(), JOB, 200), None)  # what upload_step does before it uploads
+    assert bucket_steps_by_commit(store, JOB)[0] == [300, 110, 200]
+    assert apply_remote_retention(store, JOB, KeepLatest(2)) == [300]
+
+
+def test_a_manifest_deleted_by_another_node_meanwhile_is_no_error() -> None:
+    """Every node of a multi-node job runs bucket retention: a step listed a moment ago may be gone."""
+    from ckptd.storage.remote import bucket_steps_by_commit
+
+    store = MemoryStore()
+    for step in (1, 2):
+        _manifest_at(store, step, step)
+    real = store.get_bytes
+
+    def vanished(rel: str) -> bytes:
+        if rel == f"{JOB}/step-1/manifest.json":
+            raise FileNotFoundError(rel)
+        return real(rel)
+
+    store.get_bytes = vanished  # type: ignore[method-assign]
+    assert bucket_steps_by_commit(store, JOB)[0] == [2]
+
+
+def test_upload_step_hides_an_older_step_of_the_same_number_first(store: MemoryStore, src: str) -> None:
+    _manifest_at(store, 4, 1)  # an older step 4 (abandoned branch) still in the bucket
+    path = make_step(src, JOB, 4, world_size=2)
+    store.calls.clear()
+    upload_step(store, path, JOB, 4)
+    assert store.calls[0] == ("delete", bucket_key(JOB, 4, MANIFEST))  # never complete while its files are replaced
+    assert store.objects[bucket_key(JOB, 4, MANIFEST)] == Path(path, MANIFEST).read_bytes()

@@ -387,3 +387,18 @@ def test_of_two_records_claiming_the_same_rank_only_one_is_adopted(node: Node) -
     node.recover(persist=False)
     assert len(node.handed) == 1 and {a, b} - {node.handed[0].name} != set()
     assert len(shm.segments_of(node.root)) == 1  # the contradicting one is dropped
+
+
+def test_a_rank_whose_fragment_is_durable_is_not_written_again(node: Node) -> None:
+    """The crash came after rank 0's shard and fragment were durable but before its record was dropped.
+    Writing the shard again would truncate it while rank 1's completion publishes the step: the
+    segment is dropped instead, and the step completes from rank 0's durable files and rank 1's segment."""
+    write_fragment(node.root, 9, 0, 2)
+    durable = node.committed(step=9, rank=0, world_size=2)
+    staged = node.committed(step=9, rank=1, world_size=2)
+    node.recover()
+    assert [s.name for s in node.handed] == [staged] and node.pool.get(durable) is None
+    assert not os.path.exists(shm.path_of(durable))
+    (ev,) = node.pump(1)
+    assert ev.error is None and ev.path == step_dir(node.root, JOB, 9)
+    assert verify_checkpoint(ev.path) == []

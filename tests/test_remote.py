@@ -168,6 +168,12 @@ class _Recorder:
     def put_file(self, rel: str, path: str, progress: Any = None) -> None:
         self.puts.append(rel)
 
+    def delete(self, rels: list[str]) -> None:
+        self.puts.extend(f"delete {r}" for r in rels)
+
+    def url(self, rel: str = "") -> str:
+        return f"rec://{rel}"
+
 
 def test_upload_order_is_data_then_fragments_then_manifest(tmp_path: Path) -> None:
     d = tmp_path / "step-7"
@@ -177,7 +183,7 @@ def test_upload_order_is_data_then_fragments_then_manifest(tmp_path: Path) -> No
     rec = _Recorder()
     remote.upload_step(rec, str(d), "j", 7)
     order = ("rank-00000.safetensors", "rank-00001.safetensors", "rank-00000.json", "rank-00001.json", "manifest.json")
-    assert rec.puts == [f"j/step-7/{n}" for n in order]
+    assert rec.puts == ["delete j/step-7/manifest.json"] + [f"j/step-7/{n}" for n in order]
 
 
 def test_restart_uploads_what_a_previous_run_did_not(make_daemon, short_tmp: Path, s3_bucket: RemoteConfig) -> None:  # noqa: ANN001

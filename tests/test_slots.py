@@ -255,3 +255,16 @@ def test_a_pid_that_is_no_pid_reads_as_dead() -> None:
     from ckptd.daemon.slots import pid_alive
 
     assert pid_alive(os.getpid()) and not pid_alive(2**64) and not pid_alive(-5)
+
+
+def test_a_lease_of_a_process_the_kernel_cannot_name_waits_for_the_timeout(env: dict[str, Any]) -> None:
+    """An ipc peer outside the daemon's PID namespace has pid 0 in its credentials: unknown, never taken
+    for some unrelated process here; only the lease timeout reclaims it."""
+    pool = env["make"](2 * MiB)
+    slot = pool.lease({**_req(), "pid": 0})
+    assert slot is not None and slot.pid is None
+    env["dead"].add(0)
+    pool.reap(env["clock"].now + 50)
+    assert slot.state is SlotState.LEASED
+    pool.reap(env["clock"].now + 101)
+    assert slot.state is SlotState.FREE

@@ -339,3 +339,25 @@ def test_a_planted_latest_tmp_symlink_is_not_followed(daemon, tmp_path: Path) ->
         c.snapshot(model, optim, step=2, blocking=True).wait(60)
         assert c.latest() == 2
     assert victim.read_text() == "precious"
+
+
+def test_a_clock_stepped_back_across_a_restart_does_not_order_new_steps_first(make_daemon) -> None:  # noqa: ANN001
+    """Step 1 was committed by a daemon whose clock ran 10 minutes ahead (or by a replaced node's): after
+    the restart the next commit must still come later in commit order, or latest would stay on step 1
+    and retention (keep 1) would delete the step just committed."""
+    d = make_daemon("--keep", "1")
+    model, optim = make()
+    with d.client("clk") as c:
+        path = c.snapshot(model, optim, step=1, blocking=True).wait(60)
+    d.stop()
+    manifest_path = os.path.join(path, "manifest.json")
+    manifest = json.loads(open(manifest_path).read())
+    manifest["committed_at"] = time.time_ns() + 600 * 10**9
+    with open(manifest_path, "w") as f:
+        json.dump(manifest, f)
+    d.start()
+    with d.client("clk") as c:
+        train_step(model, optim, 2)
+        assert c.snapshot(model, optim, step=2, blocking=True).wait(60).endswith("step-2")
+        assert c.latest() == 2
+    assert complete_steps(d.root, "clk") == [2]

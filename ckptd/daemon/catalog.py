@@ -100,7 +100,7 @@ class StepCatalog:
             if remote is None or remote == local:
                 return found
             if found is not None and path is not None:
-                if (committed_at(path), local) >= (bucket_committed_at(self.store, job, remote), remote):
+                if (committed_at(path), local) >= (bucket_committed_at(self.store, job, remote) or 0, remote):
                     return found
         except CheckpointError as e:
             if found is None:

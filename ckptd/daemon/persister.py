@@ -155,7 +155,11 @@ class Persister:
                     return None, sorted(present)
             elif present >= set(range(ws)) and os.path.isdir(tmp_dir(self.root, job, step)):
                 path = local.finalize_step(self.root, job, step, ws)
-                # here, off the main loop (deleting GBs takes a while), and before wait() is answered
-                self.retain(job)
+                # here, off the main loop (deleting GBs takes a while), and before wait() is answered;
+                # the step is complete whatever retention meets
+                try:
+                    self.retain(job)
+                except OSError as e:
+                    log.error("retention of job %s after step %s failed: %s", job, step, e)
                 return path, None
         return None, None

@@ -63,6 +63,11 @@ def adopt_segment(pool: SlotPool, steps: StepTable, root: str, name: str) -> Non
     if is_complete(step_dir(root, rec["job"], rec["step"])):
         segs.unlink(name)  # finalized just before the crash: nothing left to do
         return
+    if rec["rank"] in fragments_present(root, rec["job"], rec["step"]):
+        # its shard and fragment are durable (the crash came before the record was dropped): writing it
+        # again would truncate a shard another rank's completion may publish; the partial step has it
+        segs.unlink(name)
+        return
     known = steps.get((rec["job"], rec["step"]))
     sizes = (rec["world_size"], rec["local_world_size"])
     if known is not None and ((known.world_size, known.local_world_size) != sizes or rec["rank"] in known.committed):

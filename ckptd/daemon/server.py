@@ -27,6 +27,7 @@ from ..config import HOUSEKEEPING_S, WAIT_CAP_S, DaemonConfig, default_shm_budge
 from ..errors import CheckpointError, ProtocolError
 from ..layout import shard_name, step_dir
 from ..protocol import EXTRA_FRAMES, MAX_MESSAGE_BYTES, Source, decode_request, endpoint_answers, reply_error, reply_ok
+from ..storage.local import committed_at
 from ..storage.store import ObjectStore
 from . import recovery
 from .access import Access
@@ -49,12 +50,13 @@ Handler = Callable[[bytes, dict[str, Any]], "dict[str, Any] | None"]  # None: th
 
 def peer_pid(frame: zmq.Frame) -> int | None:
     """The sender's pid from an ipc message's metadata (libzmq reads it with ``SO_PEERCRED``:
-    ``Peer-Address`` is ``host:uid:gid:pid``); ``None`` over tcp or where the transport gives none."""
+    ``Peer-Address`` is ``host:uid:gid:pid``); 0 for an ipc peer outside the daemon's PID namespace
+    (the kernel cannot name it there); ``None`` over tcp or where the transport gives nothing."""
     try:
         parts = frame.get("Peer-Address").rsplit(":", 3)
     except (zmq.ZMQError, AttributeError, UnicodeDecodeError):
         return None
-    return int(parts[3]) if len(parts) == 4 and parts[3].isdigit() and int(parts[3]) > 0 else None
+    return int(parts[3]) if len(parts) == 4 and parts[3].isdigit() else None
 
 
 def _open_store(config: DaemonConfig) -> ObjectStore | None:
@@ -270,7 +272,8 @@ class Daemon:
             msg["frames"], msg["peer"] = frames[2:], peer
             if peer is not None and "pid" in msg:
                 # liveness by the transport: the kernel's pid of the sender, in this daemon's PID namespace
-                # (a trainer in a container reports its own namespace's pid; a hostile client, any pid)
+                # (a trainer in a container reports its own namespace's pid; a hostile client, any pid);
+                # 0 when the kernel cannot name it here: unknown, only the lease timeout reclaims it
                 msg["pid"] = peer
         except ProtocolError as e:
             self._send(ident, reply_error(None, "bad_request", str(e)))
@@ -353,7 +356,10 @@ class Daemon:
     def _commit_time(self, job: str) -> int:
         """Nanoseconds since the epoch, strictly increasing per job in this run (a clock stepped back
         must not make a later commit look older): the commit order ``latest`` follows."""
-        t = max(time.time_ns(), self._last_commit_ns.get(job, 0) + 1)
+        if job not in self._last_commit_ns:  # after a restart: later than every step on disk, whatever the clock says
+            _, path = self.catalog.latest(job)
+            self._last_commit_ns[job] = committed_at(path) if path is not None else 0
+        t = max(time.time_ns(), self._last_commit_ns[job] + 1)
         self._last_commit_ns[job] = t
         return t
 

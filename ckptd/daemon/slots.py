@@ -120,7 +120,7 @@ class SlotPool:
             slot = self._create(need, rounded, used)
             if slot is None:
                 return None
-        slot.state, slot.owner, slot.pid, slot.used_at = SlotState.LEASED, owner, msg["pid"], self._clock()
+        slot.state, slot.owner, slot.pid, slot.used_at = SlotState.LEASED, owner, msg["pid"] or None, self._clock()
         slot.holds, slot.token, slot.leased_at = None, secrets.token_hex(16), slot.used_at
         slot.lease = {k: msg[k] for k in LEASE_FIELDS}
         return slot
@@ -149,7 +149,7 @@ class SlotPool:
             raise ProtocolError(f"segment {name!r} is not leased (it is {slot.state.value})")
         if slot.token is None or not hmac.compare_digest(slot.token.encode(), token.encode()):
             raise ProtocolError(f"segment {name!r} is not leased to this client (wrong lease token)")
-        if peer is not None and slot.pid is not None and peer != slot.pid:
+        if peer and slot.pid is not None and peer != slot.pid:
             raise ProtocolError(f"segment {name!r} is not leased to this client (another process took the lease)")
         return slot
 
@@ -223,7 +223,7 @@ class SlotPool:
         ``names``; another reader's pins are untouched."""
         for name in names:
             slot = self.slots.get(name) if isinstance(name, str) else None
-            if slot is not None and token in slot.pins and (peer is None or slot.pins[token][0] == peer):
+            if slot is not None and token in slot.pins and (not peer or slot.pins[token][0] == peer):
                 slot.pins.pop(token)
         self.retry_deferred()
 
@@ -233,7 +233,8 @@ class SlotPool:
         """Free slots whose lessee died or held them past the lease timeout (a pid the daemon cannot
         see, in another PID namespace, never dies for it), lapse pins of dead readers or past their
         deadline, drop deferred requests of dead processes."""
-        self.deferred = [(i, m) for i, m in self.deferred if self._alive(m["pid"])]  # first: a freed slot must not go to the dead
+        # first: a freed slot must not go to the dead (pid 0: unknown, kept)
+        self.deferred = [(i, m) for i, m in self.deferred if not m["pid"] or self._alive(m["pid"])]
         lapsed = False
         for slot in list(self.slots.values()):
             if slot.state is SlotState.LEASED and slot.pid is not None and not self._alive(slot.pid):
@@ -243,7 +244,7 @@ class SlotPool:
                 log.warning("the lease of %s (pid %s) lapsed after %.0f s uncommitted: slot freed", slot.name, slot.pid, self.lease_timeout)
                 self.free(slot)
             for token, (pid, deadline) in list(slot.pins.items()):
-                if deadline < now or not self._alive(pid):
+                if deadline < now or (pid and not self._alive(pid)):
                     slot.pins.pop(token)  # a hot restore's reader died, or holds the slot longer than any restore takes
                     lapsed = True
         if lapsed:

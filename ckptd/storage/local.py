@@ -101,6 +101,8 @@ def write_shard(
     path, frag_path = os.path.join(d, shard_name(rank)), os.path.join(d, fragment_name(rank))
     frag = build_fragment(job, step, rank, world_size, local_world_size or world_size, view, layout, replicas or {}, tree, committed_at)
     try:
+        if os.path.exists(frag_path):
+            os.unlink(frag_path)  # first: while the shard is rewritten, this rank does not count as durable
         fd = create_new(path)
         try:
             _write_paced(fd, view, nbytes, rate_limit)

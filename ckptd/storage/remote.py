@@ -63,6 +63,10 @@ def upload_step(store: ObjectStore, local_dir: str, job: str, step: int, progres
     names = sorted(os.listdir(local_dir))
     if MANIFEST not in names:
         raise CheckpointError(f"{local_dir} has no {MANIFEST}: only complete steps are uploaded")
+    # a step number saved again (after a rollback) replaces an older step of that number: it must not
+    # look complete while its files are being replaced
+    store.delete([bucket_key(job, step, MANIFEST)])
+    _commit_cache.pop((store.url(), job, step), None)
     shards = [n for n in names if n.endswith(".safetensors")]
     frags = [n for n in names if fragment_rank(n) is not None]
     return _upload(store, local_dir, shards + frags + [MANIFEST], job, step, progress)
@@ -118,13 +122,16 @@ def remote_steps(store: ObjectStore, job: str) -> tuple[list[int], list[int]]:
 _commit_cache: dict[tuple[str, str, int], int] = {}  # (bucket url, job, step) -> committed_at: manifests never change
 
 
-def bucket_committed_at(store: ObjectStore, job: str, step: int) -> int:
+def bucket_committed_at(store: ObjectStore, job: str, step: int) -> int | None:
     """When step ``step`` (complete in the bucket) was committed: its manifest's ``committed_at``, 0 if
-    absent (older ckptd) or unreadable. Reads the manifest once per process."""
+    absent (older ckptd) or unreadable, ``None`` if the manifest is gone (another node's retention).
+    Read once per process; forgotten when this process deletes or uploads the step."""
     key = (store.url(), job, step)
     if key not in _commit_cache:
         try:
             value = json.loads(store.get_bytes(bucket_key(job, step, MANIFEST))).get("committed_at", 0)
+        except FileNotFoundError:
+            return None
         except (ValueError, AttributeError, RecursionError):
             value = 0
         if len(_commit_cache) > 65536:
@@ -137,7 +144,8 @@ def bucket_steps_by_commit(store: ObjectStore, job: str) -> tuple[list[int], lis
     """``(complete, partial)`` steps of ``job`` in the bucket: the complete ones oldest commit first (the
     last is the bucket's latest), the partial ones ascending."""
     complete, partial = remote_steps(store, job)
-    return sorted(complete, key=lambda s: (bucket_committed_at(store, job, s), s)), partial
+    when = {s: at for s in complete if (at := bucket_committed_at(store, job, s)) is not None}
+    return sorted(when, key=lambda s: (when[s], s)), partial
 
 
 def _fetch_files(store: ObjectStore, job: str, step: int, tmp: str, progress: Progress | None) -> None:
@@ -199,6 +207,7 @@ def download_step(store: ObjectStore, root: str, job: str, step: int, progress: 
 
 
 def _delete_step(store: ObjectStore, job: str, step: int) -> None:
+    _commit_cache.pop((store.url(), job, step), None)
     keys = store.list(bucket_prefix(job, step))
     man = bucket_key(job, step, MANIFEST)
     if man in keys:
