@@ -392,6 +392,18 @@ def check_replicas(frags: list[dict[str, Any]]) -> None:
             seen.setdefault(cid, (dig, fr["rank"]))
 
 
+def commit_time(manifest: bytes | dict[str, Any] | None) -> int:
+    """A manifest's ``committed_at`` (its bytes or parsed), the order ``latest`` follows: 0 for one
+    written before ckptd recorded it, or one that is unreadable or holds no non-negative integer."""
+    if isinstance(manifest, bytes):
+        try:
+            manifest = json.loads(manifest)
+        except (ValueError, RecursionError):
+            return 0
+    value = manifest.get("committed_at", 0) if isinstance(manifest, dict) else 0
+    return value if type(value) is int and value >= 0 else 0
+
+
 def build_manifest(job: str, step: int, world_size: int, frags: list[dict[str, Any]]) -> dict[str, Any]:
     """Merge every rank's fragment into the step's manifest, after the coverage and replica checks.
 

@@ -40,6 +40,13 @@ def _save(c, model, optim, step: int, states: dict) -> None:  # noqa: ANN001
     c.snapshot(model, optim, step=step, extra={"step": step}, blocking=True).wait(60)
 
 
+def _roll_back(c, model, optim, saved: tuple[int, ...], to: int, states: dict) -> None:  # noqa: ANN001
+    """Save ``saved``, then restore step ``to`` (a loss spike: the user goes back)."""
+    for step in saved:
+        _save(c, model, optim, step, states)
+    assert c.restore(model, optim, step=to) == {"step": to}
+
+
 # ---------------------------------------------------------------------------- a replaced node, a rollback
 
 
@@ -76,14 +83,10 @@ def test_a_rollback_keeps_the_new_line_and_latest_follows_it(make_daemon) -> Non
     model, optim = make()
     states: dict = {}
     with d.client("rb") as c:
-        for step in (100, 200, 300):
-            _save(c, model, optim, step, states)
-        assert c.restore(model, optim, step=100) == {"step": 100}
-        for step in (110, 120):
+        _roll_back(c, model, optim, (100, 200, 300), 100, states)
+        for step in (110, 120, 130):
             _save(c, model, optim, step, states)
             assert c.latest() == step
-        _save(c, model, optim, 130, states)
-        assert c.latest() == 130
     assert complete_steps(d.root, "rb") == [110, 120, 130]
 
     d.kill()  # a crash: the restarted trainer resumes the new line
@@ -102,9 +105,7 @@ def test_the_abandoned_branch_is_kept_until_retention_drops_it_but_never_resumed
     model, optim = make()
     states: dict = {}
     with d.client("ab") as c:
-        for step in (10, 20, 30):
-            _save(c, model, optim, step, states)
-        c.restore(model, optim, step=10)
+        _roll_back(c, model, optim, (10, 20, 30), 10, states)
         _save(c, model, optim, 11, states)
         assert c.latest() == 11
         assert complete_steps(d.root, "ab") == [10, 11, 20, 30]  # 20 and 30 stay, restorable by number

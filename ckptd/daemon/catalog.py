@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointError
+from ..format import commit_time
 from ..layout import is_complete, list_jobs, step_dir
 from ..protocol import Source
 from ..storage.local import committed_at, latest_step, steps_by_commit
@@ -132,7 +133,7 @@ class StepCatalog:
         """Step ``step`` completed here; it is the one hot restores read unless one committed later
         completed first (persist threads may finish steps in any order; commit order decides)."""
         cur = self._in_memory.get(job)
-        if cur is None or (_committed(manifest), step) >= (_committed(cur.manifest), cur.step):
+        if cur is None or (commit_time(manifest), step) >= (commit_time(cur.manifest), cur.step):
             self._in_memory[job] = InMemory(step, path, manifest)
 
     def in_memory(self, job: str) -> InMemory | None:
@@ -146,8 +147,3 @@ class StepCatalog:
 
     def uploaded(self) -> dict[str, int]:
         return dict(self._uploaded)
-
-
-def _committed(manifest: dict[str, Any] | None) -> int:
-    value = (manifest or {}).get("committed_at", 0)
-    return value if isinstance(value, int) else 0

@@ -17,7 +17,6 @@ Every writer of ``latest`` and every retention pass of a job holds :func:`job_lo
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -26,7 +25,7 @@ import time
 from typing import Any
 
 from ..errors import CheckpointError, FormatError
-from ..format import build_fragment, build_manifest, parse_header
+from ..format import build_fragment, build_manifest, commit_time, parse_header
 from ..layout import (
     MANIFEST,
     complete_steps,
@@ -178,12 +177,12 @@ def committed_at(path: str) -> int:
     if key not in _order_cache:
         try:
             with open(man, "rb") as f:
-                value = json.loads(f.read()).get("committed_at", 0)
-        except (OSError, ValueError, AttributeError, RecursionError):
+                value = commit_time(f.read())
+        except OSError:
             value = 0
         if len(_order_cache) > 65536:
             _order_cache.clear()
-        _order_cache[key] = value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+        _order_cache[key] = value
     return _order_cache[key]
 
 

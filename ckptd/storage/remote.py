@@ -19,7 +19,7 @@ import os
 import shutil
 
 from ..errors import CheckpointError, FormatError
-from ..format import build_manifest
+from ..format import build_manifest, commit_time
 from ..layout import (
     MANIFEST,
     bucket_key,
@@ -129,14 +129,12 @@ def bucket_committed_at(store: ObjectStore, job: str, step: int) -> int | None:
     key = (store.url(), job, step)
     if key not in _commit_cache:
         try:
-            value = json.loads(store.get_bytes(bucket_key(job, step, MANIFEST))).get("committed_at", 0)
+            value = commit_time(store.get_bytes(bucket_key(job, step, MANIFEST)))
         except FileNotFoundError:
             return None
-        except (ValueError, AttributeError, RecursionError):
-            value = 0
         if len(_commit_cache) > 65536:
             _commit_cache.clear()
-        _commit_cache[key] = value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+        _commit_cache[key] = value
     return _commit_cache[key]
 
 
