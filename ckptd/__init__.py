@@ -16,12 +16,12 @@ from .errors import CheckpointError, DaemonUnavailable, FormatError, ProtocolErr
 if TYPE_CHECKING:
     import torch
 
-    from .client import Client, SnapshotHandle
+    from .client import Client, Restored, SnapshotHandle
 
 
 def __getattr__(name: str) -> Any:
     # torch is imported on first use, so `ckptd serve` (which never touches tensors) starts fast and small
-    if name in ("Client", "SnapshotHandle"):
+    if name in ("Client", "SnapshotHandle", "Restored"):
         from . import client
 
         return getattr(client, name)
@@ -38,6 +38,7 @@ __all__ = [
     "DaemonUnavailable",
     "FormatError",
     "ProtocolError",
+    "Restored",
     "SnapshotHandle",
     "latest",
     "prepare",
@@ -89,16 +90,19 @@ def restore(
     step: int | None = None,
     path: str | None = None,
     hot: bool = True,
-) -> dict[str, Any]:
-    """Load the newest committed step (or ``step``, or ``path``) in place; return ``extra``.
+    strict: bool = True,
+    dtype: torch.dtype | None = None,
+) -> Restored:
+    """Load the newest committed step (or ``step``, or ``path``) in place; return ``extra``; see
+    :meth:`Client.restore` for ``strict`` and ``dtype``.
 
     The daemon's shared memory is read instead of the disk while it still holds the step (``hot``)."""
     if path is not None and _default is None:
         from .client.client import dist_rank_world
-        from .client.reader import restore_state
+        from .client.load import restore_state
 
-        return restore_state(path, model, optim, dist_rank_world()[0])  # no daemon needed
-    return _client().restore(model, optim, step=step, path=path, hot=hot)
+        return restore_state(path, model, optim, dist_rank_world()[0], strict=strict, dtype=dtype)  # no daemon needed
+    return _client().restore(model, optim, step=step, path=path, hot=hot, strict=strict, dtype=dtype)
 
 
 def latest() -> int | None:

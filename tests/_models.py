@@ -47,7 +47,10 @@ def full_state(model: torch.nn.Module, optim: torch.optim.Optimizer | None) -> d
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         return {f"model/{k}": _full(v) for k, v in get_model_state_dict(model, options=opts).items()}
-    msd, osd = get_state_dict(model, optim, options=opts)
+    from ckptd.client.capture import no_optimizer_init
+
+    with no_optimizer_init():  # an optimizer without state is compared as it is, not given state
+        msd, osd = get_state_dict(model, optim, options=opts)
     out = {f"model/{k}": _full(v) for k, v in msd.items()}
     if True:
         for fqn, st in osd["state"].items():

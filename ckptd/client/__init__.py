@@ -3,7 +3,8 @@
 Modules: :mod:`.rpc` (the torch-free channel to the daemon, also used by the CLI), :mod:`.client`
 (snapshot / prepare / wait / restore), :mod:`.stage` (capture :mod:`.capture`, plan :mod:`.plan`,
 layout cache), :mod:`.copy` (slot mappings, copies, the optimizer guard; :mod:`.cuda` for the GPU),
-:mod:`.restore` (memory / disk / bucket) and :mod:`.reader` (loading into any layout). Importing
+:mod:`.restore` (memory / disk / bucket), :mod:`.load` (loading into any layout, strict or not) and
+:mod:`.reader` (verified reads of saved chunks). Importing
 this package does not import torch; :class:`Client` does.
 """
 
@@ -13,11 +14,16 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .client import Client, SnapshotHandle
+    from .load import Restored
 
-__all__ = ["Client", "SnapshotHandle"]
+__all__ = ["Client", "Restored", "SnapshotHandle"]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "Restored":
+        from .load import Restored
+
+        return Restored
     if name in __all__:
         from . import client
 

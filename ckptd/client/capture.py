@@ -14,12 +14,53 @@ optimizer's hyperparameters. Runs on the trainer's main thread.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..state import TAG, LocalChunk, flatten
+
+_no_init_lock = threading.Lock()
+_no_init_depth = 0
+
+
+@contextmanager
+def no_optimizer_init() -> Iterator[None]:
+    """Within this block torch's ``get_state_dict`` / ``set_state_dict`` leave an optimizer without
+    state as it is.
+
+    Both call ``torch.distributed.checkpoint.state_dict._init_optim_state``, which, for an optimizer
+    that has no state yet and no gradients, creates gradients and runs ``optim.step()`` with a zero
+    learning rate: AdamW then starts the real first step with ``step=1``, its hooks and an LR
+    scheduler see a step, and training diverges from the same run without a checkpointer. ckptd
+    never changes the training it protects, so it swaps that function for a no-op while it reads or
+    loads state (process-wide, reference-counted: another thread's call in the same window keeps the
+    optimizer as it is too). An optimizer without state is then saved, like ``optim.state_dict()``,
+    with an empty ``state``.
+    """
+    global _no_init_depth
+    import torch.distributed.checkpoint.state_dict as sd
+
+    with _no_init_lock:
+        if _no_init_depth == 0:
+            sd._ckptd_init_optim_state = getattr(sd, "_init_optim_state", None)  # type: ignore[attr-defined]
+            sd._init_optim_state = _leave_optimizer_alone  # type: ignore[attr-defined]
+        _no_init_depth += 1
+    try:
+        yield
+    finally:
+        with _no_init_lock:
+            _no_init_depth -= 1
+            if _no_init_depth == 0:
+                sd._init_optim_state = sd._ckptd_init_optim_state  # type: ignore[attr-defined]
+
+
+def _leave_optimizer_alone(optim: torch.optim.Optimizer) -> None:
+    return None
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -111,7 +152,8 @@ class StateCapture:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
         if optim is not None:
-            msd, osd = get_state_dict(model, optim)
+            with no_optimizer_init():
+                msd, osd = get_state_dict(model, optim)
             return flatten({"model": msd, "optim": osd})
         return flatten({"model": get_model_state_dict(model)})
 

@@ -24,7 +24,7 @@ import torch
 from ..config import ALLOC_TIMEOUT_S, CLIENT_TIMEOUT_S, default_endpoint, default_job, env_float, validate_job
 from ..errors import CheckpointError, DaemonUnavailable
 from .copy import CopyGuard, EarlyCopy, EventGroup, Pairs, SlotMaps, copy_tensors, fill, optimizer_storages
-from .reader import restore_state
+from .load import Restored, restore_state
 from .restore import Source, restore_from_daemon, restored
 from .rpc import Channel
 from .stage import Staged, Stager, TreeEncoder
@@ -330,10 +330,17 @@ class Client:
         step: int | None = None,
         path: str | None = None,
         hot: bool = True,
-    ) -> dict[str, Any]:
+        strict: bool = True,
+        dtype: torch.dtype | None = None,
+    ) -> Restored:
         """Load the newest committed step (or ``step``, or the checkpoint at ``path``) in place.
 
-        Returns this rank's ``extra``. With ``path`` no daemon is needed. Otherwise, if the daemon
+        Returns this rank's ``extra`` (a dict; a :class:`Restored` that also lists ``missing_keys``
+        and ``unexpected_keys``). ``strict``: state the checkpoint lacks, or saved state that no
+        rank's model or optimizer has, is an error naming it; ``strict=False`` loads what matches.
+        ``dtype``: saved floating-point tensors are converted into targets of this dtype (a bf16
+        checkpoint into an fp32 model with ``dtype=torch.float32``); otherwise dtypes must match.
+        With torch.distributed initialized, call it on every rank. With ``path`` no daemon is needed. Otherwise, if the daemon
         still holds every shard of that step in shared memory (a trainer restarted on the same node
         after a crash), the bytes come from there and no shard is read from disk (``hot=False``
         reads the disk anyway); else the daemon picks the newest complete step under its root or in
@@ -342,11 +349,12 @@ class Client:
         """
         self._guard.finish()
         rank, _ = dist_rank_world()
+        how = {"strict": strict, "dtype": dtype}
         if path is not None:
-            extra = restore_state(path, model, optim, rank)
+            extra = restore_state(path, model, optim, rank, **how)
             self.last_restore = restored(None, path, Source.DISK)
             return extra
-        extra, self.last_restore = restore_from_daemon(self._rpc, self.job, model, optim, rank, step=step, hot=hot)
+        extra, self.last_restore = restore_from_daemon(self._rpc, self.job, model, optim, rank, step=step, hot=hot, how=how)
         return extra
 
     def close(self) -> None:

@@ -1,17 +1,15 @@
-"""Load a committed checkpoint into whatever layout the caller's model and optimizer have.
+"""Read a committed checkpoint: verified chunk regions of its tensors, in any placement.
 
 Runs in the trainer's process (and in ``ckptd export`` and the DCP reader), on the calling thread,
-and needs no daemon: it reads the manifest, then for every chunk this process holds copies in the
-parts of the saved chunks that intersect it (so a chunk saved whole can fill a shard and the
-reverse), verifying each saved chunk's checksum before its bytes are used, and finally hands the
-state to torch's ``set_state_dict``.
+and needs no daemon: for every region a caller asks for it copies in the parts of the saved chunks
+that intersect it (so a chunk saved whole can fill a shard and the reverse), verifying each saved
+chunk's checksum before its bytes are used. :mod:`.load` puts a model and optimizer on top of it.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import warnings
 from typing import Any
 
 import torch
@@ -19,9 +17,7 @@ import torch
 from ..errors import CheckpointError, FormatError
 from ..format import digest, dtype_from_name
 from ..layout import MANIFEST, is_complete
-from ..state import TAG, join_key, local_chunks, unflatten
 from ..storage.local import latest_step
-from ..tools.verify import stale_warning
 from ..validate import read_manifest, validate_manifest
 
 
@@ -90,13 +86,18 @@ class CheckpointReader:
         ent = self.manifest["tensors"][key]
         return raw.view(dtype_from_name(ent["dtype"])).view(c["sizes"])
 
-    def read_into(self, key: str, dst: torch.Tensor, offsets: tuple[int, ...]) -> None:
-        """Fill ``dst``, the region of tensor ``key`` starting at ``offsets``, from the saved chunks."""
+    def read_into(self, key: str, dst: torch.Tensor, offsets: tuple[int, ...], *, cast: torch.dtype | None = None) -> None:
+        """Fill ``dst``, the region of tensor ``key`` starting at ``offsets``, from the saved chunks.
+
+        The saved dtype must be ``dst``'s, unless ``dst`` has dtype ``cast`` and both are floating
+        point: then the saved values are converted (rounded as ``Tensor.copy_`` rounds)."""
         ent = self.manifest["tensors"].get(key)
         if ent is None:
             raise CheckpointError(f"the checkpoint at {self.path} has no tensor {key!r}")
-        if dtype_from_name(ent["dtype"]) != dst.dtype:
-            raise CheckpointError(f"tensor {key!r}: checkpoint holds {ent['dtype']}, the target is {dst.dtype}")
+        saved = dtype_from_name(ent["dtype"])
+        if saved != dst.dtype and not (cast == dst.dtype and saved.is_floating_point and dst.dtype.is_floating_point):
+            hint = f": pass dtype={dst.dtype} to restore() to convert" if saved.is_floating_point and dst.dtype.is_floating_point else ""
+            raise CheckpointError(f"tensor {key!r}: the checkpoint holds {saved}, the target is {dst.dtype}{hint}")
         sizes = tuple(dst.shape)
         if len(ent["shape"]) != len(sizes) or any(o + s > g for o, s, g in zip(offsets, sizes, ent["shape"])):
             raise CheckpointError(f"tensor {key!r}: region {offsets}+{sizes} does not fit the saved shape {ent['shape']}")
@@ -142,100 +143,3 @@ def resolve_step_dir(path: str) -> str:
         if d is not None:
             return d
     raise CheckpointError(f"{path} is neither a committed ckptd step directory nor a job directory with one")
-
-
-_MISSING = object()
-
-
-def _lookup(tree: Any, path: tuple[str, ...]) -> Any:
-    """The saved tree node at ``path`` (keys as ``flatten`` names them), or ``_MISSING``."""
-    node = tree
-    for part in path:
-        if isinstance(node, dict) and TAG in node:
-            if node[TAG] == "tuple":
-                node = node["items"]
-            elif node[TAG] == "dict":
-                node = {str(unflatten(k, lambda key: key)): v for k, v in node["items"]}
-            else:
-                return _MISSING
-        if isinstance(node, dict):
-            if part not in node:
-                return _MISSING
-            node = node[part]
-        elif isinstance(node, list):
-            if not part.isdigit() or int(part) >= len(node):
-                return _MISSING
-            node = node[int(part)]
-        else:
-            return _MISSING
-    return node
-
-
-def load_into(reader: CheckpointReader, target_root: dict[str, Any], rank: int) -> dict[str, Any]:
-    """Fill ``target_root`` (state dicts in the caller's layout) from the checkpoint, in place.
-
-    The target drives: every tensor chunk it holds is read from the intersecting saved chunks (so
-    any world size, wrapper or sub-group sharding works), and every non-tensor leaf takes the saved
-    value at the same path, from this rank's saved tree if it exists, else from any saved rank's.
-    Which parameters an optimizer group holds (``param_groups/*/params``) stays the target's.
-    """
-    ranks = sorted(reader.manifest["ranks"], key=lambda r: (r["rank"] != rank, r["rank"]))
-    trees = [r["tree"] for r in ranks]
-    for part in target_root:
-        if not any(part in t for t in trees):
-            raise CheckpointError(f"the checkpoint at {reader.path} holds no {part} state")
-
-    def saved(path: tuple[str, ...]) -> Any:
-        for t in trees:
-            node = _lookup(t, path)
-            if node is not _MISSING:
-                return node
-        return _MISSING
-
-    def build(v: Any, path: tuple[str, ...]) -> Any:
-        if isinstance(v, torch.Tensor):
-            key = join_key(path)
-            for ch in local_chunks(key, v):
-                reader.read_into(key, ch.tensor, ch.offsets)
-            return v
-        if isinstance(v, dict):
-            return {k: build(x, path + (str(k),)) for k, x in v.items()}
-        if isinstance(v, (list, tuple)):
-            if path[:2] == ("optim", "param_groups") and path[-1] == "params":
-                return v
-            out = [build(x, path + (str(i),)) for i, x in enumerate(v)]
-            return tuple(out) if isinstance(v, tuple) else out
-        node = saved(path)
-        return v if node is _MISSING else unflatten(node, reader.read_full)
-
-    return {part: build(v, (part,)) for part, v in target_root.items()}
-
-
-def restore_state(
-    path: str, model: torch.nn.Module, optim: torch.optim.Optimizer | None, rank: int, *, reader: CheckpointReader | None = None
-) -> dict[str, Any]:
-    """Load ``path`` (or what ``reader`` reads) into ``model`` (and ``optim``) in place, in whatever
-    layout they have now.
-
-    Returns this rank's ``extra`` (rank 0's when the checkpoint had fewer ranks).
-    """
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
-
-    with reader or CheckpointReader(resolve_step_dir(path)) as reader:
-        if optim is not None:
-            msd, osd = get_state_dict(model, optim)
-            target_root: dict[str, Any] = {"model": msd, "optim": osd}
-        else:
-            target_root = {"model": get_model_state_dict(model)}
-        loaded = load_into(reader, target_root, rank)
-        stale = stale_warning(reader.path, reader.manifest)
-        if stale:
-            warnings.warn(stale, stacklevel=3)
-        saved_rank, tree = reader.tree_for(rank)
-        extra_tree = (tree.get("extra") or {}).get(str(saved_rank))
-        extra = unflatten(extra_tree, reader.read_full) if extra_tree is not None else {}
-    if optim is not None:
-        set_state_dict(model, optim, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
-    else:
-        set_model_state_dict(model, loaded["model"])
-    return extra

@@ -23,7 +23,8 @@ import torch
 from .. import shm
 from ..errors import CheckpointError
 from ..protocol import Source
-from .reader import CheckpointReader, restore_state
+from .load import Restored, restore_state
+from .reader import CheckpointReader
 from .rpc import Channel
 
 log = logging.getLogger("ckptd.client")
@@ -49,26 +50,35 @@ def fetch(rpc: Channel, job: str, step: int | None) -> dict[str, Any]:
 
 
 def _restore_hot(
-    rpc: Channel, held: dict[str, Any], model: torch.nn.Module, optim: torch.optim.Optimizer | None, rank: int
-) -> tuple[dict[str, Any], dict[str, Any]]:
+    rpc: Channel, held: dict[str, Any], model: torch.nn.Module, optim: torch.optim.Optimizer | None, rank: int, how: dict[str, Any]
+) -> tuple[Restored, dict[str, Any]]:
     files = {f: shm.path_of(seg) for f, seg in held["segments"].items()}
     reader = CheckpointReader(held["path"], manifest=held["manifest"], files=files)
     try:
-        extra = restore_state(held["path"], model, optim, rank, reader=reader)
+        extra = restore_state(held["path"], model, optim, rank, reader=reader, **how)
     finally:
         rpc.call("hot_close", pin=held["pin"], segments=list(held["segments"].values()))
     return extra, restored(held["step"], held["path"], Source.MEMORY)
 
 
 def restore_from_daemon(
-    rpc: Channel, job: str, model: torch.nn.Module, optim: torch.optim.Optimizer | None, rank: int, *, step: int | None, hot: bool
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Load the newest complete step of ``job`` (or ``step``) in place; returns ``(extra, last_restore)``."""
+    rpc: Channel,
+    job: str,
+    model: torch.nn.Module,
+    optim: torch.optim.Optimizer | None,
+    rank: int,
+    *,
+    step: int | None,
+    hot: bool,
+    how: dict[str, Any],
+) -> tuple[Restored, dict[str, Any]]:
+    """Load the newest complete step of ``job`` (or ``step``) in place; returns ``(extra, last_restore)``.
+    ``how``: :func:`.load.restore_state`'s ``strict`` and ``dtype``."""
     if hot:
         held = rpc.call("hot_open", job=job, step=step, pid=os.getpid())
         if held["step"] is not None:
-            return _restore_hot(rpc, held, model, optim, rank)
+            return _restore_hot(rpc, held, model, optim, rank, how)
         log.info("restoring from disk: %s", held["reason"])
     rep = fetch(rpc, job, step)
-    extra = restore_state(rep["path"], model, optim, rank)
+    extra = restore_state(rep["path"], model, optim, rank, **how)
     return extra, restored(rep["step"], rep["path"], Source.from_wire(rep["source"]))

@@ -1,0 +1,102 @@
+"""What a real training loop does with ckptd, written as the user's actions: ckptd never changes the
+training it protects, restore is strict by default and can load a subset or another dtype."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _models import Net, assert_same, full_state, make, train_step
+
+import ckptd
+from ckptd.errors import CheckpointError
+
+
+def _run(steps: int, client: ckptd.Client | None = None, every: int = 2) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model, optim = make()
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / 3))
+    if client is not None:
+        client.prepare(model, optim)
+        client.snapshot(model, optim, step=0)  # before the first step: the optimizer has no state yet
+    for i in range(steps):
+        train_step(model, optim, i)
+        sched.step()
+        if client is not None and (i + 1) % every == 0:
+            client.snapshot(model, optim, step=i + 1, extra={"sched": sched.state_dict()})
+    if client is not None:
+        client.wait(60)
+    return model, optim
+
+
+def test_prepare_and_snapshot_before_the_first_step_leave_training_unchanged(daemon) -> None:  # noqa: ANN001
+    model, optim = make()
+    with daemon.client("fresh") as c:
+        c.prepare(model, optim)
+        c.snapshot(model, optim, step=0, blocking=True)
+        c.snapshot(model, optim, step=1).wait(30)
+    assert optim.state_dict()["state"] == {}, "prepare()/snapshot() initialized the optimizer's state"
+    assert all(p.grad is None for p in model.parameters())
+    with daemon.client("loop") as c:
+        with_ckptd = _run(6, c)
+    without = _run(6)
+    assert_same(full_state(*with_ckptd), full_state(*without))
+
+
+def test_restoring_a_step_taken_before_the_first_step_gives_an_optimizer_without_state(daemon) -> None:  # noqa: ANN001
+    model, optim = make()
+    with daemon.client("zero") as c:
+        c.snapshot(model, optim, step=0).wait(30)
+        trained, topt = make(seed=3)
+        train_step(trained, topt, 0)
+        assert topt.state
+        c.restore(trained, topt, step=0)
+    assert topt.state_dict()["state"] == {}
+    fresh_model, fresh_optim = make()
+    assert_same(full_state(trained, topt), full_state(fresh_model, fresh_optim))
+
+
+class Finetune(torch.nn.Module):
+    """``Net`` with its output layer replaced by a new head of another name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        base = Net()
+        self.inp, self.norm, self.hidden = base.inp, base.norm, base.hidden
+        self.register_buffer("counter", torch.zeros(3, dtype=torch.int64))
+        self.head = torch.nn.Linear(40, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.hidden(self.norm(self.inp(x)))))
+
+
+def test_restore_is_strict_and_strict_false_loads_the_intersection(daemon) -> None:  # noqa: ANN001
+    model, optim = make()
+    train_step(model, optim, 0)
+    with daemon.client("ft") as c:
+        c.snapshot(model, optim, step=1).wait(30)
+        ft = Finetune()
+        fopt = torch.optim.AdamW(ft.parameters(), lr=1e-3)
+        head = ft.head.weight.detach().clone()
+        with pytest.raises(CheckpointError, match=r"missing from the checkpoint: model/head\.weight, model/head\.bias.*model/out\.weight"):
+            c.restore(ft, fopt)
+        got = c.restore(ft, fopt, strict=False)
+    assert isinstance(got, dict) and got == {}
+    assert got.missing_keys == ["model/head.weight", "model/head.bias", "optim/state/head.weight", "optim/state/head.bias"]
+    assert got.unexpected_keys == ["model/out.weight", "optim/state/out.weight"]
+    assert torch.equal(ft.inp.weight, model.inp.weight) and torch.equal(ft.head.weight, head)
+    assert torch.equal(fopt.state[ft.inp.weight]["exp_avg"], optim.state[model.inp.weight]["exp_avg"])
+    assert ft.head.weight not in fopt.state, "a new parameter starts without optimizer state"
+    assert fopt.param_groups[0]["lr"] == optim.param_groups[0]["lr"]
+
+
+def test_restore_into_another_dtype_only_when_asked(daemon) -> None:  # noqa: ANN001
+    model, _ = make()
+    model = model.to(torch.bfloat16)
+    with daemon.client("bf16") as c:
+        c.snapshot(model, step=1).wait(30)
+        fp32, _ = make(seed=5)
+        with pytest.raises(CheckpointError, match=r"holds torch.bfloat16, the target is torch.float32: pass dtype=torch.float32"):
+            c.restore(fp32)
+        c.restore(fp32, dtype=torch.float32)
+    assert fp32.inp.weight.dtype == torch.float32
+    assert torch.equal(fp32.inp.weight, model.inp.weight.float())
+    assert torch.equal(fp32.counter, model.counter), "integer tensors load as they are"
