@@ -97,6 +97,12 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     "fetch": {"job": _STR, "step": (int, type(None))},
     "fetch_wait": {"fetch": _INT, "timeout": _NUM},
 }
+# fields a request may leave out, and what they then are
+OPTIONAL: dict[str, dict[str, tuple[tuple[type, ...], Any]]] = {
+    # the step this client last restored or saved: a rolled-back run may save a step number again
+    # this launch's id (all its ranks share it): the daemon refuses a second live run saving the same job
+    "commit": {"after": ((int, type(None)), None), "run": ((int, type(None)), None)},
+}
 # the commit record the daemon keeps in shared memory beside a committed segment (read back after a crash)
 RECORD_SCHEMA: dict[str, tuple[type, ...]] = {
     "job": _STR, "rank": _INT, "world_size": _INT, "local_world_size": _INT, "step": _INT, "nbytes": _INT,
@@ -106,7 +112,8 @@ _ENVELOPE = {"v", "op", "id"}
 # closed ranges of the integer fields, wherever they appear
 _RANGES = {
     "rank": (0, MAX_WORLD_SIZE - 1), "world_size": (1, MAX_WORLD_SIZE), "local_world_size": (1, MAX_LOCAL_WORLD_SIZE),
-    "step": (0, MAX_STEP), "nbytes": (0, MAX_NBYTES), "fetch": (1, MAX_ID), "committed_at": (0, MAX_ID),
+    "step": (0, MAX_STEP), "after": (0, MAX_STEP), "run": (1, MAX_ID), "nbytes": (0, MAX_NBYTES), "fetch": (1, MAX_ID),
+    "committed_at": (0, MAX_ID),
 }  # fmt: skip
 _TOKEN_RE = re.compile(r"[0-9a-f]{32}")
 _DIGEST_RE = re.compile(r"[0-9a-f]{16}")
@@ -154,7 +161,10 @@ def decode_request(frame: bytes) -> dict[str, Any]:
         raise ProtocolError("field 'id' missing or not an integer")
     if not -MAX_ID <= msg["id"] <= MAX_ID:
         raise ProtocolError("field 'id' is not a 64-bit integer")
-    check_fields(f"op {op!r}", SCHEMA[op], msg, extra_ok=_ENVELOPE)
+    optional = OPTIONAL.get(op, {})
+    for name, (_, default) in optional.items():
+        msg.setdefault(name, default)
+    check_fields(f"op {op!r}", {**SCHEMA[op], **{k: t for k, (t, _) in optional.items()}}, msg, extra_ok=_ENVELOPE)
     return msg
 
 

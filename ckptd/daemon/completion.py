@@ -75,7 +75,7 @@ class Completion:
             self.counters.steps_committed += 1
             log.info("committed job %s step %s -> %s", ev.job, ev.step, ev.path)
             self._after_complete(ev.job, ev.step)
-        self._settle(key, track)
+        self.settle(key, track)
 
     def uploaded(self, res: Uploaded) -> None:
         """Upload thread: a step's upload ended. Local steps it protected may go now."""
@@ -108,9 +108,9 @@ class Completion:
             self.counters.steps_committed += 1
             log.info("committed job %s step %s across nodes -> %s", res.job, res.step, res.url)
             self._after_complete(res.job, res.step)
-        self._settle(key, track)
+        self.settle(key, track)
 
-    def _settle(self, key: StepKey, track: StepTrack) -> None:
+    def settle(self, key: StepKey, track: StepTrack) -> None:
         """After a step's state may have changed: clean up a failed step once no shard of it is being
         written, and answer its waiters once it left pending."""
         if track.state is StepState.FAILED and track.inflight == 0:
@@ -120,5 +120,5 @@ class Completion:
 
     def _after_complete(self, job: str, step: int) -> None:
         for key, track in self.steps.supersede(job, step):
-            self._settle(key, track)
+            self.settle(key, track)
         self.steps.forget_finished(job)

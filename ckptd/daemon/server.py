@@ -23,14 +23,15 @@ from typing import Any
 import zmq
 
 from .. import __version__, shm
-from ..config import HOUSEKEEPING_S, WAIT_CAP_S, DaemonConfig, default_shm_budget
+from ..config import HOUSEKEEPING_S, WAIT_CAP_S, DaemonConfig, default_shm_budget, validate_endpoint
 from ..errors import CheckpointError, ProtocolError
-from ..layout import shard_name, step_dir
+from ..layout import shard_name
 from ..protocol import EXTRA_FRAMES, MAX_MESSAGE_BYTES, Source, decode_request, endpoint_answers, reply_error, reply_ok
 from ..storage.local import committed_at
 from ..storage.store import ObjectStore
 from . import recovery
 from .access import Access
+from .admission import Admission
 from .catalog import StepCatalog
 from .completion import Completion
 from .events import ErrorReported, EventQueue, Fetched, LatestFound, ShardPersisted, Uploaded
@@ -108,6 +109,7 @@ class Daemon:
         self.completion = Completion(
             self.root, self.steps, self.catalog, self.persister, self.uploader, self.counters, self.events, self._answer
         )
+        self.admission = Admission(self.root, self.steps, self.pool, self.completion.settle, self.persister.job_lock)
         self._ops: dict[str, Handler] = {
             "hello": self._op_hello,
             "status": self._op_status,
@@ -200,7 +202,13 @@ class Daemon:
         log.info("metrics on http://127.0.0.1:%d/metrics", self.config.metrics_port)
 
     def _check_endpoint(self) -> None:
-        """Refuse an ipc endpoint whose directory is not the daemon's own, or one a live daemon serves."""
+        """Refuse an endpoint ckptd does not speak, an ipc endpoint whose directory is not the daemon's own,
+        or one a live daemon serves."""
+        try:
+            validate_endpoint(self.endpoint)
+        except CheckpointError:
+            self._ctx.term()
+            raise
         if not self.endpoint.startswith("ipc://"):
             return
         path = self.endpoint[len("ipc://") :]
@@ -335,21 +343,20 @@ class Daemon:
             raise ProtocolError(f"commit for {job}/{step}/rank {rank} does not match the lease of {slot.name}")
         if msg["nbytes"] > slot.size:
             raise ProtocolError(f"commit of {msg['nbytes']} bytes exceeds segment size {slot.size}")
-        if os.path.isdir(step_dir(self.root, job, step)):
-            raise ProtocolError(f"step {step} of job {job} is already committed")
         if lws < ws and self.catalog.store is None:
             raise ProtocolError(
                 f"step {step} of job {job} spans several nodes ({lws} of {ws} ranks on this one):"
                 " a multi-node job is committed through a shared bucket; configure [remote] on every node's daemon"
             )
-        track = self.steps.check_commit((job, step), rank, ws, lws)
+        track = self.admission.admit(job, step, rank, ws, lws, msg["peer"], msg["after"], msg["run"])
         record = {k: msg[k] for k in ("job", "rank", "world_size", "local_world_size", "step", "nbytes", "replicas")}
         record["committed_at"] = self._commit_time(job)
         tree = msg["frames"][0]
         self.pool.segments.write_record(slot.name, record, tree=tree)  # from here on the shard survives any crash
         record["tree"] = tree  # raw JSON: parsed on the persist thread
         self.pool.commit(slot, record, len(tree))
-        self.steps.record_commit((job, step), track, rank, lws)
+        self.steps.record_commit((job, step), track, rank, lws, msg["run"])
+        self.admission.committed(job, step, rank, msg["peer"], msg["run"])
         self.completion.persist(slot)
         return {}
 

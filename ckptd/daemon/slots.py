@@ -205,10 +205,16 @@ class SlotPool:
     # ------------------------------------------------------------------ hot restores
 
     def held(self, job: str, step: int) -> dict[int, Slot]:
-        """The free slots that still hold a persisted shard of ``step``, by rank."""
-        return {
-            s.holds[2]: s for s in self.slots.values() if s.state is SlotState.FREE and s.holds is not None and s.holds[:2] == (job, step)
-        }
+        """The free slots that still hold a persisted shard of ``step``, by rank (the newest, should an
+        abandoned attempt of the same step have left one too)."""
+        hold = [s for s in self.slots.values() if s.state is SlotState.FREE and s.holds is not None and s.holds[:2] == (job, step)]
+        return {s.holds[2]: s for s in sorted(hold, key=lambda s: s.used_at)}  # type: ignore[index]
+
+    def forget_held(self, job: str, step: int) -> None:
+        """Step ``step`` of ``job`` is gone (replaced): no slot serves its shards to a hot restore any more."""
+        for s in self.slots.values():
+            if s.holds is not None and s.holds[:2] == (job, step):
+                s.holds = None
 
     def pin(self, slots: list[Slot], pid: int) -> str:
         """Keep ``slots`` from reuse while ``pid`` reads them: until :meth:`unpin` with the returned

@@ -35,6 +35,8 @@ class StepTrack:
     state: StepState = StepState.PENDING
     error: str | None = None
     path: str | None = None  # where the durable step is: a directory, or the bucket's URL
+    run: int | None = None  # the launch its first commit named
+    abandoned: bool = False  # failed because its ranks moved on without it: a new attempt may start afresh
 
     @property
     def all_committed(self) -> bool:
@@ -84,10 +86,38 @@ class StepTable:
             )
         return track
 
-    def record_commit(self, key: StepKey, track: StepTrack, rank: int, local_world_size: int) -> None:
+    def record_commit(self, key: StepKey, track: StepTrack, rank: int, local_world_size: int, run: int | None = None) -> None:
         track.local_world_size = local_world_size
         track.committed.add(rank)
+        if track.run is None:
+            track.run = run
         self.tracks[key] = track
+
+    def drop(self, key: StepKey) -> None:
+        """Forget ``key`` (a new attempt of the step starts afresh); its waiters were answered."""
+        self.tracks.pop(key, None)
+
+    def abandon(self, key: StepKey, why: str) -> bool:
+        """Fail a pending step whose ranks will never all commit; a new attempt may start it afresh."""
+        if not self.fail(key, why):
+            return False
+        self.tracks[key].abandoned = True
+        return True
+
+    def abandon_others(self, job: str, step: int, rank: int) -> list[tuple[StepKey, StepTrack]]:
+        """``rank`` committed ``step``: abandon every other pending step of ``job`` that some rank never
+        committed (see :mod:`.admission`). Returns them; their waiters are the caller's to answer."""
+        out = []
+        for (j, s), t in list(self.tracks.items()):
+            if j == job and s != step and t.state is StepState.PENDING and not t.all_committed:
+                missing = sorted(set(range(t.world_size)) - t.committed)[:8]
+                why = (
+                    f"abandoned: rank {rank} committed step {step} before ranks {missing} committed step {s}"
+                    " (they crashed, or called snapshot() with another step)"
+                )
+                if self.abandon((j, s), why):
+                    out.append(((j, s), t))
+        return out
 
     def fail(self, key: StepKey, error: str) -> bool:
         """Mark a pending step failed; False if it was not pending (the first outcome stands)."""

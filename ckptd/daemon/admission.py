@@ -1,0 +1,107 @@
+"""Whether a rank's commit may start or join a step, and what an admitted commit ends.
+
+A step is one run's: its shards must all come from the same attempt, or a restored model would be
+a chimera of two runs. Main thread only (the daemon's loop), with the step table.
+
+* **Abandoned steps.** Every rank of a job commits its snapshots in order, and the write plan's
+  collective makes every rank finish committing one snapshot before any rank commits the next. So
+  when a rank commits step T, another step of the job still missing ranks can never complete: its
+  other ranks crashed (or a previous run's did). It is failed as *abandoned*, its partial files
+  removed and its waiters answered (:meth:`Admission.committed`).
+* **A new run meets an old attempt of the same step** (the trainer died after some ranks committed
+  step S; the relaunch resumes before S and reaches S again): a pending step begun by another run
+  (commits name their launch, see below) is abandoned first and the step starts afresh.
+* **Two runs, one job.** Every commit names its launch (``run``, agreed by all its ranks). A job
+  saved by one run is refused to another while a process of the first that committed is alive (two
+  runs sharing a job name would restore each other's models); once they are gone, the new run takes
+  the job over (a relaunch). Unknown peers (tcp) are not checked.
+* **Rollback.** A step number that is already complete may be saved again only by a client that
+  restored (or saved) an earlier step since (``after`` < step: ``restore(step=k)`` then saving
+  ``k+1``...): the old step of that number belongs to the abandoned line and is deleted (renamed
+  ``step-N.del`` first, like retention) before the new one is written. Anything else is refused:
+  a fresh run never overwrites a complete checkpoint by accident.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+from collections.abc import Callable
+
+from ..errors import ProtocolError
+from ..layout import job_dir, step_dir, trash_dir
+from ..storage.files import fsync_dir
+from .slots import SlotPool, pid_alive
+from .steps import StepKey, StepState, StepTable, StepTrack
+
+log = logging.getLogger("ckptd.daemon")
+
+Settle = Callable[[StepKey, StepTrack], None]  # answer a step's waiters and clean it up once it left pending
+
+
+class Admission:
+    def __init__(self, root: str, steps: StepTable, pool: SlotPool, settle: Settle, job_lock: Callable[[str], threading.RLock]) -> None:
+        self.root, self.steps, self.pool, self._settle, self._job_lock = root, steps, pool, settle, job_lock
+        self._runs: dict[str, tuple[int, set[int]]] = {}  # job -> (the run saving it, pids of its committers)
+
+    def admit(
+        self, job: str, step: int, rank: int, ws: int, lws: int, peer: int | None, after: int | None, run: int | None = None
+    ) -> StepTrack:
+        """The track a commit of ``rank`` to ``step`` joins (a fresh one when it starts the step);
+        ``ProtocolError`` saying why when it may not. ``peer``: the committing process (``None`` or 0:
+        unknown); ``after``: the step the client last restored or saved; ``run``: its launch."""
+        key = (job, step)
+        self._check_run(job, run, peer)
+        track = self.steps.get(key)
+        if track is not None and track.state is StepState.PENDING and run is not None and track.run not in (None, run):
+            # begun by a run that is gone (_check_run let this one take the job over)
+            self.steps.abandon(key, f"abandoned: its run ended before every rank committed; a new run (rank {rank}) saves it again")
+            self._settle(key, track)
+        track = self.steps.get(key)
+        if track is not None and track.state is StepState.FAILED and track.abandoned:
+            if track.inflight:
+                raise ProtocolError(f"step {step} of job {job}: an abandoned attempt's shards are still being cleaned up; retry")
+            self.steps.drop(key)  # a new attempt starts afresh
+        if os.path.isdir(step_dir(self.root, job, step)):
+            self._replace(job, step, after)
+        return self.steps.check_commit(key, rank, ws, lws)
+
+    def committed(self, job: str, step: int, rank: int, peer: int | None = None, run: int | None = None) -> None:
+        """``rank`` committed ``step``: every other step of ``job`` still missing ranks is abandoned."""
+        if run is not None:
+            owner = self._runs.setdefault(job, (run, set()))
+            if peer:
+                owner[1].add(peer)
+        for key, track in self.steps.abandon_others(job, step, rank):
+            log.warning("job %s step %s abandoned: %s", key[0], key[1], track.error)
+            self._settle(key, track)
+
+    def _check_run(self, job: str, run: int | None, peer: int | None) -> None:
+        owner = self._runs.get(job)
+        if run is None or owner is None or owner[0] == run:
+            return
+        alive = sorted(p for p in owner[1] if p != peer and pid_alive(p))
+        if alive and peer not in owner[1]:
+            raise ProtocolError(
+                f"job {job!r} is being saved by another run whose processes are alive (pids {alive[:8]}): two runs share"
+                f" the job name and would restore each other's models; give each its own (CKPTD_JOB or Client(job=...))"
+            )
+        self._runs[job] = (run, set())  # the earlier run is gone (or this process ran it): a relaunch takes over
+
+    def _replace(self, job: str, step: int, after: int | None) -> None:
+        if after is None or after >= step:
+            since = "saved or restored nothing yet" if after is None else f"last restored or saved step {after}"
+            raise ProtocolError(
+                f"step {step} of job {job} is already committed and this client {since}: a complete checkpoint is"
+                f" overwritten only by a run that rolled back (restore(step=k) with k < {step}); use another step or job"
+            )
+        d, trash = step_dir(self.root, job, step), trash_dir(self.root, job, step)
+        with self._job_lock(job):
+            os.rename(d, trash)
+            fsync_dir(job_dir(self.root, job))
+        shutil.rmtree(trash, ignore_errors=True)
+        self.steps.drop((job, step))
+        self.pool.forget_held(job, step)
+        log.info("job %s: step %s replaced by a run rolled back to step %s (its old line is abandoned)", job, step, after)
