@@ -8,8 +8,11 @@ zmq: the trainer, the daemon and the CLI all read their settings through this mo
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 import re
+import sys
 import tempfile
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -21,6 +24,7 @@ if TYPE_CHECKING:
 
 # the client
 CLIENT_TIMEOUT_S = 30.0  # CKPTD_TIMEOUT: each request to the daemon
+COLLECTIVE_TIMEOUT_S = 300.0  # CKPTD_COLLECTIVE_TIMEOUT: a rank waits this long for the others at snapshot()/prepare()
 ALLOC_TIMEOUT_S = 600.0  # CKPTD_ALLOC_TIMEOUT: an alloc held back while the memory budget is full
 
 # the daemon (ckptd serve): see DaemonConfig for the settable ones
@@ -62,6 +66,23 @@ def validate_job(job: object) -> str:
     return job
 
 
+def validate_endpoint(endpoint: object) -> str:
+    """Return ``endpoint`` if it is one ckptd speaks (``ipc://<path>`` or ``tcp://<host>:<port>``),
+    else raise :class:`CheckpointError` saying what one looks like."""
+    from .errors import CheckpointError
+
+    ok = isinstance(endpoint, str) and (
+        (endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"))
+        or re.fullmatch(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.*-]+):(\d{1,5}|\*)", endpoint) is not None
+    )
+    if not ok:
+        raise CheckpointError(
+            f"{endpoint!r} is not a ckptd endpoint (CKPTD_ENDPOINT, --endpoint): use ipc:///path/to/ckptd.sock"
+            " (the default is a socket of your user's in $XDG_RUNTIME_DIR or the temp dir) or tcp://host:port"
+        )
+    return endpoint
+
+
 def default_endpoint() -> str:
     """``CKPTD_ENDPOINT``, else a per-user ipc socket in ``$XDG_RUNTIME_DIR`` or the temp dir."""
     env = os.environ.get("CKPTD_ENDPOINT")
@@ -78,12 +99,42 @@ def trusted_group() -> str | None:
     return os.environ.get("CKPTD_TRUST_GROUP") or None
 
 
-def default_job() -> str:
-    """``CKPTD_JOB``, else torchrun's run id (``TORCHELASTIC_RUN_ID``), else ``default``."""
-    job = os.environ.get("CKPTD_JOB") or os.environ.get("TORCHELASTIC_RUN_ID")
-    if not job or job == "none":
-        job = "default"
-    return validate_job(job)
+_UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def default_job(argv: list[str] | None = None, cwd: str | None = None) -> str:
+    """The job name when none is given: one that is stable across relaunches of the same run and
+    differs between different runs, or a :class:`CheckpointError` saying how to set one.
+
+    1. ``CKPTD_JOB``.
+    2. torchrun's ``--rdzv-id`` (``TORCHELASTIC_RUN_ID``) when the user chose it: not ``none`` (plain
+       ``torchrun``) and not the random UUID ``torchrun --standalone`` draws for every launch.
+    3. On one node: ``<script>-<8 hex>``, the script's name and a hash of its real path, the working
+       directory and the arguments: relaunching the same command in the same directory resumes, a
+       run with other arguments or in another directory is another job.
+    Refused: a job spanning nodes without 1 or 2 (paths may differ between nodes, and every node must
+    name the job alike), and an interactive session or ``python -c`` (no script to name it by).
+    """
+    from .errors import CheckpointError
+
+    job = os.environ.get("CKPTD_JOB")
+    if job:
+        return validate_job(job)
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id and run_id != "none" and not _UUID_RE.fullmatch(run_id.lower()):
+        return validate_job(run_id)
+    how = "set CKPTD_JOB=<name> (or pass Client(job=...), or torchrun --rdzv-id=<name>)"
+    world, local = os.environ.get("WORLD_SIZE", ""), os.environ.get("LOCAL_WORLD_SIZE", "")
+    if world.isdigit() and local.isdigit() and int(world) > int(local):
+        raise CheckpointError(f"ckptd needs a job name that every node agrees on for a job spanning nodes: {how}")
+    argv = list(sys.argv if argv is None else argv)
+    script = argv[0] if argv else ""
+    if not script or script == "-c" or not os.path.isfile(script):
+        raise CheckpointError(f"ckptd cannot name the job after a script (this is an interactive session or python -c): {how}")
+    real = os.path.realpath(script)
+    digest = hashlib.sha256(json.dumps([real, cwd or os.getcwd(), argv[1:]]).encode()).hexdigest()[:8]
+    stem = re.sub(r"[^A-Za-z0-9._-]", "_", os.path.splitext(os.path.basename(real))[0]).lstrip("._-")[:48] or "job"
+    return validate_job(f"{stem}-{digest}")
 
 
 def _env(name: str, default: Any, parse: Any, kind: str) -> Any:

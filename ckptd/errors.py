@@ -17,3 +17,7 @@ class FormatError(CheckpointError):
 
 class DaemonUnavailable(CheckpointError):
     """No daemon answered at the configured endpoint in time."""
+
+
+class UnsupportedState(CheckpointError, TypeError):
+    """The state holds a value ckptd cannot store (its path is named); also a ``TypeError``."""

@@ -8,8 +8,12 @@ the ``__create_chunk_list__`` / ``__get_tensor_shard__`` protocol that torch's D
 The tree is plain JSON. Objects with the single tag key ``"__ckptd__"`` stand for what JSON lacks:
 ``{"__ckptd__": "tensor", "key": K}``, ``{"__ckptd__": "tuple", "items": [..]}``,
 ``{"__ckptd__": "dict", "items": [[k, v], ..]}`` (a dict with non-string keys, or one that holds
-the tag key), ``{"__ckptd__": "float", "value": "nan" | "inf" | "-inf"}``. Unknown tags are
-rejected on read. A tree nests at most ``config.MAX_TREE_DEPTH`` levels (``{}`` is one, tags count as
+the tag key), ``{"__ckptd__": "odict", "items": [[k, v], ..]}`` (an ``OrderedDict``),
+``{"__ckptd__": "float", "value": "nan" | "inf" | "-inf"}``, ``{"__ckptd__": "ndarray", "key": K}``
+(a numpy array, stored as a tensor), ``{"__ckptd__": "npscalar", "dtype": "float32", "value": 1.5}``
+(a numpy scalar). Named tuples, sets and other objects are refused naming their path: rebuilding a
+class named by a checkpoint would let the checkpoint run code. Unknown tags are rejected on read.
+A tree nests at most ``config.MAX_TREE_DEPTH`` levels (``{}`` is one, tags count as
 the JSON they are): deeper state is refused when saved, a deeper tree when read.
 """
 
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +29,8 @@ from typing import Any
 import torch
 
 from .config import MAX_TREE_DEPTH
-from .errors import FormatError
+from .errors import FormatError, UnsupportedState
+from .validate import NUMPY_SCALARS
 
 TAG = "__ckptd__"
 
@@ -115,48 +121,78 @@ def local_chunks(key: str, value: torch.Tensor) -> list[LocalChunk]:
     return [LocalChunk(key, key, value, tuple(value.shape), (0,) * value.dim())]
 
 
-def flatten(root: dict[str, Any]) -> tuple[Any, list[LocalChunk]]:
-    """Split ``root`` into a JSON tree and the list of local tensor chunks it refers to.
+def flatten(root: dict[str, Any], *, ordered: bool = False) -> tuple[Any, list[LocalChunk]]:
+    """Split ``root`` into a JSON tree and the list of local tensor chunks it refers to. ``ordered``:
+    an ``OrderedDict`` is tagged as one (``extra``, which comes back as the user gave it; model and
+    optimizer state dicts are loaded by ckptd, whatever their mapping type, and stay plain).
 
-    Raises ``TypeError`` naming the path of any value that is neither JSON-able nor a tensor.
+    Raises :class:`UnsupportedState` (a ``TypeError``) naming the path of any value it cannot store.
     """
     chunks: list[LocalChunk] = []
     seen: set[str] = set()
+
+    def tensor(t: torch.Tensor, path: tuple[str, ...], tag: str) -> dict[str, Any]:
+        key = join_key(path)
+        if key in seen:
+            raise ValueError(f"two tensors map to the state key {key!r}")
+        seen.add(key)
+        chunks.extend(local_chunks(key, t))
+        return {TAG: tag, "key": key}
+
+    def pairs(v: dict[Any, Any], path: tuple[str, ...], depth: int) -> list[Any]:
+        if depth + 2 > MAX_TREE_DEPTH:  # its item list and [key, value] pairs nest two levels further
+            raise _too_deep(path)
+        return [[enc(k, path + ("<key>",), depth + 3), enc(x, path + (str(k),), depth + 3)] for k, x in v.items()]
 
     def enc(v: Any, path: tuple[str, ...], depth: int) -> Any:
         """``v`` encoded as the JSON it becomes ``depth`` levels down in the tree."""
         if v is None or isinstance(v, (bool, int, str)) or (isinstance(v, float) and math.isfinite(v)):
             return v
-        if hasattr(v, "item") and callable(v.item) and type(v).__module__ == "numpy":
-            return enc(v.item(), path, depth)
+        if type(v).__module__ == "numpy":
+            return _numpy(v, path, tensor, enc, depth)
         if depth > MAX_TREE_DEPTH:
             raise _too_deep(path)
         if isinstance(v, torch.Tensor):
-            key = join_key(path)
-            if key in seen:
-                raise ValueError(f"two tensors map to the state key {key!r}")
-            seen.add(key)
-            chunks.extend(local_chunks(key, v))
-            return {TAG: "tensor", "key": key}
+            return tensor(v, path, "tensor")
         if isinstance(v, float):
             return {TAG: "float", "value": "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")}
+        if ordered and isinstance(v, OrderedDict):
+            return {TAG: "odict", "items": pairs(v, path, depth)}
         if isinstance(v, dict):
             if all(isinstance(k, str) for k in v) and TAG not in v:
                 return {k: enc(x, path + (k,), depth + 1) for k, x in v.items()}
-            if depth + 2 > MAX_TREE_DEPTH:  # its item list and [key, value] pairs nest two levels further
-                raise _too_deep(path)
-            items = [[enc(k, path + ("<key>",), depth + 3), enc(x, path + (str(k),), depth + 3)] for k, x in v.items()]
-            return {TAG: "dict", "items": items}
+            return {TAG: "dict", "items": pairs(v, path, depth)}
         if isinstance(v, list):
             return [enc(x, path + (str(i),), depth + 1) for i, x in enumerate(v)]
         if isinstance(v, tuple):
+            if hasattr(v, "_fields"):
+                raise UnsupportedState(
+                    f"cannot checkpoint the named tuple {type(v).__name__} at {'/'.join(path)}: store its ._asdict()"
+                    f" and rebuild it after restore (ckptd never rebuilds a class a checkpoint names)"
+                )
             if depth + 1 > MAX_TREE_DEPTH:  # its item list nests one level further
                 raise _too_deep(path)
             return {TAG: "tuple", "items": [enc(x, path + (str(i),), depth + 2) for i, x in enumerate(v)]}
-        raise TypeError(f"cannot checkpoint {type(v).__name__} at {'/'.join(path)}: use JSON types and tensors")
+        raise UnsupportedState(
+            f"cannot checkpoint {type(v).__name__} at {'/'.join(path)}: use JSON types, tuples, dicts, tensors and numpy arrays"
+        )
 
     tree = {k: enc(v, (k,), 2) for k, v in root.items()}
     return tree, chunks
+
+
+def _numpy(v: Any, path: tuple[str, ...], tensor: Callable[..., Any], enc: Callable[..., Any], depth: int) -> Any:
+    """A numpy array (stored as a tensor) or scalar, tagged so that it comes back as one."""
+    import numpy as np
+
+    if isinstance(v, np.ndarray):
+        if v.dtype.name not in NUMPY_SCALARS:
+            raise UnsupportedState(f"cannot checkpoint the numpy array at {'/'.join(path)}: dtype {v.dtype} is not numeric")
+        a = v if v.flags.c_contiguous and v.flags.writeable else v.copy(order="C")  # (ascontiguousarray makes 0-d 1-d)
+        return tensor(torch.from_numpy(a), path, "ndarray")
+    if isinstance(v, np.generic) and v.dtype.name in NUMPY_SCALARS:
+        return {TAG: "npscalar", "dtype": v.dtype.name, "value": enc(v.item(), path, depth + 1)}
+    raise UnsupportedState(f"cannot checkpoint {type(v).__name__} at {'/'.join(path)}: use numeric numpy arrays and scalars")
 
 
 def _too_deep(path: tuple[str, ...]) -> ValueError:
@@ -183,14 +219,29 @@ def unflatten(tree: Any, resolve: Callable[[str], Any]) -> Any:
                 return resolve(v["key"])
             if tag == "tuple":
                 return tuple(dec(x, depth + 2) for x in v["items"])
-            if tag == "dict":
-                return {_hashable(dec(k, depth + 3)): dec(x, depth + 3) for k, x in v["items"]}
+            if tag in ("dict", "odict"):
+                pairs = ((_hashable(dec(k, depth + 3)), dec(x, depth + 3)) for k, x in v["items"])
+                return OrderedDict(pairs) if tag == "odict" else dict(pairs)
             if tag == "float":
                 return float(v["value"])
+            if tag in ("ndarray", "npscalar"):
+                return _numpy_value(v, resolve, dec, depth)
             raise FormatError(f"unknown tree tag {tag!r}: written by a newer ckptd?")
         return v
 
     return dec(tree, 1)
+
+
+def _numpy_value(v: dict[str, Any], resolve: Callable[[str], Any], dec: Callable[..., Any], depth: int) -> Any:
+    import numpy as np
+
+    if v[TAG] == "ndarray":
+        t = resolve(v["key"])
+        # a reader that resolves to keys or placeholders (the DCP reader's index) gets them as they are
+        return t.numpy() if isinstance(t, torch.Tensor) and t.device.type == "cpu" else t
+    if v.get("dtype") not in NUMPY_SCALARS:
+        raise FormatError(f"unknown numpy scalar type {v.get('dtype')!r} in the saved tree")
+    return np.array(dec(v["value"], depth + 1), dtype=v["dtype"])[()]
 
 
 def _hashable(k: Any) -> Any:

@@ -37,7 +37,8 @@ MAX_DOCUMENT_DEPTH = MAX_TREE_DEPTH + 3  # a rank's tree sits three levels down 
 _I64 = (1 << 63) - 1  # sizes, offsets and byte positions: torch and the file system count in int64
 _HEX16 = re.compile(r"[0-9a-f]{16}")
 _TAG = "__ckptd__"  # ckptd.state.TAG (that module imports torch, which the daemon never loads)
-_KNOWN_TAGS = ("tensor", "tuple", "dict", "float")
+_KNOWN_TAGS = ("tensor", "tuple", "dict", "float", "odict", "ndarray", "npscalar")
+NUMPY_SCALARS = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "float32", "float64")
 _FLOAT_WORDS = ("nan", "inf", "-inf")
 
 _short = reprlib.Repr()  # hostile values are quoted in errors: keep them short
@@ -208,21 +209,30 @@ def _key_decodes_hashable(k: Any) -> bool:
             tag = v.get(_TAG)
             if tag == "tuple" and type(v.get("items")) is list:
                 stack.extend(v["items"])
-            elif tag not in ("tensor", "float"):
+            elif tag not in ("tensor", "float", "npscalar"):
                 return False
     return True
+
+
+def _scalar_value(x: Any) -> bool:
+    if type(x) in (bool, int, float):
+        return True
+    return type(x) is dict and x.get(_TAG) == "float" and x.get("value") in _FLOAT_WORDS and len(x) == 2
 
 
 def _tagged_children(v: dict[str, Any], where: str, field: str) -> Iterable[Any]:
     """What a tagged node holds below it, once its tag checks out."""
     tag, items = v[_TAG], v.get("items")
-    if tag == "tensor" and type(v.get("key")) is str:
+    if tag in ("tensor", "ndarray") and type(v.get("key")) is str:
         return ()
     if tag == "float" and v.get("value") in _FLOAT_WORDS:
         return ()
+    if tag == "npscalar" and v.get("dtype") in NUMPY_SCALARS and _scalar_value(v.get("value")):
+        return ()
     if tag == "tuple" and type(items) is list:
         return (items,)
-    if tag == "dict" and type(items) is list and all(type(p) is list and len(p) == 2 and _key_decodes_hashable(p[0]) for p in items):
+    pairs_ok = type(items) is list and all(type(p) is list and len(p) == 2 and _key_decodes_hashable(p[0]) for p in items)
+    if tag in ("dict", "odict") and pairs_ok:
         return (items,)
     if not isinstance(tag, str) or tag not in _KNOWN_TAGS:
         _fail(where, field, f"holds the unknown tag {_short.repr(tag)} (written by a newer ckptd?)")

@@ -17,6 +17,7 @@ import pytest
 
 from ckptd import config
 from ckptd.config import DaemonConfig, daemon_config, default_endpoint, default_job, env_float, env_int, parse_size, validate_job
+from ckptd.errors import CheckpointError
 from ckptd.storage.s3 import RemoteConfig
 
 ENV_NAMES = (
@@ -210,14 +211,10 @@ def test_default_endpoint_falls_back_to_the_temp_dir(monkeypatch: pytest.MonkeyP
 @pytest.mark.parametrize(
     "ckptd_job,run_id,want",
     [
-        (None, None, "default"),
-        ("", "", "default"),
         ("mine", None, "mine"),
         ("mine", "elastic-7", "mine"),  # CKPTD_JOB wins over torchrun's run id
-        (None, "elastic-7", "elastic-7"),
+        (None, "elastic-7", "elastic-7"),  # torchrun --rdzv-id=elastic-7
         ("", "elastic-7", "elastic-7"),  # empty CKPTD_JOB means unset
-        (None, "none", "default"),  # torchrun's run id when none was given
-        ("", "none", "default"),
     ],
 )
 def test_default_job(monkeypatch: pytest.MonkeyPatch, ckptd_job: str | None, run_id: str | None, want: str) -> None:
@@ -226,6 +223,41 @@ def test_default_job(monkeypatch: pytest.MonkeyPatch, ckptd_job: str | None, run
     if run_id is not None:
         monkeypatch.setenv("TORCHELASTIC_RUN_ID", run_id)
     assert default_job() == want
+
+
+@pytest.mark.parametrize("run_id", [None, "none", "0b8d2a4e-6f1c-4b7e-9a3d-2c5e8f1a7b90"])
+def test_without_a_name_the_job_is_the_script_run_in_its_directory(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, run_id: str | None
+) -> None:
+    """Plain torchrun (run id ``none``), torchrun --standalone (a fresh UUID per launch) and plain
+    python: the same command in the same directory is the same job, launch after launch."""
+    monkeypatch.delenv("CKPTD_JOB", raising=False)
+    if run_id is not None:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", run_id)
+    script = tmp_path / "train llama.py"
+    script.write_text("")
+    job = default_job([str(script), "--lr", "1e-3"], cwd="/exp/1")
+    assert job.startswith("train_llama-") and len(job) == len("train_llama-") + 8
+    assert default_job([str(script), "--lr", "1e-3"], cwd="/exp/1") == job
+    others = {default_job([str(script), "--lr", "3e-4"], cwd="/exp/1"), default_job([str(script), "--lr", "1e-3"], cwd="/exp/2")}
+    assert job not in others and len(others) == 2
+
+
+@pytest.mark.parametrize("argv", [[""], ["-c"], []])
+def test_an_interactive_session_must_name_its_job(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> None:
+    monkeypatch.delenv("CKPTD_JOB", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    with pytest.raises(CheckpointError, match="interactive session or python -c.*CKPTD_JOB=<name>"):
+        default_job(argv)
+
+
+def test_a_job_spanning_nodes_must_name_its_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CKPTD_JOB", raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(CheckpointError, match="every node agrees on.*torchrun --rdzv-id"):
+        default_job([__file__])
 
 
 @pytest.mark.parametrize("name,value", [("CKPTD_JOB", "../etc"), ("TORCHELASTIC_RUN_ID", "a/b"), ("CKPTD_JOB", "x" * 200)])

@@ -23,6 +23,7 @@ import torch
 
 from ..config import ALLOC_TIMEOUT_S, CLIENT_TIMEOUT_S, default_endpoint, default_job, env_float, validate_job
 from ..errors import CheckpointError, DaemonUnavailable
+from ..protocol import MAX_MESSAGE_BYTES
 from .copy import CopyGuard, EarlyCopy, EventGroup, Pairs, SlotMaps, copy_tensors, fill, optimizer_storages
 from .load import Restored, restore_state
 from .restore import Source, restore_from_daemon, restored
@@ -48,8 +49,17 @@ def _local_world_size(world: int) -> int:
     return int(v) if v.isdigit() and 1 <= int(v) <= world else world
 
 
+def _check_step(step: object) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+
+
 class SnapshotHandle:
-    """One snapshot in flight. ``wait()`` blocks until the step is durable and returns its path."""
+    """One snapshot in flight. ``wait()`` blocks until the step is durable and returns its path.
+
+    A failure is raised once by the client as a whole: by whichever of the next ``snapshot()``,
+    ``Client.wait()`` or ``close()`` sees it first (``close`` warns); this handle's own ``wait()``
+    always raises it."""
 
     def __init__(self, client: Client, step: int) -> None:
         self.client = client
@@ -57,16 +67,26 @@ class SnapshotHandle:
         self.job = client.job
         self._copied = threading.Event()
         self._error: BaseException | None = None
+        self._failed: str | None = None  # the daemon's reason, once it said the step failed
+        self._reported = False
         self._path: str | None = None
 
     def copied(self) -> bool:
         """True once every byte is in the daemon's shared memory and committed (or the copy failed)."""
         return self._copied.is_set()
 
+    def _unreported(self) -> BaseException | None:
+        """The copy's error if no one raised it yet (then it counts as raised)."""
+        if self._error is None or self._reported:
+            return None
+        self._reported = True
+        return self._error
+
     def wait_copied(self, timeout: float | None = None) -> None:
         if not self._copied.wait(timeout):
             raise TimeoutError(f"snapshot of step {self.step} still copying after {timeout} s")
         if self._error is not None:
+            self._reported = True
             raise CheckpointError(f"snapshot of step {self.step} failed: {self._error}") from self._error
 
     def wait(self, timeout: float | None = None) -> str:
@@ -79,16 +99,18 @@ class SnapshotHandle:
         self.wait_copied(timeout)
         if self._path is not None:
             return self._path
-        while True:
+        while self._failed is None:
             left = 30.0 if deadline is None else max(0.0, min(30.0, deadline - time.monotonic()))
             rep = self.client._rpc.call("wait", rpc_timeout=left + 10.0, job=self.job, step=self.step, timeout=left)
             if rep["state"] == "durable":
                 self._path = rep["path"]
                 return rep["path"]
             if rep["state"] == "failed":
-                raise CheckpointError(f"step {self.step} of job {self.job} failed: {rep['error']}")
-            if deadline is not None and time.monotonic() >= deadline:
+                self._failed = rep["error"]
+            elif deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"step {self.step} of job {self.job} not durable after {timeout} s")
+        self._reported = True
+        raise CheckpointError(f"step {self.step} of job {self.job} failed: {self._failed}")
 
     def __repr__(self) -> str:
         return f"SnapshotHandle(job={self.job!r}, step={self.step}, copied={self.copied()})"
@@ -98,7 +120,8 @@ class Client:
     """Talks to the node's daemon. Methods are safe to call from any thread.
 
     ``endpoint`` defaults to ``CKPTD_ENDPOINT`` (else a per-user ipc socket), ``job`` to
-    ``CKPTD_JOB`` (else torchrun's run id, else ``default``). ``timeout`` bounds each request to
+    ``CKPTD_JOB``, else a name stable across relaunches of the same run (:func:`ckptd.config.default_job`:
+    torchrun's ``--rdzv-id`` when given, else the script, directory and arguments), else an error. ``timeout`` bounds each request to
     the daemon except ``alloc``, which waits up to ``alloc_timeout`` while the daemon's
     shared-memory budget is full (``CKPTD_TIMEOUT``, ``CKPTD_ALLOC_TIMEOUT``).
     """
@@ -112,11 +135,15 @@ class Client:
         alloc_timeout: float | None = None,
     ) -> None:
         self.endpoint = endpoint or default_endpoint()
-        self.job = validate_job(job) if job is not None else default_job()
+        if job is None:
+            job = default_job()
+            if not os.environ.get("CKPTD_JOB"):
+                log.info("ckptd job %r (set CKPTD_JOB or Client(job=...) to choose the name)", job)
+        self.job = validate_job(job)
         self.timeout = timeout if timeout is not None else env_float("CKPTD_TIMEOUT", CLIENT_TIMEOUT_S)
         self.alloc_timeout = alloc_timeout if alloc_timeout is not None else env_float("CKPTD_ALLOC_TIMEOUT", ALLOC_TIMEOUT_S)
         self._rpc = Channel(self.endpoint, self.timeout)
-        self._stager = Stager()
+        self._stager = Stager(self.job)
         self._maps = SlotMaps()
         self._leases: dict[str, str] = {}  # segment -> the lease token the daemon gave this client for it
         self._trees = TreeEncoder()
@@ -126,6 +153,7 @@ class Client:
         self._closed = False
         self.early_copies = 0  # blocking snapshots whose copy overlapped the capture check (and held)
         self.last_restore: dict[str, Any] | None = None  # {step, path, source: memory | disk | bucket}
+        self._after: int | None = None  # the step last restored or saved: a rolled-back run may save a step number again
 
     def hello(self) -> dict[str, Any]:
         return self._rpc.call("hello")
@@ -153,13 +181,12 @@ class Client:
         Every rank of a distributed job must call it with the same ``step``. ``extra`` (JSON-able
         values and tensors) is this rank's own state, returned by :meth:`restore`.
         """
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        _check_step(step)
         self._guard.finish()  # the previous copy must end before we reuse the layout or slot
         rank, world = dist_rank_world()
         early = self._early_copy(rank, world, step) if blocking else None
         try:
-            staged = self._stager.run(model, optim, extra, rank)
+            staged = self._stager.run(model, optim, extra, rank, step)
         except BaseException:
             if early is not None:
                 early.join()
@@ -174,22 +201,46 @@ class Client:
         event = None
         if segment is None:  # no early copy, or it did not hold
             segment, later, event = self._fill(optim, rank, world, step, staged, blocking)
-        commit = dict(
-            job=self.job, rank=rank, world_size=world, local_world_size=_local_world_size(world), step=step,
-            segment=segment, nbytes=staged.layout.file_size, replicas=staged.replicas,
-        )  # fmt: skip
+        commit = self._commit_fields(rank, world, step, segment, staged)
         if not later[0] and event is None:
-            self._commit(handle, commit, tree_json or self._trees.encode(staged.tree))
-            if handle._error is not None:
-                raise CheckpointError(f"snapshot of step {step} failed: {handle._error}") from handle._error
+            self._commit_now(handle, commit, tree_json or self._trees.encode(staged.tree))
         else:
             self._guard.hook(optim)  # type: ignore[arg-type]
-            self._guard.start(step, lambda: self._background(handle, later, commit, staged.tree, event), lambda: handle._error)
+            self._guard.start(step, lambda: self._background(handle, later, commit, staged.tree, event), handle._unreported)
         self._pending.append(handle)
         # a client that never calls wait() must not grow without bound; the daemon remembers more
         # finished steps per job (TRACKS_KEPT) than this, so every kept handle can still be answered
         del self._pending[:-PENDING_KEPT]
         return handle
+
+    def snapshot_state(self, state: dict[str, Any], *, step: int, extra: dict[str, Any] | None = None) -> SnapshotHandle:
+        """Checkpoint a state dict as it is, blocking: ``{"model": <model state dict>, "optim": <optimizer
+        state dict as torch's get_state_dict gives it>}`` (``optim`` may be left out), e.g. one read from
+        another checkpoint format (``ckptd import``). :meth:`restore` loads it into any layout. Collective
+        like :meth:`snapshot`."""
+        _check_step(step)
+        self._guard.finish()
+        rank, world = dist_rank_world()
+        staged = self._stager.run_state(state, extra, rank, step)
+        handle = SnapshotHandle(self, step)
+        segment, _, _ = self._fill(None, rank, world, step, staged, True)
+        self._commit_now(handle, self._commit_fields(rank, world, step, segment, staged), self._trees.encode(staged.tree))
+        self._pending.append(handle)
+        del self._pending[:-PENDING_KEPT]
+        return handle
+
+    def _commit_fields(self, rank: int, world: int, step: int, segment: str, staged: Staged) -> dict[str, Any]:
+        return dict(
+            job=self.job, rank=rank, world_size=world, local_world_size=_local_world_size(world), step=step,
+            segment=segment, nbytes=staged.layout.file_size, replicas=staged.replicas, after=self._after,
+            run=self._stager.run_id,
+        )  # fmt: skip
+
+    def _commit_now(self, handle: SnapshotHandle, commit: dict[str, Any], tree_json: bytes) -> None:
+        self._commit(handle, commit, tree_json)
+        if handle._error is not None:
+            handle._reported = True
+            raise CheckpointError(f"snapshot of step {commit['step']} failed: {handle._error}") from handle._error
 
     def prepare(self, model: torch.nn.Module, optim: torch.optim.Optimizer | None = None, *, slots: int = 2) -> None:
         """Do the first snapshot's one-time work now, outside the training loop.
@@ -200,7 +251,7 @@ class Client:
         """
         self._guard.finish()
         rank, world = dist_rank_world()
-        layout = self._stager.run(model, optim, None, rank).layout
+        layout = self._stager.run(model, optim, None, rank, None).layout
         leased = []
         try:
             for _ in range(slots):
@@ -279,8 +330,14 @@ class Client:
 
     def _commit(self, handle: SnapshotHandle, commit: dict[str, Any], tree_json: bytes) -> None:
         try:
+            if len(tree_json) > MAX_MESSAGE_BYTES:  # the daemon would drop it unanswered
+                raise CheckpointError(
+                    f"the state's non-tensor values take {len(tree_json)} bytes as JSON, over the {MAX_MESSAGE_BYTES}-byte"
+                    " limit of a commit message"
+                )
             self._rpc.call("commit", frames=(tree_json,), lease=self._leases[commit["segment"]], **commit)
             self._leases.pop(commit["segment"], None)
+            self._after = commit["step"]
         except BaseException as e:
             handle._error = e
             if not isinstance(e, DaemonUnavailable):
@@ -313,6 +370,9 @@ class Client:
         paths = []
         while self._pending:
             h = self._pending[0]
+            if h._reported:  # its failure was raised already (by the next snapshot, or its own wait)
+                self._pending.pop(0)
+                continue
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
                 paths.append(h.wait(left))
@@ -353,8 +413,9 @@ class Client:
         if path is not None:
             extra = restore_state(path, model, optim, rank, **how)
             self.last_restore = restored(None, path, Source.DISK)
-            return extra
-        extra, self.last_restore = restore_from_daemon(self._rpc, self.job, model, optim, rank, step=step, hot=hot, how=how)
+        else:
+            extra, self.last_restore = restore_from_daemon(self._rpc, self.job, model, optim, rank, step=step, hot=hot, how=how)
+        self._after = extra.step  # saving the steps after it again starts a new line (rollback)
         return extra
 
     def close(self) -> None:

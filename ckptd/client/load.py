@@ -38,12 +38,13 @@ LISTED = 20  # keys named in an error message; the rest are counted
 
 
 class Restored(dict):  # type: ignore[type-arg]
-    """What :func:`ckptd.restore` returns: this rank's ``extra`` (a dict), plus ``missing_keys`` (target
-    state the checkpoint lacks) and ``unexpected_keys`` (saved state no rank's target has); both are
-    empty after a ``strict`` restore."""
+    """What :func:`ckptd.restore` returns: this rank's ``extra`` (a dict), plus ``step`` (the step
+    restored), ``missing_keys`` (target state the checkpoint lacks) and ``unexpected_keys`` (saved
+    state no rank's target has); both lists are empty after a ``strict`` restore."""
 
-    def __init__(self, extra: dict[str, Any], missing: list[str], unexpected: list[str]) -> None:
+    def __init__(self, extra: dict[str, Any], step: int, missing: list[str], unexpected: list[str]) -> None:
         super().__init__(extra)
+        self.step = step
         self.missing_keys = missing
         self.unexpected_keys = unexpected
 
@@ -55,7 +56,7 @@ def _lookup(tree: Any, path: tuple[str, ...]) -> Any:
         if isinstance(node, dict) and TAG in node:
             if node[TAG] == "tuple":
                 node = node["items"]
-            elif node[TAG] == "dict":
+            elif node[TAG] in ("dict", "odict"):
                 node = {str(unflatten(k, lambda key: key)): v for k, v in node["items"]}
             else:
                 return _MISSING
@@ -249,4 +250,4 @@ def restore_state(
             set_state_dict(model, optim, model_state_dict=loaded.get("model", {}), optim_state_dict=loaded["optim"], options=opts)
     elif "model" in loaded:
         set_model_state_dict(model, loaded["model"], options=opts)
-    return Restored(extra, missing, unexpected)
+    return Restored(extra, reader.manifest["step"], missing, unexpected)

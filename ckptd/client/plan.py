@@ -1,21 +1,32 @@
 """Who writes which chunk: replicated chunks (DDP parameters, replicated experts, scalars) are
 written once, by one of their holders, with the bytes spread evenly over holders.
 
-Runs on the trainer's main thread inside ``snapshot()`` (foreground: collectives are safe there,
-never from the background copy). Each call costs one ``all_gather`` of a layout hash; the full
-exchange of chunk lists runs only at the first snapshot and whenever some rank's layout changed.
-The assignment is a pure function of every rank's chunk list, so all ranks agree without a
-further round.
+Runs on the trainer's main thread inside ``snapshot()`` and ``prepare()`` (foreground: collectives
+are safe there, never from the background copy). Each call costs one ``all_gather`` of a layout hash
+and the step; the full exchange of chunk lists runs only at the first snapshot and whenever some
+rank's layout changed. The assignment is a pure function of every rank's chunk list, so all ranks
+agree without a further round.
+
+Two user mistakes are caught here, before anything is copied: ranks that pass different steps (every
+rank raises the same :class:`CheckpointError`), and a call on some ranks only (``if rank == 0:
+snapshot(...)``), which would hang in the collective until the process group's timeout aborts it:
+before the collective every rank checks in at the process group's store and waits at most
+``CKPTD_COLLECTIVE_TIMEOUT`` seconds (300) for the others.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import xxhash
+
+from ..config import COLLECTIVE_TIMEOUT_S, env_float
+from ..errors import CheckpointError
 
 ChunkId = tuple[str, tuple[int, ...], tuple[int, ...]]  # key, offsets, sizes
 
@@ -48,17 +59,56 @@ def assign(per_rank: list[list[tuple[ChunkId, int]]]) -> list[set[ChunkId]]:
     return out
 
 
+class Arrivals:
+    """Every rank checks in at the default group's store before a collective of ckptd's; a rank that
+    waits longer than ``timeout`` for the others raises instead of hanging in the collective."""
+
+    def __init__(self, scope: str) -> None:
+        self.scope = scope  # the job: clients of two jobs in one process count separately
+        self.seq = 0
+
+    def check(self, what: str) -> None:
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except (AttributeError, RuntimeError, ValueError):
+            return  # no store to check in at (another torch): the collective is all there is
+        world, self.seq = dist.get_world_size(), self.seq + 1
+        key = f"ckptd/{self.scope}/arrive/{self.seq}"
+        timeout = env_float("CKPTD_COLLECTIVE_TIMEOUT", COLLECTIVE_TIMEOUT_S)
+        if store.add(key, 1) == world:
+            store.set(key + "/all", b"1")
+        else:
+            try:
+                store.wait([key + "/all"], timedelta(seconds=timeout))
+            except (RuntimeError, dist.DistError) as e:
+                came = store.add(key, 0)
+                raise CheckpointError(
+                    f"{what} on rank {dist.get_rank()}: only {came} of {world} ranks called it within {timeout:g} s"
+                    f" (CKPTD_COLLECTIVE_TIMEOUT). ckptd.prepare() and ckptd.snapshot() are collective: call them on every"
+                    f" rank, with the same step, never under `if rank == 0`"
+                ) from e
+        if dist.get_rank() == 0 and self.seq > 1:  # every rank is past the previous check: its keys are done
+            for k in (f"ckptd/{self.scope}/arrive/{self.seq - 1}", f"ckptd/{self.scope}/arrive/{self.seq - 1}/all"):
+                try:
+                    store.delete_key(k)
+                except (RuntimeError, NotImplementedError):
+                    pass
+
+
 class WritePlan:
     """Caches the assignment while no rank's layout changes."""
 
-    def __init__(self) -> None:
+    def __init__(self, scope: str = "default") -> None:
         self._hashes: list[int] | None = None
         self._mine: tuple[set[ChunkId], set[ChunkId]] | None = None
         self._items: Any = None
         self._blob = b""
+        self.arrivals = Arrivals(scope)
+        self.run = secrets.randbits(62) + 1  # this launch's id: every rank takes rank 0's (the daemon tells runs apart)
 
-    def mine(self, items: list[tuple[ChunkId, int]]) -> tuple[set[ChunkId], set[ChunkId]]:
-        """This rank's chunks to write, and those of its chunks that other ranks hold too.
+    def mine(self, items: list[tuple[ChunkId, int]], step: int | None = None) -> tuple[set[ChunkId], set[ChunkId]]:
+        """This rank's chunks to write, and those of its chunks that other ranks hold too. ``step``:
+        the snapshot's (``None`` for ``prepare``); every rank must pass the same.
 
         Collective over the default group: call on every rank.
         """
@@ -73,10 +123,14 @@ class WritePlan:
         h = xxhash.xxh3_64_intdigest(blob) & 0x7FFFFFFFFFFFFFFF
         dev = _device()
         world = dist.get_world_size()
-        mine = torch.tensor([h], dtype=torch.int64, device=dev)
+        what = "ckptd.prepare()" if step is None else f"ckptd.snapshot(step={step})"
+        self.arrivals.check(what)
+        mine = torch.tensor([h, -1 if step is None else step, self.run], dtype=torch.int64, device=dev)
         gathered = [torch.zeros_like(mine) for _ in range(world)]
         dist.all_gather(gathered, mine)
-        hashes = [int(t.item()) for t in gathered]
+        _same_step([int(t[1].item()) for t in gathered], what)
+        self.run = int(gathered[0][2].item())
+        hashes = [int(t[0].item()) for t in gathered]
         if hashes == self._hashes and self._mine is not None:
             return self._mine
         per_rank = [[((e[0][0], tuple(e[0][1]), tuple(e[0][2])), e[1]) for e in json.loads(b)] for b in _all_gather_bytes(blob, dev, world)]
@@ -88,6 +142,12 @@ class WritePlan:
         self._mine = (assign(per_rank)[dist.get_rank()], shared)
         self._hashes = hashes
         return self._mine
+
+
+def _same_step(steps: list[int], what: str) -> None:
+    if len(set(steps)) > 1:
+        said = ", ".join(f"rank {r}: {'prepare()' if s < 0 else s}" for r, s in enumerate(steps))
+        raise CheckpointError(f"{what}: the ranks passed different steps ({said}); every rank must snapshot the same step")
 
 
 def _all_gather_bytes(blob: bytes, dev: torch.device, world: int) -> list[bytes]:

@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 
 import zmq
 
-from ..config import trusted_group
+from ..config import trusted_group, validate_endpoint
 from ..errors import CheckpointError, DaemonUnavailable, ProtocolError
 from ..protocol import decode_reply, endpoint_answers, request
 
@@ -100,7 +100,7 @@ class Channel:
     socket is preceded by :func:`check_socket`."""
 
     def __init__(self, endpoint: str, timeout: float) -> None:
-        self.endpoint, self.timeout = endpoint, timeout
+        self.endpoint, self.timeout = validate_endpoint(endpoint), timeout
         self._ctx = zmq.Context()
         self._tls = threading.local()
         self._sockets: list[zmq.Socket] = []

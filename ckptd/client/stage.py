@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
+from ..errors import CheckpointError, UnsupportedState
 from ..format import ShardLayout, build_layout
-from ..protocol import encode
+from ..protocol import MAX_MESSAGE_BYTES, encode
 from ..state import LocalChunk, flatten, replica_id, sample_digest
 from .capture import StateCapture
 from .plan import ChunkId, WritePlan
@@ -23,6 +24,9 @@ COPYABLE = {
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
     torch.uint8, torch.bool, torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64,
 }  # fmt: skip
+
+
+MAX_EXTRA_BYTES = MAX_MESSAGE_BYTES - (16 << 20)  # the rest of the commit (model and optimizer refs) needs room too
 
 
 @dataclass(frozen=True)
@@ -52,21 +56,41 @@ class Staged:
 
 
 class Stager:
-    def __init__(self) -> None:
+    def __init__(self, job: str = "default") -> None:
         self.capture = StateCapture()
-        self._plan = WritePlan()
+        self._plan = WritePlan(job)
         self.stage: Stage | None = None
         self.layout: ShardLayout | None = None  # the newest layout built
         self._layout_key: Any = None
 
-    def run(self, model: torch.nn.Module, optim: torch.optim.Optimizer | None, extra: dict[str, Any] | None, rank: int) -> Staged:
-        """Capture and plan this snapshot. Collective: every rank, foreground."""
+    @property
+    def run_id(self) -> int:
+        """This launch's id, the same on every rank once a snapshot or ``prepare`` planned."""
+        return self._plan.run
+
+    def run(
+        self, model: torch.nn.Module, optim: torch.optim.Optimizer | None, extra: dict[str, Any] | None, rank: int, step: int | None
+    ) -> Staged:
+        """Capture and plan this snapshot (``step`` ``None``: ``prepare``). Collective: every rank, foreground."""
         tree, chunks, reused = self.capture.capture(model, optim)
+        return self._staged(tree, chunks, reused, extra, rank, step)
+
+    def run_state(self, state: dict[str, Any], extra: dict[str, Any] | None, rank: int, step: int) -> Staged:
+        """Plan a snapshot of a state dict given as it is (``{"model": ..., "optim": ...}``). Collective."""
+        if not isinstance(state, dict) or "model" not in state or set(state) - {"model", "optim"}:
+            raise CheckpointError('a state to snapshot is {"model": <state dict>, "optim": <optimizer state dict>} (optim optional)')
+        tree, chunks = flatten(state)
+        return self._staged(tree, chunks, False, extra, rank, step)
+
+    def _staged(
+        self, tree: dict[str, Any], chunks: list[LocalChunk], reused: bool, extra: dict[str, Any] | None, rank: int, step: int | None
+    ) -> Staged:
         extra_chunks: list[LocalChunk] = []
         if extra is not None:
             if not isinstance(extra, dict):
-                raise TypeError("extra must be a dict")
-            extra_tree, extra_chunks = flatten({"extra": {str(rank): extra}})
+                raise UnsupportedState(f"extra must be a dict, got {type(extra).__name__}")
+            extra_tree, extra_chunks = flatten({"extra": {str(rank): extra}}, ordered=True)
+            _check_extra_size(extra_tree)
             tree = {**tree, **extra_tree}
         extra_sig = tuple((c.key, c.tensor.dtype, c.sizes) for c in extra_chunks)
         st = self.stage
@@ -76,9 +100,12 @@ class Stager:
         else:
             for ch in chunks + extra_chunks:
                 if ch.tensor.dtype not in COPYABLE:
-                    raise TypeError(f"tensor {ch.key!r} has dtype {ch.tensor.dtype}, which ckptd cannot store")
+                    raise UnsupportedState(
+                        f"tensor {ch.key!r} has dtype {ch.tensor.dtype}, which ckptd cannot store"
+                        f" (it stores {', '.join(sorted(str(d).removeprefix('torch.') for d in COPYABLE))})"
+                    )
             items = [((c.key, c.offsets, c.sizes), c.nbytes) for c in chunks + extra_chunks]
-        mine, shared = self._plan.mine(items)  # every rank, every snapshot: the plan's collective
+        mine, shared = self._plan.mine(items, step)  # every rank, every snapshot: the plan's collective
         if cached is not None and mine is not cached.mine:
             cached = None  # another rank's layout changed and the plan with it: what this rank writes may differ
         # every holder of a replicated chunk reports a digest of its copy: the daemon refuses a step whose
@@ -118,6 +145,17 @@ class Stager:
             self.layout = build_layout(list(key))
             self._layout_key = key
         return self.layout
+
+
+def _check_extra_size(extra_tree: dict[str, Any]) -> None:
+    """``extra``'s non-tensor values travel in the commit message: refuse them, naming the sizes, when
+    they cannot fit (its tensors and numpy arrays go to shared memory and do not count)."""
+    n = len(encode(extra_tree))
+    if n > MAX_EXTRA_BYTES:
+        raise CheckpointError(
+            f"extra's non-tensor values take {n / 2**20:.1f} MiB as JSON, over the {MAX_EXTRA_BYTES / 2**20:.0f} MiB limit"
+            " of a commit message: keep large data in tensors or numpy arrays (stored in shared memory, no limit)"
+        )
 
 
 def _constant_subtrees(tree: dict[str, Any]) -> list[Any]:
