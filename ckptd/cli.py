@@ -130,6 +130,12 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--format", choices=("safetensors", "torch"), default="safetensors")
     ex.add_argument("--what", choices=("model", "optim", "all"), default="model")
 
+    im = sub.add_parser("import", help="turn a torch.distributed.checkpoint (DCP) directory into a step of a job, through the daemon")
+    im.add_argument("dcp_dir", help="the DCP checkpoint directory (with its .metadata)")
+    im.add_argument("--job", required=True)
+    im.add_argument("--step", type=int, required=True)
+    im.add_argument("--endpoint", default=None)
+
     ls = sub.add_parser("ls", help="committed steps with size, world size, layout and time")
     ls.add_argument("--root", default=None, help="checkpoint root (default: ask the running daemon)")
     ls.add_argument("--job", default=None)
@@ -139,7 +145,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    commands = {"serve": _serve, "status": _status, "verify": _verify, "export": _export, "ls": _ls}
+    commands = {"serve": _serve, "status": _status, "verify": _verify, "export": _export, "import": _import, "ls": _ls}
     return commands[args.cmd](args)
 
 
@@ -218,6 +224,18 @@ def _export(args: argparse.Namespace) -> int:
         print(f"ckptd export: {e}", file=sys.stderr)
         return 1
     print(f"wrote {args.out}: {stats['tensors']} tensors, {stats['bytes'] / 1e9:.3f} GB")
+    return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    from .tools.dcp_import import import_dcp
+
+    try:
+        path = import_dcp(args.dcp_dir, job=args.job, step=args.step, endpoint=args.endpoint)
+    except (CheckpointError, OSError, ValueError) as e:
+        print(f"ckptd import: {e}", file=sys.stderr)
+        return 1
+    print(f"imported {args.dcp_dir} as step {args.step} of job {args.job}: {path}")
     return 0
 
 

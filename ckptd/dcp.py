@@ -6,8 +6,9 @@
 
 DCP's planner does the resharding; this reader describes ckptd's chunks as DCP metadata and copies
 the requested regions out of checksum-verified chunks. Keys are DCP's flattened names
-(``model.<fqn>``, ``optim.state.<fqn>.exp_avg``, ``optim.param_groups.0.lr``), so a state dict
-shaped like the one given to ``ckptd.snapshot`` (``{"model": ..., "optim": ...}``) loads as is.
+(``model.<fqn>``, ``optim.state.<fqn>.exp_avg``, ``optim.param_groups.0.lr``, ``extra.<rank>.<key>``),
+so a state dict shaped like the one given to ``ckptd.snapshot`` (``{"model": ..., "optim": ...}``)
+loads as is, and each rank's ``extra`` with ``{"extra": {"<rank>": {...}}}``.
 Non-tensor values are handed to the planner serialized in memory, as DCP's planner expects; nothing
 is pickled on disk.
 """
@@ -75,7 +76,6 @@ class Reader(StorageReader):
             self._reader = None
 
     def _index(self, reader: CheckpointReader) -> None:
-        tree = {k: v for k, v in reader.manifest["ranks"][0]["tree"].items() if k != "extra"}
         placeholders: dict[int, str] = {}
 
         def mark(key: str) -> torch.Tensor:
@@ -83,19 +83,16 @@ class Reader(StorageReader):
             placeholders[id(t)] = key
             return t
 
-        obj = unflatten(tree, mark)
-        for other in reader.manifest["ranks"][1:]:  # tensors some ranks hold alone (MoE experts)
-            unflatten({k: v for k, v in other["tree"].items() if k != "extra"}, mark)
-        flat, _ = flatten_state_dict(obj)
-        for name, value in flat.items():
-            if isinstance(value, torch.Tensor) and id(value) in placeholders:
-                self._tensor_keys[name] = placeholders[id(value)]
-            else:
-                self._values[name] = value
+        # every rank's tree: tensors some ranks hold alone (MoE experts), and each rank's extra (extra.<rank>...)
+        for r in reader.manifest["ranks"]:
+            flat, _ = flatten_state_dict(unflatten(r["tree"], mark))
+            for name, value in flat.items():
+                if isinstance(value, torch.Tensor) and id(value) in placeholders:
+                    self._tensor_keys[name] = placeholders[id(value)]
+                else:
+                    self._values.setdefault(name, value)
         for key in reader.manifest["tensors"]:
-            if not key.startswith("extra/"):
-                dotted = ".".join(split_key(key))
-                self._tensor_keys.setdefault(dotted, key)
+            self._tensor_keys.setdefault(".".join(split_key(key)), key)
 
     def read_metadata(self) -> Metadata:
         reader = self._open()

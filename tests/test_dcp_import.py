@@ -1,0 +1,122 @@
+"""The checkpoints users already have: ``ckptd import`` turns a torch DCP directory into a ckptd step
+(restorable into any layout), and the ``extra`` of a ckptd step is readable through DCP."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from _dist import run_ranks
+from _models import assert_same, full_state, make, train_step
+from _workers import _save_expected, restore_and_compare
+from conftest import REPO
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+import ckptd
+import ckptd.dcp
+from ckptd.errors import CheckpointError, FormatError
+from ckptd.tools.dcp_import import import_dcp, load_dcp
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+def _trained(steps: int = 3) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    model, optim = make(seed=1)
+    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=2, gamma=0.5)
+    for i in range(steps):
+        train_step(model, optim, i)
+        sched.step()
+    return model, optim, sched
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", "ckptd", *args], capture_output=True, text=True, env=env, timeout=120, cwd=REPO)
+
+
+@pytest.mark.multiproc
+def test_import_a_dcp_checkpoint_and_restore_it_in_any_layout(daemon, short_tmp) -> None:  # noqa: ANN001
+    model, optim, sched = _trained()
+    msd, osd = get_state_dict(model, optim)
+    d = str(short_tmp / "dcp-step-3")
+    dcp.save({"model": msd, "optim": osd, "sched": sched.state_dict(), "note": "from dcp"}, checkpoint_id=d, no_dist=True)
+    out = _cli("import", d, "--job", "imported", "--step", "3", "--endpoint", daemon.endpoint)
+    assert out.returncode == 0, out.stderr
+    assert "imported" in out.stdout and "step-3" in out.stdout
+    fresh, fopt = make(seed=9)
+    with daemon.client("imported") as c:
+        extra = c.restore(fresh, fopt)
+    assert extra.step == 3 and extra["sched"] == sched.state_dict() and extra["note"] == "from dcp"
+    assert_same(full_state(fresh, fopt), full_state(model, optim))
+    # and into two FSDP2 ranks, resharded: every rank gets the imported extra (rank 0's)
+    expected = str(short_tmp / "expected.safetensors")
+    _save_expected(expected, full_state(model, optim))
+    outs = run_ranks(2, restore_and_compare, "fsdp2", daemon.endpoint, "imported", expected, False)
+    assert [o["extra"]["note"] for o in outs] == ["from dcp", "from dcp"]
+
+
+def test_import_a_model_only_and_a_flattened_optimizer(daemon, short_tmp) -> None:  # noqa: ANN001
+    model, optim, _ = _trained()
+    flat_dir, titan_dir = str(short_tmp / "flat"), str(short_tmp / "titan")
+    dcp.save(dict(model.state_dict()), checkpoint_id=flat_dir, no_dist=True)  # dcp.save(model.state_dict())
+    msd, fosd = get_state_dict(model, optim, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    dcp.save({"model": msd, "optimizer": fosd, "train_state": {"step": 3}}, checkpoint_id=titan_dir, no_dist=True)  # torchtitan-like
+    import_dcp(flat_dir, job="flat", step=1, endpoint=daemon.endpoint)
+    import_dcp(titan_dir, job="titan", step=3, endpoint=daemon.endpoint)
+    only, _ = make(seed=9)
+    with daemon.client("flat") as c:
+        c.restore(only)
+    assert all(torch.equal(a, b) for a, b in zip(only.state_dict().values(), model.state_dict().values()))
+    fresh, fopt = make(seed=9)
+    with daemon.client("titan") as c:
+        extra = c.restore(fresh, fopt)
+    assert extra == {"train_state": {"step": 3}}
+    assert_same(full_state(fresh, fopt), full_state(model, optim))
+
+
+def test_import_refuses_what_is_not_a_dcp_checkpoint(daemon, short_tmp) -> None:  # noqa: ANN001
+    with pytest.raises(CheckpointError, match="is not a directory"):
+        load_dcp(str(short_tmp / "nowhere"))
+    (short_tmp / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="has no .metadata"):
+        load_dcp(str(short_tmp / "empty"))
+    out = _cli("import", str(short_tmp / "empty"), "--job", "j", "--step", "1", "--endpoint", daemon.endpoint)
+    assert out.returncode == 1 and "ckptd import:" in out.stderr and "has no .metadata" in out.stderr
+
+
+class _Boom:
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.system, (f"touch {_Boom.marker}",))
+
+    marker = ""
+
+
+def test_a_hostile_dcp_metadata_pickle_is_refused_not_run(daemon, short_tmp) -> None:  # noqa: ANN001
+    model, optim, _ = _trained(1)
+    d = short_tmp / "hostile"
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(d), no_dist=True)
+    _Boom.marker = str(short_tmp / "pwned")
+    (d / ".metadata").write_bytes(pickle.dumps(_Boom()))
+    with pytest.raises(FormatError, match="names posix.system, which is not DCP metadata"):
+        load_dcp(str(d))
+    assert not Path(_Boom.marker).exists()
+
+
+def test_the_extra_of_a_ckptd_step_is_readable_through_dcp(daemon) -> None:  # noqa: ANN001
+    model, optim, sched = _trained()
+    extra = {"sched": sched.state_dict(), "rng": torch.get_rng_state(), "steps": np.arange(4)}
+    with daemon.client("via-dcp") as c:
+        path = c.snapshot(model, optim, step=3, extra=extra).wait(30)
+    target = {"extra": {"0": {"sched": {k: None for k in extra["sched"]}, "rng": torch.empty_like(extra["rng"]), "steps": torch.zeros(4)}}}
+    target["extra"]["0"]["steps"] = torch.zeros(4, dtype=torch.int64)
+    dcp.load(target, storage_reader=ckptd.dcp.Reader(path), no_dist=True)
+    got = target["extra"]["0"]
+    assert got["sched"] == sched.state_dict()
+    assert torch.equal(got["rng"], extra["rng"]) and got["steps"].tolist() == [0, 1, 2, 3]
