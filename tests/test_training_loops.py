@@ -35,6 +35,7 @@ def test_prepare_and_snapshot_before_the_first_step_leave_training_unchanged(dae
         c.snapshot(model, optim, step=1).wait(30)
     assert optim.state_dict()["state"] == {}, "prepare()/snapshot() initialized the optimizer's state"
     assert all(p.grad is None for p in model.parameters())
+    assert not optim._optimizer_step_pre_hooks, "a closed client left a hook on the optimizer"
     with daemon.client("loop") as c:
         with_ckptd = _run(6, c)
     without = _run(6)

@@ -140,6 +140,17 @@ def test_no_daemon_fails_fast_naming_the_endpoint(short_tmp) -> None:  # noqa: A
     assert time.monotonic() - t0 < 5
 
 
+def test_a_killed_daemons_leftover_socket_fails_fast(make_daemon) -> None:  # noqa: ANN001
+    daemon = make_daemon()
+    daemon.kill()  # SIGKILL: the socket file stays behind, nobody listens on it
+    model, optim = make()
+    t0 = time.monotonic()
+    with ckptd.Client(endpoint=daemon.endpoint, job="j") as c:
+        with pytest.raises(ckptd.DaemonUnavailable, match="exists but nobody listens on it"):
+            c.snapshot(model, optim, step=1)
+    assert time.monotonic() - t0 < 5
+
+
 def test_bad_endpoint_syntax_says_what_an_endpoint_looks_like(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CKPTD_ENDPOINT", "/run/user/1000/ckptd/ckptd.sock")  # a path, without ipc://
     with pytest.raises(CheckpointError, match="is not a ckptd endpoint.*ipc:///path/to/ckptd.sock.*tcp://host:port"):

@@ -426,6 +426,7 @@ class Client:
             self._guard.finish()
         except CheckpointError as e:
             warnings.warn(str(e), stacklevel=2)
+        self._guard.unhook()
         self._maps.close()
         self._rpc.close()
         self._closed = True

@@ -248,7 +248,7 @@ class CopyGuard:
         self._thread: threading.Thread | None = None
         self._error: Callable[[], BaseException | None] = lambda: None
         self._step: int | None = None
-        self._hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._hooked: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()  # -> hook handle
 
     def start(self, step: int, run: Callable[[], None], error: Callable[[], BaseException | None]) -> None:
         """Run ``run`` on a background thread; ``error()`` tells afterwards whether it failed."""
@@ -284,5 +284,10 @@ class CopyGuard:
             if guard is not None:
                 guard.join()
 
-        optim.register_step_pre_hook(pre_step)
-        self._hooked.add(optim)
+        self._hooked[optim] = optim.register_step_pre_hook(pre_step)
+
+    def unhook(self) -> None:
+        """Remove the pre-hooks (the client is closing: nothing of ckptd stays on the optimizer)."""
+        for handle in list(self._hooked.values()):
+            handle.remove()
+        self._hooked.clear()

@@ -34,9 +34,9 @@ def check_socket(endpoint: str, op: str | None = None) -> None:
     when ``CKPTD_TRUST_GROUP`` names a group, one whose group is that group; in a directory (not a
     symlink) owned by this user, root or the socket's owner and writable by nobody else, so that no one
     else can put a socket of their own there between this check and the connect. Raises
-    :class:`DaemonUnavailable` at once when the socket does not exist (no daemon: nothing to wait for),
-    else :class:`CheckpointError` naming the path, its owner and how to trust it. Two ``lstat`` calls:
-    cheap enough for every new socket.
+    :class:`DaemonUnavailable` at once when the socket does not exist or nobody listens on it (no
+    daemon: nothing to wait for), else :class:`CheckpointError` naming the path, its owner and how to
+    trust it. Two ``lstat`` calls and one ``connect``: cheap enough for every new socket.
     """
     if not endpoint.startswith("ipc://") or endpoint.startswith("ipc://@"):
         return
@@ -62,6 +62,28 @@ def check_socket(endpoint: str, op: str | None = None) -> None:
         _refuse(endpoint, f"the socket's directory {d} belongs to another user", dst)
     if dst.st_mode & 0o022:
         _refuse(endpoint, f"the socket's directory {d} is writable by other users (anyone of them could replace the socket)", dst)
+    _listening(endpoint, path, op)
+
+
+def _listening(endpoint: str, path: str, op: str | None) -> None:
+    """A socket file nobody listens on (a daemon that was killed leaves it behind): fail now, not after
+    the request timeout. ZeroMQ connects lazily and would queue the request."""
+    import socket
+
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(2.0)
+        probe.connect(path)
+    except ConnectionRefusedError:
+        where = f" (op {op})" if op else ""
+        raise DaemonUnavailable(
+            f"no ckptd daemon at {endpoint}{where}: {path} exists but nobody listens on it (a daemon that stopped or was killed);"
+            " is `ckptd serve` running?"
+        ) from None
+    except OSError:
+        pass  # anything else (a timeout under load): let the request itself find out
+    finally:
+        probe.close()
 
 
 def _trusted_gid() -> int | None:
