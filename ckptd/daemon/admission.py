@@ -16,9 +16,10 @@ a chimera of two runs. Main thread only (the daemon's loop), with the step table
   runs sharing a job name would restore each other's models); once they are gone, the new run takes
   the job over (a relaunch). Unknown peers (tcp) are not checked.
 * **Rollback.** A step number that is already complete may be saved again only by a client that
-  restored (or saved) an earlier step since (``after`` < step: ``restore(step=k)`` then saving
-  ``k+1``...): the old step of that number belongs to the abandoned line and is deleted (renamed
-  ``step-N.del`` first, like retention) before the new one is written. Anything else is refused:
+  restored an earlier step of the job (``after`` < step: ``restore(step=k)`` then saving ``k+1``...;
+  the client itself refuses to save one number twice after a restore): the old step of that number
+  belongs to the abandoned line and is deleted (renamed ``step-N.del`` at once, removed by a thread)
+  before the new one is written. Anything else is refused:
   a fresh run never overwrites a complete checkpoint by accident.
 """
 
@@ -30,13 +31,26 @@ import shutil
 import threading
 from collections.abc import Callable
 
+import psutil
+
 from ..errors import ProtocolError
 from ..layout import job_dir, step_dir, trash_dir
 from ..storage.files import fsync_dir
-from .slots import SlotPool, pid_alive
+from .slots import SlotPool
 from .steps import StepKey, StepState, StepTable, StepTrack
 
 log = logging.getLogger("ckptd.daemon")
+
+
+def started(pid: int) -> float | None:
+    """When live process ``pid`` started (its identity with the pid: pids are reused), or ``None`` if it
+    is gone or a zombie (a dead worker nobody reaped)."""
+    try:
+        p = psutil.Process(pid)
+        return None if p.status() == psutil.STATUS_ZOMBIE else p.create_time()
+    except (psutil.Error, ValueError, OverflowError):
+        return None
+
 
 Settle = Callable[[StepKey, StepTrack], None]  # answer a step's waiters and clean it up once it left pending
 
@@ -44,19 +58,25 @@ Settle = Callable[[StepKey, StepTrack], None]  # answer a step's waiters and cle
 class Admission:
     def __init__(self, root: str, steps: StepTable, pool: SlotPool, settle: Settle, job_lock: Callable[[str], threading.RLock]) -> None:
         self.root, self.steps, self.pool, self._settle, self._job_lock = root, steps, pool, settle, job_lock
-        self._runs: dict[str, tuple[int, set[int]]] = {}  # job -> (the run saving it, pids of its committers)
+        self._runs: dict[str, tuple[int, set[tuple[int, float]]]] = {}  # job -> (its run, (pid, start time) of committers)
 
     def admit(
         self, job: str, step: int, rank: int, ws: int, lws: int, peer: int | None, after: int | None, run: int | None = None
     ) -> StepTrack:
         """The track a commit of ``rank`` to ``step`` joins (a fresh one when it starts the step);
         ``ProtocolError`` saying why when it may not. ``peer``: the committing process (``None`` or 0:
-        unknown); ``after``: the step the client last restored or saved; ``run``: its launch."""
+        unknown); ``after``: the step the client restored; ``run``: its launch."""
         key = (job, step)
         self._check_run(job, run, peer)
         track = self.steps.get(key)
-        if track is not None and track.state is StepState.PENDING and run is not None and track.run not in (None, run):
-            # begun by a run that is gone (_check_run let this one take the job over)
+        if track is not None and track.state is StepState.PENDING and run is not None and (track.recovered or track.run not in (None, run)):
+            # begun by a run that is gone (_check_run let this one take the job over), or recovered after a
+            # daemon crash (leases do not survive one: its missing ranks can never commit)
+            if track.all_committed:
+                raise ProtocolError(
+                    f"step {step} of job {job}, saved by a previous run, is still being made durable: restore it, or save it"
+                    " again in a moment"
+                )
             self.steps.abandon(key, f"abandoned: its run ended before every rank committed; a new run (rank {rank}) saves it again")
             self._settle(key, track)
         track = self.steps.get(key)
@@ -72,8 +92,9 @@ class Admission:
         """``rank`` committed ``step``: every other step of ``job`` still missing ranks is abandoned."""
         if run is not None:
             owner = self._runs.setdefault(job, (run, set()))
-            if peer:
-                owner[1].add(peer)
+            born = started(peer) if peer else None
+            if born is not None:
+                owner[1].add((peer, born))  # type: ignore[arg-type]
         for key, track in self.steps.abandon_others(job, step, rank):
             log.warning("job %s step %s abandoned: %s", key[0], key[1], track.error)
             self._settle(key, track)
@@ -82,8 +103,8 @@ class Admission:
         owner = self._runs.get(job)
         if run is None or owner is None or owner[0] == run:
             return
-        alive = sorted(p for p in owner[1] if p != peer and pid_alive(p))
-        if alive and peer not in owner[1]:
+        alive = sorted(p for p, born in owner[1] if p != peer and started(p) == born)  # a reused pid is another process
+        if alive and peer not in {p for p, _ in owner[1]}:
             raise ProtocolError(
                 f"job {job!r} is being saved by another run whose processes are alive (pids {alive[:8]}): two runs share"
                 f" the job name and would restore each other's models; give each its own (CKPTD_JOB or Client(job=...))"
@@ -92,16 +113,16 @@ class Admission:
 
     def _replace(self, job: str, step: int, after: int | None) -> None:
         if after is None or after >= step:
-            since = "saved or restored nothing yet" if after is None else f"last restored or saved step {after}"
+            since = "restored no step" if after is None else f"restored step {after}"
             raise ProtocolError(
                 f"step {step} of job {job} is already committed and this client {since}: a complete checkpoint is"
                 f" overwritten only by a run that rolled back (restore(step=k) with k < {step}); use another step or job"
             )
         d, trash = step_dir(self.root, job, step), trash_dir(self.root, job, step)
         with self._job_lock(job):
-            os.rename(d, trash)
+            os.rename(d, trash)  # out of the committed namespace at once; recovery finishes a delete cut short
             fsync_dir(job_dir(self.root, job))
-        shutil.rmtree(trash, ignore_errors=True)
+        threading.Thread(target=shutil.rmtree, args=(trash, True), name=f"ckptd-replace-{step}", daemon=True).start()
         self.steps.drop((job, step))
         self.pool.forget_held(job, step)
         log.info("job %s: step %s replaced by a run rolled back to step %s (its old line is abandoned)", job, step, after)

@@ -37,6 +37,7 @@ class StepTrack:
     path: str | None = None  # where the durable step is: a directory, or the bucket's URL
     run: int | None = None  # the launch its first commit named
     abandoned: bool = False  # failed because its ranks moved on without it: a new attempt may start afresh
+    recovered: bool = False  # adopted after a daemon crash: ranks that had not committed never will
 
     @property
     def all_committed(self) -> bool:
@@ -61,7 +62,7 @@ class StepTable:
 
     def adopt(self, key: StepKey, world_size: int, local_world_size: int = 0) -> StepTrack:
         """The track of ``key``, made if new (crash recovery: shards and fragments a previous run left)."""
-        return self.tracks.setdefault(key, StepTrack(world_size, local_world_size))
+        return self.tracks.setdefault(key, StepTrack(world_size, local_world_size, recovered=True))
 
     def check_commit(self, key: StepKey, rank: int, world_size: int, local_world_size: int) -> StepTrack:
         """Check a rank's commit against what other ranks of the step said; ``ProtocolError`` if it
