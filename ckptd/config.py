@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 # the client
 CLIENT_TIMEOUT_S = 30.0  # CKPTD_TIMEOUT: each request to the daemon
-COLLECTIVE_TIMEOUT_S = 300.0  # CKPTD_COLLECTIVE_TIMEOUT: a rank waits this long for the others at snapshot()/prepare()
+COLLECTIVE_TIMEOUT_S = 1800.0  # CKPTD_COLLECTIVE_TIMEOUT: a rank waits this long for the others at snapshot()/prepare()
 ALLOC_TIMEOUT_S = 600.0  # CKPTD_ALLOC_TIMEOUT: an alloc held back while the memory budget is full
 
 # the daemon (ckptd serve): see DaemonConfig for the settable ones
@@ -102,6 +102,25 @@ def trusted_group() -> str | None:
 _UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
+_LOCAL_RANK_RE = re.compile(r"--local[-_]rank(=.*)?")
+
+
+def _same_on_every_rank(args: list[str]) -> list[str]:
+    """The arguments without the per-process ``--local-rank N`` that torch.distributed.launch and
+    DeepSpeed's launcher add (every rank must derive the same job name)."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        m = _LOCAL_RANK_RE.fullmatch(a)
+        if m:
+            skip = m.group(1) is None  # "--local-rank N": drop N too
+            continue
+        out.append(a)
+    return out
+
+
 def default_job(argv: list[str] | None = None, cwd: str | None = None) -> str:
     """The job name when none is given: one that is stable across relaunches of the same run and
     differs between different runs, or a :class:`CheckpointError` saying how to set one.
@@ -110,8 +129,9 @@ def default_job(argv: list[str] | None = None, cwd: str | None = None) -> str:
     2. torchrun's ``--rdzv-id`` (``TORCHELASTIC_RUN_ID``) when the user chose it: not ``none`` (plain
        ``torchrun``) and not the random UUID ``torchrun --standalone`` draws for every launch.
     3. On one node: ``<script>-<8 hex>``, the script's name and a hash of its real path, the working
-       directory and the arguments: relaunching the same command in the same directory resumes, a
-       run with other arguments or in another directory is another job.
+       directory and the arguments (less a launcher's per-process ``--local-rank``): relaunching the
+       same command in the same directory resumes, a run with other arguments or in another directory
+       is another job.
     Refused: a job spanning nodes without 1 or 2 (paths may differ between nodes, and every node must
     name the job alike), and an interactive session or ``python -c`` (no script to name it by).
     """
@@ -132,7 +152,7 @@ def default_job(argv: list[str] | None = None, cwd: str | None = None) -> str:
     if not script or script == "-c" or not os.path.isfile(script):
         raise CheckpointError(f"ckptd cannot name the job after a script (this is an interactive session or python -c): {how}")
     real = os.path.realpath(script)
-    digest = hashlib.sha256(json.dumps([real, cwd or os.getcwd(), argv[1:]]).encode()).hexdigest()[:8]
+    digest = hashlib.sha256(json.dumps([real, cwd or os.getcwd(), _same_on_every_rank(argv[1:])]).encode()).hexdigest()[:8]
     stem = re.sub(r"[^A-Za-z0-9._-]", "_", os.path.splitext(os.path.basename(real))[0]).lstrip("._-")[:48] or "job"
     return validate_job(f"{stem}-{digest}")
 

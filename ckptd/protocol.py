@@ -99,7 +99,7 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
 }
 # fields a request may leave out, and what they then are
 OPTIONAL: dict[str, dict[str, tuple[tuple[type, ...], Any]]] = {
-    # the step this client last restored or saved: a rolled-back run may save a step number again
+    # the step this client restored: a rolled-back run may save the numbers after it again
     # this launch's id (all its ranks share it): the daemon refuses a second live run saving the same job
     "commit": {"after": ((int, type(None)), None), "run": ((int, type(None)), None)},
 }

@@ -241,7 +241,10 @@ def _numpy_value(v: dict[str, Any], resolve: Callable[[str], Any], dec: Callable
         return t.numpy() if isinstance(t, torch.Tensor) and t.device.type == "cpu" else t
     if v.get("dtype") not in NUMPY_SCALARS:
         raise FormatError(f"unknown numpy scalar type {v.get('dtype')!r} in the saved tree")
-    return np.array(dec(v["value"], depth + 1), dtype=v["dtype"])[()]
+    try:
+        return np.array(dec(v["value"], depth + 1), dtype=v["dtype"])[()]
+    except (OverflowError, ValueError, TypeError) as e:
+        raise FormatError(f"the saved numpy {v['dtype']} {v['value']!r} is not one: {e}") from None
 
 
 def _hashable(k: Any) -> Any:

@@ -6,9 +6,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
 import torch.distributed as dist
-from _models import full_state, train_step
-from _workers import _load_expected, _save_expected, build
+from _models import full_state, make, train_step
+from _workers import _load_expected, _save_expected, build, wrap
 
 import ckptd
 
@@ -78,3 +79,28 @@ def restore_and_compare(rank: int, world: int, endpoint: str, job: str, expected
         step = c.restore(model, optim, hot=False).step
     want, got = _load_expected(expected), full_state(model, optim)
     return {"step": step, "same": want.keys() == got.keys() and all(want[k].equal(got[k]) for k in want)}
+
+
+def restore_into_a_model_one_rank_extended(rank: int, world: int, endpoint: str, job: str) -> dict[str, Any]:
+    """Rank 1's model has a buffer the checkpoint lacks: both ranks get the same error (rank 0 does not
+    go on alone)."""
+    model, optim = build("ddp")
+    train_step(model, optim, rank)
+    with ckptd.Client(endpoint=endpoint, job=job) as c:
+        c.snapshot(model, optim, step=1, blocking=True).wait(60)
+        inner, _ = make(seed=3)
+        if rank == 1:
+            inner.register_buffer("extra_stat", torch.zeros(2))
+        other = wrap("ddp", inner)
+        err = _error(lambda: c.restore(other, torch.optim.AdamW(other.parameters())))
+    return {"error": err}
+
+
+def bad_extra_on_one_rank(rank: int, world: int, endpoint: str, job: str) -> dict[str, Any]:
+    """Rank 1's extra holds a set: rank 1 gets its own error, rank 0 one naming rank 1, at once."""
+    model, optim = build("fsdp2")
+    train_step(model, optim, rank)
+    with ckptd.Client(endpoint=endpoint, job=job) as c:
+        err = _error(lambda: c.snapshot(model, optim, step=1, extra={"seen": {1, 2}} if rank == 1 else {}))
+        ok = c.snapshot(model, optim, step=2, blocking=True).wait(60)  # the ranks are still in step
+    return {"error": err, "then": ok}

@@ -241,6 +241,10 @@ def test_without_a_name_the_job_is_the_script_run_in_its_directory(
     assert default_job([str(script), "--lr", "1e-3"], cwd="/exp/1") == job
     others = {default_job([str(script), "--lr", "3e-4"], cwd="/exp/1"), default_job([str(script), "--lr", "1e-3"], cwd="/exp/2")}
     assert job not in others and len(others) == 2
+    # torch.distributed.launch and DeepSpeed give each rank its own --local-rank: every rank still agrees
+    for r in range(2):
+        assert default_job([str(script), f"--local-rank={r}", "--lr", "1e-3"], cwd="/exp/1") == job
+        assert default_job([str(script), "--local_rank", str(r), "--lr", "1e-3"], cwd="/exp/1") == job
 
 
 @pytest.mark.parametrize("argv", [[""], ["-c"], []])

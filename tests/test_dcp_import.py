@@ -120,3 +120,19 @@ def test_the_extra_of_a_ckptd_step_is_readable_through_dcp(daemon) -> None:  # n
     got = target["extra"]["0"]
     assert got["sched"] == sched.state_dict()
     assert torch.equal(got["rng"], extra["rng"]) and got["steps"].tolist() == [0, 1, 2, 3]
+
+
+def test_a_dcp_metadata_pointing_outside_its_directory_is_refused(short_tmp) -> None:  # noqa: ANN001
+    """A planted .metadata naming another user's file (any torch.save file the importer can read) as a data file."""
+    model, _, _ = _trained(1)
+    d = short_tmp / "traversal"
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(d), no_dist=True)
+    md = pickle.loads((d / ".metadata").read_bytes())
+    for info in md.storage_data.values():
+        info.relative_path = "../victim/__0_0.distcp"
+    (d / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(FormatError, match=r"points outside the checkpoint directory \('../victim/__0_0.distcp'\)"):
+        load_dcp(str(d))
+    (d / ".metadata").write_bytes(pickle.dumps({"not": "metadata"}))
+    with pytest.raises(FormatError, match="holds a dict, not DCP metadata"):
+        load_dcp(str(d))

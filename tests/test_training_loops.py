@@ -101,3 +101,57 @@ def test_restore_into_another_dtype_only_when_asked(daemon) -> None:  # noqa: AN
     assert fp32.inp.weight.dtype == torch.float32
     assert torch.equal(fp32.inp.weight, model.inp.weight.float())
     assert torch.equal(fp32.counter, model.counter), "integer tensors load as they are"
+
+
+def test_saved_optimizer_state_reaches_parameters_that_have_none_yet(daemon) -> None:  # noqa: ANN001
+    """Rolling back in a live process where some parameters never stepped, and a fresh optimizer whose
+    parameters already hold gradients (torch then gives it no state to load into)."""
+    model, optim = make()
+    for i in range(2):
+        train_step(model, optim, i)
+    want = full_state(model, optim)
+    with daemon.client("partial") as c:
+        c.snapshot(model, optim, step=2).wait(30)
+        live, lopt = make(seed=4)
+        live.out.weight.requires_grad_(False)
+        train_step(live, lopt, 0)  # out.weight has no optimizer state
+        live.out.weight.requires_grad_(True)
+        assert live.out.weight not in lopt.state
+        c.restore(live, lopt, step=2)
+        assert_same(full_state(live, lopt), want)
+        fresh, fopt = make(seed=5)
+        fresh(torch.ones(1, 16)).sum().backward()  # gradients, no optimizer state
+        c.restore(fresh, fopt)
+        assert_same(full_state(fresh, fopt), want)
+
+
+def test_a_tensor_of_another_size_is_an_error_even_when_not_strict(daemon) -> None:  # noqa: ANN001
+    model, _ = make()
+    with daemon.client("size") as c:
+        c.snapshot(model, step=1).wait(30)
+        wider = Net(h=48)
+        for strict in (True, False):
+            with pytest.raises(
+                CheckpointError, match=r"size mismatch for model/inp.weight: the checkpoint holds \[40, 16\], the target \[48, 16\]"
+            ):
+                c.restore(wider, strict=strict)
+
+
+def test_param_groups_are_matched_by_their_parameters_not_their_order(daemon) -> None:  # noqa: ANN001
+    torch.manual_seed(0)
+    model = Net()
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+    optim = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1, "lr": 1e-3}, {"params": rest, "weight_decay": 0.0, "lr": 2e-3}])
+    train_step(model, optim, 0)
+    with daemon.client("groups") as c:
+        c.snapshot(model, optim, step=1).wait(30)
+        other = Net()
+        swapped = torch.optim.AdamW(
+            [
+                {"params": [p for n, p in other.named_parameters() if not n.endswith("weight")], "weight_decay": 0.5, "lr": 1.0},
+                {"params": [p for n, p in other.named_parameters() if n.endswith("weight")], "weight_decay": 0.5, "lr": 1.0},
+            ]
+        )
+        c.restore(other, swapped)
+    assert [(g["weight_decay"], g["lr"]) for g in swapped.param_groups] == [(0.0, 2e-3), (0.1, 1e-3)]

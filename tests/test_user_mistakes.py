@@ -17,7 +17,15 @@ import numpy as np
 import pytest
 import torch
 from _dist import run_ranks
-from _mistakes import die_before_commit, different_steps, restore_and_compare, resume_and_save_again, snapshot_on_rank0_only
+from _mistakes import (
+    bad_extra_on_one_rank,
+    die_before_commit,
+    different_steps,
+    restore_and_compare,
+    restore_into_a_model_one_rank_extended,
+    resume_and_save_again,
+    snapshot_on_rank0_only,
+)
 from _models import make, train_step
 from conftest import REPO
 
@@ -176,6 +184,24 @@ def test_snapshot_on_rank_0_only_is_an_error_not_a_hang(daemon, monkeypatch: pyt
     assert time.monotonic() - t0 < 45
 
 
+@pytest.mark.multiproc
+def test_a_mistake_on_one_rank_is_every_ranks_error_at_once(daemon, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    monkeypatch.setenv("CKPTD_COLLECTIVE_TIMEOUT", "60")
+    t0 = time.monotonic()
+    outs = run_ranks(2, bad_extra_on_one_rank, daemon.endpoint, "one-bad", timeout=60)
+    assert "cannot checkpoint set at extra/1/seen" in outs[1]["error"]
+    assert "rank(s) [1] could not stage their state" in outs[0]["error"]
+    assert all(o["then"].endswith("step-2") for o in outs)
+    assert time.monotonic() - t0 < 40, "no rank waited for the collective timeout"
+
+
+@pytest.mark.multiproc
+def test_a_restore_that_fails_on_one_rank_fails_on_every_rank(daemon) -> None:  # noqa: ANN001
+    outs = run_ranks(2, restore_into_a_model_one_rank_extended, daemon.endpoint, "one-rank")
+    for o in outs:
+        assert "missing from the checkpoint: model/extra_stat" in o["error"], o
+
+
 # ----------------------------------------------------------------------------- runs and steps
 
 
@@ -192,14 +218,16 @@ def test_relaunch_after_a_crash_mid_step_never_mixes_two_runs(daemon, short_tmp)
     assert not (Path(daemon.root) / "mixed" / "step-4.tmp").exists()
 
 
-def test_rolling_back_then_saving_again_starts_a_new_line(daemon) -> None:  # noqa: ANN001
+def test_rolling_back_then_saving_again_starts_a_new_line(make_daemon) -> None:  # noqa: ANN001
+    daemon = make_daemon("--keep", "10")
     model, optim = make()
     with daemon.client("roll") as c:
         for i in range(4):
             train_step(model, optim, i)
             c.snapshot(model, optim, step=i + 1).wait(30)
-    with daemon.client("roll") as c:  # a fresh run must not overwrite step 3 by accident
-        with pytest.raises(CheckpointError, match="step 3 of job roll is already committed .*rolled back"):
+    with daemon.client("roll") as c:  # a fresh run must not overwrite step 3 by accident, even after saving others
+        c.snapshot(model, optim, step=9, blocking=True).wait(30)
+        with pytest.raises(CheckpointError, match="step 3 of job roll is already committed and this client restored no step.*rolled back"):
             c.snapshot(model, optim, step=3, blocking=True)
     with daemon.client("roll") as c:  # the loss spiked after step 2: go back and train on other data
         assert c.restore(model, optim, step=2).step == 2
@@ -207,6 +235,8 @@ def test_rolling_back_then_saving_again_starts_a_new_line(daemon) -> None:  # no
             train_step(model, optim, 100 + i)
             c.snapshot(model, optim, step=i + 1, blocking=True).wait(30)
         assert c.latest() == 4
+        with pytest.raises(CheckpointError, match="step 4 of job roll was already saved by this client since it restored step 2"):
+            c.snapshot(model, optim, step=4, blocking=True)
         fresh, fopt = make(seed=7)
         c.restore(fresh, fopt)
     assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters()))

@@ -54,6 +54,14 @@ def _check_step(step: object) -> None:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
 
 
+def _check_not_saved(client: Client, step: int) -> None:
+    if client._after is not None and step in client._saved:
+        raise CheckpointError(
+            f"step {step} of job {client.job} was already saved by this client since it restored step {client._after}:"
+            " saving it again would replace it"
+        )
+
+
 class SnapshotHandle:
     """One snapshot in flight. ``wait()`` blocks until the step is durable and returns its path.
 
@@ -153,7 +161,8 @@ class Client:
         self._closed = False
         self.early_copies = 0  # blocking snapshots whose copy overlapped the capture check (and held)
         self.last_restore: dict[str, Any] | None = None  # {step, path, source: memory | disk | bucket}
-        self._after: int | None = None  # the step last restored or saved: a rolled-back run may save a step number again
+        self._after: int | None = None  # the step restored through the daemon: a rolled-back run may save later numbers again
+        self._saved: set[int] = set()  # steps saved since that restore: saved again, they would replace this run's own
 
     def hello(self) -> dict[str, Any]:
         return self._rpc.call("hello")
@@ -183,6 +192,7 @@ class Client:
         """
         _check_step(step)
         self._guard.finish()  # the previous copy must end before we reuse the layout or slot
+        _check_not_saved(self, step)
         rank, world = dist_rank_world()
         early = self._early_copy(rank, world, step) if blocking else None
         try:
@@ -220,6 +230,7 @@ class Client:
         like :meth:`snapshot`."""
         _check_step(step)
         self._guard.finish()
+        _check_not_saved(self, step)
         rank, world = dist_rank_world()
         staged = self._stager.run_state(state, extra, rank, step)
         handle = SnapshotHandle(self, step)
@@ -337,7 +348,7 @@ class Client:
                 )
             self._rpc.call("commit", frames=(tree_json,), lease=self._leases[commit["segment"]], **commit)
             self._leases.pop(commit["segment"], None)
-            self._after = commit["step"]
+            self._saved.add(commit["step"])
         except BaseException as e:
             handle._error = e
             if not isinstance(e, DaemonUnavailable):
@@ -415,7 +426,7 @@ class Client:
             self.last_restore = restored(None, path, Source.DISK)
         else:
             extra, self.last_restore = restore_from_daemon(self._rpc, self.job, model, optim, rank, step=step, hot=hot, how=how)
-        self._after = extra.step  # saving the steps after it again starts a new line (rollback)
+            self._after, self._saved = extra.step, set()  # saving the steps after it again starts a new line (rollback)
         return extra
 
     def close(self) -> None:

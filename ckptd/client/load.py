@@ -11,9 +11,11 @@ entry). ``strict`` (the default), like ``load_state_dict``: a target tensor the 
 (*missing*) or a saved model tensor or optimizer entry that no rank's target has (*unexpected*) is a
 :class:`CheckpointError` listing them. ``strict=False`` loads the intersection: a missing tensor
 keeps the target's value (a new head), a parameter without saved optimizer state ends without state
-(as a fresh optimizer has), and :class:`Restored` lists both. With torch.distributed initialized and
-more than one rank, which saved keys are unexpected is agreed with one ``all_gather_object`` (every
-MoE rank holds only its own experts): a restore is then collective, every rank calls it.
+(as a fresh optimizer has), and :class:`Restored` lists both. A strict restore with torch.distributed
+initialized and more than one rank is collective: one ``all_gather_object`` agrees which saved keys no
+rank holds (every MoE rank holds only its own experts), unites the missing ones, and makes one rank's
+failure every rank's. ``strict=False`` makes no collective and lists what this rank saw.
+A saved tensor whose global shape differs from the target's is always an error.
 
 An optimizer is given state to load into only when the checkpoint holds some: a checkpoint taken
 before the first step restores an optimizer without state, as ``optim.state_dict()`` had it.
@@ -28,12 +30,15 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
+from ..format import dtype_from_name
 from ..state import TAG, join_key, local_chunks, split_key, unflatten
 from ..tools.verify import stale_warning
 from .capture import no_optimizer_init
+from .plan import Arrivals
 from .reader import CheckpointReader, resolve_step_dir
 
 _MISSING = object()
+_ARRIVALS = Arrivals("restore")  # one count per process: every rank restores as often as the others
 LISTED = 20  # keys named in an error message; the rest are counted
 
 
@@ -83,6 +88,7 @@ class _Saved:
         self.tensors = reader.manifest["tensors"]
         self.optim_state: dict[str, Any] = {}  # fqn -> its saved state entries (a tree node)
         self.optim_params: set[str] = set()
+        self.groups: list[dict[str, Any]] = []  # the saved param groups (tree nodes), from the first tree with some
         for t in self.trees:
             o = t.get("optim")
             if not isinstance(o, dict):
@@ -91,9 +97,10 @@ class _Saved:
             if isinstance(st, dict) and TAG not in st:
                 for fqn, entries in st.items():
                     self.optim_state.setdefault(fqn, entries)
-            for g in o.get("param_groups") or []:
-                ps = g.get("params") if isinstance(g, dict) else None
-                self.optim_params.update(p for p in ps or [] if isinstance(p, str))
+            groups = [g for g in o.get("param_groups") or [] if isinstance(g, dict) and TAG not in g]
+            self.groups = self.groups or groups
+            for g in groups:
+                self.optim_params.update(p for p in g.get("params") or [] if isinstance(p, str))
 
     def has(self, part: str) -> bool:
         return any(part in t for t in self.trees)
@@ -104,6 +111,10 @@ class _Saved:
             if node is not _MISSING:
                 return node
         return _MISSING
+
+    def entries(self, fqn: str) -> dict[str, Any]:
+        have = self.optim_state.get(fqn)
+        return have if isinstance(have, dict) and TAG not in have else {}
 
 
 class _Loader:
@@ -117,17 +128,19 @@ class _Loader:
     def build(self, v: Any, path: tuple[str, ...]) -> Any:
         if isinstance(v, torch.Tensor):
             key = join_key(path)
-            if key not in self.saved.tensors:
+            ent = self.saved.tensors.get(key)
+            if ent is None:
                 self.missing.append(key)  # the target keeps its own value
                 return v
             for ch in local_chunks(key, v):
+                if list(ch.global_shape) != ent["shape"]:
+                    want = list(ch.global_shape)
+                    raise CheckpointError(f"size mismatch for {key}: the checkpoint holds {ent['shape']}, the target {want}")
                 self.reader.read_into(key, ch.tensor, ch.offsets, cast=self.cast)
             return v
         if isinstance(v, dict):
             return {k: self.build(x, path + (str(k),)) for k, x in v.items()}
         if isinstance(v, (list, tuple)):
-            if path[:2] == ("optim", "param_groups") and path[-1] == "params":
-                return v  # which parameters a group holds stays the target's
             out = [self.build(x, path + (str(i),)) for i, x in enumerate(v)]
             return tuple(out) if isinstance(v, tuple) else out
         node = self.saved.node(path)
@@ -138,35 +151,93 @@ class _Loader:
         self.unexpected += [k for k in self.saved.tensors if k.startswith("model/") and split_key(k)[1] not in msd]
         return out
 
-    def optim(self, osd: dict[str, Any]) -> dict[str, Any]:
+    def optim(self, osd: dict[str, Any], msd: dict[str, Any]) -> dict[str, Any]:
         saved = self.saved
+        params = [p for g in osd.get("param_groups", []) for p in g.get("params", [])]
+        targets = set(params)
         state = {}
-        for fqn, entries in osd.get("state", {}).items():
+        for fqn in dict.fromkeys([*osd.get("state", {}), *params]):  # the target's order
+            entries = osd.get("state", {}).get(fqn)
             if fqn in saved.optim_state:
-                have = saved.optim_state[fqn]
-                for name in have if isinstance(have, dict) and TAG not in have else ():
-                    if name not in entries:
-                        self.unexpected.append(join_key(("optim", "state", fqn, name)))
+                if entries is None:  # no state in the target yet (never stepped, or torch did not make it)
+                    entries = self._fresh_entries(fqn, msd.get(fqn))
+                self.unexpected += [join_key(("optim", "state", fqn, n)) for n in saved.entries(fqn) if n not in entries]
                 state[fqn] = self.build(entries, ("optim", "state", fqn))
-            elif fqn not in saved.optim_params:
+            elif fqn not in saved.optim_params and entries is not None:
                 self.missing.append(join_key(("optim", "state", fqn)))  # a new parameter: it starts without state
-        # a saved parameter without state (it never had a gradient) gets none: dropped from ``state``
-        targets = {p for g in osd.get("param_groups", []) for p in g.get("params", [])}
-        self.unexpected += [join_key(("optim", "state", f)) for f in saved.optim_state if f not in targets]
-        groups = self.build(osd.get("param_groups", []), ("optim", "param_groups"))
+        # a saved parameter without state (it never had a gradient) gets none: left out of ``state``
+        for f in saved.optim_state:
+            if f not in targets:  # entry by entry: on another rank (MoE) the parameter may be there with other entries
+                self.unexpected += [join_key(("optim", "state", f, n)) for n in saved.entries(f)] or [join_key(("optim", "state", f))]
+        groups = [self._group(i, g) for i, g in enumerate(osd.get("param_groups", []))]
         return {**{k: v for k, v in osd.items() if k not in ("state", "param_groups")}, "state": state, "param_groups": groups}
 
+    def _fresh_entries(self, fqn: str, param: Any) -> dict[str, Any]:
+        """Target buffers for the saved state of a parameter that has none yet: shaped (and sharded)
+        like the parameter, or scalars; what cannot be shaped so is missing."""
+        out: dict[str, Any] = {}
+        for name, node in self.saved.entries(fqn).items():
+            ent = self.saved.tensors.get(node.get("key")) if isinstance(node, dict) and node.get(TAG) == "tensor" else None
+            if ent is None:
+                out[name] = unflatten(node, self.reader.read_full)
+                continue
+            dtype = dtype_from_name(ent["dtype"])
+            try:
+                if not ent["shape"]:
+                    out[name] = torch.zeros((), dtype=dtype)
+                elif isinstance(param, torch.Tensor) and list(param.shape) == ent["shape"]:
+                    out[name] = torch.zeros_like(param, dtype=dtype)
+                else:
+                    raise TypeError("no parameter of that shape")
+            except (TypeError, RuntimeError, NotImplementedError):
+                self.missing.append(join_key(("optim", "state", fqn, name)))
+        return out
 
-def _agree_unexpected(local: list[str]) -> list[str]:
-    """The keys no rank's target has: those every rank found unexpected (collective when distributed)."""
+    def _group(self, i: int, target: dict[str, Any]) -> dict[str, Any]:
+        """Target group ``i`` with the hyperparameters of the saved group that holds its parameters
+        (by index when none does); which parameters it holds stays the target's."""
+        mine = set(target.get("params", []))
+        groups = self.saved.groups
+        best = max(range(len(groups)), key=lambda j: len(mine & set(groups[j].get("params") or [])), default=None)
+        if best is None or not mine & set(groups[best].get("params") or []):
+            best = i if i < len(groups) else None
+        if best is None:
+            return target
+        node = groups[best]
+        return {k: v if k == "params" or k not in node else unflatten(node[k], self.reader.read_full) for k, v in target.items()}
+
+
+def _agree(missing: list[str], unexpected: list[str], error: BaseException | None, strict: bool) -> tuple[list[str], list[str], list[int]]:
+    """Every rank's view, when torch.distributed runs more than one rank and the restore is strict: the
+    union of missing keys, the saved keys no rank's target has (those every rank found unexpected), and
+    the ranks that failed. One ``all_gather_object``, after every rank checked in (a restore on some
+    ranks only is an error, not a hang)."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return local
+    if not strict or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return missing, unexpected, []
+    _ARRIVALS.check("ckptd.restore()")
     every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, sorted(local))
-    common = set(every[0]).intersection(*every[1:])
-    return [k for k in local if k in common]
+    dist.all_gather_object(every, (None if error is None else str(error), sorted(missing), sorted(unexpected)))
+    failed = [r for r, (err, _, _) in enumerate(every) if err is not None]
+    all_missing = sorted({k for _, m, _ in every for k in m})
+    common = set(every[0][2]).intersection(*(u for _, _, u in every[1:]))
+    return all_missing, [k for k in unexpected if k in common], failed
+
+
+def _collapse(keys: list[str], saved: _Saved) -> list[str]:
+    """``optim/state/<fqn>`` for a parameter all of whose saved entries are listed, else the entries."""
+    out, listed = [], set(keys)
+    for k in keys:
+        parts = split_key(k)
+        if parts[:2] == ["optim", "state"] and len(parts) == 4:
+            whole = join_key(("optim", "state", parts[2]))
+            if all(join_key(("optim", "state", parts[2], n)) in listed for n in saved.entries(parts[2])):
+                if whole not in out:
+                    out.append(whole)
+                continue
+        out.append(k)
+    return out
 
 
 def _listed(keys: list[str]) -> str:
@@ -175,32 +246,47 @@ def _listed(keys: list[str]) -> str:
 
 
 def load_into(
-    reader: CheckpointReader, target_root: dict[str, Any], rank: int, *, strict: bool = True, cast: torch.dtype | None = None
+    reader: CheckpointReader,
+    target_root: dict[str, Any],
+    rank: int,
+    *,
+    strict: bool = True,
+    cast: torch.dtype | None = None,
 ) -> tuple[dict[str, Any], list[str], list[str]]:
     """Fill ``target_root`` (``model`` and optionally ``optim`` state dicts in the caller's layout)
-    from the checkpoint, in place; return it with the missing and unexpected keys."""
+    from the checkpoint, in place; return it with the missing and unexpected keys. Any rank's failure
+    is every rank's (strict, distributed): no rank goes on alone into a collective ``set_state_dict``."""
     saved = _Saved(reader, rank)
     loader = _Loader(reader, saved, cast)
     out: dict[str, Any] = {}
-    for part, sd in target_root.items():
-        if not saved.has(part):
-            if strict:
-                raise CheckpointError(f"the checkpoint at {reader.path} holds no {part} state (restore with strict=False to skip it)")
-            loader.missing.append(part)
-            continue
-        out[part] = loader.model(sd) if part == "model" else loader.optim(sd)
-    unexpected = _agree_unexpected(loader.unexpected)
-    if strict and (loader.missing or unexpected):
+    error: CheckpointError | None = None
+    try:
+        for part, sd in target_root.items():
+            if not saved.has(part):
+                if strict:
+                    raise CheckpointError(f"the checkpoint at {reader.path} holds no {part} state (restore with strict=False to skip it)")
+                loader.missing.append(part)
+                continue
+            out[part] = loader.model(sd) if part == "model" else loader.optim(sd, target_root.get("model", {}))
+    except CheckpointError as e:
+        error = e
+    missing, unexpected, failed = _agree(loader.missing, loader.unexpected, error, strict)
+    if error is not None:
+        raise error
+    if failed:
+        raise CheckpointError(f"restore failed on rank(s) {failed[:8]} (see their error); nothing was loaded on this rank")
+    unexpected = _collapse(unexpected, saved)
+    if strict and (missing or unexpected):
         why = []
-        if loader.missing:
-            why.append(f"missing from the checkpoint: {_listed(loader.missing)}")
+        if missing:
+            why.append(f"missing from the checkpoint: {_listed(missing)}")
         if unexpected:
             why.append(f"in the checkpoint but not in the model or optimizer: {_listed(unexpected)}")
         raise CheckpointError(
             f"the checkpoint at {reader.path} does not match the model: {'; '.join(why)}. "
             "restore(..., strict=False) loads what matches and returns the lists"
         )
-    return out, loader.missing, unexpected
+    return out, missing, unexpected
 
 
 def restore_state(

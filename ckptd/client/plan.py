@@ -11,12 +11,14 @@ Two user mistakes are caught here, before anything is copied: ranks that pass di
 rank raises the same :class:`CheckpointError`), and a call on some ranks only (``if rank == 0:
 snapshot(...)``), which would hang in the collective until the process group's timeout aborts it:
 before the collective every rank checks in at the process group's store and waits at most
-``CKPTD_COLLECTIVE_TIMEOUT`` seconds (300) for the others.
+``CKPTD_COLLECTIVE_TIMEOUT`` seconds (1800, as long as gloo's default; a warning each minute says how
+many ranks arrived) for the others.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 from datetime import timedelta
 from typing import Any
@@ -27,6 +29,9 @@ import xxhash
 
 from ..config import COLLECTIVE_TIMEOUT_S, env_float
 from ..errors import CheckpointError
+
+log = logging.getLogger("ckptd.client")
+WARN_EVERY_S = 60.0  # while ranks are missing at a collective of ckptd's
 
 ChunkId = tuple[str, tuple[int, ...], tuple[int, ...]]  # key, offsets, sizes
 
@@ -74,25 +79,38 @@ class Arrivals:
             return  # no store to check in at (another torch): the collective is all there is
         world, self.seq = dist.get_world_size(), self.seq + 1
         key = f"ckptd/{self.scope}/arrive/{self.seq}"
-        timeout = env_float("CKPTD_COLLECTIVE_TIMEOUT", COLLECTIVE_TIMEOUT_S)
         if store.add(key, 1) == world:
             store.set(key + "/all", b"1")
         else:
-            try:
-                store.wait([key + "/all"], timedelta(seconds=timeout))
-            except (RuntimeError, dist.DistError) as e:
-                came = store.add(key, 0)
-                raise CheckpointError(
-                    f"{what} on rank {dist.get_rank()}: only {came} of {world} ranks called it within {timeout:g} s"
-                    f" (CKPTD_COLLECTIVE_TIMEOUT). ckptd.prepare() and ckptd.snapshot() are collective: call them on every"
-                    f" rank, with the same step, never under `if rank == 0`"
-                ) from e
+            self._wait(store, key, world, what, env_float("CKPTD_COLLECTIVE_TIMEOUT", COLLECTIVE_TIMEOUT_S))
         if dist.get_rank() == 0 and self.seq > 1:  # every rank is past the previous check: its keys are done
             for k in (f"ckptd/{self.scope}/arrive/{self.seq - 1}", f"ckptd/{self.scope}/arrive/{self.seq - 1}/all"):
                 try:
                     store.delete_key(k)
                 except (RuntimeError, NotImplementedError):
                     pass
+
+    @staticmethod
+    def _wait(store: Any, key: str, world: int, what: str, timeout: float) -> None:
+        """Until every rank checked in; a warning each minute naming how many did, an error after ``timeout``."""
+        waited = 0.0
+        while True:
+            chunk = min(WARN_EVERY_S, timeout - waited)
+            try:
+                store.wait([key + "/all"], timedelta(seconds=chunk))
+                return
+            except (RuntimeError, dist.DistError) as e:
+                waited += chunk
+                came = store.add(key, 0)
+                if waited >= timeout:
+                    raise CheckpointError(
+                        f"{what} on rank {dist.get_rank()}: only {came} of {world} ranks called it within {timeout:g} s"
+                        f" (CKPTD_COLLECTIVE_TIMEOUT). ckptd.prepare(), ckptd.snapshot() and a strict ckptd.restore() are"
+                        f" collective: call them on every rank, with the same step, never under `if rank == 0`"
+                    ) from e
+                log.warning(
+                    "%s on rank %d: %d of %d ranks arrived after %.0f s; waiting for the others", what, dist.get_rank(), came, world, waited
+                )
 
 
 class WritePlan:
@@ -106,13 +124,16 @@ class WritePlan:
         self.arrivals = Arrivals(scope)
         self.run = secrets.randbits(62) + 1  # this launch's id: every rank takes rank 0's (the daemon tells runs apart)
 
-    def mine(self, items: list[tuple[ChunkId, int]], step: int | None = None) -> tuple[set[ChunkId], set[ChunkId]]:
+    def mine(self, items: list[tuple[ChunkId, int]], step: int | None = None, failed: bool = False) -> tuple[set[ChunkId], set[ChunkId]]:
         """This rank's chunks to write, and those of its chunks that other ranks hold too. ``step``:
-        the snapshot's (``None`` for ``prepare``); every rank must pass the same.
+        the snapshot's (``None`` for ``prepare``); every rank must pass the same. ``failed``: this rank
+        could not stage its state; every rank then raises (this one its own error, by its caller).
 
         Collective over the default group: call on every rank.
         """
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            if failed:
+                return set(), set()  # nothing to agree on; the cached plan stays for the next snapshot
             if items is not self._items or self._mine is None:
                 self._items, self._mine, self._hashes = items, ({cid for cid, _ in items}, set()), None
             return self._mine
@@ -125,9 +146,12 @@ class WritePlan:
         world = dist.get_world_size()
         what = "ckptd.prepare()" if step is None else f"ckptd.snapshot(step={step})"
         self.arrivals.check(what)
-        mine = torch.tensor([h, -1 if step is None else step, self.run], dtype=torch.int64, device=dev)
+        mine = torch.tensor([h, -1 if step is None else step, self.run, int(failed)], dtype=torch.int64, device=dev)
         gathered = [torch.zeros_like(mine) for _ in range(world)]
         dist.all_gather(gathered, mine)
+        bad = [r for r, t in enumerate(gathered) if int(t[3].item())]
+        if bad:
+            raise CheckpointError(f"{what}: rank(s) {bad[:8]} could not stage their state (see their error); nothing was saved")
         _same_step([int(t[1].item()) for t in gathered], what)
         self.run = int(gathered[0][2].item())
         hashes = [int(t[0].item()) for t in gathered]

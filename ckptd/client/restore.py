@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .. import shm
-from ..errors import CheckpointError
+from ..errors import CheckpointError, FormatError
 from ..protocol import Source
 from .load import Restored, restore_state
 from .reader import CheckpointReader
@@ -77,8 +77,13 @@ def restore_from_daemon(
     if hot:
         held = rpc.call("hot_open", job=job, step=step, pid=os.getpid())
         if held["step"] is not None:
-            return _restore_hot(rpc, held, model, optim, rank, how)
-        log.info("restoring from disk: %s", held["reason"])
+            try:
+                return _restore_hot(rpc, held, model, optim, rank, how)
+            except FormatError as e:  # a segment reused or not what the manifest says: the disk has the step
+                log.warning("hot restore of step %s failed (%s): restoring from disk", held["step"], e)
+                step = held["step"]
+        else:
+            log.info("restoring from disk: %s", held["reason"])
     rep = fetch(rpc, job, step)
     extra = restore_state(rep["path"], model, optim, rank, **how)
     return extra, restored(rep["step"], rep["path"], Source.from_wire(rep["source"]))

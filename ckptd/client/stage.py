@@ -86,26 +86,28 @@ class Stager:
         self, tree: dict[str, Any], chunks: list[LocalChunk], reused: bool, extra: dict[str, Any] | None, rank: int, step: int | None
     ) -> Staged:
         extra_chunks: list[LocalChunk] = []
-        if extra is not None:
-            if not isinstance(extra, dict):
-                raise UnsupportedState(f"extra must be a dict, got {type(extra).__name__}")
-            extra_tree, extra_chunks = flatten({"extra": {str(rank): extra}}, ordered=True)
-            _check_extra_size(extra_tree)
-            tree = {**tree, **extra_tree}
-        extra_sig = tuple((c.key, c.tensor.dtype, c.sizes) for c in extra_chunks)
-        st = self.stage
-        cached = st if reused and st is not None and st.chunks is chunks and st.extra_sig == extra_sig else None
-        if cached is not None:
-            items = cached.items
-        else:
-            for ch in chunks + extra_chunks:
-                if ch.tensor.dtype not in COPYABLE:
-                    raise UnsupportedState(
-                        f"tensor {ch.key!r} has dtype {ch.tensor.dtype}, which ckptd cannot store"
-                        f" (it stores {', '.join(sorted(str(d).removeprefix('torch.') for d in COPYABLE))})"
-                    )
-            items = [((c.key, c.offsets, c.sizes), c.nbytes) for c in chunks + extra_chunks]
-        mine, shared = self._plan.mine(items, step)  # every rank, every snapshot: the plan's collective
+        cached: Stage | None = None
+        items: list[tuple[ChunkId, int]] = []
+        error: BaseException | None = None
+        try:  # what only this rank can get wrong: every rank hears of it at the collective, none waits
+            if extra is not None:
+                tree, extra_chunks = _with_extra(tree, extra, rank)
+            extra_sig = tuple((c.key, c.tensor.dtype, c.sizes) for c in extra_chunks)
+            st = self.stage
+            cached = st if reused and st is not None and st.chunks is chunks and st.extra_sig == extra_sig else None
+            if cached is None:
+                _check_dtypes(chunks + extra_chunks)
+            items = cached.items if cached is not None else [((c.key, c.offsets, c.sizes), c.nbytes) for c in chunks + extra_chunks]
+        except (CheckpointError, TypeError, ValueError) as e:
+            error = e
+        try:
+            mine, shared = self._plan.mine(items, step, failed=error is not None)  # every rank, every snapshot: the collective
+        except CheckpointError:
+            if error is not None:
+                raise error from None
+            raise
+        if error is not None:
+            raise error
         if cached is not None and mine is not cached.mine:
             cached = None  # another rank's layout changed and the plan with it: what this rank writes may differ
         # every holder of a replicated chunk reports a digest of its copy: the daemon refuses a step whose
@@ -145,6 +147,23 @@ class Stager:
             self.layout = build_layout(list(key))
             self._layout_key = key
         return self.layout
+
+
+def _with_extra(tree: dict[str, Any], extra: Any, rank: int) -> tuple[dict[str, Any], list[LocalChunk]]:
+    if not isinstance(extra, dict):
+        raise UnsupportedState(f"extra must be a dict, got {type(extra).__name__}")
+    extra_tree, extra_chunks = flatten({"extra": {str(rank): extra}}, ordered=True)
+    _check_extra_size(extra_tree)
+    return {**tree, **extra_tree}, extra_chunks
+
+
+def _check_dtypes(chunks: list[LocalChunk]) -> None:
+    for ch in chunks:
+        if ch.tensor.dtype not in COPYABLE:
+            raise UnsupportedState(
+                f"tensor {ch.key!r} has dtype {ch.tensor.dtype}, which ckptd cannot store"
+                f" (it stores {', '.join(sorted(str(d).removeprefix('torch.') for d in COPYABLE))})"
+            )
 
 
 def _check_extra_size(extra_tree: dict[str, Any]) -> None:

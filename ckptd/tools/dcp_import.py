@@ -89,14 +89,23 @@ def load_dcp(path: str) -> dict[str, Any]:
 def _read_metadata(path: str) -> Any:
     if not os.path.isdir(path):
         raise CheckpointError(f"{path} is not a directory (a DCP checkpoint is a directory with a .metadata file)")
+    from torch.distributed.checkpoint.metadata import Metadata
+
     md_path = os.path.join(path, ".metadata")
     try:
         with open(md_path, "rb") as f:
-            return _MetadataUnpickler(f).load()
+            md = _MetadataUnpickler(f).load()
     except FileNotFoundError:
         raise CheckpointError(f"{path} is not a DCP checkpoint: it has no .metadata") from None
-    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError, IndexError) as e:
-        raise FormatError(f"{md_path} is not readable DCP metadata: {e}") from None
+    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError, IndexError, KeyError) as e:
+        raise FormatError(f"{md_path} is not readable DCP metadata: {e!r}") from None
+    if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
+        raise FormatError(f"{md_path} holds a {type(md).__name__}, not DCP metadata")
+    for info in (md.storage_data or {}).values():
+        rel = str(getattr(info, "relative_path", ""))
+        if not rel or os.path.basename(rel) != rel or rel in (".", ".."):  # data files only in the checkpoint's directory
+            raise FormatError(f"{md_path} points outside the checkpoint directory ({rel!r}): refusing to read it")
+    return md
 
 
 def _nest_optimizer(osd: dict[str, Any]) -> dict[str, Any]:
