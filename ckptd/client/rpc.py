@@ -81,7 +81,7 @@ def _listening(endpoint: str, path: str, op: str | None) -> None:
             " is `ckptd serve` running?"
         ) from None
     except OSError:
-        pass  # anything else (a timeout under load): let the request itself find out
+        return  # anything else (a timeout under load): let the request itself find out
     finally:
         probe.close()
 
