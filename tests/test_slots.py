@@ -268,3 +268,32 @@ def test_a_lease_of_a_process_the_kernel_cannot_name_waits_for_the_timeout(env: 
     assert slot.state is SlotState.LEASED
     pool.reap(env["clock"].now + 101)
     assert slot.state is SlotState.FREE
+
+
+# ----------------------------------------------------------------------------- growth off the loop
+
+
+def _growing_pool(env: dict[str, Any], budget: int) -> tuple[SlotPool, list[tuple[int, int]]]:
+    asked: list[tuple[int, int]] = []
+    grant = lambda i, m, r: env["grants"].append((i, m, r))  # noqa: E731
+    segments = shm.SegmentDir(env["root"])
+    return SlotPool(segments, budget, on_grant=grant, clock=env["clock"], grow=lambda need, token: asked.append((need, token))), asked
+
+
+def test_a_new_segment_is_made_off_the_loop_and_goes_to_the_rank_that_needed_it(env: dict[str, Any]) -> None:
+    A = shm.ALIGN
+    pool, asked = _growing_pool(env, 8 * A)
+    assert pool.request(b"r0", _req(rank=0, nbytes=3 * A)) is None  # deferred while the grower makes it
+    assert pool.request(b"r1", _req(rank=1, nbytes=A)) is None
+    assert [need for need, _ in asked] == [3 * A, A]
+    assert pool.bytes_held() == 4 * A, "segments being made count in the budget"
+    assert pool.request(b"r2", _req(rank=2, nbytes=5 * A)) is None and len(asked) == 2, "over budget: waits, asks for nothing"
+    name, size = pool.segments.create(A)  # the grower's work, for rank 1 first
+    pool.created(asked[1][1], name, size)
+    assert [(i, r.name) for i, _, r in env["grants"]] == [(b"r1", name)]
+    assert pool.get(name).owner == ("j", 1) and pool.get(name).state is SlotState.LEASED
+    pool.created(asked[0][1], None, 3 * A, "No space left on device")
+    assert env["grants"][1][0] == b"r0" and "No space left on device" in str(env["grants"][1][2])
+    assert [ident for ident, _ in pool.deferred] == [b"r2"]
+    assert len(asked) == 3 and asked[2][0] == 5 * A, "the refused request's budget went to the one waiting"
+    assert pool.bytes_held() == 6 * A

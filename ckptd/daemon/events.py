@@ -35,6 +35,16 @@ class ShardPersisted:
 
 
 @dataclass(frozen=True)
+class SlotCreated:
+    """A grow thread made (or failed to make) a staging segment the slot pool asked for."""
+
+    token: int
+    name: str | None  # None: it failed
+    size: int
+    error: str | None = None
+
+
+@dataclass(frozen=True)
 class Uploaded:
     """The upload thread finished (or failed) one step's upload."""
 

@@ -34,8 +34,9 @@ from .access import Access
 from .admission import Admission
 from .catalog import StepCatalog
 from .completion import Completion
-from .events import ErrorReported, EventQueue, Fetched, LatestFound, ShardPersisted, Uploaded
+from .events import ErrorReported, EventQueue, Fetched, LatestFound, ShardPersisted, SlotCreated, Uploaded
 from .fetcher import Fetcher
+from .growth import Grower
 from .persister import Persister, lower_priority
 from .sdnotify import notify, watchdog_interval
 from .slots import Slot, SlotPool
@@ -90,7 +91,12 @@ class Daemon:
         self.steps = StepTable(self.catalog.complete_path)
         budget = config.shm_budget if config.shm_budget is not None else default_shm_budget()
         segments = shm.SegmentDir(self.root, file_mode=self.access.file_mode, gid=self.access.gid)
-        self.pool = SlotPool(segments, budget, on_grant=self._grant, lease_timeout=config.lease_timeout)
+        self.grower = Grower(segments, self.events)  # new segments are made off the loop
+        self.pool = SlotPool(segments, budget, on_grant=self._grant, lease_timeout=config.lease_timeout, grow=self.grower.submit)
+        self._wire(config, segments)
+
+    def _wire(self, config: DaemonConfig, segments: shm.SegmentDir) -> None:
+        """The components that persist, upload, fetch and complete steps, and the op and event tables."""
         self._req_peers: collections.OrderedDict[bytes, None] = collections.OrderedDict()  # REQ sockets: replies need a delimiter
         self._last_commit_ns: dict[str, int] = {}
         background = lower_priority(config.nice, config.idle_priority)  # persist and upload threads yield to training
@@ -128,6 +134,7 @@ class Daemon:
             Uploaded: self.completion.on_uploaded,
             Fetched: lambda ev: self._answer(self.fetcher.done(ev), report=ev.report),
             ErrorReported: lambda ev: self.counters.error(ev.message),
+            SlotCreated: lambda ev: self.pool.created(ev.token, ev.name, ev.size, ev.error),
             LatestFound: self._on_latest,
         }
 
@@ -204,15 +211,10 @@ class Daemon:
     def _check_endpoint(self) -> None:
         """Refuse an endpoint ckptd does not speak, an ipc endpoint whose directory is not the daemon's own,
         or one a live daemon serves."""
-        try:
-            validate_endpoint(self.endpoint)
-        except CheckpointError:
-            self._ctx.term()
-            raise
-        if not self.endpoint.startswith("ipc://"):
-            return
         path = self.endpoint[len("ipc://") :]
         try:
+            if not validate_endpoint(self.endpoint).startswith("ipc://"):
+                return
             self.access.make_socket_dir(path)
             if os.path.exists(path) and endpoint_answers(self._ctx, self.endpoint, 0.5):
                 raise CheckpointError(f"another daemon is already serving {self.endpoint}")
@@ -238,6 +240,7 @@ class Daemon:
         notify("STOPPING=1")
         log.info("shutting down: finishing %d pending persist(s)", self.steps.shards_in_flight())
         self.persister.shutdown()
+        self.grower.shutdown()  # segments still being made are adopted by the drain, then unlinked with the pool
         self._drain()
         if self.uploader is not None:
             log.info("shutting down: finishing %d queued upload(s)", len(self.uploader.backlog()) + (self.uploader.current is not None))

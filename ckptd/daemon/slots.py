@@ -5,7 +5,9 @@ A slot is ``free`` (reusable; it may still hold a persisted shard that a hot res
 that a persist thread is writing to disk. Leasing prefers the rank's own previous slot (the trainer
 keeps a warm mapping of it), then creates a segment if the budget allows, evicting free slots least
 recently used first, else reuses the smallest free slot that fits; when nothing fits the request is
-deferred (backpressure) and granted as soon as a slot frees up. Hot restores pin the slots they read.
+deferred (backpressure) and granted as soon as a slot frees up. In the daemon a new segment is made off
+the loop (:mod:`.growth`): the request that needs it waits for it like a deferred one. Hot restores pin
+the slots they read.
 
 Main thread only (the daemon's loop). Grants of deferred requests go out through ``on_grant``, so the
 pool needs no socket: a test passes a list's ``append``.
@@ -80,12 +82,16 @@ class SlotPool:
         clock: Callable[[], float] = time.monotonic,
         alive: Callable[[int], bool] = pid_alive,
         lease_timeout: float = LEASE_TIMEOUT_S,
+        grow: Callable[[int, int], None] | None = None,
     ) -> None:
+        """``grow(need, token)``: make a segment off the loop and report it to :meth:`created`; without
+        it (unit tests) segments are made in place."""
         self.segments, self.budget, self.lease_timeout = segments, budget, lease_timeout
         self._on_grant = on_grant or (lambda ident, msg, result: None)
-        self._clock, self._alive = clock, alive
+        self._clock, self._alive, self._grow = clock, alive, grow
         self.slots: dict[str, Slot] = {}
         self.deferred: list[tuple[bytes, dict[str, Any]]] = []  # (ident, alloc request) waiting for memory
+        self.growing: dict[int, int] = {}  # grow token -> bytes being made off the loop (counted in the budget)
 
     def __iter__(self) -> Iterator[Slot]:
         return iter(list(self.slots.values()))
@@ -117,7 +123,7 @@ class SlotPool:
         if slot is None and used + rounded > self.budget:
             slot = min(free, key=lambda s: s.size, default=None)
         if slot is None:
-            slot = self._create(need, rounded, used)
+            slot = self._create(need, rounded, used, msg)
             if slot is None:
                 return None
         slot.state, slot.owner, slot.pid, slot.used_at = SlotState.LEASED, owner, msg["pid"] or None, self._clock()
@@ -125,14 +131,22 @@ class SlotPool:
         slot.lease = {k: msg[k] for k in LEASE_FIELDS}
         return slot
 
-    def _create(self, need: int, rounded: int, used: int) -> Slot | None:
-        """A new segment, after evicting free slots (least recently used first) until it fits."""
+    def _create(self, need: int, rounded: int, used: int, msg: dict[str, Any]) -> Slot | None:
+        """A new segment, after evicting free slots (least recently used first) until it fits; with a
+        grower, asked for off the loop (the request waits for :meth:`created`, once)."""
+        if self._grow is not None and "_growing" in msg:
+            return None  # its segment is on the way
         for victim in sorted((s for s in self.slots.values() if s.state is SlotState.FREE and not s.pins), key=lambda s: s.used_at):
             if used + rounded <= self.budget:
                 break
             used -= victim.size
             self.unlink(victim)
         if used + rounded > self.budget:
+            return None
+        if self._grow is not None:
+            token = msg["_growing"] = secrets.randbits(62)
+            self.growing[token] = rounded
+            self._grow(need, token)
             return None
         name, size = self.segments.create(need)
         slot = Slot(name, size)
@@ -167,6 +181,21 @@ class SlotPool:
     def free(self, slot: Slot) -> None:
         slot.state, slot.pid, slot.lease, slot.used_at = SlotState.FREE, None, None, self._clock()
         slot.token, slot.tree_bytes = None, 0
+        self.retry_deferred()
+
+    def created(self, token: int, name: str | None, size: int, error: str | None = None) -> None:
+        """A segment asked of the grower is made (``name``: it goes to the request that asked for it) or
+        failed (``error``: that request is refused); then every deferred request is tried again."""
+        self.growing.pop(token, None)
+        asked = [d for d in self.deferred if d[1].get("_growing") == token]
+        if name is not None:
+            owner = (asked[0][1]["job"], asked[0][1]["rank"]) if asked else None
+            self.slots[name] = Slot(name, size, owner=owner, used_at=self._clock())
+        else:
+            log.error("cannot make a staging segment of %d bytes: %s", size, error)
+            for ident, msg in asked:
+                self.deferred.remove((ident, msg))
+                self._on_grant(ident, msg, CheckpointError(f"cannot allocate {size} bytes of shared memory: {error}"))
         self.retry_deferred()
 
     def retry_deferred(self) -> None:
@@ -269,8 +298,9 @@ class SlotPool:
     # ------------------------------------------------------------------ for status
 
     def bytes_held(self) -> int:
-        """Segments, and the trees of committed slots the daemon holds until they are persisted."""
-        return sum(s.size + s.tree_bytes for s in self.slots.values())
+        """Segments (also those being made), and the trees of committed slots the daemon holds until they
+        are persisted."""
+        return sum(s.size + s.tree_bytes for s in self.slots.values()) + sum(self.growing.values())
 
     def summary(self) -> dict[str, Any]:
         states: dict[str, int] = {}
