@@ -108,16 +108,25 @@ class StepTable:
     def abandon_others(self, job: str, step: int, rank: int) -> list[tuple[StepKey, StepTrack]]:
         """``rank`` committed ``step``: abandon every other pending step of ``job`` that some rank never
         committed (see :mod:`.admission`). Returns them; their waiters are the caller's to answer."""
+
+        def why(s: int, t: StepTrack) -> str:
+            missing = sorted(set(range(t.world_size)) - t.committed)[:8]
+            return (
+                f"abandoned: rank {rank} committed step {step} before ranks {missing} committed step {s}"
+                " (they crashed, or called snapshot() with another step)"
+            )
+
+        return self._fail_incomplete(job, lambda s: s != step, why, abandoned=True)
+
+    def _fail_incomplete(
+        self, job: str, which: Callable[[int], bool], why: Callable[[int, StepTrack], str], *, abandoned: bool
+    ) -> list[tuple[StepKey, StepTrack]]:
+        """Fail the pending steps of ``job`` (those ``which`` picks) that some rank never committed."""
         out = []
         for (j, s), t in list(self.tracks.items()):
-            if j == job and s != step and t.state is StepState.PENDING and not t.all_committed:
-                missing = sorted(set(range(t.world_size)) - t.committed)[:8]
-                why = (
-                    f"abandoned: rank {rank} committed step {step} before ranks {missing} committed step {s}"
-                    " (they crashed, or called snapshot() with another step)"
-                )
-                if self.abandon((j, s), why):
-                    out.append(((j, s), t))
+            if j == job and which(s) and t.state is StepState.PENDING and not t.all_committed:
+                t.state, t.error, t.abandoned = StepState.FAILED, why(s, t), abandoned
+                out.append(((j, s), t))
         return out
 
     def fail(self, key: StepKey, error: str) -> bool:
@@ -135,12 +144,8 @@ class StepTable:
     def supersede(self, job: str, step: int) -> list[tuple[StepKey, StepTrack]]:
         """Step ``step`` of ``job`` completed: fail older pending steps some rank never committed (they
         can no longer complete). Returns them; their waiters are the caller's to answer."""
-        out = []
-        for (j, s), t in list(self.tracks.items()):
-            if j == job and s < step and t.state is StepState.PENDING and not t.all_committed:
-                t.state, t.error = StepState.FAILED, f"superseded: step {step} was committed before every rank committed step {s}"
-                out.append(((j, s), t))
-        return out
+        why = lambda s, t: f"superseded: step {step} was committed before every rank committed step {s}"  # noqa: E731
+        return self._fail_incomplete(job, lambda s: s < step, why, abandoned=False)
 
     def forget_finished(self, job: str) -> None:
         """Keep the newest finished tracks of ``job`` (even those retention removed from disk); never one
