@@ -62,6 +62,8 @@ def _format_jobs(jobs: dict[str, Any]) -> list[str]:
     for job, info in sorted(jobs.items()):
         cell = {k: "-" if info.get(k) is None else str(info[k]) for k in ("latest", "uploaded", "in_memory")}
         flight = ", ".join(map(str, sorted(info.get("in_flight") or []))) or "-"
+        only = info.get("memory_only") or []
+        flight += f"  (memory only: {', '.join(map(str, only))})" if only else ""
         lines.append(f"{job:<24} {cell['latest']:>8} {cell['uploaded']:>9} {cell['in_memory']:>10}  {flight}")
     return lines
 
@@ -109,6 +111,12 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="seconds a slot may stay leased, uncommitted, before it is reclaimed (default 3600)",
     )
+    s.add_argument("--persist-every", type=int, default=None, help="persist one snapshot in N; the others stay in memory (default 1)")
+    s.add_argument("--persist-interval", type=float, default=None, help="also persist the first snapshot T seconds after the last (0: off)")
+    s.add_argument(
+        "--lagging", choices=("memory", "wait"), default=None,
+        help="a snapshot due for disk while the disk is busy: queue it (wait, default) or keep it in memory, persist the newest later",
+    )  # fmt: skip
     s.add_argument(
         "--idle-priority",
         action=argparse.BooleanOptionalAction,
@@ -244,18 +252,21 @@ def _ls(args: argparse.Namespace) -> int:
     from .storage.local import latest_step, steps_by_commit
     from .validate import read_manifest
 
-    root = args.root
+    root, memory = args.root, {}
     if root is None:
         from .client.rpc import Channel
 
         try:
             with Channel(args.endpoint or default_endpoint(), STATUS_TIMEOUT_S) as rpc:
                 root = rpc.call("hello")["root"]
+                memory = {j: info.get("memory_only", []) for j, info in rpc.call("status")["jobs"].items()}
         except CheckpointError as e:
             print(f"ckptd ls: no --root given and {e}", file=sys.stderr)
             return 1
     print(f"{'job':<20} {'step':>8} {'size':>10} {'ranks':>5}  {'layout':<34} created")
-    for j in [args.job] if args.job else list_jobs(root):
+    for j in [args.job] if args.job else sorted(set(list_jobs(root)) | {j for j, steps in memory.items() if steps}):
+        for step in memory.get(j, []):
+            print(f"{j:<20} {step:>8}  memory only (the daemon holds it in shared memory; not persisted)")
         latest = latest_step(root, j)[0]
         for step in steps_by_commit(root, j):  # oldest commit first: after a rollback the latest is not the highest
             try:

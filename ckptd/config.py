@@ -235,13 +235,17 @@ class DaemonConfig:
     remote_keep_every: int = REMOTE_KEEP_EVERY  # ...plus every Nth step, forever (0: none)
     commit_timeout: float = COMMIT_TIMEOUT_S  # multi-node: seconds to wait for the other nodes' shards
     lease_timeout: float = LEASE_TIMEOUT_S  # a slot leased but neither committed nor released is taken back after this
+    persist_every: int = 1  # tiering (daemon/tiering.py): persist one snapshot in N, the others stay in memory only...
+    persist_interval: float = 0.0  # ...and the first one T seconds after the last persisted one (0: no time rule)
+    lagging: str = "wait"  # a snapshot due for disk while the disk is busy: "wait" (queued for disk) or "memory" (kept in memory)
 
 
 SERVE_KEYS = (
     "root", "endpoint", "shm_budget", "keep", "workers", "write_rate_limit", "nice", "log_level", "group", "metrics_port", "idle_priority",
-    "lease_timeout",
+    "lease_timeout", "persist_every", "persist_interval", "lagging",
 )  # fmt: skip
-_STR_KEYS = ("root", "endpoint", "log_level", "group")
+_STR_KEYS = ("root", "endpoint", "log_level", "group", "lagging")
+_FLOAT_KEYS = ("lease_timeout", "persist_interval")
 _SIZE_KEYS = ("shm_budget", "write_rate_limit")
 # the [remote] table holds the bucket's RemoteConfig and these, the bucket's retention and the multi-node wait
 _REMOTE_TIER_KEYS = {"keep": ("remote_keep", 1), "keep_every": ("remote_keep_every", 0), "commit_timeout": ("commit_timeout", 1)}
@@ -258,6 +262,9 @@ def _from_env() -> dict[str, Any]:
         "metrics_port": env_int("CKPTD_METRICS_PORT", 0),
         "idle_priority": _env("CKPTD_IDLE_PRIORITY", True, _parse_bool, "a boolean (1/0, true/false, yes/no)"),
         "lease_timeout": env_float("CKPTD_LEASE_TIMEOUT", LEASE_TIMEOUT_S),
+        "persist_every": env_int("CKPTD_PERSIST_EVERY", 1),
+        "persist_interval": env_float("CKPTD_PERSIST_INTERVAL", 0.0),
+        "lagging": os.environ.get("CKPTD_LAGGING") or None,
     }
 
 
@@ -304,7 +311,7 @@ def _from_file(path: str) -> dict[str, Any]:
                 value = parse_size(value)
             except ValueError as e:
                 raise ValueError(f"{path}: {key}: {e}") from None
-        want = str if key in _STR_KEYS else bool if key == "idle_priority" else float if key == "lease_timeout" else int
+        want = str if key in _STR_KEYS else bool if key == "idle_priority" else float if key in _FLOAT_KEYS else int
         if want is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if not isinstance(value, want) or (isinstance(value, bool) and want is not bool):
@@ -323,9 +330,14 @@ def daemon_config(flags: dict[str, Any] | None = None, config_file: str | None =
     cfg.update({k: v for k, v in (flags or {}).items() if v is not None})
     if not cfg.get("root"):
         raise ValueError("no checkpoint root: give --root, root in --config, or CKPTD_ROOT")
-    for key, least in (("keep", 1), ("workers", 1), ("shm_budget", 1), ("write_rate_limit", 0), ("metrics_port", 0), ("lease_timeout", 1)):
+    for key, least in (
+        ("keep", 1), ("workers", 1), ("shm_budget", 1), ("write_rate_limit", 0), ("metrics_port", 0), ("lease_timeout", 1),
+        ("persist_every", 1), ("persist_interval", 0),
+    ):  # fmt: skip
         if cfg.get(key) is not None and cfg[key] < least:
             raise ValueError(f"{key} must be >= {least}")
+    if cfg.get("lagging") not in (None, "memory", "wait"):
+        raise ValueError(f"lagging must be 'memory' or 'wait', got {cfg['lagging']!r}")
     if not 0 <= cfg["metrics_port"] <= 65535:
         raise ValueError(f"metrics_port must be a TCP port (0 = off), got {cfg['metrics_port']}")
     if cfg.get("group") is not None:
@@ -340,5 +352,6 @@ def daemon_config(flags: dict[str, Any] | None = None, config_file: str | None =
     cfg["write_rate_limit"] = float(cfg["write_rate_limit"])
     cfg["commit_timeout"] = float(cfg.get("commit_timeout", COMMIT_TIMEOUT_S))
     cfg["lease_timeout"] = float(cfg.get("lease_timeout", LEASE_TIMEOUT_S))
+    cfg["persist_interval"] = float(cfg.get("persist_interval", 0.0))
     known = {f.name for f in dataclasses.fields(DaemonConfig)}
     return DaemonConfig(**{k: v for k, v in cfg.items() if k in known})

@@ -243,10 +243,15 @@ def build_fragment(
     replicas: dict[str, str],
     tree: Any,
     committed_at: int = 0,
+    *,
+    digests: bool = True,
 ) -> dict[str, Any]:
     """The fragment of one rank's shard (``shard``: its bytes, header included); checksums every chunk.
-    ``committed_at``: when the daemon accepted the rank's commit (ns since the epoch), which orders steps."""
+    ``committed_at``: when the daemon accepted the rank's commit (ns since the epoch), which orders steps.
+    ``digests=False``: no checksums (``null``; ``shard`` then needs to hold only the header): a memory-tier
+    step's, whose bytes never left the daemon's shared memory; never written to disk."""
     start = layout.data_start
+    digest_of = digest if digests else (lambda buf: None)
     chunks = [
         {
             "name": c.name,
@@ -256,7 +261,7 @@ def build_fragment(
             "global_shape": list(c.global_shape),
             "offsets": list(c.offsets),
             "byte_range": [start + c.begin, start + c.end],
-            "xxh3_64": digest(shard[start + c.begin : start + c.end]),
+            "xxh3_64": digest_of(shard[start + c.begin : start + c.end]),
         }
         for c in layout.chunks
     ]
@@ -270,7 +275,7 @@ def build_fragment(
         "local_world_size": local_world_size,  # fewer than world_size: a multi-node step, completed through the bucket
         "file": shard_name(rank),
         "size": layout.file_size,
-        "header_xxh3_64": digest(shard[:start]),
+        "header_xxh3_64": digest_of(shard[:start]),
         "chunks": chunks,
         "replicas": replicas,
         "committed_at": committed_at,

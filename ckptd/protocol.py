@@ -11,7 +11,8 @@ accepted, and its replies carry one.
 
 Ops (who sends them: the trainer's client, on whichever of its threads needs the answer):
 
-``hello`` → ``{"server_version", "root", "pid"}``.
+``hello`` → ``{"server_version", "root", "pid", "tiering"}`` (``tiering``: the daemon's default
+    ``persist_every``, ``persist_interval``, ``lagging``).
 ``alloc`` ``{job, rank, world_size, step, nbytes, pid}`` → ``{"segment", "size", "lease"}``: lease a
     staging slot of at least ``nbytes``. The reply is deferred while the memory budget is full
     (backpressure; at most :data:`~ckptd.config.MAX_DEFERRED_ALLOCS` wait at once). ``lease`` is a
@@ -29,8 +30,17 @@ Ops (who sends them: the trainer's client, on whichever of its threads needs the
     daemon stores the tree frame as it came and parses it on a persist thread (a malformed tree
     fails the step), so a large tree does not delay the reply.
 ``release`` ``{segment, lease}``: give a leased slot back unused (the copy failed).
-``wait`` ``{job, step, timeout}`` → ``{"state": "pending"|"durable"|"failed", "path", "error"}``;
-    the reply is held up to ``timeout`` seconds for the step to leave ``pending``.
+    Optional: ``persist_every`` / ``persist_interval`` (the job's own tiering, see
+    :mod:`ckptd.daemon.tiering`; null: the daemon's).
+``wait`` ``{job, step, timeout}`` → ``{"state": "pending"|"memory"|"durable"|"failed"|"dropped", "path",
+    "error"}``; the reply is held up to ``timeout`` seconds for the step to leave ``pending``. A wait
+    for a step held in the memory tier only has it persisted (a wait asks for durability);
+    ``dropped``: a memory-only step the tiering policy dropped before anyone asked.
+    ``persist`` (optional, default true): false answers a memory-only step as it is (``memory``).
+``promote`` ``{job, step}`` → ``{"step"}``: before a restore, the step to wait for: ``step`` (null: the
+    job's newest step every rank committed) if it is still pending or held in the memory tier only;
+    null when the durable steps answer. With ``persist`` (optional, default true; false for a restore
+    that reads shared memory) a memory-only one is persisted. Then ``wait`` for it.
 ``latest`` ``{job}`` → ``{"step", "path", "source"}``: the job's latest complete step, the one
     committed last (commit order: after a rollback a lower step number can be the latest), under the
     root or, with a bucket, in the bucket (``source`` ``"local"`` / ``"remote"``; ``path`` null for
@@ -38,8 +48,9 @@ Ops (who sends them: the trainer's client, on whichever of its threads needs the
     for the bucket's listing; an unreachable bucket is an error naming the local step, if any (never
     a silent "none", never a possibly stale step).
 ``status`` ``{}`` → daemon-wide counters.
-``hot_open`` ``{job, step, pid}`` → ``{"step", "path", "manifest", "segments", "pin", "reason"}``: the newest
-    durable step of the job (``step`` null) or ``step``, if the daemon still holds every
+``hot_open`` ``{job, step, pid}`` → ``{"step", "path", "manifest", "segments", "pin", "reason", "tier"}``: the
+    newest complete step of the job (``step`` null) or ``step``, durable or in the memory tier only
+    (``tier`` ``"disk"`` / ``"memory"``: then the manifest has no checksums), if the daemon still holds every
     rank's shard of it in shared memory: its manifest and, per shard file, the segment holding the
     same bytes. The segments are pinned (not reused) until ``hot_close`` names the ``pin`` token,
     ``pid`` dies, or 10 minutes pass.
@@ -96,12 +107,21 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     "hot_close": {"pin": _STR, "segments": (list,)},
     "fetch": {"job": _STR, "step": (int, type(None))},
     "fetch_wait": {"fetch": _INT, "timeout": _NUM},
+    "promote": {"job": _STR, "step": (int, type(None))},
 }
 # fields a request may leave out, and what they then are
 OPTIONAL: dict[str, dict[str, tuple[tuple[type, ...], Any]]] = {
     # the step this client restored: a rolled-back run may save the numbers after it again
     # this launch's id (all its ranks share it): the daemon refuses a second live run saving the same job
-    "commit": {"after": ((int, type(None)), None), "run": ((int, type(None)), None)},
+    "wait": {"persist": ((bool,), True)},  # false: a step held in the memory tier only counts as done
+    "promote": {"persist": ((bool,), True)},
+    "commit": {
+        "after": ((int, type(None)), None),
+        "run": ((int, type(None)), None),
+        # the job's own tiering (null: the daemon's)
+        "persist_every": ((int, type(None)), None),
+        "persist_interval": ((int, float, type(None)), None),
+    },
 }
 # the commit record the daemon keeps in shared memory beside a committed segment (read back after a crash)
 RECORD_SCHEMA: dict[str, tuple[type, ...]] = {
@@ -113,7 +133,7 @@ _ENVELOPE = {"v", "op", "id"}
 _RANGES = {
     "rank": (0, MAX_WORLD_SIZE - 1), "world_size": (1, MAX_WORLD_SIZE), "local_world_size": (1, MAX_LOCAL_WORLD_SIZE),
     "step": (0, MAX_STEP), "after": (0, MAX_STEP), "run": (1, MAX_ID), "nbytes": (0, MAX_NBYTES), "fetch": (1, MAX_ID),
-    "committed_at": (0, MAX_ID),
+    "committed_at": (0, MAX_ID), "persist_every": (1, 1 << 31),
 }  # fmt: skip
 _TOKEN_RE = re.compile(r"[0-9a-f]{32}")
 _DIGEST_RE = re.compile(r"[0-9a-f]{16}")
@@ -187,7 +207,13 @@ def check_fields(
         if name not in msg:
             raise ProtocolError(f"{what}: missing field {name!r}")
         val = msg[name]
-        ok = _is_int(val) if types is _INT else (isinstance(val, types) and not isinstance(val, bool))
+        ok = (
+            _is_int(val)
+            if types is _INT
+            else isinstance(val, bool)
+            if types == (bool,)
+            else (isinstance(val, types) and not isinstance(val, bool))
+        )
         if not ok:
             raise ProtocolError(f"{what}: field {name!r} has the wrong type ({type(val).__name__})")
         _check_value(what, name, val)
@@ -211,6 +237,8 @@ def _check_value(what: str, name: str, val: Any) -> None:  # noqa: C901 - one ca
             raise ProtocolError(str(e)) from None
     elif name == "timeout" and not ((isinstance(val, int) or math.isfinite(val)) and val >= 0):
         raise ProtocolError(f"{what}: field 'timeout' must be a finite number >= 0")
+    elif name == "persist_interval" and val is not None and not (math.isfinite(val) and 0 <= val <= 1e9):
+        raise ProtocolError(f"{what}: field 'persist_interval' must be a number of seconds in 0..1e9")
     elif name in ("lease", "pin") and not _TOKEN_RE.fullmatch(val):
         raise ProtocolError(f"{what}: field {name!r} is not a token this daemon hands out")
     elif name == "segment" and len(val) > MAX_NAME_BYTES:

@@ -275,15 +275,16 @@ def parse_manifest(raw: bytes, where: str) -> dict[str, Any]:
     return validate_manifest(load_json(raw, where), where)
 
 
-def validate_manifest(obj: Any, path: str) -> dict[str, Any]:
+def validate_manifest(obj: Any, path: str, *, memory: bool = False) -> dict[str, Any]:
     """Check every field of a parsed manifest that ckptd uses (``path`` names it in errors); return it.
+    ``memory``: the daemon's manifest of a memory-tier step (a hot restore's), whose checksums are ``null``.
 
     Not checked here: that the chunks cover their tensors (``check_coverage``) and what the files hold (``verify``).
     """
     _envelope(obj, path, "ckptd-manifest")
-    files = _files(obj.get("files"), path, obj["world_size"])
+    files = _files(obj.get("files"), path, obj["world_size"], memory)
     for key, ent in _object(obj.get("tensors"), path, "tensors").items():
-        _tensor(key, ent, path, files)
+        _tensor(key, ent, path, files, memory)
     for i, r in enumerate(_list(obj.get("ranks"), path, "ranks")):
         field = f"ranks[{i}]"
         _object(r, path, field)
@@ -294,18 +295,23 @@ def validate_manifest(obj: Any, path: str) -> dict[str, Any]:
     return obj
 
 
-def _files(v: Any, path: str, world_size: int) -> dict[str, Any]:
+def _digest(v: Any, path: str, field: str, memory: bool) -> None:
+    if not (memory and v is None):
+        _hex(v, path, field)
+
+
+def _files(v: Any, path: str, world_size: int, memory: bool = False) -> dict[str, Any]:
     for name, ent in _object(v, path, "files").items():
         field = f"files[{_short.repr(name)}]"
         confined_name(name, path, "files")
         _object(ent, path, field)
         _int(ent.get("rank"), path, f"{field}.rank", 0, world_size - 1)
         _int(ent.get("size"), path, f"{field}.size")
-        _hex(ent.get("header_xxh3_64"), path, f"{field}.header_xxh3_64")
+        _digest(ent.get("header_xxh3_64"), path, f"{field}.header_xxh3_64", memory)
     return v
 
 
-def _tensor(key: Any, ent: Any, path: str, files: dict[str, Any]) -> None:
+def _tensor(key: Any, ent: Any, path: str, files: dict[str, Any], memory: bool = False) -> None:
     field = f"tensors[{_short.repr(key)}]"
     _str(key, path, field)
     _object(ent, path, field)
@@ -320,7 +326,7 @@ def _tensor(key: Any, ent: Any, path: str, files: dict[str, Any]) -> None:
         _str(c.get("name"), path, f"{cf}.name")
         n = _placement(c, path, cf, shape)
         _byte_range(c.get("byte_range"), path, f"{cf}.byte_range", file, files[file]["size"], n * item)
-        _hex(c.get("xxh3_64"), path, f"{cf}.xxh3_64")
+        _digest(c.get("xxh3_64"), path, f"{cf}.xxh3_64", memory)
 
 
 # ----------------------------------------------------------------------------- fragment

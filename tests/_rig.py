@@ -97,6 +97,7 @@ class Rig:
             self.counters,
             self.events,
             self.answers.extend,  # type: ignore[arg-type]
+            self.pool,
         )
 
     def commit(self, step: int, rank: int, world_size: int, data: bytes, *, lws: int | None = None, raw_tree: bytes | None = None) -> Slot:

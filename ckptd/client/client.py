@@ -14,17 +14,17 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 import warnings
 from typing import Any
 
 import torch
 
-from ..config import ALLOC_TIMEOUT_S, CLIENT_TIMEOUT_S, default_endpoint, default_job, env_float, validate_job
+from ..config import ALLOC_TIMEOUT_S, CLIENT_TIMEOUT_S, default_endpoint, default_job, env_float, env_int, validate_job
 from ..errors import CheckpointError, DaemonUnavailable
 from ..protocol import MAX_MESSAGE_BYTES
 from .copy import CopyGuard, EarlyCopy, EventGroup, Pairs, SlotMaps, copy_tensors, fill, optimizer_storages
+from .handle import SnapshotHandle, StepDropped
 from .load import Restored, restore_state
 from .restore import Source, restore_from_daemon, restored
 from .rpc import Channel
@@ -49,6 +49,20 @@ def _local_world_size(world: int) -> int:
     return int(v) if v.isdigit() and 1 <= int(v) <= world else world
 
 
+def tier_settings(every: int | None, interval: float | None) -> dict[str, Any]:
+    """The commit's ``persist_every`` / ``persist_interval``: the arguments, else the environment, else
+    ``None`` (the daemon's); ``ValueError`` naming a bad one."""
+    if every is None and os.environ.get("CKPTD_PERSIST_EVERY"):
+        every = env_int("CKPTD_PERSIST_EVERY", 1)
+    if interval is None and os.environ.get("CKPTD_PERSIST_INTERVAL"):
+        interval = env_float("CKPTD_PERSIST_INTERVAL", 0.0)
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise ValueError(f"persist_every must be an int >= 1, got {every!r}")
+    if interval is not None and not 0 <= interval <= 1e9:
+        raise ValueError(f"persist_interval must be a number of seconds >= 0, got {interval!r}")
+    return {"persist_every": every, "persist_interval": interval}
+
+
 def _check_step(step: object) -> None:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
@@ -62,68 +76,6 @@ def _check_not_saved(client: Client, step: int) -> None:
         )
 
 
-class SnapshotHandle:
-    """One snapshot in flight. ``wait()`` blocks until the step is durable and returns its path.
-
-    A failure is raised once by the client as a whole: by whichever of the next ``snapshot()``,
-    ``Client.wait()`` or ``close()`` sees it first (``close`` warns); this handle's own ``wait()``
-    always raises it."""
-
-    def __init__(self, client: Client, step: int) -> None:
-        self.client = client
-        self.step = step
-        self.job = client.job
-        self._copied = threading.Event()
-        self._error: BaseException | None = None
-        self._failed: str | None = None  # the daemon's reason, once it said the step failed
-        self._reported = False
-        self._path: str | None = None
-
-    def copied(self) -> bool:
-        """True once every byte is in the daemon's shared memory and committed (or the copy failed)."""
-        return self._copied.is_set()
-
-    def _unreported(self) -> BaseException | None:
-        """The copy's error if no one raised it yet (then it counts as raised)."""
-        if self._error is None or self._reported:
-            return None
-        self._reported = True
-        return self._error
-
-    def wait_copied(self, timeout: float | None = None) -> None:
-        if not self._copied.wait(timeout):
-            raise TimeoutError(f"snapshot of step {self.step} still copying after {timeout} s")
-        if self._error is not None:
-            self._reported = True
-            raise CheckpointError(f"snapshot of step {self.step} failed: {self._error}") from self._error
-
-    def wait(self, timeout: float | None = None) -> str:
-        """Block until step ``step`` is committed (manifest written); return its directory.
-
-        Raises :class:`CheckpointError` if the copy failed or the daemon reported a failure, and
-        ``TimeoutError`` after ``timeout`` seconds.
-        """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        self.wait_copied(timeout)
-        if self._path is not None:
-            return self._path
-        while self._failed is None:
-            left = 30.0 if deadline is None else max(0.0, min(30.0, deadline - time.monotonic()))
-            rep = self.client._rpc.call("wait", rpc_timeout=left + 10.0, job=self.job, step=self.step, timeout=left)
-            if rep["state"] == "durable":
-                self._path = rep["path"]
-                return rep["path"]
-            if rep["state"] == "failed":
-                self._failed = rep["error"]
-            elif deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"step {self.step} of job {self.job} not durable after {timeout} s")
-        self._reported = True
-        raise CheckpointError(f"step {self.step} of job {self.job} failed: {self._failed}")
-
-    def __repr__(self) -> str:
-        return f"SnapshotHandle(job={self.job!r}, step={self.step}, copied={self.copied()})"
-
-
 class Client:
     """Talks to the node's daemon. Methods are safe to call from any thread.
 
@@ -131,7 +83,10 @@ class Client:
     ``CKPTD_JOB``, else a name stable across relaunches of the same run (:func:`ckptd.config.default_job`:
     torchrun's ``--rdzv-id`` when given, else the script, directory and arguments), else an error. ``timeout`` bounds each request to
     the daemon except ``alloc``, which waits up to ``alloc_timeout`` while the daemon's
-    shared-memory budget is full (``CKPTD_TIMEOUT``, ``CKPTD_ALLOC_TIMEOUT``).
+    shared-memory budget is full (``CKPTD_TIMEOUT``, ``CKPTD_ALLOC_TIMEOUT``). ``persist_every`` /
+    ``persist_interval`` (``CKPTD_PERSIST_EVERY`` / ``CKPTD_PERSIST_INTERVAL``) set this job's tiering:
+    persist one snapshot in N, or the first T seconds after the last; the others stay in the daemon's
+    memory tier only (default: the daemon's settings; see README, "Memory tier").
     """
 
     def __init__(
@@ -141,6 +96,8 @@ class Client:
         *,
         timeout: float | None = None,
         alloc_timeout: float | None = None,
+        persist_every: int | None = None,
+        persist_interval: float | None = None,
     ) -> None:
         self.endpoint = endpoint or default_endpoint()
         if job is None:
@@ -150,6 +107,7 @@ class Client:
         self.job = validate_job(job)
         self.timeout = timeout if timeout is not None else env_float("CKPTD_TIMEOUT", CLIENT_TIMEOUT_S)
         self.alloc_timeout = alloc_timeout if alloc_timeout is not None else env_float("CKPTD_ALLOC_TIMEOUT", ALLOC_TIMEOUT_S)
+        self._tiering = tier_settings(persist_every, persist_interval)
         self._rpc = Channel(self.endpoint, self.timeout)
         self._stager = Stager(self.job)
         self._maps = SlotMaps()
@@ -244,7 +202,7 @@ class Client:
         return dict(
             job=self.job, rank=rank, world_size=world, local_world_size=_local_world_size(world), step=step,
             segment=segment, nbytes=staged.layout.file_size, replicas=staged.replicas, after=self._after,
-            run=self._stager.run_id,
+            run=self._stager.run_id, **self._tiering,
         )  # fmt: skip
 
     def _commit_now(self, handle: SnapshotHandle, commit: dict[str, Any], tree_json: bytes) -> None:
@@ -253,13 +211,16 @@ class Client:
             handle._reported = True
             raise CheckpointError(f"snapshot of step {commit['step']} failed: {handle._error}") from handle._error
 
-    def prepare(self, model: torch.nn.Module, optim: torch.optim.Optimizer | None = None, *, slots: int = 2) -> None:
+    def prepare(self, model: torch.nn.Module, optim: torch.optim.Optimizer | None = None, *, slots: int | None = None) -> None:
         """Do the first snapshot's one-time work now, outside the training loop.
 
         Plans the layout (a collective: call on every rank), has the daemon create ``slots`` staging
-        slots of the right size for this rank (two: one persisting while the next is filled) and maps
-        them, then hands them back unused. The next snapshots reuse them at memory-copy speed.
+        slots of the right size for this rank and maps them, then hands them back unused. The next
+        snapshots reuse them at memory-copy speed. Default: two (one persisting while the next is
+        filled), three with a memory tier (one persisting, the newest step held, the next filled).
         """
+        if slots is None:
+            slots = 3 if self._memory_tier() else 2
         self._guard.finish()
         rank, world = dist_rank_world()
         layout = self._stager.run(model, optim, None, rank, None).layout
@@ -271,6 +232,11 @@ class Client:
         finally:
             for seg in leased:
                 self._release(seg)
+
+    def _memory_tier(self) -> bool:
+        """Whether this job's snapshots may stay in the daemon's memory tier only."""
+        policy = {**self._rpc.call("hello").get("tiering", {}), **{k: v for k, v in self._tiering.items() if v is not None}}
+        return policy.get("persist_every", 1) > 1 or policy.get("persist_interval", 0) > 0 or policy.get("lagging") == "memory"
 
     def _alloc(self, rank: int, world: int, step: int, nbytes: int) -> str:
         rep = self._rpc.call(
@@ -376,7 +342,9 @@ class Client:
     # ------------------------------------------------------------------ wait / restore
 
     def wait(self, timeout: float | None = None) -> list[str]:
-        """Wait until the snapshots this client took (the newest 64) are durable; return their directories."""
+        """Wait until the snapshots this client took (the newest 64) are durable; return their directories.
+        With a memory tier (``persist_every`` > 1 ...), steps it already dropped are skipped; the others
+        are persisted now."""
         deadline = None if timeout is None else time.monotonic() + timeout
         paths = []
         while self._pending:
@@ -387,6 +355,8 @@ class Client:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
                 paths.append(h.wait(left))
+            except StepDropped:
+                pass  # kept in memory only and dropped, as the job's tiering policy allows: not an error here
             except CheckpointError:
                 self._pending.pop(0)  # a failed step is reported once; a timeout keeps it pending
                 raise

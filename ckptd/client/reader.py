@@ -29,12 +29,18 @@ class CheckpointReader:
     checksum is verified on the very bytes that are then used.
     """
 
-    def __init__(self, path: str, *, manifest: dict[str, Any] | None = None, files: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, path: str, *, manifest: dict[str, Any] | None = None, files: dict[str, str] | None = None, memory: bool = False
+    ) -> None:
         """``path``: a committed step directory. A hot restore passes the step's ``manifest`` and, in
         ``files``, where each shard's bytes are instead (the daemon's shared-memory segments, which
-        hold exactly the shard file's bytes and may be longer)."""
+        hold exactly the shard file's bytes and may be longer). ``memory``: the manifest is the daemon's
+        of a memory-tier step, which has no checksums (its bytes never left the daemon's memory)."""
         self.path = path
-        self.manifest = read_manifest(path) if manifest is None else validate_manifest(manifest, os.path.join(path, MANIFEST))
+        if manifest is None:
+            self.manifest = read_manifest(path)
+        else:
+            self.manifest = validate_manifest(manifest, os.path.join(path, MANIFEST), memory=memory)
         self._files = dict(files or {})
         self._fds: dict[str, int] = {}
 
@@ -80,7 +86,7 @@ class CheckpointReader:
             if n == 0:
                 break
             got += n
-        if got != e - b or digest(view) != c["xxh3_64"]:
+        if got != e - b or (c["xxh3_64"] is not None and digest(view) != c["xxh3_64"]):
             where = self.where(c["file"])
             raise FormatError(f"checksum mismatch in {where} (tensor {key!r}, bytes {b}-{e}): the file is corrupt")
         ent = self.manifest["tensors"][key]

@@ -4,7 +4,10 @@ conversation with the daemon that decides it. The reading itself is :mod:`.reade
 * ``path`` given: that directory, no daemon (:attr:`Source.DISK`).
 * ``hot_open``: if the daemon still holds every rank's shard of the step in shared memory (a trainer
   restarted on the same node), those segments are read, pinned until ``hot_close``
-  (:attr:`Source.MEMORY`).
+  (:attr:`Source.MEMORY`). This is the only way to read a step held in the memory tier only.
+* First (``promote``, then ``wait``): a step the daemon is still sealing or persisting is waited for, so a
+  restore right after a snapshot reads that snapshot; a restore that may not read shared memory has a
+  memory-only step persisted first, and reads it from disk.
 * else ``fetch``: the daemon picks the newest complete step (or the one asked for) under its root or
   in its bucket, downloading it into the root first if only the bucket has it
   (:attr:`Source.DISK` / :attr:`Source.BUCKET`).
@@ -49,11 +52,31 @@ def fetch(rpc: Channel, job: str, step: int | None) -> dict[str, Any]:
             raise CheckpointError(rep["error"])
 
 
+def settled(rpc: Channel, job: str, step: int | None, *, persist: bool) -> int | None:
+    """Before a restore of ``step`` (``None``: the newest): if the daemon still works on it (its ranks all
+    committed, it is being sealed or persisted) or holds it in the memory tier only, wait until it is
+    complete (``persist``: durable, a memory-only one persisted for it) and return it; the restore then
+    reads exactly that step. ``step`` unchanged when the durable steps answer, or when the newest step
+    failed meanwhile (the one before it answers)."""
+    newest = rpc.call("promote", job=job, step=step, persist=persist)["step"]
+    if newest is None:
+        return step
+    while True:
+        rep = rpc.call("wait", rpc_timeout=rpc.timeout + FETCH_POLL_S + 5.0, job=job, step=newest, timeout=FETCH_POLL_S, persist=persist)
+        if rep["state"] == "durable" or (rep["state"] == "memory" and not persist):
+            return newest
+        if rep["state"] in ("failed", "dropped"):
+            if step is not None:
+                raise CheckpointError(f"step {step} of job {job} cannot be restored: {rep['error']}")
+            log.warning("the newest step %s of job %s failed (%s): restoring the one before it", newest, job, rep["error"])
+            return None
+
+
 def _restore_hot(
     rpc: Channel, held: dict[str, Any], model: torch.nn.Module, optim: torch.optim.Optimizer | None, rank: int, how: dict[str, Any]
 ) -> tuple[Restored, dict[str, Any]]:
     files = {f: shm.path_of(seg) for f, seg in held["segments"].items()}
-    reader = CheckpointReader(held["path"], manifest=held["manifest"], files=files)
+    reader = CheckpointReader(held["path"], manifest=held["manifest"], files=files, memory=held.get("tier") == "memory")
     try:
         extra = restore_state(held["path"], model, optim, rank, reader=reader, **how)
     finally:
@@ -74,6 +97,7 @@ def restore_from_daemon(
 ) -> tuple[Restored, dict[str, Any]]:
     """Load the newest complete step of ``job`` (or ``step``) in place; returns ``(extra, last_restore)``.
     ``how``: :func:`.load.restore_state`'s ``strict`` and ``dtype``."""
+    step = settled(rpc, job, step, persist=not hot)
     if hot:
         held = rpc.call("hot_open", job=job, step=step, pid=os.getpid())
         if held["step"] is not None:
@@ -81,7 +105,7 @@ def restore_from_daemon(
                 return _restore_hot(rpc, held, model, optim, rank, how)
             except FormatError as e:  # a segment reused or not what the manifest says: the disk has the step
                 log.warning("hot restore of step %s failed (%s): restoring from disk", held["step"], e)
-                step = held["step"]
+                step = settled(rpc, job, held["step"], persist=True)
         else:
             log.info("restoring from disk: %s", held["reason"])
     rep = fetch(rpc, job, step)

@@ -1,4 +1,4 @@
-"""Who may use what the daemon creates: its owner only, or also one configured group.
+"""Who may use what the daemon creates (its owner only, or also one configured group), and who sent a request.
 
 Owner-only (the default): the checkpoint root 0700, the socket's directory 0700, the socket and every
 segment 0600. With ``--group G``: root 2750 (setgid, so every step below inherits the group and G's
@@ -18,6 +18,8 @@ import logging
 import os
 import stat
 from collections.abc import Iterator
+
+import zmq
 
 from ..errors import CheckpointError
 
@@ -140,3 +142,14 @@ def _owned(st: os.stat_result) -> str:
 def _fix(path: str) -> str:
     """What to do about a socket directory or path the daemon refuses."""
     return f"set XDG_RUNTIME_DIR or --endpoint to a directory only the daemon's user can write, or remove {path} if it should not be there"
+
+
+def peer_pid(frame: zmq.Frame) -> int | None:
+    """The sender's pid from an ipc message's metadata (libzmq reads it with ``SO_PEERCRED``:
+    ``Peer-Address`` is ``host:uid:gid:pid``); 0 for an ipc peer outside the daemon's PID namespace
+    (the kernel cannot name it there); ``None`` over tcp or where the transport gives nothing."""
+    try:
+        parts = frame.get("Peer-Address").rsplit(":", 3)
+    except (zmq.ZMQError, AttributeError, UnicodeDecodeError):
+        return None
+    return int(parts[3]) if len(parts) == 4 and parts[3].isdigit() else None

@@ -80,7 +80,7 @@ class Admission:
             self.steps.abandon(key, f"abandoned: its run ended before every rank committed; a new run (rank {rank}) saves it again")
             self._settle(key, track)
         track = self.steps.get(key)
-        if track is not None and track.state is StepState.FAILED and track.abandoned:
+        if track is not None and track.state in (StepState.FAILED, StepState.DROPPED) and track.abandoned:
             if track.inflight:
                 raise ProtocolError(f"step {step} of job {job}: an abandoned attempt's shards are still being cleaned up; retry")
             self.steps.drop(key)  # a new attempt starts afresh
@@ -98,6 +98,12 @@ class Admission:
         for key, track in self.steps.abandon_others(job, step, rank):
             log.warning("job %s step %s abandoned: %s", key[0], key[1], track.error)
             self._settle(key, track)
+
+    def run_gone(self, job: str) -> bool:
+        """Every process known to have committed ``job``'s steps in its current run has exited (False
+        when none is known: a client over tcp)."""
+        owner = self._runs.get(job)
+        return owner is not None and bool(owner[1]) and all(started(p) != born for p, born in owner[1])
 
     def _check_run(self, job: str, run: int | None, peer: int | None) -> None:
         owner = self._runs.get(job)

@@ -11,8 +11,8 @@ the step number: see :mod:`ckptd.storage.local`), under the root or in the bucke
   thread; a restore of "the latest". Blocks on the network.
 * :meth:`StepCatalog.find` — the step a restore reads: the one asked for, or the latest anywhere
   (blocks on the network: the fetch thread only).
-* :meth:`StepCatalog.in_memory` — the newest step this daemon completed since it started, with its
-  manifest: the only step a hot restore reads from shared memory.
+* :meth:`StepCatalog.in_memory` — the newest step this daemon completed since it started (on disk or in
+  the memory tier only), with its manifest: the only step a hot restore reads from shared memory.
 * :meth:`StepCatalog.note_uploaded` / :meth:`uploaded` — the newest step complete in the bucket
   (this run), for ``status``.
 
@@ -32,6 +32,7 @@ from ..protocol import Source
 from ..storage.local import committed_at, latest_step, steps_by_commit
 from ..storage.remote import bucket_committed_at, bucket_steps_by_commit, remote_steps
 from ..storage.store import ObjectStore
+from .tiering import Tier
 
 
 class NoStep(CheckpointError):
@@ -50,8 +51,9 @@ class Found:
 @dataclass(frozen=True)
 class InMemory:
     step: int
-    path: str
+    path: str  # where the step is (or, in the memory tier only, would be) on disk
     manifest: dict[str, Any] | None
+    tier: Tier = Tier.DISK
 
 
 class StepCatalog:
@@ -129,12 +131,22 @@ class StepCatalog:
 
     # ------------------------------------------------------------------ what this run completed (main thread)
 
-    def note_complete(self, job: str, step: int, path: str, manifest: dict[str, Any] | None) -> None:
+    def note_complete(self, job: str, step: int, path: str, manifest: dict[str, Any] | None, tier: Tier = Tier.DISK) -> None:
         """Step ``step`` completed here; it is the one hot restores read unless one committed later
         completed first (persist threads may finish steps in any order; commit order decides)."""
         cur = self._in_memory.get(job)
         if cur is None or (commit_time(manifest), step) >= (commit_time(cur.manifest), cur.step):
-            self._in_memory[job] = InMemory(step, path, manifest)
+            self._in_memory[job] = InMemory(step, path, manifest, tier)
+
+    def note_memory(self, job: str, step: int, manifest: dict[str, Any]) -> None:
+        """Step ``step`` is complete in the memory tier only (its manifest has no checksums)."""
+        self.note_complete(job, step, step_dir(self.root, job, step), manifest, Tier.MEMORY)
+
+    def forget_memory(self, job: str, step: int) -> None:
+        """Memory-only step ``step`` was dropped: hot restores no longer read it."""
+        cur = self._in_memory.get(job)
+        if cur is not None and cur.step == step and cur.tier is Tier.MEMORY:
+            del self._in_memory[job]
 
     def in_memory(self, job: str) -> InMemory | None:
         return self._in_memory.get(job)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..storage import local
 from .catalog import StepCatalog
@@ -26,6 +26,10 @@ from .status import Counters
 from .steps import StepKey, StepState, StepTable, StepTrack
 from .uploader import Uploader
 from .waiters import Waiter
+
+if TYPE_CHECKING:
+    from .memtier import MemoryTier
+    from .slots import SlotPool
 
 log = logging.getLogger("ckptd.daemon")
 
@@ -43,9 +47,11 @@ class Completion:
         counters: Counters,
         events: EventQueue,
         answer: Answer,
+        pool: SlotPool,
     ) -> None:
         self.root, self.steps, self.catalog, self.persister, self.uploader = root, steps, catalog, persister, uploader
-        self.counters, self._events, self._answer = counters, events, answer
+        self.counters, self._events, self._answer, self.pool = counters, events, answer, pool
+        self.memory: MemoryTier | None = None  # set by the daemon: memory-only steps superseded by a durable one are dropped
 
     def persist(self, slot: Slot) -> None:
         """A committed slot (just committed, or adopted at start-up) goes to a persist thread."""
@@ -74,8 +80,10 @@ class Completion:
                 self.uploader.submit(ev.job, ev.step, track.world_size)
             self.counters.steps_committed += 1
             log.info("committed job %s step %s -> %s", ev.job, ev.step, ev.path)
-            self._after_complete(ev.job, ev.step)
+            self.after_complete(ev.job, ev.step)
         self.settle(key, track)
+        if track.state is not StepState.PENDING and self.memory is not None:
+            self.memory.disk_free(ev.job)  # a step owed to disk may go now
 
     def uploaded(self, res: Uploaded) -> None:
         """Upload thread: a step's upload ended. Local steps it protected may go now."""
@@ -107,7 +115,7 @@ class Completion:
             self.steps.complete(key, res.url)
             self.counters.steps_committed += 1
             log.info("committed job %s step %s across nodes -> %s", res.job, res.step, res.url)
-            self._after_complete(res.job, res.step)
+            self.after_complete(res.job, res.step)
         self.settle(key, track)
 
     def settle(self, key: StepKey, track: StepTrack) -> None:
@@ -115,10 +123,19 @@ class Completion:
         written, and answer its waiters once it left pending."""
         if track.state is StepState.FAILED and track.inflight == 0:
             local.remove_partial(self.root, *key)  # rare: before waiters hear of it
+            if self.pool.drop_held(*key):  # ranks of it that were sealed into the memory tier
+                self.pool.retry_deferred()
+            self.catalog.forget_memory(*key)  # sealed, then failed to persist: no hot restore reads it
+            if self.memory is not None:
+                self.memory.forget(key)
         if track.state is not StepState.PENDING:
             self._answer(self.steps.answered(key))
 
-    def _after_complete(self, job: str, step: int) -> None:
+    def after_complete(self, job: str, step: int) -> None:
+        """Step ``step`` of ``job`` is complete (on disk, or in memory only): older steps that can no longer
+        complete fail, memory-only steps committed before it are dropped."""
         for key, track in self.steps.supersede(job, step):
             self.settle(key, track)
+        if self.memory is not None:
+            self.memory.completed(job, step, self.steps.tracks[(job, step)])
         self.steps.forget_finished(job)

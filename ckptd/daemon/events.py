@@ -35,6 +35,18 @@ class ShardPersisted:
 
 
 @dataclass(frozen=True)
+class ShardSealed:
+    """The seal thread read (or failed to read) the header of a memory-tier step's shard."""
+
+    segment: str
+    job: str
+    step: int
+    rank: int
+    error: str | None = None
+    manifest: dict[str, Any] | None = None  # this shard was the last: the step is complete in memory
+
+
+@dataclass(frozen=True)
 class SlotCreated:
     """A grow thread made (or failed to make) a staging segment the slot pool asked for."""
 

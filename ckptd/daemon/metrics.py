@@ -5,7 +5,8 @@ housekeeping tick; a scrape reads the newest snapshot and never touches the daem
 it needs no lock and cannot slow the loop down. Names (all prefixed ``ckptd_``):
 
 counters  ``persisted_bytes_total``, ``persist_seconds_total``, ``steps_committed_total``,
-          ``uploaded_bytes_total``, ``upload_seconds_total``, ``steps_uploaded_total``, ``errors_total``
+          ``uploaded_bytes_total``, ``upload_seconds_total``, ``steps_uploaded_total``, ``errors_total``,
+          ``memory_steps_total``, ``memory_steps_dropped_total``
 gauges    ``up``, ``uptime_seconds``, ``shm_budget_bytes``, ``shm_bytes``, ``staged_bytes``,
           ``slots{state}``, ``deferred_allocs``, ``upload_backlog_steps``, ``upload_in_progress_bytes``,
           ``upload_in_progress_total_bytes``, and per job: ``latest_step{job}``,
@@ -25,6 +26,8 @@ _COUNTERS = {
     "upload_seconds": "seconds spent uploading",
     "steps_uploaded": "steps complete in the bucket",
     "errors": "errors reported in ckptd status' last_error",
+    "memory_steps": "steps complete in the memory tier only (some persisted later)",
+    "memory_steps_dropped": "memory-only steps dropped without being persisted",
 }
 _GAUGES = {
     "uptime_s": ("uptime_seconds", "seconds since the daemon started"),

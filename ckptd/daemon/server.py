@@ -12,6 +12,7 @@ package imports torch. Which step is complete, and which one a restore reads, is
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import signal
@@ -25,40 +26,30 @@ import zmq
 from .. import __version__, shm
 from ..config import HOUSEKEEPING_S, WAIT_CAP_S, DaemonConfig, default_shm_budget, validate_endpoint
 from ..errors import CheckpointError, ProtocolError
-from ..layout import shard_name
 from ..protocol import EXTRA_FRAMES, MAX_MESSAGE_BYTES, Source, decode_request, endpoint_answers, reply_error, reply_ok
 from ..storage.local import committed_at
 from ..storage.store import ObjectStore
 from . import recovery
-from .access import Access
+from .access import Access, peer_pid
 from .admission import Admission
 from .catalog import StepCatalog
 from .completion import Completion
-from .events import ErrorReported, EventQueue, Fetched, LatestFound, ShardPersisted, SlotCreated, Uploaded
+from .events import ErrorReported, EventQueue, Fetched, LatestFound, ShardPersisted, ShardSealed, SlotCreated, Uploaded
 from .fetcher import Fetcher
 from .growth import Grower
+from .memtier import MemoryTier
 from .persister import Persister, lower_priority
 from .sdnotify import notify, watchdog_interval
 from .slots import Slot, SlotPool
 from .status import Counters, build_status
 from .steps import StepTable
+from .tiering import Tiering, TierPolicy
 from .uploader import Uploader
 from .waiters import Waiter
 
 log = logging.getLogger("ckptd.daemon")
 
 Handler = Callable[[bytes, dict[str, Any]], "dict[str, Any] | None"]  # None: the reply is sent later
-
-
-def peer_pid(frame: zmq.Frame) -> int | None:
-    """The sender's pid from an ipc message's metadata (libzmq reads it with ``SO_PEERCRED``:
-    ``Peer-Address`` is ``host:uid:gid:pid``); 0 for an ipc peer outside the daemon's PID namespace
-    (the kernel cannot name it there); ``None`` over tcp or where the transport gives nothing."""
-    try:
-        parts = frame.get("Peer-Address").rsplit(":", 3)
-    except (zmq.ZMQError, AttributeError, UnicodeDecodeError):
-        return None
-    return int(parts[3]) if len(parts) == 4 and parts[3].isdigit() else None
 
 
 def _open_store(config: DaemonConfig) -> ObjectStore | None:
@@ -113,9 +104,15 @@ class Daemon:
         )  # fmt: skip
         self.fetcher = Fetcher(self.catalog, self.events)
         self.completion = Completion(
-            self.root, self.steps, self.catalog, self.persister, self.uploader, self.counters, self.events, self._answer
+            self.root, self.steps, self.catalog, self.persister, self.uploader, self.counters, self.events, self._answer, self.pool
         )
         self.admission = Admission(self.root, self.steps, self.pool, self.completion.settle, self.persister.job_lock)
+        self.tiering = Tiering(TierPolicy(config.persist_every, config.persist_interval, config.lagging))
+        self.memtier = self.completion.memory = MemoryTier(
+            self.steps, self.pool, self.catalog, self.tiering, self.counters, self.events, persist=self.completion.persist,
+            settle=self.completion.settle, after_complete=self.completion.after_complete, run_gone=self.admission.run_gone,
+            answer=self._answer,
+        )  # fmt: skip
         self._ops: dict[str, Handler] = {
             "hello": self._op_hello,
             "status": self._op_status,
@@ -128,9 +125,11 @@ class Daemon:
             "hot_close": self._op_hot_close,
             "fetch": self._op_fetch,
             "fetch_wait": self._op_fetch_wait,
+            "promote": self._op_promote,
         }
         self._on_event: dict[type, Callable[[Any], None]] = {
             ShardPersisted: self._on_persisted,
+            ShardSealed: self.memtier.on_sealed,
             Uploaded: self.completion.on_uploaded,
             Fetched: lambda ev: self._answer(self.fetcher.done(ev), report=ev.report),
             ErrorReported: lambda ev: self.counters.error(ev.message),
@@ -238,6 +237,9 @@ class Daemon:
 
     def _shutdown(self) -> None:
         notify("STOPPING=1")
+        self.memtier.shutdown()
+        self._drain()  # steps sealed into memory meanwhile
+        self.memtier.persist_all()  # each job's newest memory-only step
         log.info("shutting down: finishing %d pending persist(s)", self.steps.shards_in_flight())
         self.persister.shutdown()
         self.grower.shutdown()  # segments still being made are adopted by the drain, then unlinked with the pool
@@ -326,7 +328,8 @@ class Daemon:
             self._send(ident, reply_ok(msg["id"], segment=result.name, size=result.size, lease=result.token))
 
     def _op_hello(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
-        return {"server_version": __version__, "root": self.root, "pid": os.getpid()}
+        tiering = dataclasses.asdict(self.tiering.policy)  # prepare() sizes the slot pool by it
+        return {"server_version": __version__, "root": self.root, "pid": os.getpid(), "tiering": tiering}
 
     def _op_status(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
         return build_status(self)
@@ -351,16 +354,23 @@ class Daemon:
                 f"step {step} of job {job} spans several nodes ({lws} of {ws} ranks on this one):"
                 " a multi-node job is committed through a shared bucket; configure [remote] on every node's daemon"
             )
+        if msg["after"] is not None and msg["after"] < step:  # a rolled-back run replaces a memory-only step of this number
+            self.memtier.drop((job, step), "replaced: a run rolled back to an earlier step saves this number again")
         track = self.admission.admit(job, step, rank, ws, lws, msg["peer"], msg["after"], msg["run"])
+        self.tiering.set_job(job, msg["persist_every"], msg["persist_interval"])
+        self.memtier.decide(job, track, lws < ws)
         record = {k: msg[k] for k in ("job", "rank", "world_size", "local_world_size", "step", "nbytes", "replicas")}
         record["committed_at"] = self._commit_time(job)
         tree = msg["frames"][0]
         self.pool.segments.write_record(slot.name, record, tree=tree)  # from here on the shard survives any crash
         record["tree"] = tree  # raw JSON: parsed on the persist thread
         self.pool.commit(slot, record, len(tree))
-        self.steps.record_commit((job, step), track, rank, lws, msg["run"])
+        self.steps.record_commit((job, step), track, rank, lws, msg["run"], record["committed_at"])
         self.admission.committed(job, step, rank, msg["peer"], msg["run"])
-        self.completion.persist(slot)
+        if track.tier == "disk":
+            self.completion.persist(slot)
+        if lws == ws:  # sealed into the memory tier (or, bound for disk, readable by a hot restore at once)
+            self.memtier.seal(slot)
         return {}
 
     def _commit_time(self, job: str) -> int:
@@ -374,7 +384,9 @@ class Daemon:
         return t
 
     def _op_wait(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any] | None:
-        return self.steps.wait((msg["job"], msg["step"]), ident, msg["id"], self._deadline(msg["timeout"]))
+        if msg["persist"]:  # a wait asks for durability: a memory-only step is persisted
+            self.memtier.want_durable(msg["job"], msg["step"])
+        return self.steps.wait((msg["job"], msg["step"]), ident, msg["id"], self._deadline(msg["timeout"]), msg["persist"])
 
     def _op_latest(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any] | None:
         if self.catalog.store is not None:  # the bucket may hold a later step (a replaced node, a multi-node job)
@@ -390,24 +402,10 @@ class Daemon:
             self._send(ev.ident, reply_ok(ev.req_id, **ev.answer))
 
     def _op_hot_open(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
-        job, want = msg["job"], msg["step"]
-        newest = self.catalog.in_memory(job)
-        if newest is None:
-            return {"step": None, "reason": f"this daemon has made no step of job {job!r} durable since it started"}
-        if want is not None and want != newest.step:
-            return {"step": None, "reason": f"the daemon holds only step {newest.step} of job {job!r} in memory"}
-        latest, _ = self.catalog.latest(job)
-        if want is None and latest != newest.step:
-            return {"step": None, "reason": f"step {newest.step} of job {job!r} is in memory, but the latest step is {latest}"}
-        if newest.manifest is None or not os.path.isdir(newest.path):
-            return {"step": None, "reason": f"step {newest.step} of job {job!r} is no longer on disk"}
-        held = self.pool.held(job, newest.step)
-        missing = sorted(set(range(newest.manifest["world_size"])) - set(held))
-        if missing:
-            return {"step": None, "reason": f"the shards of ranks {missing[:8]} of step {newest.step} are no longer in memory"}
-        pin = self.pool.pin(list(held.values()), msg["pid"])
-        segments = {shard_name(rank): slot.name for rank, slot in held.items()}
-        return {"step": newest.step, "path": newest.path, "manifest": newest.manifest, "segments": segments, "pin": pin, "reason": None}
+        return self.memtier.hot_open(msg["job"], msg["step"], msg["pid"])
+
+    def _op_promote(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
+        return {"step": self.memtier.newest(msg["job"], msg["step"], msg["persist"])}
 
     def _op_hot_close(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
         self.pool.unpin(msg["segments"], msg["pin"], msg["peer"])
@@ -442,5 +440,6 @@ class Daemon:
         if self._metrics is not None:
             self._status_snapshot = build_status(self)  # what the next scrape reports
         self.pool.reap(now)
+        self.memtier.housekeeping(now)
         self._answer(self.fetcher.due(now))
         self._answer(self.steps.due(now))

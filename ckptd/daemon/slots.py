@@ -1,11 +1,14 @@
 """The slot pool: the daemon's shared-memory staging segments, who leases them, and what they hold.
 
 A slot is ``free`` (reusable; it may still hold a persisted shard that a hot restore can read),
-``leased`` to a trainer rank that is filling it, or ``committed``: it holds a rank's complete shard
-that a persist thread is writing to disk. Leasing prefers the rank's own previous slot (the trainer
+``leased`` to a trainer rank that is filling it, ``committed``: it holds a rank's complete shard
+that a persist thread is writing to disk (or a seal thread is reading the header of), or ``held``:
+it holds the only copy of a memory-tier step's shard (:mod:`.memtier`), kept until that step is
+dropped or persisted. Leasing prefers the rank's own previous slot (the trainer
 keeps a warm mapping of it), then creates a segment if the budget allows, evicting free slots least
 recently used first, else reuses the smallest free slot that fits; when nothing fits the request is
-deferred (backpressure) and granted as soon as a slot frees up. In the daemon a new segment is made off
+deferred (backpressure) and granted as soon as a slot frees up, unless ``reclaim`` can drop a
+memory-tier step of the job to make room. In the daemon a new segment is made off
 the loop (:mod:`.growth`): the request that needs it waits for it like a deferred one. Hot restores pin
 the slots they read.
 
@@ -38,6 +41,7 @@ class SlotState(StrEnum):
     FREE = "free"
     LEASED = "leased"
     COMMITTED = "committed"
+    HELD = "held"
 
 
 @dataclass
@@ -83,12 +87,15 @@ class SlotPool:
         alive: Callable[[int], bool] = pid_alive,
         lease_timeout: float = LEASE_TIMEOUT_S,
         grow: Callable[[int, int], None] | None = None,
+        reclaim: Callable[[str, int], bool] | None = None,
     ) -> None:
         """``grow(need, token)``: make a segment off the loop and report it to :meth:`created`; without
-        it (unit tests) segments are made in place."""
+        it (unit tests) segments are made in place. ``reclaim(job, step)``: drop a memory-tier step of
+        ``job`` (not ``step``) to make room; True if it freed slots."""
         self.segments, self.budget, self.lease_timeout = segments, budget, lease_timeout
         self._on_grant = on_grant or (lambda ident, msg, result: None)
         self._clock, self._alive, self._grow = clock, alive, grow
+        self.reclaim = reclaim or (lambda job, step: False)
         self.slots: dict[str, Slot] = {}
         self.deferred: list[tuple[bytes, dict[str, Any]]] = []  # (ident, alloc request) waiting for memory
         self.growing: dict[int, int] = {}  # grow token -> bytes being made off the loop (counted in the budget)
@@ -125,6 +132,8 @@ class SlotPool:
         if slot is None:
             slot = self._create(need, rounded, used, msg)
             if slot is None:
+                if "_growing" not in msg and self.reclaim(msg["job"], msg["step"]):
+                    return self.lease(msg)  # a memory-tier step made room
                 return None
         slot.state, slot.owner, slot.pid, slot.used_at = SlotState.LEASED, owner, msg["pid"] or None, self._clock()
         slot.holds, slot.token, slot.leased_at = None, secrets.token_hex(16), slot.used_at
@@ -178,10 +187,31 @@ class SlotPool:
         slot.holds = holds
         self.free(slot)
 
+    def hold(self, slot: Slot, holds: tuple[str, int, int]) -> None:
+        """A committed slot holds the only copy of a memory-tier step's shard: kept, with its commit record
+        (a daemon that crashes persists it on restart), until :meth:`unhold` or :meth:`drop_held`."""
+        slot.state, slot.holds = SlotState.HELD, holds
+
+    def unhold(self, slot: Slot) -> None:
+        """A held slot's step is persisted after all: committed again, for a persist thread."""
+        slot.state = SlotState.COMMITTED
+
+    def drop_held(self, job: str, step: int) -> int:
+        """Free the held slots of ``step`` of ``job`` (the step is dropped from memory); returns how many."""
+        dropped = [s for s in self.slots.values() if s.state is SlotState.HELD and s.holds is not None and s.holds[:2] == (job, step)]
+        for slot in dropped:  # no retry of deferred requests here: this may run inside lease() (reclaim)
+            self.segments.drop_record(slot.name)
+            slot.holds = None
+            self._reset(slot)
+        return len(dropped)
+
     def free(self, slot: Slot) -> None:
+        self._reset(slot)
+        self.retry_deferred()
+
+    def _reset(self, slot: Slot) -> None:
         slot.state, slot.pid, slot.lease, slot.used_at = SlotState.FREE, None, None, self._clock()
         slot.token, slot.tree_bytes = None, 0
-        self.retry_deferred()
 
     def created(self, token: int, name: str | None, size: int, error: str | None = None) -> None:
         """A segment asked of the grower is made (``name``: it goes to the request that asked for it) or
@@ -234,9 +264,9 @@ class SlotPool:
     # ------------------------------------------------------------------ hot restores
 
     def held(self, job: str, step: int) -> dict[int, Slot]:
-        """The free slots that still hold a persisted shard of ``step``, by rank (the newest, should an
-        abandoned attempt of the same step have left one too)."""
-        hold = [s for s in self.slots.values() if s.state is SlotState.FREE and s.holds is not None and s.holds[:2] == (job, step)]
+        """The slots that still hold a complete shard of ``step`` (persisted, held in the memory tier, or
+        being persisted from it), by rank (the newest, should an abandoned attempt have left one too)."""
+        hold = [s for s in self.slots.values() if s.state is not SlotState.LEASED and s.holds is not None and s.holds[:2] == (job, step)]
         return {s.holds[2]: s for s in sorted(hold, key=lambda s: s.used_at)}  # type: ignore[index]
 
     def forget_held(self, job: str, step: int) -> None:
@@ -316,5 +346,5 @@ class SlotPool:
         }
 
     def steps_held(self) -> set[tuple[str, int]]:
-        """(job, step) of every persisted shard a free slot still holds."""
-        return {(s.holds[0], s.holds[1]) for s in self.slots.values() if s.holds is not None and s.state is SlotState.FREE}
+        """(job, step) of every complete shard a slot still holds."""
+        return {(s.holds[0], s.holds[1]) for s in self.slots.values() if s.holds is not None and s.state is not SlotState.LEASED}

@@ -25,6 +25,8 @@ class Counters:
     uploaded_bytes: int = 0
     upload_seconds: float = 0.0
     steps_uploaded: int = 0
+    memory_steps: int = 0  # steps complete in the memory tier only (some persisted later)
+    memory_steps_dropped: int = 0  # memory-only steps dropped unpersisted (a later step completed, or memory was full)
     errors: int = 0
     last_error: str | None = None
 
@@ -52,8 +54,10 @@ def _jobs(d: Daemon) -> dict[str, Any]:
         job(name)["uploaded"] = step
     held = d.pool.steps_held()
     for name, step in d.catalog.in_memory_steps().items():
-        if name in jobs and (name, step) in held:
-            jobs[name]["in_memory"] = step  # a hot restore can read it (if every rank's shard is held)
+        if (name, step) in held:
+            job(name)["in_memory"] = step  # a hot restore can read it (if every rank's shard is held)
+    for name, steps in d.steps.memory_steps().items():
+        job(name)["memory_only"] = steps  # complete in shared memory, not persisted
     return jobs
 
 

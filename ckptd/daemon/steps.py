@@ -22,8 +22,10 @@ StepKey = tuple[str, int]  # (job, step)
 
 class StepState(StrEnum):
     PENDING = "pending"
+    MEMORY = "memory"  # complete in the memory tier only (see :mod:`.tiering`); may still be persisted
     DURABLE = "durable"
     FAILED = "failed"
+    DROPPED = "dropped"  # a memory-only step dropped without being persisted, as the tiering policy allows
 
 
 @dataclass
@@ -38,6 +40,10 @@ class StepTrack:
     run: int | None = None  # the launch its first commit named
     abandoned: bool = False  # failed because its ranks moved on without it: a new attempt may start afresh
     recovered: bool = False  # adopted after a daemon crash: ranks that had not committed never will
+    tier: str = "disk"  # decided at its first commit: "disk" (persisted) or "memory" (held in shared memory only)
+    committed_at: int = 0  # its first commit's time (ns): orders the job's steps
+    promote: bool = False  # a memory-tier step someone wants durable: persisted as soon as it is sealed
+    sealed: bool = False  # complete in shared memory (every rank's header read): a hot restore can read it
 
     @property
     def all_committed(self) -> bool:
@@ -56,6 +62,7 @@ class StepTable:
         self._complete_path = complete_path
         self.tracks: dict[StepKey, StepTrack] = {}
         self.waiters: Waiters[StepKey] = Waiters()
+        self.seal_waiters: Waiters[StepKey] = Waiters()  # wait(persist=False): answered once the step is sealed
 
     def get(self, key: StepKey) -> StepTrack | None:
         return self.tracks.get(key)
@@ -80,6 +87,8 @@ class StepTable:
             raise ProtocolError(f"step {step} of job {job} already failed: {track.error}")
         if track.state is StepState.DURABLE:
             raise ProtocolError(f"step {step} of job {job} is already committed ({track.path})")
+        if track.state is StepState.MEMORY:
+            raise ProtocolError(f"step {step} of job {job} is already committed (held in memory)")
         if track.committed and track.all_committed:
             raise ProtocolError(
                 f"step {step} of job {job}: all {track.local_world_size} ranks this daemon serves have committed;"
@@ -87,11 +96,14 @@ class StepTable:
             )
         return track
 
-    def record_commit(self, key: StepKey, track: StepTrack, rank: int, local_world_size: int, run: int | None = None) -> None:
+    def record_commit(
+        self, key: StepKey, track: StepTrack, rank: int, local_world_size: int, run: int | None = None, committed_at: int = 0
+    ) -> None:
         track.local_world_size = local_world_size
         track.committed.add(rank)
         if track.run is None:
             track.run = run
+        track.committed_at = track.committed_at or committed_at
         self.tracks[key] = track
 
     def drop(self, key: StepKey) -> None:
@@ -137,6 +149,21 @@ class StepTable:
         track.state, track.error = StepState.FAILED, error
         return True
 
+    def drop_memory(self, key: StepKey, why: str) -> bool:
+        """A memory-only step leaves the memory tier without being persisted (``why``); its number may be
+        saved again. False if it was not a memory-only step."""
+        track = self.tracks.get(key)
+        if track is None or track.state is not StepState.MEMORY:
+            return False
+        track.state, track.error, track.abandoned = StepState.DROPPED, why, True
+        return True
+
+    def to_disk(self, key: StepKey) -> StepTrack:
+        """A memory-only step is persisted after all: pending again, bound for disk."""
+        track = self.tracks[key]
+        track.state, track.tier, track.promote = StepState.PENDING, "disk", False
+        return track
+
     def complete(self, key: StepKey, path: str) -> None:
         track = self.tracks[key]
         track.state, track.path = StepState.DURABLE, path
@@ -153,36 +180,48 @@ class StepTable:
         done = sorted(
             s
             for (j, s), t in self.tracks.items()
-            if j == job and t.state is not StepState.PENDING and t.inflight == 0 and not self.waiters.has((j, s))
+            if j == job
+            and t.state in (StepState.DURABLE, StepState.FAILED, StepState.DROPPED)
+            and t.inflight == 0
+            and not self.waiters.has((j, s))
         )
         for s in done[:-TRACKS_KEPT]:
             del self.tracks[(job, s)]
 
-    def answer(self, key: StepKey) -> dict[str, Any]:
-        """The ``wait`` reply for ``key`` now."""
+    def answer(self, key: StepKey, sealed_ok: bool = False) -> dict[str, Any]:
+        """The ``wait`` reply for ``key`` now (``sealed_ok``: a step complete in memory, still being persisted,
+        is answered ``memory``)."""
         track = self.tracks.get(key)
         if track is not None:
+            if sealed_ok and track.sealed and track.state is StepState.PENDING:
+                return {"state": StepState.MEMORY.value, "path": None, "error": None}
             return track.answer()
         path = self._complete_path(*key)
         if path is not None:
             return {"state": StepState.DURABLE.value, "path": path, "error": None}
         return {"state": StepState.FAILED.value, "path": None, "error": f"the daemon has no record of step {key[1]} of job {key[0]}"}
 
-    def wait(self, key: StepKey, ident: bytes, req_id: Any, deadline: float) -> dict[str, Any] | None:
-        """The ``wait`` reply if the step is not pending; else hold the request until ``deadline``."""
+    def wait(self, key: StepKey, ident: bytes, req_id: Any, deadline: float, persist: bool = True) -> dict[str, Any] | None:
+        """The ``wait`` reply if the step is not pending (``persist`` false: or sealed); else hold the request
+        until ``deadline``."""
         track = self.tracks.get(key)
-        if track is None or track.state is not StepState.PENDING:
-            return self.answer(key)
-        self.waiters.add(key, ident, req_id, deadline)
+        if track is None or track.state is not StepState.PENDING or (track.sealed and not persist):
+            return self.answer(key, sealed_ok=not persist)
+        (self.waiters if persist else self.seal_waiters).add(key, ident, req_id, deadline)
         return None
 
     def answered(self, key: StepKey) -> list[tuple[Waiter, dict[str, Any]]]:
         """The waiters of ``key`` with their reply, forgotten here (call once the step left pending)."""
-        return [(w, self.answer(key)) for w in self.waiters.pop(key)]
+        return [(w, self.answer(key)) for w in self.waiters.pop(key) + self.seal_waiters.pop(key)]
+
+    def answered_sealed(self, key: StepKey) -> list[tuple[Waiter, dict[str, Any]]]:
+        """The waiters of ``key`` that wait only for it to be sealed, with their reply, forgotten here."""
+        return [(w, self.answer(key, sealed_ok=True)) for w in self.seal_waiters.pop(key)]
 
     def due(self, now: float) -> list[tuple[Waiter, dict[str, Any]]]:
         """Waiters past their deadline with the state as it is, forgotten here."""
-        return [(w, self.answer(key)) for key, w in self.waiters.due(now)]
+        late = [(w, self.answer(key)) for key, w in self.waiters.due(now)]
+        return late + [(w, self.answer(key, sealed_ok=True)) for key, w in self.seal_waiters.due(now)]
 
     def in_flight(self) -> dict[str, list[int]]:
         """Pending steps by job, for ``status``."""
@@ -191,6 +230,23 @@ class StepTable:
             if t.state is StepState.PENDING:
                 out.setdefault(job, []).append(step)
         return out
+
+    def of_job(self, job: str, state: StepState) -> list[tuple[int, StepTrack]]:
+        """The steps of ``job`` in ``state``, oldest commit first."""
+        found = [(s, t) for (j, s), t in self.tracks.items() if j == job and t.state is state]
+        return sorted(found, key=lambda st: (st[1].committed_at, st[0]))
+
+    def disk_busy(self, job: str) -> bool:
+        """A step of ``job`` is being persisted (pending, bound for disk)."""
+        return any(t.tier == "disk" for _, t in self.of_job(job, StepState.PENDING))
+
+    def memory_steps(self) -> dict[str, list[int]]:
+        """Steps held only in the memory tier, by job, for ``status``."""
+        out: dict[str, list[int]] = {}
+        for (job, step), t in self.tracks.items():
+            if t.state is StepState.MEMORY:
+                out.setdefault(job, []).append(step)
+        return {j: sorted(s) for j, s in out.items()}
 
     def shards_in_flight(self) -> int:
         return sum(t.inflight for t in self.tracks.values())

@@ -1,0 +1,86 @@
+"""The handle ``Client.snapshot()`` returns: wait for the copy, or for the step to be durable.
+
+Any thread. ``wait()`` asks the daemon (``wait``), which persists a step the tiering policy kept in
+memory only (a wait asks for durability); a step the policy already dropped raises :class:`StepDropped`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from ..errors import CheckpointError
+
+if TYPE_CHECKING:
+    from .client import Client
+
+
+class StepDropped(CheckpointError):
+    """The step was kept in the daemon's memory tier only and dropped before anyone asked for it durable
+    (a newer step was complete, or shared memory was full), as the job's tiering policy allows."""
+
+
+class SnapshotHandle:
+    """One snapshot in flight. ``wait()`` blocks until the step is durable and returns its path.
+
+    A failure is raised once by the client as a whole: by whichever of the next ``snapshot()``,
+    ``Client.wait()`` or ``close()`` sees it first (``close`` warns); this handle's own ``wait()``
+    always raises it."""
+
+    def __init__(self, client: Client, step: int) -> None:
+        self.client = client
+        self.step = step
+        self.job = client.job
+        self._copied = threading.Event()
+        self._error: BaseException | None = None
+        self._failed: str | None = None  # the daemon's reason, once it said the step failed
+        self._reported = False
+        self._path: str | None = None
+
+    def copied(self) -> bool:
+        """True once every byte is in the daemon's shared memory and committed (or the copy failed)."""
+        return self._copied.is_set()
+
+    def _unreported(self) -> BaseException | None:
+        """The copy's error if no one raised it yet (then it counts as raised)."""
+        if self._error is None or self._reported:
+            return None
+        self._reported = True
+        return self._error
+
+    def wait_copied(self, timeout: float | None = None) -> None:
+        if not self._copied.wait(timeout):
+            raise TimeoutError(f"snapshot of step {self.step} still copying after {timeout} s")
+        if self._error is not None:
+            self._reported = True
+            raise CheckpointError(f"snapshot of step {self.step} failed: {self._error}") from self._error
+
+    def wait(self, timeout: float | None = None) -> str:
+        """Block until step ``step`` is committed (manifest written); return its directory.
+
+        Raises :class:`CheckpointError` if the copy failed or the daemon reported a failure, and
+        ``TimeoutError`` after ``timeout`` seconds.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.wait_copied(timeout)
+        if self._path is not None:
+            return self._path
+        while self._failed is None:
+            left = 30.0 if deadline is None else max(0.0, min(30.0, deadline - time.monotonic()))
+            rep = self.client._rpc.call("wait", rpc_timeout=left + 10.0, job=self.job, step=self.step, timeout=left)
+            if rep["state"] == "durable":
+                self._path = rep["path"]
+                return rep["path"]
+            if rep["state"] == "dropped":
+                self._reported = True
+                raise StepDropped(f"step {self.step} of job {self.job} is not durable: {rep['error']}")
+            if rep["state"] == "failed":
+                self._failed = rep["error"]
+            elif deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"step {self.step} of job {self.job} not durable after {timeout} s")
+        self._reported = True
+        raise CheckpointError(f"step {self.step} of job {self.job} failed: {self._failed}")
+
+    def __repr__(self) -> str:
+        return f"SnapshotHandle(job={self.job!r}, step={self.step}, copied={self.copied()})"

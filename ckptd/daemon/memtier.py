@@ -1,0 +1,316 @@
+"""The memory tier: steps held in the daemon's shared memory only, and how they leave it.
+
+A step the tiering policy (:mod:`.tiering`) keeps in memory is *sealed* instead of persisted: the seal
+thread reads each rank's shard header (not its data: no checksums, a few milliseconds), and once
+every rank's is read the step's manifest is built in memory, checked for coverage like any other, and
+the step is complete in memory (:attr:`~.steps.StepState.MEMORY`): its slots are *held*, a hot restore
+on this node reads it (:meth:`MemoryTier.hot_open`), ``status`` and ``ls`` name it.
+
+A memory-only step leaves the tier in one of two ways:
+
+* **dropped** — when a step of its job committed later completes (in memory or on disk), or when a
+  snapshot of its job needs its slots and shared memory is full (``lagging = "memory"``; under
+  ``"wait"`` only when nothing is being persisted that would free memory). Its slots are reused; a
+  ``wait`` for it then fails saying why. Counted in ``memory_steps_dropped``.
+* **persisted** (promoted) — its held slots go to the persist threads like any committed slot, when
+  the disk is free and the job owes a persisted step, when a ``wait`` or a restore that may not read
+  shared memory asks for it, when every process of the run that committed it is gone (a trainer that
+  crashed, or finished, leaves a durable checkpoint), and at the daemon's shutdown. A daemon that
+  crashes persists it on restart (held slots keep their commit records).
+
+Main thread only (the daemon's loop), except :meth:`MemoryTier._seal` on the seal thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from ..errors import FormatError
+from ..format import MAX_HEADER_BYTES, build_fragment, build_manifest, commit_time, parse_header
+from ..layout import shard_name
+from ..storage.local import committed_at
+from .catalog import StepCatalog
+from .events import EventQueue, ShardSealed
+from .persister import parse_tree
+from .slots import Slot, SlotPool, SlotState
+from .status import Counters
+from .steps import StepKey, StepState, StepTable, StepTrack
+from .tiering import Tier, Tiering
+
+log = logging.getLogger("ckptd.daemon")
+
+DEATH_CHECK_S = 2.0  # how often the runs holding memory-only steps are checked for being gone
+
+
+def read_header(fd: int, nbytes: int) -> bytes:
+    """The header of a staged shard (its 8-byte length and the JSON), read from the segment's fd."""
+    head = os.pread(fd, 8, 0)
+    if len(head) < 8:
+        raise FormatError("staged shard too small to hold a header")
+    (n,) = struct.unpack("<Q", head)
+    if n > MAX_HEADER_BYTES or 8 + n > nbytes:
+        raise FormatError(f"shard header length {n} out of bounds (shard holds {nbytes} bytes)")
+    buf = os.pread(fd, 8 + n, 0)
+    if len(buf) < 8 + n:
+        raise FormatError("staged shard shorter than its header")
+    return buf
+
+
+class MemoryTier:
+    def __init__(
+        self,
+        steps: StepTable,
+        pool: SlotPool,
+        catalog: StepCatalog,
+        tiering: Tiering,
+        counters: Counters,
+        events: EventQueue,
+        *,
+        persist: Callable[[Slot], None],
+        settle: Callable[[StepKey, StepTrack], None],
+        after_complete: Callable[[str, int], None],
+        run_gone: Callable[[str], bool],
+        answer: Callable[[list[Any]], None],
+    ) -> None:
+        """``persist``: hand a committed slot to the persist threads; ``settle``: answer a step's waiters
+        and clean up after its state changed; ``after_complete(job, step)``: what follows a step's
+        completion (it calls :meth:`completed`); ``run_gone(job)``: every process that committed the
+        job's steps in its current run is gone."""
+        self.steps, self.pool, self.catalog, self.tiering, self.counters = steps, pool, catalog, tiering, counters
+        self._events, self._persist, self._settle, self._run_gone = events, persist, settle, run_gone
+        self._after_complete, self._answer = after_complete, answer
+        self._exec = ThreadPoolExecutor(1, thread_name_prefix="ckptd-seal")
+        self._lock = threading.Lock()
+        self._frags: dict[StepKey, dict[int, dict[str, Any]]] = {}  # seal thread: fragments of steps being sealed
+        self._last_check = 0.0
+        pool.reclaim = self.reclaim
+
+    # ------------------------------------------------------------------ committing
+
+    def decide(self, job: str, track: StepTrack, multi_node: bool) -> None:
+        """A step's first commit: its tier (a crash-recovered step is always persisted)."""
+        if not track.committed:
+            tier = self.tiering.decide(job, disk_busy=self.steps.disk_busy(job), multi_node=multi_node or track.recovered)
+            track.tier = tier.value
+
+    def seal(self, slot: Slot) -> None:
+        """A committed slot goes to the seal thread (a memory-tier step's, or one being persisted: sealed so
+        that a hot restore reads it at once)."""
+        rec = slot.lease or {}
+        track = self.steps.get((rec["job"], rec["step"]))
+        assert track is not None, "a committed slot's step is tracked"
+        track.inflight += 1
+        self._exec.submit(self._seal, slot.name, dict(rec))
+
+    def _seal(self, name: str, rec: dict[str, Any]) -> None:
+        job, step, rank, ws = rec["job"], rec["step"], rec["rank"], rec["world_size"]
+        key = (job, step)
+        try:
+            fd = self.pool.segments.open_owned(name)
+            try:
+                head = read_header(fd, rec["nbytes"])
+            finally:
+                os.close(fd)
+            layout = parse_header(head, rec["nbytes"])
+            if layout.file_size != rec["nbytes"]:
+                raise FormatError(f"staged shard is {rec['nbytes']} bytes but its header describes {layout.file_size}")
+            frag = build_fragment(
+                job, step, rank, ws, rec.get("local_world_size", ws), head, layout, rec.get("replicas", {}), parse_tree(rec["tree"]),
+                rec.get("committed_at", 0), digests=False,
+            )  # fmt: skip
+            manifest = None
+            with self._lock:
+                got = self._frags.setdefault(key, {})
+                got[rank] = frag
+                if len(got) == ws:
+                    del self._frags[key]
+                    manifest = build_manifest(job, step, ws, list(got.values()))
+            event = ShardSealed(name, job, step, rank, None, manifest)
+        except Exception as e:  # reported to the step's waiters, never swallowed
+            log.error("sealing %s (job %s step %s rank %s) failed: %s", name, job, step, rank, e)
+            event = ShardSealed(name, job, step, rank, f"{e}")
+        self._events.post(event)
+
+    def on_sealed(self, ev: ShardSealed) -> None:
+        key = (ev.job, ev.step)
+        track, slot = self.steps.get(key), self.pool.get(ev.segment)
+        if track is None:
+            return
+        track.inflight -= 1
+        if track.tier == Tier.DISK.value:
+            self._sealed_on_the_way_to_disk(key, track, slot, ev)
+            return
+        if ev.error is not None:
+            self.steps.fail(key, ev.error)
+            self.counters.error(f"job {ev.job} step {ev.step}: {ev.error}")
+        if slot is None or track.state is not StepState.PENDING:  # failed: now, or abandoned while it was sealed
+            if slot is not None:
+                self.pool.persisted(slot, None)
+            self.forget(key)  # the other ranks' held slots are freed by settle
+            self._settle(key, track)
+            return
+        self.pool.hold(slot, (ev.job, ev.step, ev.rank))
+        if ev.manifest is None:
+            return
+        track.state, track.sealed = StepState.MEMORY, True
+        self.catalog.note_memory(ev.job, ev.step, ev.manifest)
+        self.counters.memory_steps += 1
+        self._after_complete(ev.job, ev.step)
+        if track.promote or (self.tiering.owed(ev.job) and not self.steps.disk_busy(ev.job)):
+            self.promote(key)
+        self._settle(key, track)
+
+    def _sealed_on_the_way_to_disk(self, key: StepKey, track: StepTrack, slot: Slot | None, ev: ShardSealed) -> None:
+        """A step bound for disk is sealed too, so that a hot restore reads it before it is durable. A seal
+        error is the persist threads' to report (they read the same header); a shard whose slot was freed
+        meanwhile (persisted, and leased again) is simply not served from memory."""
+        if ev.error is not None or track.state is not StepState.PENDING:
+            self.forget(key)
+            return
+        rec = (slot.lease or {}) if slot is not None and slot.state is SlotState.COMMITTED else {}
+        if (rec.get("job"), rec.get("step"), rec.get("rank")) == (ev.job, ev.step, ev.rank):
+            slot.holds = (ev.job, ev.step, ev.rank)  # type: ignore[union-attr]
+        if ev.manifest is not None:
+            track.sealed = True
+            self.catalog.note_memory(ev.job, ev.step, ev.manifest)
+            self._answer(self.steps.answered_sealed(key))
+
+    def forget(self, key: StepKey) -> None:
+        """Drop the fragments sealed so far of a step that failed (some rank will never be sealed)."""
+        with self._lock:
+            self._frags.pop(key, None)
+
+    # ------------------------------------------------------------------ leaving the tier
+
+    def completed(self, job: str, step: int, track: StepTrack) -> None:
+        """Step ``step`` of ``job`` is complete (in memory or on disk): the memory-only steps committed
+        before it are dropped."""
+        for s, t in self.steps.of_job(job, StepState.MEMORY):
+            if s != step and (t.committed_at, s) < (track.committed_at, step):
+                self.drop((job, s), f"dropped from memory: step {step}, committed later, is complete")
+        self.pool.retry_deferred()
+
+    def drop(self, key: StepKey, why: str) -> bool:
+        """Drop memory-only step ``key`` unless a hot restore is reading it; True if dropped."""
+        held = self.pool.held(*key)
+        if any(s.pins for s in held.values()) or not self.steps.drop_memory(key, why):
+            return False
+        self.pool.drop_held(*key)
+        self.catalog.forget_memory(*key)
+        self.counters.memory_steps_dropped += 1
+        log.info("job %s step %s %s", key[0], key[1], why)
+        self._settle(key, self.steps.tracks[key])
+        return True
+
+    def reclaim(self, job: str, step: int) -> bool:
+        """The slot pool is full for a snapshot of ``step``: drop ``job``'s oldest memory-only step to make room
+        (under ``lagging = "wait"`` only when no slot is being persisted, which would free memory)."""
+        if self.tiering.policy_of(job).lagging == "wait" and any(s.state is SlotState.COMMITTED for s in self.pool):
+            return False
+        for s, _ in self.steps.of_job(job, StepState.MEMORY):
+            if s != step and self.drop((job, s), f"dropped from memory: shared memory was full and step {step} needed room"):
+                return True
+        return False
+
+    def promote(self, key: StepKey) -> bool:
+        """Persist memory-only step ``key`` after all; False if it is not one (any more)."""
+        track = self.steps.get(key)
+        if track is None or track.state is not StepState.MEMORY:
+            return False
+        held = [s for s in self.pool.held(*key).values() if s.state is SlotState.HELD]
+        self.steps.to_disk(key)
+        self.tiering.persisted(key[0])
+        for slot in held:
+            self.pool.unhold(slot)
+            self._persist(slot)
+        log.info("job %s step %s: persisting it from memory", *key)
+        return True
+
+    def want_durable(self, job: str, step: int | None) -> int | None:
+        """Someone needs step ``step`` (``None``: the job's newest memory-only step) durable: persist it
+        (at once, or once it is sealed). Returns the step, or ``None`` if no such step is in memory only."""
+        if step is None:
+            newest = self.steps.of_job(job, StepState.MEMORY)
+            if not newest:
+                return None
+            step = newest[-1][0]
+        track = self.steps.get((job, step))
+        if track is None or track.tier != Tier.MEMORY.value or track.state not in (StepState.PENDING, StepState.MEMORY):
+            return None
+        if track.state is StepState.PENDING:
+            track.promote = True
+        else:
+            self.promote((job, step))
+        return step
+
+    def newest(self, job: str, step: int | None, persist: bool) -> int | None:
+        """The ``promote`` op: the step a restore of ``step`` (``None``: the newest) should wait for before it
+        reads: ``step`` or the job's newest step whose every rank committed, if it is still pending (sealed
+        or persisted shortly) or held in memory only; ``None`` when the durable steps answer. ``persist``
+        (the restore may not read shared memory): a memory-only one is persisted."""
+        if step is None:
+            mine = self.steps.of_job(job, StepState.PENDING) + self.steps.of_job(job, StepState.MEMORY)
+            mine = sorted((t.committed_at, s) for s, t in mine if t.all_committed)
+            if not mine:
+                return None
+            step = mine[-1][1]
+        track = self.steps.get((job, step))
+        if track is None or track.state not in (StepState.PENDING, StepState.MEMORY):
+            return None
+        return self.want_durable(job, step) or step if persist else step
+
+    def disk_free(self, job: str) -> None:
+        """A persisted step of ``job`` left pending: persist its newest memory-only step if one is owed."""
+        if self.tiering.owed(job) and not self.steps.disk_busy(job):
+            self.want_durable(job, None)
+
+    def housekeeping(self, now: float) -> None:
+        """Persist the newest memory-only step of a job whose run is gone."""
+        if now - self._last_check < DEATH_CHECK_S:
+            return
+        self._last_check = now
+        for job in list(self.steps.memory_steps()):
+            if self._run_gone(job):
+                step = self.want_durable(job, None)
+                log.info("job %s: its run is gone; persisting step %s from memory", job, step)
+
+    def shutdown(self) -> None:
+        """Let the seal thread finish (the caller drains its events, then calls :meth:`persist_all`)."""
+        self._exec.shutdown(wait=True)
+
+    def persist_all(self) -> None:
+        """Shutdown: every job's newest memory-only step goes to disk (the others are dropped with the pool)."""
+        for job in list(self.steps.memory_steps()):
+            self.want_durable(job, None)
+
+    # ------------------------------------------------------------------ hot restores
+
+    def hot_open(self, job: str, want: int | None, pid: int) -> dict[str, Any]:
+        """The ``hot_open`` reply: the job's newest complete step (or ``want``) if this daemon holds every
+        rank's shard of it in shared memory, pinned for the reader; else ``step`` null and a reason."""
+        newest = self.catalog.in_memory(job)
+        if newest is None:
+            return {"step": None, "reason": f"this daemon holds no step of job {job!r} in memory (none completed since it started)"}
+        if want is not None and want != newest.step:
+            return {"step": None, "reason": f"the daemon holds only step {newest.step} of job {job!r} in memory"}
+        latest, path = self.catalog.latest(job)
+        if want is None and path is not None and latest != newest.step and committed_at(path) >= commit_time(newest.manifest):
+            return {"step": None, "reason": f"step {newest.step} of job {job!r} is in memory, but the latest step is {latest}"}
+        if newest.manifest is None or (newest.tier is Tier.DISK and not os.path.isdir(newest.path)):
+            return {"step": None, "reason": f"step {newest.step} of job {job!r} is no longer on disk"}
+        held = self.pool.held(job, newest.step)
+        missing = sorted(set(range(newest.manifest["world_size"])) - set(held))
+        if missing:
+            return {"step": None, "reason": f"the shards of ranks {missing[:8]} of step {newest.step} are no longer in memory"}
+        pin = self.pool.pin(list(held.values()), pid)
+        segments = {shard_name(rank): slot.name for rank, slot in held.items()}
+        return {
+            "step": newest.step, "path": newest.path, "manifest": newest.manifest, "segments": segments, "pin": pin, "reason": None,
+            "tier": newest.tier.value,
+        }  # fmt: skip

@@ -1,0 +1,336 @@
+"""The memory tier: snapshots the tiering policy keeps in the daemon's shared memory only, restorable on
+this node, dropped or persisted as the policy says, never lost when the trainer or the daemon goes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from _models import assert_same, full_state, make, train_step
+from conftest import REPO, env_for
+
+from ckptd import shm
+from ckptd.client.handle import StepDropped
+from ckptd.config import daemon_config
+from ckptd.daemon.tiering import Tier, Tiering, TierPolicy
+from ckptd.errors import CheckpointError
+from ckptd.layout import complete_steps
+
+
+def until(cond: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def job_status(c: Any, job: str) -> dict[str, Any]:
+    return c.status()["jobs"].get(job, {})
+
+
+# ---------------------------------------------------------------------------- the policy
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_policy_persists_the_first_then_one_in_n() -> None:
+    t = Tiering(TierPolicy(persist_every=3))
+    tiers = [t.decide("j", disk_busy=False) for _ in range(7)]
+    assert tiers == [Tier.DISK, Tier.MEMORY, Tier.MEMORY, Tier.DISK, Tier.MEMORY, Tier.MEMORY, Tier.DISK]
+
+
+def test_policy_time_rule_and_a_jobs_own_settings() -> None:
+    clock = Clock()
+    t = Tiering(TierPolicy(persist_every=1000, persist_interval=10.0), clock)
+    assert t.decide("j", disk_busy=False) is Tier.DISK
+    clock.t += 9
+    assert t.decide("j", disk_busy=False) is Tier.MEMORY
+    clock.t += 1
+    assert t.decide("j", disk_busy=False) is Tier.DISK
+    t.set_job("k", 2, None)  # the job's commits override N, keep the daemon's T
+    assert [t.decide("k", disk_busy=False) for _ in range(3)] == [Tier.DISK, Tier.MEMORY, Tier.DISK]
+    assert t.policy_of("k") == TierPolicy(2, 10.0, "wait")
+
+
+def test_policy_when_the_disk_lags() -> None:
+    mem = Tiering(TierPolicy(lagging="memory"))
+    assert mem.decide("j", disk_busy=False) is Tier.DISK
+    assert mem.decide("j", disk_busy=True) is Tier.MEMORY and mem.owed("j")  # the newest goes once the disk is free
+    assert mem.decide("j", disk_busy=False) is Tier.DISK and not mem.owed("j")
+    wait = Tiering(TierPolicy())  # the default: every snapshot reaches disk, lagging or not
+    assert [wait.decide("j", disk_busy=True) for _ in range(3)] == [Tier.DISK] * 3
+    # a multi-node step is completed through the bucket: always persisted
+    assert Tiering(TierPolicy(persist_every=5, lagging="memory")).decide("m", disk_busy=True, multi_node=True) is Tier.DISK
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"persist_every": 0}, {"persist_interval": -1.0}, {"lagging": "drop"}],
+)
+def test_bad_tiering_settings_are_refused(bad: dict[str, Any], tmp_path) -> None:  # noqa: ANN001
+    with pytest.raises(ValueError):
+        TierPolicy(**bad)
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        daemon_config({"root": str(tmp_path), **bad})
+    conf = tmp_path / "c.toml"
+    conf.write_text(f"root = {json.dumps(str(tmp_path))}\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in bad.items()))
+    with pytest.raises(ValueError):
+        daemon_config(None, str(conf))
+
+
+def test_a_client_with_bad_tiering_is_refused_and_so_is_a_forged_commit(daemon) -> None:  # noqa: ANN001
+    with pytest.raises(ValueError, match="persist_every"):
+        daemon.client("j", persist_every=0)
+    with pytest.raises(ValueError, match="persist_interval"):
+        daemon.client("j", persist_interval=float("nan"))
+    base = dict(job="j", rank=0, world_size=1, local_world_size=1, step=1, segment="x", lease="0" * 32, nbytes=1, replicas={})
+    with daemon.rpc() as rpc:
+        for bad in ({"persist_every": 0}, {"persist_every": True}, {"persist_interval": -1}, {"persist_interval": "10"}):
+            with pytest.raises(CheckpointError, match="persist_"):
+                rpc.call("commit", frames=(b"{}",), **base, **bad)
+        assert rpc.call("hello")["server_version"]  # the daemon carries on
+
+
+# ---------------------------------------------------------------------------- a daemon with a memory tier
+
+
+def test_one_in_n_reaches_disk_the_rest_are_dropped_and_wait_skips_them(daemon) -> None:  # noqa: ANN001
+    model, optim = make()
+    with daemon.client("j", persist_every=3) as c:
+        handles = []
+        for step in range(1, 8):
+            train_step(model, optim, step)
+            handles.append(c.snapshot(model, optim, step=step, blocking=True))
+        until(lambda: job_status(c, "j").get("memory_only", []) == [] and c.status()["memory_steps_dropped"] == 4, what="drops")
+        assert [p.rsplit("-", 1)[1] for p in c.wait(60)] == ["1", "4", "7"]  # the dropped ones skipped, not raised
+        with pytest.raises(StepDropped, match="dropped from memory: step 3, committed later"):
+            handles[1].wait(10)
+        st = c.status()
+        assert st["memory_steps"] == 4 and st["steps_committed"] == 3
+    assert complete_steps(daemon.root, "j") == [1, 4, 7]
+
+
+def test_a_memory_only_step_is_restored_hot_named_by_status_and_ls(daemon) -> None:  # noqa: ANN001
+    model, optim = make()
+    with daemon.client("j", persist_every=100) as c:
+        for step in (1, 2, 3):
+            train_step(model, optim, step)
+            c.snapshot(model, optim, step=step, extra={"step": step}, blocking=True)
+        want = full_state(model, optim)
+        st = until(lambda: (s := job_status(c, "j")).get("memory_only") == [3] and s.get("latest") == 1 and s, what="steps 1 and 3")
+        assert st["in_memory"] == 3
+    out = subprocess.run(
+        [sys.executable, "-m", "ckptd", "ls", "--endpoint", daemon.endpoint], capture_output=True, text=True, cwd=REPO, check=True
+    ).stdout
+    lines = {tuple(line.split()[:2]): line for line in out.splitlines()[1:]}
+    assert "memory only" in lines[("j", "3")] and "<- latest" in lines[("j", "1")]
+    status = subprocess.run(
+        [sys.executable, "-m", "ckptd", "status", "--endpoint", daemon.endpoint], capture_output=True, text=True, cwd=REPO, check=True
+    ).stdout
+    assert "(memory only: 3)" in status
+    m2, o2 = make(seed=5)
+    with daemon.client("j") as c:
+        extra = c.restore(m2, o2)
+        assert c.last_restore["source"] == "memory" and c.last_restore["step"] == 3
+        assert extra == {"step": 3}
+    assert_same(full_state(m2, o2), want)
+    assert complete_steps(daemon.root, "j") == [1]  # read from memory, not persisted for it
+
+
+def test_a_restore_that_may_not_read_memory_persists_the_newest_step_first(daemon) -> None:  # noqa: ANN001
+    model, optim = make()
+    with daemon.client("j", persist_every=100) as c:
+        for step in (1, 2):
+            train_step(model, optim, step)
+            c.snapshot(model, optim, step=step, blocking=True)
+        want = full_state(model, optim)
+        m2, o2 = make(seed=5)
+        c.restore(m2, o2, hot=False)
+        assert c.last_restore["step"] == 2 and c.last_restore["source"] == "disk"
+    assert_same(full_state(m2, o2), want)
+    assert complete_steps(daemon.root, "j") == [1, 2]
+    verify = subprocess.run([sys.executable, "-m", "ckptd", "verify", os.path.join(daemon.root, "j", "step-2")], cwd=REPO)
+    assert verify.returncode == 0
+
+
+def test_a_wait_for_a_memory_only_step_persists_it(daemon) -> None:  # noqa: ANN001
+    model, optim = make()
+    with daemon.client("j", persist_every=100) as c:
+        c.snapshot(model, optim, step=1, blocking=True).wait(30)
+        train_step(model, optim, 1)
+        path = c.snapshot(model, optim, step=2).wait(30)  # asked for right away: persisted once sealed
+        assert path.endswith("step-2") and os.path.isfile(os.path.join(path, "manifest.json"))
+        assert c.status()["memory_steps_dropped"] == 0
+
+
+def _trainer(daemon: Any, job: str, body: str) -> subprocess.CompletedProcess:
+    code = f"""
+import os, signal, sys
+sys.path.insert(0, {str(REPO / "tests")!r})
+from _models import make, train_step
+from ckptd import Client
+model, optim = make()
+c = Client(job={job!r}, persist_every=100)
+for step in (1, 2, 3):
+    train_step(model, optim, step)
+    c.snapshot(model, optim, step=step, blocking=True)
+{body}
+"""
+    return subprocess.run([sys.executable, "-c", code], env=env_for(daemon, job), cwd=REPO, timeout=120)
+
+
+def test_a_trainer_killed_after_a_memory_only_snapshot_still_ends_in_a_durable_checkpoint(daemon) -> None:  # noqa: ANN001
+    proc = _trainer(daemon, "k", "os.kill(os.getpid(), signal.SIGKILL)")
+    assert proc.returncode == -signal.SIGKILL
+    until(lambda: complete_steps(daemon.root, "k") == [1, 3], what="step 3 persisted after the trainer died")
+    with daemon.client("k") as c:
+        assert c.latest() == 3
+
+
+def test_the_daemons_shutdown_persists_memory_only_steps_and_a_crash_loses_none(make_daemon) -> None:  # noqa: ANN001
+    d = make_daemon()
+    model, optim = make()
+    with d.client("s", persist_every=100) as c:
+        for step in (1, 2):
+            train_step(model, optim, step)
+            c.snapshot(model, optim, step=step, blocking=True)
+        until(lambda: job_status(c, "s").get("memory_only") == [2], what="step 2 in memory")
+        assert d.stop() == 0
+    assert complete_steps(d.root, "s") == [1, 2]
+    d.start()
+    with d.client("c", persist_every=100) as c:
+        for step in (1, 2):
+            train_step(model, optim, step)
+            c.snapshot(model, optim, step=step, blocking=True)
+        until(lambda: job_status(c, "c").get("memory_only") == [2], what="step 2 in memory")
+        d.kill()  # the daemon crashes holding a memory-only step: its commit records survive in /dev/shm
+    d.start()
+    until(lambda: complete_steps(d.root, "c") == [1, 2], what="the restarted daemon persisting step 2")
+
+
+def test_a_rolled_back_run_replaces_a_memory_only_step(daemon) -> None:  # noqa: ANN001
+    model, optim = make()
+    with daemon.client("r", persist_every=100) as c:
+        for step in (1, 2):
+            train_step(model, optim, step)
+            c.snapshot(model, optim, step=step, blocking=True)
+        until(lambda: (s := job_status(c, "r")).get("memory_only") == [2] and s.get("latest") == 1, what="steps 1 and 2")
+        c.restore(model, optim, step=1)
+        train_step(model, optim, 9)
+        want = full_state(model, optim)
+        c.snapshot(model, optim, step=2, blocking=True).wait(30)  # the abandoned line's step 2 is replaced
+        m2, o2 = make(seed=4)
+        c.restore(m2, o2)
+        assert c.last_restore["step"] == 2
+    assert_same(full_state(m2, o2), want)
+
+
+# ---------------------------------------------------------------------------- persisting slower than snapshots
+
+
+def _big() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024))  # 2.1 M params: 25 MB with Adam
+    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+    return model, optim
+
+
+def _step(model: torch.nn.Module, optim: torch.optim.Optimizer, i: int) -> None:
+    torch.manual_seed(i)
+    model(torch.randn(4, 1024)).square().mean().backward()
+    optim.step()
+    optim.zero_grad()
+
+
+SHARD = 25_300_000  # about: 2.1 M fp32 params, Adam's two moments, the header
+
+
+def test_when_persisting_is_slower_than_snapshots_memory_stays_in_budget_and_the_newest_step_is_restorable(make_daemon) -> None:  # noqa: ANN001
+    # a throttled disk (8 MB/s: 3 s per step) behind snapshots taken back to back
+    budget = int(3.4 * SHARD)
+    d = make_daemon("--lagging", "memory", "--write-rate-limit", "8M", "--shm-budget", str(budget), "--workers", "1")
+    model, optim = _big()
+    _step(model, optim, 0)
+    snapshots = 10
+    with d.client("slow") as c:
+        c.prepare(model, optim)  # three slots with a memory tier: one persisting, the newest held, one being filled
+        segments = set(shm.segments_of(d.root))
+        assert len(segments) == 3
+        for step in range(1, snapshots + 1):
+            _step(model, optim, step)
+            c.snapshot(model, optim, step=step, blocking=True)
+            st = c.status()
+            assert st["shm_bytes"] <= st["shm_budget"] == budget
+            assert st["deferred_allocs"] == 0  # no snapshot waited for memory...
+            assert set(shm.segments_of(d.root)) == segments  # ...or for a segment to be made
+            # the newest step is restorable at once, from memory (it is not on disk yet)
+            m2, o2 = _big()
+            with d.client("slow") as r:
+                r.restore(m2, o2)
+                assert r.last_restore["step"] == step and r.last_restore["source"] == "memory"
+            assert_same(full_state(m2, o2), full_state(model, optim))
+        st = c.status()
+        on_disk = complete_steps(d.root, "slow")
+        assert st["memory_steps_dropped"] > 0 and len(on_disk) < snapshots  # the memory tier took what the disk could not
+        assert st["errors"] == 0, st["last_error"]
+        c.wait(120)  # the newest is persisted now; the dropped ones are skipped
+    assert complete_steps(d.root, "slow")[-1] == snapshots
+
+
+def test_lagging_wait_puts_every_step_on_disk_with_backpressure(make_daemon) -> None:  # noqa: ANN001
+    d = make_daemon("--write-rate-limit", "40M", "--shm-budget", str(int(2.4 * SHARD)), "--workers", "1")
+    model, optim = _big()
+    _step(model, optim, 0)
+    with d.client("w") as c:
+        c.prepare(model, optim)
+        for step in range(1, 5):
+            _step(model, optim, step)
+            c.snapshot(model, optim, step=step, blocking=True)
+            st = c.status()
+            assert st["shm_bytes"] <= st["shm_budget"]
+        assert len(c.wait(120)) == 4
+        st = c.status()
+        assert st["memory_steps_dropped"] == 0 and st["memory_steps"] == 0 and st["steps_committed"] == 4
+    assert complete_steps(d.root, "w") == [2, 3, 4]  # the newest three (keep = 3)
+
+
+def test_a_garbage_shard_in_the_memory_tier_fails_its_step_and_frees_its_slot(daemon) -> None:  # noqa: ANN001
+    # a buggy (or hostile) client commits a slot that holds no ckptd shard, as a memory-only step
+    model, optim = make()
+    with daemon.client("g", persist_every=100) as c, daemon.rpc() as rpc:
+        c.snapshot(model, optim, step=1, blocking=True).wait(30)  # the first step of a job is persisted
+        rep = rpc.call("alloc", job="g", rank=0, world_size=1, step=2, nbytes=4096, pid=os.getpid())
+        with open(shm.path_of(rep["segment"]), "r+b") as f:
+            f.write(b"\xff" * 4096)
+        rpc.call(
+            "commit", frames=(b"{}",), job="g", rank=0, world_size=1, local_world_size=1, step=2, segment=rep["segment"],
+            lease=rep["lease"], nbytes=4096, replicas={}, persist_every=100,
+        )  # fmt: skip
+        got = rpc.call("wait", job="g", step=2, timeout=30)
+        assert got["state"] == "failed" and "header" in got["error"]
+        st = until(lambda: (s := c.status())["slots"].get("held", 0) == 0 and s, what="the slot freed")
+        assert st["jobs"]["g"].get("memory_only") is None and "header" in st["last_error"]
+        # the job goes on: the next snapshot is fine, and a restore reads the newest good step
+        train_step(model, optim, 3)
+        c.snapshot(model, optim, step=3, blocking=True)
+        m2, o2 = make(seed=9)
+        c.restore(m2, o2)
+        assert c.last_restore["step"] == 3
+    assert_same(full_state(m2, o2), full_state(model, optim))
