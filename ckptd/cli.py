@@ -132,11 +132,13 @@ def _parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="re-read a checkpoint: checksums, headers, coverage, manifest (exit 1 if unsound)")
     v.add_argument("ckpt", help="a step directory, or a job directory (its newest step)")
 
-    ex = sub.add_parser("export", help="consolidate a checkpoint into one full state dict file, streaming")
+    ex = sub.add_parser("export", help="consolidate a checkpoint into one full state dict file, or a Hugging Face model directory")
     ex.add_argument("ckpt", help="a step directory, or a job directory (its newest step)")
-    ex.add_argument("--out", required=True)
-    ex.add_argument("--format", choices=("safetensors", "torch"), default="safetensors")
+    ex.add_argument("--out", required=True, help="the file to write (hf: the directory to make)")
+    ex.add_argument("--format", choices=("safetensors", "torch", "hf"), default="safetensors")
     ex.add_argument("--what", choices=("model", "optim", "all"), default="model")
+    ex.add_argument("--max-shard-size", type=_size, default=None, help="hf: the largest weights file (default 5GB)")
+    ex.add_argument("--config-from", default=None, help="hf: copy config.json (and tokenizer files) from this model directory")
 
     im = sub.add_parser("import", help="turn a torch.distributed.checkpoint (DCP) directory into a step of a job, through the daemon")
     im.add_argument("dcp_dir", help="the DCP checkpoint directory (with its .metadata)")
@@ -227,8 +229,9 @@ def _export(args: argparse.Namespace) -> int:
     from .tools.export import export_checkpoint
 
     try:
-        stats = export_checkpoint(args.ckpt, args.out, fmt=args.format, what=args.what)
-    except (CheckpointError, OSError) as e:
+        hf = {"max_shard_size": args.max_shard_size} if args.max_shard_size else {}
+        stats = export_checkpoint(args.ckpt, args.out, fmt=args.format, what=args.what, config_from=args.config_from, **hf)
+    except (CheckpointError, OSError, ValueError) as e:
         print(f"ckptd export: {e}", file=sys.stderr)
         return 1
     print(f"wrote {args.out}: {stats['tensors']} tensors, {stats['bytes'] / 1e9:.3f} GB")

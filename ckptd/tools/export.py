@@ -1,8 +1,12 @@
-"""Consolidate a sharded checkpoint into one file (``ckptd export``), streaming.
+"""Consolidate a sharded checkpoint into one file, or a Hugging Face model directory (``ckptd export``), streaming.
 
-For the safetensors format, peak memory is about the largest tensor plus one saved chunk: each
+For the safetensors and hf formats, peak memory is about the largest tensor plus one saved chunk: each
 tensor is assembled from its chunks, written, and dropped before the next. The torch format has to
-hold the selected state in memory (``torch.save`` takes one dict). Runs anywhere (no daemon, no process group).
+hold the selected state in memory (``torch.save`` takes one dict). The hf format writes what
+``transformers``' ``from_pretrained`` loads: ``model-0000i-of-0000n.safetensors`` files of at most
+``max_shard_size`` bytes each, ``model.safetensors.index.json`` mapping every tensor to its file, and
+the model's ``config.json`` (and generation / tokenizer files) copied from ``config_from``. Runs
+anywhere (no daemon, no process group).
 """
 
 from __future__ import annotations
@@ -11,9 +15,11 @@ import json
 import math
 import mmap
 import os
+import shutil
 import struct
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -23,7 +29,14 @@ from ..format import dtype_from_name
 from ..state import split_key
 
 WHAT = ("model", "optim", "all")
-FORMATS = ("safetensors", "torch")
+FORMATS = ("safetensors", "torch", "hf")
+HF_INDEX = "model.safetensors.index.json"
+HF_SHARD_SIZE = 5 * 10**9  # transformers' default max_shard_size ("5GB")
+# what config_from contributes besides the weights (the files save_pretrained and tokenizers write)
+HF_SIDE_FILES = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+    "special_tokens_map.json", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+)  # fmt: skip
 
 
 def output_name(key: str, what: str) -> str | None:
@@ -56,44 +69,34 @@ def export_checkpoint(
     fmt: str = "safetensors",
     what: str = "model",
     progress: Callable[[int], None] | None = None,
+    max_shard_size: int = HF_SHARD_SIZE,
+    config_from: str | None = None,
 ) -> dict[str, int]:
     """Write the full (unsharded) state of checkpoint ``path`` to ``out``; returns counts.
 
     ``what``: ``model`` (keys are model FQNs, loadable by ``model.load_state_dict``), ``optim``
     (``state.<fqn>.<name>``, tensors only) or ``all`` (``model.<fqn>``, ``optim.state.<fqn>.<name>``).
-    The file appears atomically (written to ``out.tmp``, then renamed).
+    The file appears atomically (written to ``out.tmp``, then renamed). ``fmt="hf"``: ``out`` is a new
+    directory (see the module's docstring; the model only), made as ``out.tmp`` and renamed.
     """
     if fmt not in FORMATS or what not in WHAT:
         raise ValueError(f"format must be one of {FORMATS} and what one of {WHAT}")
+    if fmt == "hf" and what != "model":
+        raise ValueError("the hf format holds the model only (what='model')")
     step_dir = resolve_step_dir(path)
-    tmp = out + ".tmp"
     with CheckpointReader(step_dir) as reader:
         tensors = reader.manifest["tensors"]
         names = {k: n for k in sorted(tensors) if (n := output_name(k, what)) is not None}
         if not names:
             raise CheckpointError(f"{step_dir} holds no {what} tensors")
-        header: dict[str, object] = {"__metadata__": {"format": "pt", "ckptd_step": str(reader.manifest["step"])}}
-        pos = 0
-        for k, n in names.items():
-            ent = tensors[k]
-            nbytes = dtype_from_name(ent["dtype"]).itemsize * math.prod(ent["shape"])
-            header[n] = {"dtype": ent["dtype"], "shape": ent["shape"], "data_offsets": [pos, pos + nbytes]}
-            pos += nbytes
-        body = json.dumps(header, separators=(",", ":")).encode()
-        body += b" " * (-len(body) % 8)
-        show = progress or _progress_printer(pos)
+        meta = {"format": "pt", "ckptd_step": str(reader.manifest["step"])}
+        total = sum(_nbytes(tensors[k]) for k in names)
+        show = progress or _progress_printer(total)
+        if fmt == "hf":
+            return _export_hf(reader, names, out, meta, show, max_shard_size, config_from)
+        tmp = out + ".tmp"
         try:
-            with open(tmp if fmt == "safetensors" else out + ".st.tmp", "wb") as f:
-                f.write(struct.pack("<Q", len(body)) + body)
-                done = 0
-                for k in names:
-                    full = reader.read_full(k)
-                    f.write(memoryview(full.reshape(-1).view(torch.uint8).numpy()))
-                    done += full.numel() * full.element_size()
-                    del full
-                    show(done)
-                f.flush()
-                os.fsync(f.fileno())
+            _write_safetensors(reader, names, tmp if fmt == "safetensors" else out + ".st.tmp", meta, show, 0)
             if fmt == "torch":
                 _safetensors_to_torch(out + ".st.tmp", tmp)
             os.replace(tmp, out)
@@ -101,7 +104,95 @@ def export_checkpoint(
             for p in (tmp, out + ".st.tmp"):
                 if os.path.exists(p):
                     os.unlink(p)
-    return {"tensors": len(names), "bytes": pos}
+    return {"tensors": len(names), "bytes": total}
+
+
+def _nbytes(ent: dict[str, Any]) -> int:
+    return dtype_from_name(ent["dtype"]).itemsize * math.prod(ent["shape"])
+
+
+def _write_safetensors(
+    reader: CheckpointReader, names: dict[str, str], path: str, meta: dict[str, str], show: Callable[[int], None], done: int
+) -> int:
+    """Write the tensors ``names`` (state key -> name in the file) to safetensors file ``path``, one at a
+    time, fsynced; returns ``done`` plus the bytes written (for progress across files)."""
+    tensors = reader.manifest["tensors"]
+    header: dict[str, object] = {"__metadata__": meta}
+    pos = 0
+    for k, n in names.items():
+        nbytes = _nbytes(tensors[k])
+        header[n] = {"dtype": tensors[k]["dtype"], "shape": tensors[k]["shape"], "data_offsets": [pos, pos + nbytes]}
+        pos += nbytes
+    body = json.dumps(header, separators=(",", ":")).encode()
+    body += b" " * (-len(body) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(body)) + body)
+        for k in names:
+            full = reader.read_full(k)
+            f.write(memoryview(full.reshape(-1).view(torch.uint8).numpy()))
+            done += full.numel() * full.element_size()
+            del full
+            show(done)
+        f.flush()
+        os.fsync(f.fileno())
+    return done
+
+
+def _export_hf(
+    reader: CheckpointReader,
+    names: dict[str, str],
+    out: str,
+    meta: dict[str, str],
+    show: Callable[[int], None],
+    max_shard_size: int,
+    config_from: str | None,
+) -> dict[str, int]:
+    if os.path.lexists(out):
+        raise CheckpointError(f"{out} already exists: the hf export makes a new directory")
+    if max_shard_size < 1:
+        raise ValueError("max_shard_size must be >= 1 byte")
+    side = _side_files(config_from) if config_from is not None else []
+    tensors = reader.manifest["tensors"]
+    shards: list[dict[str, str]] = [{}]
+    size = 0
+    for k, n in names.items():  # in key order, a new file when the next tensor would overflow this one
+        if shards[-1] and size + _nbytes(tensors[k]) > max_shard_size:
+            shards.append({})
+            size = 0
+        shards[-1][k] = n
+        size += _nbytes(tensors[k])
+    files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    if len(shards) == 1:
+        files = ["model.safetensors"]  # what save_pretrained writes for a model that fits one file
+    tmp = out + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)  # a torn earlier export
+    os.makedirs(tmp)
+    try:
+        done = 0
+        for file, shard in zip(files, shards):
+            done = _write_safetensors(reader, shard, os.path.join(tmp, file), meta, show, done)
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": done}, "weight_map": {n: f for f, sh in zip(files, shards) for n in sh.values()}}
+            with open(os.path.join(tmp, HF_INDEX), "w") as f:
+                json.dump(index, f, indent=2, sort_keys=True)
+        for src in side:
+            shutil.copyfile(src, os.path.join(tmp, os.path.basename(src)))
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"tensors": len(names), "bytes": done, "files": len(files)}
+
+
+def _side_files(config_from: str) -> list[str]:
+    """The files of a Hugging Face model directory (or one ``config.json``) that go beside the weights."""
+    if os.path.isfile(config_from):
+        if os.path.basename(config_from) != "config.json":
+            raise CheckpointError(f"--config-from {config_from}: give a model directory or its config.json")
+        return [config_from]
+    if not os.path.isfile(os.path.join(config_from, "config.json")):
+        raise CheckpointError(f"--config-from {config_from}: no config.json there (a directory save_pretrained wrote, or its config.json)")
+    return [p for name in HF_SIDE_FILES if os.path.isfile(p := os.path.join(config_from, name))]
 
 
 def _safetensors_to_torch(src: str, dst: str) -> None:
