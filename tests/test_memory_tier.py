@@ -8,13 +8,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 from _models import assert_same, full_state, make, train_step
+from _poll import until
 from conftest import REPO, env_for
 
 from ckptd import shm
@@ -23,16 +22,6 @@ from ckptd.config import daemon_config
 from ckptd.daemon.tiering import Tier, Tiering, TierPolicy
 from ckptd.errors import CheckpointError
 from ckptd.layout import complete_steps
-
-
-def until(cond: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def job_status(c: Any, job: str) -> dict[str, Any]:
@@ -199,9 +188,16 @@ for step in (1, 2, 3):
 def test_a_trainer_killed_after_a_memory_only_snapshot_still_ends_in_a_durable_checkpoint(daemon) -> None:  # noqa: ANN001
     proc = _trainer(daemon, "k", "os.kill(os.getpid(), signal.SIGKILL)")
     assert proc.returncode == -signal.SIGKILL
+    # the restarted trainer reads it from memory, whether or not its persisting has begun
+    m2, o2 = make(seed=5)
+    with daemon.client("k") as c:
+        c.restore(m2, o2)
+        assert c.last_restore["step"] == 3 and c.last_restore["source"] == "memory"
     until(lambda: complete_steps(daemon.root, "k") == [1, 3], what="step 3 persisted after the trainer died")
     with daemon.client("k") as c:
         assert c.latest() == 3
+        c.restore(m2, o2, hot=False)
+        assert c.last_restore["step"] == 3 and c.last_restore["source"] == "disk"
 
 
 def test_the_daemons_shutdown_persists_memory_only_steps_and_a_crash_loses_none(make_daemon) -> None:  # noqa: ANN001
