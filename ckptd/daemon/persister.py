@@ -133,33 +133,34 @@ class Persister:
                 self.write_rate_limit, rec.get("replicas", {}), lws, rec.get("committed_at", 0),
             )  # fmt: skip
             seconds = time.monotonic() - t0
-            path, node_ranks = self._after_write(job, step, ws, lws)
-            # kept in memory for hot restores (they read no disk): the manifest this thread wrote a moment ago
-            # under the daemon's own root, so parsed, not validated again (that costs ~0.2 s per 10,000 tensors)
-            manifest = _own_manifest(path) if path is not None else None
+            path, node_ranks, manifest = self._after_write(job, step, ws, lws)
             event = ShardPersisted(slot.name, job, step, rank, rec["nbytes"], seconds, None, path, manifest, node_ranks)
         except Exception as e:  # reported to every waiter of the step, never swallowed
             log.error("persisting %s (job %s step %s rank %s) failed: %s", slot.name, job, step, rank, e)
             event = ShardPersisted(slot.name, job, step, rank, 0, 0.0, f"{e}")
         self._events.post(event)
 
-    def _after_write(self, job: str, step: int, ws: int, lws: int) -> tuple[str | None, list[int] | None]:
+    def _after_write(self, job: str, step: int, ws: int, lws: int) -> tuple[str | None, list[int] | None, dict[str, Any] | None]:
         """Under the job's lock: complete the step if every rank's fragment is here (returns its
-        directory), or, multi-node, hand this node's part to the uploader once (returns its ranks)."""
+        directory and manifest), or, multi-node, hand this node's part to the uploader once (returns its ranks)."""
         with self.job_lock(job):
             present = fragments_present(self.root, job, step)
             if lws < ws:
                 # multi-node: this node's part is durable; the upload thread completes it in the bucket
                 if len(present) == lws and (job, step) not in self._node_reported:
                     self._node_reported.add((job, step))
-                    return None, sorted(present)
+                    return None, sorted(present), None
             elif present >= set(range(ws)) and os.path.isdir(tmp_dir(self.root, job, step)):
                 path = local.finalize_step(self.root, job, step, ws)
+                # kept in memory for hot restores (they read no disk): the manifest just written under the
+                # daemon's own root, so parsed, not validated again (~0.2 s per 10,000 tensors); read here,
+                # under the lock, before retention (this call's or another thread's) may remove the step
+                manifest = _own_manifest(path)
                 # here, off the main loop (deleting GBs takes a while), and before wait() is answered;
                 # the step is complete whatever retention meets
                 try:
                     self.retain(job)
                 except OSError as e:
                     log.error("retention of job %s after step %s failed: %s", job, step, e)
-                return path, None
-        return None, None
+                return path, None, manifest
+        return None, None, None
