@@ -21,3 +21,8 @@ class DaemonUnavailable(CheckpointError):
 
 class UnsupportedState(CheckpointError, TypeError):
     """The state holds a value ckptd cannot store (its path is named); also a ``TypeError``."""
+
+
+class StepDropped(CheckpointError):
+    """A snapshot held in the daemon's memory tier only was dropped before anyone asked for it durable (a
+    later step was complete, or shared memory was full), as the job's tiering policy allows."""

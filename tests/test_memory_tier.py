@@ -17,10 +17,9 @@ from _poll import until
 from conftest import REPO, env_for
 
 from ckptd import shm
-from ckptd.client.handle import StepDropped
 from ckptd.config import daemon_config
 from ckptd.daemon.tiering import Tier, Tiering, TierPolicy
-from ckptd.errors import CheckpointError
+from ckptd.errors import CheckpointError, StepDropped
 from ckptd.layout import complete_steps
 
 

@@ -10,15 +10,12 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, StepDropped
 
 if TYPE_CHECKING:
     from .client import Client
 
-
-class StepDropped(CheckpointError):
-    """The step was kept in the daemon's memory tier only and dropped before anyone asked for it durable
-    (a newer step was complete, or shared memory was full), as the job's tiering policy allows."""
+__all__ = ["SnapshotHandle", "StepDropped"]
 
 
 class SnapshotHandle:
