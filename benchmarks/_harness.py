@@ -295,3 +295,30 @@ def write_json(path: str, obj: Any) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump(obj, f, indent=2)
+
+
+# ---------------------------------------------------------------------------- shared by several benchmarks
+
+
+def evict(step_dir: str) -> None:
+    """Drop a step's files from the page cache (they are fsynced: written back already)."""
+    for name in os.listdir(step_dir):
+        fd = os.open(os.path.join(step_dir, name), os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def stop_dcp_checkpoint_process() -> None:
+    """Terminate the checkpoint process that process-mode ``async_save`` keeps for the process's lifetime."""
+    try:
+        import torch.distributed.checkpoint._async_process_executor as ape
+    except ImportError:
+        return
+    p = getattr(ape, "_CHECKPOINT_PROCESS", None)
+    if p is None:
+        return
+    ape._CHECKPOINT_PROCESS = None
+    with contextlib.suppress(Exception):
+        p.__del__()  # sends TERMINATE, joins, SIGTERMs if needed

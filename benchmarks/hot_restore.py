@@ -23,19 +23,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import DaemonProcess, build_state, machine_info, write_json  # noqa: E402
+from _harness import DaemonProcess, build_state, evict, machine_info, write_json  # noqa: E402
 
 import ckptd  # noqa: E402
-
-
-def evict(step_dir: str) -> None:
-    """Drop the step's shard files from the page cache (written back already: they are fsynced)."""
-    for name in os.listdir(step_dir):
-        fd = os.open(os.path.join(step_dir, name), os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,6 +53,7 @@ from _harness import (  # noqa: E402
     machine_info,
     shape_for,
     state_tensors,
+    stop_dcp_checkpoint_process,
     timer,
     write_json,
 )
@@ -400,23 +401,9 @@ def measure_async_process(res: Results, model: torch.nn.Module, optim: torch.opt
     finally:
         if stager is not None:
             stager.close()
-        _stop_dcp_checkpoint_process()
+        stop_dcp_checkpoint_process()
         if own_pg:
             dist.destroy_process_group()
-
-
-def _stop_dcp_checkpoint_process() -> None:
-    """Terminate the checkpoint process that process-mode ``async_save`` keeps for the process's lifetime."""
-    try:
-        import torch.distributed.checkpoint._async_process_executor as ape
-    except ImportError:
-        return
-    p = getattr(ape, "_CHECKPOINT_PROCESS", None)
-    if p is None:
-        return
-    ape._CHECKPOINT_PROCESS = None
-    with contextlib.suppress(Exception):
-        p.__del__()  # sends TERMINATE, joins, SIGTERMs if needed
 
 
 # ---------------------------------------------------------------------------- main

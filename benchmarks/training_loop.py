@@ -4,7 +4,9 @@
 
 A loop of forward + backward + AdamW step whose compute takes longer than copying the state; a
 checkpoint every ``every`` steps. Overhead per checkpoint = (loop time with checkpoints - loop time
-without) / number of checkpoints, for ckptd default mode, ckptd blocking, ckptd default mode with a
+without) / number of checkpoints. ckptd's modes run interleaved in ``--rounds`` rounds, each round against a
+baseline loop of its own, after an untimed warm-up; the median over rounds is reported, the rounds in
+brackets. Modes: ckptd default mode, ckptd blocking, ckptd default mode with a
 memory tier (one snapshot in ``--persist-every`` persisted, the others held in the daemon's shared
 memory only: the daemon's persisting competes with training for the CPU less often), and
 dcp.async_save in thread and process mode. For ckptd it also compares with quiet steps the steps that overlap the
@@ -50,6 +52,77 @@ def run_loop(model: torch.nn.Module, optim: torch.optim.Optimizer, x: torch.Tens
     return time.perf_counter() - t_start, spans
 
 
+def measure(
+    model: torch.nn.Module,
+    optim: torch.optim.Optimizer,
+    x: torch.Tensor,
+    args: argparse.Namespace,
+    c: Any,
+    blocking: bool,
+    first: int,
+    memory_only: bool,
+) -> tuple[float, list[list[float]], list[tuple[float, float]]]:
+    """One loop with ckptd checkpoints (steps from ``first + 1``): its time, each checkpoint's window (snapshot()
+    called, copy committed, durable) and each step's span. ``memory_only``: no wait (it would persist the step)."""
+    windows: list[list[float]] = []
+    waiters = []
+
+    def ckpt(i: int) -> None:
+        t0 = time.perf_counter()
+        h = c.snapshot(model, optim, step=first + len(windows) + 1, blocking=blocking)
+        w = [t0, float("inf"), float("inf")]
+        windows.append(w)
+
+        def mark() -> None:
+            h.wait_copied()
+            w[1] = time.perf_counter()
+            if memory_only:  # the copy's end is the end
+                w[2] = w[1]
+                return
+            h.wait()
+            w[2] = time.perf_counter()
+
+        th = threading.Thread(target=mark)
+        th.start()
+        waiters.append(th)
+
+    total, spans = run_loop(model, optim, x, args.steps, args.every, ckpt)
+    for th in waiters:
+        th.join()
+    c.wait()
+    return total, windows, spans
+
+
+Run = tuple[float, float, list[list[float]], list[tuple[float, float]]]  # loop time, its round's baseline, windows, step spans
+
+
+def summarize(runs: list[Run], n_ckpt: int, base_spans: list) -> dict[str, Any]:
+    """A mode's rounds: the median overhead per checkpoint (each loop against its round's baseline) and the
+    median step times while the trainer copies / while the daemon persists / quiet, pooled over rounds."""
+
+    def overlaps(s: float, e: float, a: float, b: float) -> bool:
+        return s < b and e > a
+
+    copying, persisting, quiet = [], [], []
+    for _, _, windows, spans in runs:
+        # the step that calls snapshot() is the checkpoint's own overhead, in neither set
+        later = [(s, e) for s, e in spans if not any(s <= w[0] <= e for w in windows)]
+        copying += [e - s for s, e in later if any(overlaps(s, e, w[0], w[1]) for w in windows)]
+        persisting += [e - s for s, e in later if any(overlaps(s, e, w[1], w[2]) for w in windows)
+                       and not any(overlaps(s, e, w[0], w[1]) for w in windows)]  # fmt: skip
+        quiet += [e - s for s, e in spans if not any(overlaps(s, e, w[0], w[2]) for w in windows)]
+    overheads = [(total - base) / n_ckpt for total, base, _, _ in runs]
+    return {
+        "loop_s": statistics.median(total for total, _, _, _ in runs),
+        "overhead_per_ckpt_s": statistics.median(overheads),
+        "overheads_s": overheads,
+        "step_while_copying_s": statistics.median(copying) if copying else None,
+        "step_while_persisting_s": statistics.median(persisting) if persisting else None,
+        "quiet_step_s": statistics.median(quiet) if quiet else statistics.median(e - s for s, e in base_spans),
+        "steps_counted": {"copying": len(copying), "persisting": len(persisting), "quiet": len(quiet)},
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--params", type=float, default=22e6)
@@ -59,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default="bench-out/training_loop.json")
     p.add_argument("--skip-process", action="store_true")
     p.add_argument("--persist-every", type=int, default=3, help="the memory-tier mode persists one snapshot in N")
+    p.add_argument("--rounds", type=int, default=3, help="ckptd's modes run interleaved this many times, each round with its own baseline")
     args = p.parse_args(argv)
     model, optim = build_state(args.params)
     _, d = shape_for(args.params)
@@ -82,53 +156,21 @@ def main(argv: list[str] | None = None) -> int:
         ):
             c0.prepare(model, optim)
             c1.prepare(model, optim)
-            for mode, blocking, c in (("ckptd default", False, c0), ("ckptd blocking", True, c0), (memory_mode, False, c1)):
-                windows: list[list[float]] = []
-                waiters = []
-
-                def ckpt(
-                    i: int, blocking: bool = blocking, windows: list[list[float]] = windows, waiters: list = waiters, c: Any = c
-                ) -> None:
-                    t0 = time.perf_counter()
-                    h = c.snapshot(model, optim, step=len(windows) + 1 + (0 if not blocking else 10_000), blocking=blocking)
-                    w = [t0, float("inf"), float("inf")]  # snapshot() called, copy ended (commit), durable
-                    windows.append(w)
-
-                    def mark() -> None:
-                        h.wait_copied()
-                        w[1] = time.perf_counter()
-                        if c is c1:  # a wait would persist a memory-only step: the copy's end is the end
-                            w[2] = w[1]
-                            return
-                        h.wait()
-                        w[2] = time.perf_counter()
-
-                    th = threading.Thread(target=mark)
-                    th.start()
-                    waiters.append(th)
-
-                total, spans = run_loop(model, optim, x, args.steps, args.every, ckpt)
-                for th in waiters:
-                    th.join()
-
-                def overlaps(s: float, e: float, a: float, b: float) -> bool:
-                    return s < b and e > a
-
-                # the step that calls snapshot() is the checkpoint's own overhead, in neither set
-                later = [(s, e) for s, e in spans if not any(s <= w[0] <= e for w in windows)]
-                copying = [e - s for s, e in later if any(overlaps(s, e, w[0], w[1]) for w in windows)]
-                persisting = [e - s for s, e in later if any(overlaps(s, e, w[1], w[2]) for w in windows)
-                              and not any(overlaps(s, e, w[0], w[1]) for w in windows)]  # fmt: skip
-                quiet = [e - s for s, e in spans if not any(overlaps(s, e, w[0], w[2]) for w in windows)]
-                results[mode] = {
-                    "loop_s": total,
-                    "overhead_per_ckpt_s": (total - base) / n_ckpt,
-                    "step_while_copying_s": statistics.median(copying) if copying else None,
-                    "step_while_persisting_s": statistics.median(persisting) if persisting else None,
-                    "quiet_step_s": statistics.median(quiet) if quiet else statistics.median(e - s for s, e in base_spans),
-                    "steps_counted": {"copying": len(copying), "persisting": len(persisting), "quiet": len(quiet)},
-                }
+            # untimed: the first snapshots of a client pay one-time costs (measured one after the other, the
+            # first mode carried them: 0.51 s per checkpoint in one run, 0.08 s for the mode measured next)
+            for w, (c, blocking) in enumerate(((c0, False), (c0, True), (c1, False))):
+                run_loop(model, optim, x, 2 * args.every, args.every, lambda i, c=c, b=blocking, w=w: c.snapshot(
+                    model, optim, step=90_000 + 1_000 * w + i, blocking=b))  # fmt: skip
                 c.wait()
+            ckptd_modes = (("ckptd default", False, c0), ("ckptd blocking", True, c0), (memory_mode, False, c1))
+            runs: dict[str, list[Run]] = {m: [] for m, _, _ in ckptd_modes}
+            for r in range(args.rounds):  # the modes interleaved, each round against its own baseline
+                round_base, _ = run_loop(model, optim, x, args.steps, args.every, None)
+                for n, (mode, blocking, c) in enumerate(ckptd_modes):
+                    total, windows, spans = measure(model, optim, x, args, c, blocking, 100_000 * r + 10_000 * n, c is c1)
+                    runs[mode].append((total, round_base, windows, spans))
+            for mode, got in runs.items():
+                results[mode] = summarize(got, n_ckpt, base_spans)
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -159,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         base_mean = (base + base2) / 2
         results["no checkpoints"] = {"loop_s": base_mean, "runs_s": [base, base2]}
         for r in results.values():
-            if "overhead_per_ckpt_s" in r:
+            if "overhead_per_ckpt_s" in r and "overheads_s" not in r:  # dcp's modes, measured once
                 r["overhead_per_ckpt_s"] = (r["loop_s"] - base_mean) / n_ckpt
     finally:
         daemon.stop()
@@ -173,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         f" torch {torch.__version__}, nproc {info.get('nproc')}\n"
     )
     print(
-        "| saver | loop (s) | overhead per checkpoint (s) | step during the background copy / quiet step"
+        "| saver | loop (s) | overhead per checkpoint (s; ckptd: median (rounds)) | step during the background copy / quiet step"
         " | step while the daemon persists / quiet step |\n|---|---:|---:|---:|---:|"
     )
     for mode, r in results.items():
@@ -181,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         for key in ("step_while_copying_s", "step_while_persisting_s"):
             ratios.append(f"{r[key] / r['quiet_step_s']:.2f} ({r['steps_counted'][key.split('_')[2]]} steps)" if r.get(key) else "")
         ov = r.get("overhead_per_ckpt_s")
-        print(f"| {mode} | {r['loop_s']:.2f} | {'' if ov is None else f'{ov:.3f}'} | {ratios[0]} | {ratios[1]} |")
+        cell = "" if ov is None else f"{ov:.3f}" + (f" ({' '.join(f'{v:.3f}' for v in r['overheads_s'])})" if "overheads_s" in r else "")
+        print(f"| {mode} | {r['loop_s']:.2f} | {cell} | {ratios[0]} | {ratios[1]} |")
     best_dcp = min((r["overhead_per_ckpt_s"] for m, r in results.items() if m.startswith("dcp")), default=None)
     ck = results["ckptd default"]["overhead_per_ckpt_s"]
     mem = results[memory_mode]["overhead_per_ckpt_s"]
