@@ -113,10 +113,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--persist-every", type=int, default=None, help="persist one snapshot in N; the others stay in memory (default 1)")
     s.add_argument("--persist-interval", type=float, default=None, help="also persist the first snapshot T seconds after the last (0: off)")
-    s.add_argument(
-        "--lagging", choices=("memory", "wait"), default=None,
-        help="a snapshot due for disk while the disk is busy: queue it (wait, default) or keep it in memory, persist the newest later",
-    )  # fmt: skip
+    s.add_argument("--lagging", choices=("memory", "wait"), default=None, help="a snapshot due for disk while it is busy: wait or memory")
     s.add_argument(
         "--idle-priority",
         action=argparse.BooleanOptionalAction,

@@ -329,3 +329,31 @@ def test_a_garbage_shard_in_the_memory_tier_fails_its_step_and_frees_its_slot(da
         c.restore(m2, o2)
         assert c.last_restore["step"] == 3
     assert_same(full_state(m2, o2), full_state(model, optim))
+
+
+def test_a_refused_commit_from_another_run_does_not_drop_a_memory_only_step(daemon) -> None:  # noqa: ANN001
+    # run A holds step 2 in memory only; a second live run B of the same job name, claiming a rollback to
+    # step 1, commits step 2: B is refused (two live runs), and A's step 2 stays
+    model, optim = make()
+    with daemon.client("two", persist_every=100) as c:
+        for step in (1, 2):
+            train_step(model, optim, step)
+            c.snapshot(model, optim, step=step, blocking=True)
+        until(lambda: job_status(c, "two").get("memory_only") == [2], what="step 2 in memory")
+        code = (
+            "import os, sys; from ckptd.client.rpc import Channel; ch = Channel(sys.argv[1], 30.0)\n"
+            "rep = ch.call('alloc', job='two', rank=0, world_size=1, step=2, nbytes=4096, pid=os.getpid())\n"
+            "try:\n"
+            "    ch.call('commit', frames=(b'{}',), job='two', rank=0, world_size=1, local_world_size=1, step=2,"
+            " segment=rep['segment'], lease=rep['lease'], nbytes=4096, replicas={}, after=1, run=12345)\n"
+            "except Exception as e:\n"
+            "    print(e)\n"
+        )
+        out = subprocess.run([sys.executable, "-c", code, daemon.endpoint], capture_output=True, text=True, timeout=60, cwd=REPO)
+        assert "another run" in out.stdout, out.stdout + out.stderr
+        st = job_status(c, "two")
+        assert st.get("memory_only") == [2] and st["in_memory"] == 2
+        m2, o2 = make(seed=4)
+        c.restore(m2, o2)
+        assert c.last_restore["step"] == 2
+    assert_same(full_state(m2, o2), full_state(model, optim))

@@ -59,6 +59,7 @@ class Admission:
     def __init__(self, root: str, steps: StepTable, pool: SlotPool, settle: Settle, job_lock: Callable[[str], threading.RLock]) -> None:
         self.root, self.steps, self.pool, self._settle, self._job_lock = root, steps, pool, settle, job_lock
         self._runs: dict[str, tuple[int, set[tuple[int, float]]]] = {}  # job -> (its run, (pid, start time) of committers)
+        self.drop_memory: Callable[[StepKey, str], bool] = lambda key, why: False  # the memory tier's, set by the daemon
 
     def admit(
         self, job: str, step: int, rank: int, ws: int, lws: int, peer: int | None, after: int | None, run: int | None = None
@@ -68,6 +69,8 @@ class Admission:
         unknown); ``after``: the step the client restored; ``run``: its launch."""
         key = (job, step)
         self._check_run(job, run, peer)
+        if after is not None and after < step:  # a rolled-back run replaces a memory-only step of this number
+            self.drop_memory(key, "replaced: a run rolled back to an earlier step saves this number again")
         track = self.steps.get(key)
         if track is not None and track.state is StepState.PENDING and run is not None and (track.recovered or track.run not in (None, run)):
             # begun by a run that is gone (_check_run let this one take the job over), or recovered after a

@@ -157,13 +157,21 @@ class MemoryTier:
             return
         self.pool.hold(slot, (ev.job, ev.step, ev.rank))
         if ev.manifest is None:
+            if self.pool.deferred:  # a request held back while this slot was committed may be served now
+                self.pool.retry_deferred()
+            return
+        if not track.all_committed or {r["rank"] for r in ev.manifest["ranks"]} != track.committed:
+            self.steps.fail(key, "the sealed shards are not those of the ranks that committed (a stale attempt's)")
+            self._settle(key, track)
             return
         track.state, track.sealed = StepState.MEMORY, True
         self.catalog.note_memory(ev.job, ev.step, ev.manifest)
         self.counters.memory_steps += 1
-        self._after_complete(ev.job, ev.step)
+        # persisted first if someone asked: completing it may retry a deferred alloc that would drop it
         if track.promote or (self.tiering.owed(ev.job) and not self.steps.disk_busy(ev.job)):
             self.promote(key)
+        self._after_complete(ev.job, ev.step)
+        self._answer(self.steps.answered_sealed(key))
         self._settle(key, track)
 
     def _sealed_on_the_way_to_disk(self, key: StepKey, track: StepTrack, slot: Slot | None, ev: ShardSealed) -> None:
@@ -257,13 +265,22 @@ class MemoryTier:
         if step is None:
             mine = self.steps.of_job(job, StepState.PENDING) + self.steps.of_job(job, StepState.MEMORY)
             mine = sorted((t.committed_at, s) for s, t in mine if t.all_committed)
-            if not mine:
-                return None
+            if not mine or self._later_complete(job, *mine[-1]):
+                return None  # a step committed later is complete already: it answers
             step = mine[-1][1]
         track = self.steps.get((job, step))
         if track is None or track.state not in (StepState.PENDING, StepState.MEMORY):
             return None
         return self.want_durable(job, step) or step if persist else step
+
+    def _later_complete(self, job: str, first_commit: int, step: int) -> bool:
+        """Another step of ``job``, committed after ``step``'s first commit, is complete (sealed or held in memory,
+        or durable on disk). Ranks commit in order, so any other step committed since is a later one."""
+        held = self.catalog.in_memory(job)
+        if held is not None and held.step != step and commit_time(held.manifest) > first_commit:
+            return True
+        latest, path = self.catalog.latest(job)
+        return path is not None and latest != step and committed_at(path) > first_commit
 
     def disk_free(self, job: str) -> None:
         """A persisted step of ``job`` left pending: persist its newest memory-only step if one is owed."""
@@ -275,9 +292,17 @@ class MemoryTier:
         if now - self._last_check < DEATH_CHECK_S:
             return
         self._last_check = now
-        for job in list(self.steps.memory_steps()):
-            if self._run_gone(job):
-                step = self.want_durable(job, None)
+        jobs = {
+            j for (j, _), t in self.steps.tracks.items() if t.tier == Tier.MEMORY.value and t.state in (StepState.PENDING, StepState.MEMORY)
+        }
+        for job in jobs:
+            if not self._run_gone(job):
+                continue
+            for s, t in self.steps.of_job(job, StepState.PENDING):
+                if t.tier == Tier.MEMORY.value and not t.all_committed and self.steps.abandon((job, s), "abandoned: its run ended"):
+                    self._settle((job, s), t)  # its ranks that committed hold slots: freed
+            step = self.want_durable(job, None)
+            if step is not None:
                 log.info("job %s: its run is gone; persisting step %s from memory", job, step)
 
     def shutdown(self) -> None:

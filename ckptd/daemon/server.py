@@ -113,6 +113,7 @@ class Daemon:
             settle=self.completion.settle, after_complete=self.completion.after_complete, run_gone=self.admission.run_gone,
             answer=self._answer,
         )  # fmt: skip
+        self.admission.drop_memory = self.memtier.drop
         self._ops: dict[str, Handler] = {
             "hello": self._op_hello,
             "status": self._op_status,
@@ -354,8 +355,6 @@ class Daemon:
                 f"step {step} of job {job} spans several nodes ({lws} of {ws} ranks on this one):"
                 " a multi-node job is committed through a shared bucket; configure [remote] on every node's daemon"
             )
-        if msg["after"] is not None and msg["after"] < step:  # a rolled-back run replaces a memory-only step of this number
-            self.memtier.drop((job, step), "replaced: a run rolled back to an earlier step saves this number again")
         track = self.admission.admit(job, step, rank, ws, lws, msg["peer"], msg["after"], msg["run"])
         self.tiering.set_job(job, msg["persist_every"], msg["persist_interval"])
         self.memtier.decide(job, track, lws < ws)
