@@ -357,3 +357,27 @@ def test_a_refused_commit_from_another_run_does_not_drop_a_memory_only_step(daem
         c.restore(m2, o2)
         assert c.last_restore["step"] == 2
     assert_same(full_state(m2, o2), full_state(model, optim))
+
+
+def test_a_gone_runs_half_committed_memory_only_step_is_abandoned_and_frees_its_memory(daemon) -> None:  # noqa: ANN001
+    # a 2-rank run commits rank 0 of a memory-only step, then dies before rank 1 commits: the held slot goes
+    model, optim = make()
+    with daemon.client("src") as c:
+        shard = os.path.join(c.snapshot(model, optim, step=1, blocking=True).wait(30), "rank-00000.safetensors")
+    code = (
+        "import os, shutil, sys; from ckptd import shm; from ckptd.client.rpc import Channel\n"
+        "ch, shard = Channel(sys.argv[1], 30.0), sys.argv[2]\n"
+        "n = os.path.getsize(shard)\n"
+        "for step, world in ((1, 1), (2, 2)):\n"
+        "    rep = ch.call('alloc', job='gone', rank=0, world_size=world, step=step, nbytes=n, pid=os.getpid())\n"
+        "    shutil.copyfile(shard, shm.path_of(rep['segment']))\n"
+        "    ch.call('commit', frames=(b'{}',), job='gone', rank=0, world_size=world, local_world_size=world, step=step,"
+        " segment=rep['segment'], lease=rep['lease'], nbytes=n, replicas={}, run=777, persist_every=100)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, daemon.endpoint, shard], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    with daemon.rpc() as rpc:
+        got = rpc.call("wait", job="gone", step=2, timeout=20)
+        assert got["state"] == "failed" and "its run ended" in got["error"]
+        until(lambda: rpc.call("status")["slots"].get("held", 0) == 0, what="the held slot freed")
+        assert rpc.call("wait", job="gone", step=1, timeout=20)["state"] == "durable"
