@@ -355,8 +355,8 @@ class Client:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
                 paths.append(h.wait(left))
-            except StepDropped:
-                pass  # kept in memory only and dropped, as the job's tiering policy allows: not an error here
+            except StepDropped:  # kept in memory only and dropped, as the job's tiering policy allows: not an error here
+                log.debug("step %s of job %s was dropped from memory, not persisted", h.step, self.job)
             except CheckpointError:
                 self._pending.pop(0)  # a failed step is reported once; a timeout keeps it pending
                 raise
