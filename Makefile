@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint bench clean systemd-analyze
+.PHONY: install demo test lint bench bench-gpu clean systemd-analyze
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -47,6 +47,11 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/scaling.py
 	$(BIN)/python benchmarks/gpu_copy.py
 	$(BIN)/python benchmarks/plot.py
+
+# on a machine with a GPU (the default state is 6 GB; see the script's docstring); on CPU: --device cpu --params 5e6
+bench-gpu: $(STAMP)
+	$(BIN)/pip install -q -e ".[test,bench]"
+	$(BIN)/python benchmarks/gpu_loop.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
