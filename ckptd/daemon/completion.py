@@ -75,6 +75,8 @@ class Completion:
             self.uploader.submit(ev.job, ev.step, track.world_size, ev.node_ranks)
         if ev.path is not None:
             self.steps.complete(key, ev.path)
+            if self.memory is not None:
+                self.memory.forget(key)  # fragments of seals that failed or came too late (the shard was persisted first)
             self.catalog.note_complete(ev.job, ev.step, ev.path, ev.manifest)
             if self.uploader is not None:
                 self.uploader.submit(ev.job, ev.step, track.world_size)
