@@ -27,6 +27,21 @@ def job_status(c: Any, job: str) -> dict[str, Any]:
     return c.status()["jobs"].get(job, {})
 
 
+def _snapshot_steps(c: Any, model: torch.nn.Module, optim: torch.optim.Optimizer, steps: tuple[int, ...]) -> None:
+    """A train step, then a blocking snapshot, for each of ``steps``."""
+    for step in steps:
+        train_step(model, optim, step)
+        c.snapshot(model, optim, step=step, blocking=True)
+
+
+def _restores(c: Any, step: int, want: dict[str, torch.Tensor], seed: int = 4) -> None:
+    """A fresh model restored through ``c`` gets step ``step``, bit-exact with ``want``."""
+    m2, o2 = make(seed=seed)
+    c.restore(m2, o2)
+    assert c.last_restore["step"] == step
+    assert_same(full_state(m2, o2), want)
+
+
 # ---------------------------------------------------------------------------- the policy
 
 
@@ -145,9 +160,7 @@ def test_a_memory_only_step_is_restored_hot_named_by_status_and_ls(daemon) -> No
 def test_a_restore_that_may_not_read_memory_persists_the_newest_step_first(daemon) -> None:  # noqa: ANN001
     model, optim = make()
     with daemon.client("j", persist_every=100) as c:
-        for step in (1, 2):
-            train_step(model, optim, step)
-            c.snapshot(model, optim, step=step, blocking=True)
+        _snapshot_steps(c, model, optim, (1, 2))
         want = full_state(model, optim)
         m2, o2 = make(seed=5)
         c.restore(m2, o2, hot=False)
@@ -203,17 +216,13 @@ def test_the_daemons_shutdown_persists_memory_only_steps_and_a_crash_loses_none(
     d = make_daemon()
     model, optim = make()
     with d.client("s", persist_every=100) as c:
-        for step in (1, 2):
-            train_step(model, optim, step)
-            c.snapshot(model, optim, step=step, blocking=True)
+        _snapshot_steps(c, model, optim, (1, 2))
         until(lambda: job_status(c, "s").get("memory_only") == [2], what="step 2 in memory")
         assert d.stop() == 0
     assert complete_steps(d.root, "s") == [1, 2]
     d.start()
     with d.client("c", persist_every=100) as c:
-        for step in (1, 2):
-            train_step(model, optim, step)
-            c.snapshot(model, optim, step=step, blocking=True)
+        _snapshot_steps(c, model, optim, (1, 2))
         until(lambda: job_status(c, "c").get("memory_only") == [2], what="step 2 in memory")
         d.kill()  # the daemon crashes holding a memory-only step: its commit records survive in /dev/shm
     d.start()
@@ -223,18 +232,13 @@ def test_the_daemons_shutdown_persists_memory_only_steps_and_a_crash_loses_none(
 def test_a_rolled_back_run_replaces_a_memory_only_step(daemon) -> None:  # noqa: ANN001
     model, optim = make()
     with daemon.client("r", persist_every=100) as c:
-        for step in (1, 2):
-            train_step(model, optim, step)
-            c.snapshot(model, optim, step=step, blocking=True)
+        _snapshot_steps(c, model, optim, (1, 2))
         until(lambda: (s := job_status(c, "r")).get("memory_only") == [2] and s.get("latest") == 1, what="steps 1 and 2")
         c.restore(model, optim, step=1)
         train_step(model, optim, 9)
         want = full_state(model, optim)
         c.snapshot(model, optim, step=2, blocking=True).wait(30)  # the abandoned line's step 2 is replaced
-        m2, o2 = make(seed=4)
-        c.restore(m2, o2)
-        assert c.last_restore["step"] == 2
-    assert_same(full_state(m2, o2), want)
+        _restores(c, 2, want)
 
 
 # ---------------------------------------------------------------------------- persisting slower than snapshots
@@ -325,10 +329,7 @@ def test_a_garbage_shard_in_the_memory_tier_fails_its_step_and_frees_its_slot(da
         # the job goes on: the next snapshot is fine, and a restore reads the newest good step
         train_step(model, optim, 3)
         c.snapshot(model, optim, step=3, blocking=True)
-        m2, o2 = make(seed=9)
-        c.restore(m2, o2)
-        assert c.last_restore["step"] == 3
-    assert_same(full_state(m2, o2), full_state(model, optim))
+        _restores(c, 3, full_state(model, optim), seed=9)
 
 
 def test_a_refused_commit_from_another_run_does_not_drop_a_memory_only_step(daemon) -> None:  # noqa: ANN001
@@ -336,9 +337,7 @@ def test_a_refused_commit_from_another_run_does_not_drop_a_memory_only_step(daem
     # step 1, commits step 2: B is refused (two live runs), and A's step 2 stays
     model, optim = make()
     with daemon.client("two", persist_every=100) as c:
-        for step in (1, 2):
-            train_step(model, optim, step)
-            c.snapshot(model, optim, step=step, blocking=True)
+        _snapshot_steps(c, model, optim, (1, 2))
         until(lambda: job_status(c, "two").get("memory_only") == [2], what="step 2 in memory")
         code = (
             "import os, sys; from ckptd.client.rpc import Channel; ch = Channel(sys.argv[1], 30.0)\n"
@@ -353,10 +352,7 @@ def test_a_refused_commit_from_another_run_does_not_drop_a_memory_only_step(daem
         assert "another run" in out.stdout, out.stdout + out.stderr
         st = job_status(c, "two")
         assert st.get("memory_only") == [2] and st["in_memory"] == 2
-        m2, o2 = make(seed=4)
-        c.restore(m2, o2)
-        assert c.last_restore["step"] == 2
-    assert_same(full_state(m2, o2), full_state(model, optim))
+        _restores(c, 2, full_state(model, optim))
 
 
 def test_a_gone_runs_half_committed_memory_only_step_is_abandoned_and_frees_its_memory(daemon) -> None:  # noqa: ANN001
