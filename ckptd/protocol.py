@@ -14,7 +14,7 @@ Ops (who sends them: the trainer's client, on whichever of its threads needs the
 ``hello`` → ``{"server_version", "root", "pid", "tiering"}`` (``tiering``: the daemon's default
     ``persist_every``, ``persist_interval``, ``lagging``).
 ``alloc`` ``{job, rank, world_size, step, nbytes, pid}`` → ``{"segment", "size", "lease"}``: lease a
-    staging slot of at least ``nbytes``. The reply is deferred while the memory budget is full
+    staging slot of at least ``nbytes`` (``step`` null: the commit names it). The reply is deferred while the memory budget is full
     (backpressure; at most :data:`~ckptd.config.MAX_DEFERRED_ALLOCS` wait at once). ``lease`` is a
     secret token: only a request that names it may commit or release the slot. A lease neither
     committed nor released within the daemon's lease timeout (or whose holder dies) is taken back.
@@ -87,7 +87,8 @@ _STR = (str,)
 
 SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     "hello": {},
-    "alloc": {"job": _STR, "rank": _INT, "world_size": _INT, "step": _INT, "nbytes": _INT, "pid": _INT},
+    # step null: named by the commit (a DCP async_save stages before it learns its checkpoint id)
+    "alloc": {"job": _STR, "rank": _INT, "world_size": _INT, "step": (int, type(None)), "nbytes": _INT, "pid": _INT},
     "commit": {
         "job": _STR,
         "rank": _INT,

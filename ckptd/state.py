@@ -11,7 +11,8 @@ The tree is plain JSON. Objects with the single tag key ``"__ckptd__"`` stand fo
 the tag key), ``{"__ckptd__": "odict", "items": [[k, v], ..]}`` (an ``OrderedDict``),
 ``{"__ckptd__": "float", "value": "nan" | "inf" | "-inf"}``, ``{"__ckptd__": "ndarray", "key": K}``
 (a numpy array, stored as a tensor), ``{"__ckptd__": "npscalar", "dtype": "float32", "value": 1.5}``
-(a numpy scalar). Named tuples, sets and other objects are refused naming their path: rebuilding a
+(a numpy scalar), ``{"__ckptd__": "bytes", "key": K}`` (``bytes``, stored as a uint8 tensor; never
+unpickled or otherwise interpreted by ckptd). Named tuples, sets and other objects are refused naming their path: rebuilding a
 class named by a checkpoint would let the checkpoint run code. Unknown tags are rejected on read.
 A tree nests at most ``config.MAX_TREE_DEPTH`` levels (``{}`` is one, tags count as
 the JSON they are): deeper state is refused when saved, a deeper tree when read.
@@ -154,6 +155,8 @@ def flatten(root: dict[str, Any], *, ordered: bool = False) -> tuple[Any, list[L
             raise _too_deep(path)
         if isinstance(v, torch.Tensor):
             return tensor(v, path, "tensor")
+        if isinstance(v, (bytes, bytearray)):  # e.g. a data loader's state, pickled by its owner
+            return tensor(torch.frombuffer(bytearray(v), dtype=torch.uint8) if v else torch.empty(0, dtype=torch.uint8), path, "bytes")
         if isinstance(v, float):
             return {TAG: "float", "value": "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")}
         if ordered and isinstance(v, OrderedDict):
@@ -224,12 +227,31 @@ def unflatten(tree: Any, resolve: Callable[[str], Any]) -> Any:
                 return OrderedDict(pairs) if tag == "odict" else dict(pairs)
             if tag == "float":
                 return float(v["value"])
+            if tag == "bytes":
+                t = resolve(v["key"])
+                return t.numpy().tobytes() if isinstance(t, torch.Tensor) and t.device.type == "cpu" else t
             if tag in ("ndarray", "npscalar"):
                 return _numpy_value(v, resolve, dec, depth)
             raise FormatError(f"unknown tree tag {tag!r}: written by a newer ckptd?")
         return v
 
     return dec(tree, 1)
+
+
+def keys_tagged(tree: Any, tag: str) -> set[str]:
+    """The state keys the references tagged ``tag`` (``"bytes"``, ``"ndarray"``, ...) in ``tree`` name."""
+    out: set[str] = set()
+    stack = [tree]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            if v.get(TAG) == tag and isinstance(v.get("key"), str):
+                out.add(v["key"])
+            else:
+                stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return out
 
 
 def _numpy_value(v: dict[str, Any], resolve: Callable[[str], Any], dec: Callable[..., Any], depth: int) -> Any:

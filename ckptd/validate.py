@@ -37,7 +37,7 @@ MAX_DOCUMENT_DEPTH = MAX_TREE_DEPTH + 3  # a rank's tree sits three levels down 
 _I64 = (1 << 63) - 1  # sizes, offsets and byte positions: torch and the file system count in int64
 _HEX16 = re.compile(r"[0-9a-f]{16}")
 _TAG = "__ckptd__"  # ckptd.state.TAG (that module imports torch, which the daemon never loads)
-_KNOWN_TAGS = ("tensor", "tuple", "dict", "float", "odict", "ndarray", "npscalar")
+_KNOWN_TAGS = ("tensor", "tuple", "dict", "float", "odict", "ndarray", "npscalar", "bytes")
 NUMPY_SCALARS = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "float32", "float64")
 _FLOAT_WORDS = ("nan", "inf", "-inf")
 
@@ -223,7 +223,7 @@ def _scalar_value(x: Any) -> bool:
 def _tagged_children(v: dict[str, Any], where: str, field: str) -> Iterable[Any]:
     """What a tagged node holds below it, once its tag checks out."""
     tag, items = v[_TAG], v.get("items")
-    if tag in ("tensor", "ndarray") and type(v.get("key")) is str:
+    if tag in ("tensor", "ndarray", "bytes") and type(v.get("key")) is str:
         return ()
     if tag == "float" and v.get("value") in _FLOAT_WORDS:
         return ()

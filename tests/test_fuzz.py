@@ -353,7 +353,7 @@ def _hostile(rng: random.Random, w: World) -> tuple[str, dict, list[bytes], str]
         "id": lambda: IDS,
         "job": lambda: JOBS,
         "pid": lambda: PIDS,
-        "step": lambda: STEPS + ([(None, OK)] if op in ("hot_open", "fetch") else [(None, BAD)]),
+        "step": lambda: STEPS + ([(None, OK)] if op in ("hot_open", "fetch", "alloc") else [(None, BAD)]),
         "world": lambda: WORLDS,
         "local_world_size": lambda: [(1, OK), (4096, OK), (0, BAD), (4097, BAD), (2**20, BAD), (2**20 + 1, BAD), (-1, BAD)],
         "nbytes": w.nbytes,

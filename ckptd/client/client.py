@@ -186,19 +186,11 @@ class Client:
         state dict as torch's get_state_dict gives it>}`` (``optim`` may be left out), e.g. one read from
         another checkpoint format (``ckptd import``). :meth:`restore` loads it into any layout. Collective
         like :meth:`snapshot`."""
-        _check_step(step)
-        self._guard.finish()
-        _check_not_saved(self, step)
-        rank, world = dist_rank_world()
-        staged = self._stager.run_state(state, extra, rank, step)
-        handle = SnapshotHandle(self, step)
-        segment, _, _ = self._fill(None, rank, world, step, staged, True)
-        self._commit_now(handle, self._commit_fields(rank, world, step, segment, staged), self._trees.encode(staged.tree))
-        self._pending.append(handle)
-        del self._pending[:-PENDING_KEPT]
-        return handle
+        from .staged import commit_staged, stage_state
 
-    def _commit_fields(self, rank: int, world: int, step: int, segment: str, staged: Staged) -> dict[str, Any]:
+        return commit_staged(stage_state(self, state, step=step, extra=extra))
+
+    def _commit_fields(self, rank: int, world: int, step: int | None, segment: str, staged: Staged) -> dict[str, Any]:
         return dict(
             job=self.job, rank=rank, world_size=world, local_world_size=_local_world_size(world), step=step,
             segment=segment, nbytes=staged.layout.file_size, replicas=staged.replicas, after=self._after,
@@ -238,7 +230,7 @@ class Client:
         policy = {**self._rpc.call("hello").get("tiering", {}), **{k: v for k, v in self._tiering.items() if v is not None}}
         return policy.get("persist_every", 1) > 1 or policy.get("persist_interval", 0) > 0 or policy.get("lagging") == "memory"
 
-    def _alloc(self, rank: int, world: int, step: int, nbytes: int) -> str:
+    def _alloc(self, rank: int, world: int, step: int | None, nbytes: int) -> str:
         rep = self._rpc.call(
             "alloc", rpc_timeout=self.alloc_timeout, job=self.job, rank=rank, world_size=world, step=step, nbytes=nbytes, pid=os.getpid()
         )
@@ -284,7 +276,7 @@ class Client:
         return early.segment
 
     def _fill(
-        self, optim: torch.optim.Optimizer | None, rank: int, world: int, step: int, staged: Staged, blocking: bool
+        self, optim: torch.optim.Optimizer | None, rank: int, world: int, step: int | None, staged: Staged, blocking: bool
     ) -> tuple[str, Pairs, EventGroup | None]:
         """Lease a slot and copy into it what must be copied before ``snapshot()`` returns; return the
         segment, the pairs left for the background thread, and the CUDA event to wait for."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -72,11 +73,48 @@ def settled(rpc: Channel, job: str, step: int | None, *, persist: bool) -> int |
             return None
 
 
+@dataclass
+class OpenStep:
+    """A step opened for reading through the daemon (:func:`open_step`): close it when done."""
+
+    reader: CheckpointReader
+    info: dict[str, Any]  # what :attr:`Client.last_restore` says
+    rpc: Channel
+    held: dict[str, Any] | None = None  # hot_open's reply, while its segments are pinned
+
+    def close(self) -> None:
+        self.reader.close()
+        held, self.held = self.held, None
+        if held is not None:
+            self.rpc.call("hot_close", pin=held["pin"], segments=list(held["segments"].values()))
+
+
+def _hot_reader(held: dict[str, Any]) -> CheckpointReader:
+    files = {f: shm.path_of(seg) for f, seg in held["segments"].items()}
+    return CheckpointReader(held["path"], manifest=held["manifest"], files=files, memory=held.get("tier") == "memory")
+
+
+def open_step(rpc: Channel, job: str, step: int | None, *, hot: bool = True) -> OpenStep:
+    """The newest complete step of ``job`` (or ``step``) opened for reading: from the daemon's shared memory
+    while it holds the step (``hot``), else from its root, downloaded from the bucket first if need be."""
+    step = settled(rpc, job, step, persist=not hot)
+    if hot:
+        held = rpc.call("hot_open", job=job, step=step, pid=os.getpid())
+        if held["step"] is not None:
+            try:
+                return OpenStep(_hot_reader(held), restored(held["step"], held["path"], Source.MEMORY), rpc, held)
+            except FormatError as e:
+                rpc.call("hot_close", pin=held["pin"], segments=list(held["segments"].values()))
+                log.warning("hot read of step %s failed (%s): reading it from disk", held["step"], e)
+                step = settled(rpc, job, held["step"], persist=True)
+    rep = fetch(rpc, job, step)
+    return OpenStep(CheckpointReader(rep["path"]), restored(rep["step"], rep["path"], Source.from_wire(rep["source"])), rpc)
+
+
 def _restore_hot(
     rpc: Channel, held: dict[str, Any], model: torch.nn.Module, optim: torch.optim.Optimizer | None, rank: int, how: dict[str, Any]
 ) -> tuple[Restored, dict[str, Any]]:
-    files = {f: shm.path_of(seg) for f, seg in held["segments"].items()}
-    reader = CheckpointReader(held["path"], manifest=held["manifest"], files=files, memory=held.get("tier") == "memory")
+    reader = _hot_reader(held)
     try:
         extra = restore_state(held["path"], model, optim, rank, reader=reader, **how)
     finally:

@@ -75,11 +75,24 @@ class Stager:
         tree, chunks, reused = self.capture.capture(model, optim)
         return self._staged(tree, chunks, reused, extra, rank, step)
 
-    def run_state(self, state: dict[str, Any], extra: dict[str, Any] | None, rank: int, step: int) -> Staged:
-        """Plan a snapshot of a state dict given as it is (``{"model": ..., "optim": ...}``). Collective."""
-        if not isinstance(state, dict) or "model" not in state or set(state) - {"model", "optim"}:
-            raise CheckpointError('a state to snapshot is {"model": <state dict>, "optim": <optimizer state dict>} (optim optional)')
-        tree, chunks = flatten(state)
+    def run_state(
+        self, state: dict[str, Any], extra: dict[str, Any] | None, rank: int, step: int | None, *, any_keys: bool = False
+    ) -> Staged:
+        """Plan a snapshot of a state dict given as it is (``{"model": ..., "optim": ...}``; ``any_keys``:
+        any string keys, ``extra`` if there is one a dict of each rank's, as a DCP state dict). Collective."""
+        error: Exception | None = None
+        tree: dict[str, Any] = {}
+        chunks: list[LocalChunk] = []
+        try:  # this rank's mistake is every rank's: the plan's collective below must still run
+            _check_state_keys(state, any_keys)
+            tree, chunks = flatten(state)
+        except (CheckpointError, TypeError, ValueError) as e:
+            error = e
+        if error is not None:
+            try:
+                self._plan.mine([], step, failed=True)
+            finally:
+                raise error
         return self._staged(tree, chunks, False, extra, rank, step)
 
     def _staged(
@@ -147,6 +160,16 @@ class Stager:
             self.layout = build_layout(list(key))
             self._layout_key = key
         return self.layout
+
+
+def _check_state_keys(state: Any, any_keys: bool) -> None:
+    if not isinstance(state, dict) or not state or not all(isinstance(k, str) for k in state):
+        raise CheckpointError(f"a state to snapshot is a dict with string keys, got {type(state).__name__} {str(state)[:80]}")
+    if any_keys:
+        if "extra" in state and not (isinstance(state["extra"], dict) and all(k.isdigit() for k in state["extra"])):
+            raise CheckpointError("the state's 'extra' entry is ckptd's per-rank extra ({'<rank>': {...}}): rename that entry")
+    elif "model" not in state or set(state) - {"model", "optim"}:
+        raise CheckpointError('a state to snapshot is {"model": <state dict>, "optim": <optimizer state dict>} (optim optional)')
 
 
 def _with_extra(tree: dict[str, Any], extra: Any, rank: int) -> tuple[dict[str, Any], list[LocalChunk]]:

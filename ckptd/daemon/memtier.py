@@ -216,13 +216,14 @@ class MemoryTier:
         self._settle(key, self.steps.tracks[key])
         return True
 
-    def reclaim(self, job: str, step: int) -> bool:
+    def reclaim(self, job: str, step: int | None) -> bool:
         """The slot pool is full for a snapshot of ``step``: drop ``job``'s oldest memory-only step to make room
         (under ``lagging = "wait"`` only when no slot is being persisted, which would free memory)."""
         if self.tiering.policy_of(job).lagging == "wait" and any(s.state is SlotState.COMMITTED for s in self.pool):
             return False
+        who = "a snapshot" if step is None else f"step {step}"
         for s, _ in self.steps.of_job(job, StepState.MEMORY):
-            if s != step and self.drop((job, s), f"dropped from memory: shared memory was full and step {step} needed room"):
+            if s != step and self.drop((job, s), f"dropped from memory: shared memory was full and {who} needed room"):
                 return True
         return False
 

@@ -346,7 +346,8 @@ class Daemon:
     def _op_commit(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
         slot = self.pool.leased(msg["segment"], msg["lease"], msg["peer"])
         job, step, rank, ws, lws = msg["job"], msg["step"], msg["rank"], msg["world_size"], msg["local_world_size"]
-        if any((slot.lease or {}).get(k) != msg[k] for k in ("job", "rank", "world_size", "step")):
+        lease = slot.lease or {}
+        if any(lease.get(k) != msg[k] for k in ("job", "rank", "world_size")) or lease.get("step") not in (None, step):
             raise ProtocolError(f"commit for {job}/{step}/rank {rank} does not match the lease of {slot.name}")
         if msg["nbytes"] > slot.size:
             raise ProtocolError(f"commit of {msg['nbytes']} bytes exceeds segment size {slot.size}")

@@ -87,7 +87,7 @@ class SlotPool:
         alive: Callable[[int], bool] = pid_alive,
         lease_timeout: float = LEASE_TIMEOUT_S,
         grow: Callable[[int, int], None] | None = None,
-        reclaim: Callable[[str, int], bool] | None = None,
+        reclaim: Callable[[str, int | None], bool] | None = None,
     ) -> None:
         """``grow(need, token)``: make a segment off the loop and report it to :meth:`created`; without
         it (unit tests) segments are made in place. ``reclaim(job, step)``: drop a memory-tier step of
