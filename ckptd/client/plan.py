@@ -124,14 +124,17 @@ class WritePlan:
         self.arrivals = Arrivals(scope)
         self.run = secrets.randbits(62) + 1  # this launch's id: every rank takes rank 0's (the daemon tells runs apart)
 
-    def mine(self, items: list[tuple[ChunkId, int]], step: int | None = None, failed: bool = False) -> tuple[set[ChunkId], set[ChunkId]]:
+    def mine(
+        self, items: list[tuple[ChunkId, int]], step: int | None = None, failed: bool = False, solo: bool = False
+    ) -> tuple[set[ChunkId], set[ChunkId]]:
         """This rank's chunks to write, and those of its chunks that other ranks hold too. ``step``:
         the snapshot's (``None`` for ``prepare``); every rank must pass the same. ``failed``: this rank
         could not stage its state; every rank then raises (this one its own error, by its caller).
 
-        Collective over the default group: call on every rank.
+        Collective over the default group: call on every rank; ``solo``: this process saves a step of its
+        own, alone (a framework that saves from rank 0 only), and nothing is exchanged.
         """
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if solo or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             if failed:
                 return set(), set()  # nothing to agree on; the cached plan stays for the next snapshot
             if items is not self._items or self._mine is None:

@@ -76,10 +76,18 @@ class Stager:
         return self._staged(tree, chunks, reused, extra, rank, step)
 
     def run_state(
-        self, state: dict[str, Any], extra: dict[str, Any] | None, rank: int, step: int | None, *, any_keys: bool = False
+        self,
+        state: dict[str, Any],
+        extra: dict[str, Any] | None,
+        rank: int,
+        step: int | None,
+        *,
+        any_keys: bool = False,
+        solo: bool = False,
     ) -> Staged:
         """Plan a snapshot of a state dict given as it is (``{"model": ..., "optim": ...}``; ``any_keys``:
-        any string keys, ``extra`` if there is one a dict of each rank's, as a DCP state dict). Collective."""
+        any string keys, ``extra`` if there is one a dict of each rank's, as a DCP state dict). Collective
+        unless ``solo`` (a step this process saves alone, as rank 0 of 1)."""
         error: Exception | None = None
         tree: dict[str, Any] = {}
         chunks: list[LocalChunk] = []
@@ -90,13 +98,20 @@ class Stager:
             error = e
         if error is not None:
             try:
-                self._plan.mine([], step, failed=True)
+                self._plan.mine([], step, failed=True, solo=solo)
             finally:
                 raise error
-        return self._staged(tree, chunks, False, extra, rank, step)
+        return self._staged(tree, chunks, False, extra, rank, step, solo)
 
     def _staged(
-        self, tree: dict[str, Any], chunks: list[LocalChunk], reused: bool, extra: dict[str, Any] | None, rank: int, step: int | None
+        self,
+        tree: dict[str, Any],
+        chunks: list[LocalChunk],
+        reused: bool,
+        extra: dict[str, Any] | None,
+        rank: int,
+        step: int | None,
+        solo: bool = False,
     ) -> Staged:
         extra_chunks: list[LocalChunk] = []
         cached: Stage | None = None
@@ -114,7 +129,7 @@ class Stager:
         except (CheckpointError, TypeError, ValueError) as e:
             error = e
         try:
-            mine, shared = self._plan.mine(items, step, failed=error is not None)  # every rank, every snapshot: the collective
+            mine, shared = self._plan.mine(items, step, failed=error is not None, solo=solo)  # every rank, every snapshot: the collective
         except CheckpointError:
             if error is not None:
                 raise error from None

@@ -40,18 +40,25 @@ class StagedState:
 
 
 def stage_state(
-    client: Client, state: dict[str, Any], *, step: int | None, extra: dict[str, Any] | None = None, any_keys: bool = False
+    client: Client,
+    state: dict[str, Any],
+    *,
+    step: int | None,
+    extra: dict[str, Any] | None = None,
+    any_keys: bool = False,
+    solo: bool = False,
 ) -> StagedState:
     """Copy ``state`` into a slot now (collective: every rank, the same ``step``). ``any_keys``: any
-    top-level keys (a DCP state dict), else ``{"model": ..., "optim": ...}``."""
+    top-level keys (a DCP state dict), else ``{"model": ..., "optim": ...}``. ``solo``: this process
+    saves the step alone, as rank 0 of 1 (a framework that saves a replicated state from rank 0 only)."""
     from .client import _check_not_saved, _check_step, dist_rank_world
 
     if step is not None:
         _check_step(step)
         _check_not_saved(client, step)
     client._guard.finish()  # a snapshot()'s background copy of this client ends first
-    rank, world = dist_rank_world()
-    staged = client._stager.run_state(state, extra, rank, step, any_keys=any_keys)
+    rank, world = (0, 1) if solo else dist_rank_world()
+    staged = client._stager.run_state(state, extra, rank, step, any_keys=any_keys, solo=solo)
     segment, _, _ = client._fill(None, rank, world, step, staged, True)
     try:
         fields = client._commit_fields(rank, world, step, segment, staged)

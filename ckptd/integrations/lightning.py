@@ -1,0 +1,98 @@
+"""Lightning: save and resume through ckptd.
+
+    from ckptd.integrations.lightning import CkptdCheckpointIO
+
+    trainer = Trainer(plugins=[CkptdCheckpointIO("my-job")], callbacks=[ModelCheckpoint(save_last=True)])
+    trainer.fit(model, ckpt_path="last")
+
+Lightning hands :meth:`CkptdCheckpointIO.save_checkpoint` its whole checkpoint dict (model, optimizers,
+schedulers, loops, callbacks) on global rank 0: it is copied into the node daemon's shared memory and
+committed as step ``global_step`` of the job, and ``save_checkpoint`` returns — the daemon writes it to
+disk (and its bucket) while training goes on, and finishes it if the trainer is killed. At the path
+Lightning chose (``epoch=1-step=20.ckpt``, ``last.ckpt``) a small JSON pointer names the job and step, so
+``ModelCheckpoint``'s bookkeeping and ``ckpt_path="last"`` work as with files; ``load_checkpoint`` reads the
+step the pointer names, on every rank, from the daemon's memory or disk. A path that holds an ordinary
+Lightning checkpoint (a run that started without ckptd) is loaded by Lightning's ``TorchCheckpointIO``.
+
+For strategies that save through ``CheckpointIO`` (one device, DDP, FSDP with a full state dict). A sharded
+FSDP / ModelParallel save goes through DCP: use :class:`ckptd.dcp.Writer` there. Removing a pointer
+(``ModelCheckpoint(save_top_k=...)``) leaves the step to the daemon's retention.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
+
+from ..client.staged import commit_staged, stage_state
+from ..dcp.shared import client_for
+from ..errors import CheckpointError
+from .pointer import read_pointer, read_state, write_pointer
+
+__all__ = ["CkptdCheckpointIO"]
+
+
+class CkptdCheckpointIO(CheckpointIO):
+    """A Lightning ``CheckpointIO`` that saves through the node's ckptd daemon as job ``job`` (default: as
+    :class:`ckptd.Client`'s). ``durable``: ``save_checkpoint`` returns once the step is on the daemon's disk
+    (default: once the daemon holds it). ``persist_every`` / ``persist_interval``: the job's tiering."""
+
+    def __init__(
+        self,
+        job: str | None = None,
+        *,
+        endpoint: str | None = None,
+        durable: bool = False,
+        persist_every: int | None = None,
+        persist_interval: float | None = None,
+    ) -> None:
+        super().__init__()
+        self.job, self.endpoint, self.durable = job, endpoint, durable
+        self._tiering = (persist_every, persist_interval)
+        self._steps: set[int] = set()  # steps this process saved: a second path for one (last.ckpt) is a pointer only
+
+    @property
+    def client(self) -> Any:
+        c = client_for(self.job, self.endpoint)
+        if self._tiering != (None, None):
+            from ..client.client import tier_settings
+
+            c._tiering = tier_settings(*self._tiering)
+        return c
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options (the daemon's config says where it goes)")
+        step = checkpoint.get("global_step")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"a Lightning checkpoint names its step in 'global_step'; this one has {step!r}")
+        client = self.client
+        if step not in self._steps:
+            handle = commit_staged(stage_state(client, checkpoint, step=step, any_keys=True, solo=True))
+            self._steps.add(step)
+            if self.durable:
+                handle.wait()
+        write_pointer(path, client.job, step)
+
+    def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
+        pointer = read_pointer(path)
+        if pointer is None:  # an ordinary Lightning checkpoint: Lightning reads it
+            from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
+
+            return TorchCheckpointIO().load_checkpoint(path, weights_only=weights_only)
+        job, step = pointer
+        client = client_for(job, self.endpoint)
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        state = read_state(client, step, rank)
+        self._steps.clear()  # a relaunch that resumed may save the steps after this one again
+        return state
+
+    def remove_checkpoint(self, path: Any) -> None:
+        try:
+            os.remove(os.fspath(path))
+        except FileNotFoundError:
+            pass

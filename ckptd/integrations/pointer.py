@@ -1,0 +1,79 @@
+"""The file a framework adapter leaves where the framework looks for its checkpoint: JSON naming the job
+and step that hold it (``{"ckptd_pointer": 1, "job": ..., "step": ...}``), written atomically.
+
+The checkpoint itself is an ordinary ckptd step, kept and deleted by the daemon's retention; a pointer
+is read as untrusted input (size-limited JSON, the job name and step checked).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING, Any
+
+from ..config import MAX_STEP, validate_job
+from ..errors import CheckpointError, FormatError
+from ..state import unflatten
+
+if TYPE_CHECKING:
+    from ..client import Client
+
+KEY = "ckptd_pointer"
+MAX_POINTER_BYTES = 64 << 10
+
+
+def write_pointer(path: str | os.PathLike[str], job: str, step: int) -> None:
+    """Write the pointer at ``path`` (its directory made): a temporary file, fsynced, renamed over it."""
+    path = os.fspath(path)
+    if "://" in path:
+        raise CheckpointError(f"{path}: a ckptd pointer is a local file (the checkpoint's bytes go to the daemon, which uploads them)")
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    tmp = f"{path}.ckptd-tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump({KEY: 1, "job": job, "step": step}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_pointer(path: str | os.PathLike[str]) -> tuple[str, int] | None:
+    """``(job, step)`` of the pointer at ``path``; ``None`` if the file is not one (another format's
+    checkpoint); :class:`FormatError` for a pointer that is malformed."""
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        head = f.read(MAX_POINTER_BYTES + 1)
+    if not head.lstrip().startswith(b"{") or f'"{KEY}"'.encode() not in head:
+        return None
+    if len(head) > MAX_POINTER_BYTES:
+        raise FormatError(f"{path}: a ckptd pointer of over {MAX_POINTER_BYTES} bytes: not written by ckptd")
+    try:
+        doc = json.loads(head)
+        job, step = validate_job(doc["job"]), doc["step"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise FormatError(f"{path}: a malformed ckptd pointer ({e})") from None
+    if doc.get(KEY) != 1 or isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        raise FormatError(f"{path}: a malformed ckptd pointer: {head[:200]!r}")
+    return job, step
+
+
+def read_state(client: Client, step: int, rank: int = 0) -> dict[str, Any]:
+    """The whole state saved as step ``step`` of the client's job (rank ``rank``'s tree, or rank 0's), on the
+    CPU, read through the daemon (its memory, disk or bucket). A later save of this client continues from it."""
+    from ..client.restore import open_step
+
+    client._guard.finish()
+    opened = open_step(client._rpc, client.job, step, hot=True)
+    try:
+        _, tree = opened.reader.tree_for(rank)
+        state = unflatten(tree, opened.reader.read_full)
+    finally:
+        opened.close()
+    client._after, client._saved = step, set()  # as after ckptd.restore: the run continues from this step
+    client.last_restore = opened.info
+    return state

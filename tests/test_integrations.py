@@ -1,0 +1,74 @@
+"""The framework adapters against the real packages: train, checkpoint, kill, resume, bit-exact."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from _models import assert_same
+from conftest import REPO
+from safetensors.torch import load_file
+
+from ckptd.errors import FormatError
+from ckptd.integrations.pointer import read_pointer
+from ckptd.layout import is_complete, step_dir
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def _run(script: str, *args: str, expect: int = 0) -> None:
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{TESTS}", "PYTHONHASHSEED": "0"}
+    p = subprocess.run([sys.executable, os.path.join(TESTS, script), *args], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == expect, f"{script} {args} exited {p.returncode}:\n{p.stderr[-4000:]}"
+
+
+# ---------------------------------------------------------------------------- Lightning
+
+
+def test_lightning_checkpoint_io_resumes_bit_exact_after_a_kill(daemon, short_tmp) -> None:  # noqa: ANN001
+    pytest.importorskip("pytorch_lightning")
+    ep = daemon.endpoint
+    _run("_lightning_app.py", ep, "pl-full", str(short_tmp / "full"), "4", "full", str(short_tmp / "full.safetensors"))
+    # the same run, SIGKILLed as its third epoch starts (its second epoch's checkpoint saved just before)
+    ckpts = short_tmp / "ckpts"
+    _run("_lightning_app.py", ep, "pl", str(ckpts), "4", "kill-at-2", str(short_tmp / "never"), expect=-9)
+    assert read_pointer(ckpts / "last.ckpt") == ("pl", 16)  # 2 epochs of 8 batches
+    assert read_pointer(ckpts / "epoch=1-step=16.ckpt") == ("pl", 16) and read_pointer(ckpts / "epoch=0-step=8.ckpt") == ("pl", 8)
+    assert os.path.getsize(ckpts / "last.ckpt") < 200  # a pointer: the state itself went to the daemon
+    # resumed in a new process with ckpt_path="last": the rest of the run is the uninterrupted run's, bit for bit
+    _run("_lightning_app.py", ep, "pl", str(ckpts), "4", "resume", str(short_tmp / "resumed.safetensors"))
+    assert_same(load_file(short_tmp / "resumed.safetensors"), load_file(short_tmp / "full.safetensors"))
+    assert read_pointer(ckpts / "last.ckpt") == ("pl", 32)
+    with daemon.client("pl") as c:
+        c.wait(0.0)
+        assert c.latest() == 32
+    assert is_complete(step_dir(daemon.root, "pl", 32))  # (the daemon's retention keeps the newest few steps)
+
+
+def test_lightning_load_refuses_a_forged_pointer_and_reads_plain_checkpoints(daemon, short_tmp) -> None:  # noqa: ANN001
+    pytest.importorskip("pytorch_lightning")
+    from ckptd.integrations.lightning import CkptdCheckpointIO
+
+    io = CkptdCheckpointIO("forged", endpoint=daemon.endpoint)
+    bad = short_tmp / "bad.ckpt"
+    for doc in ({"ckptd_pointer": 1, "job": "../../etc", "step": 1}, {"ckptd_pointer": 1, "job": "j", "step": -3}, {"ckptd_pointer": 1}):
+        bad.write_text(json.dumps(doc))
+        with pytest.raises(FormatError, match="malformed ckptd pointer"):
+            io.load_checkpoint(bad)
+    bad.write_text(json.dumps({"ckptd_pointer": 1, "job": "nothing", "step": 3}))
+    with pytest.raises(Exception, match="step 3|no committed checkpoint"):
+        io.load_checkpoint(bad)
+    # a checkpoint Lightning wrote itself (a run that started without ckptd) loads as Lightning loads it
+    plain = short_tmp / "plain.ckpt"
+    torch.save({"global_step": 4, "state_dict": {"w": torch.ones(2)}}, plain)
+    got = io.load_checkpoint(plain)
+    assert got["global_step"] == 4 and torch.equal(got["state_dict"]["w"], torch.ones(2))
+    with pytest.raises(TypeError, match="storage_options"):
+        io.save_checkpoint({"global_step": 1}, short_tmp / "x.ckpt", storage_options={"a": 1})
+    with pytest.raises(Exception, match="global_step"):
+        io.save_checkpoint({"state_dict": {}}, short_tmp / "x.ckpt")
+    assert not (short_tmp / "x.ckpt").exists()
