@@ -72,3 +72,42 @@ def test_lightning_load_refuses_a_forged_pointer_and_reads_plain_checkpoints(dae
     with pytest.raises(Exception, match="global_step"):
         io.save_checkpoint({"state_dict": {}}, short_tmp / "x.ckpt")
     assert not (short_tmp / "x.ckpt").exists()
+
+
+# ---------------------------------------------------------------------------- Hugging Face Trainer
+
+
+def test_hf_trainer_callback_resumes_bit_exact_after_a_kill(daemon, short_tmp) -> None:  # noqa: ANN001
+    pytest.importorskip("accelerate")
+    ep = daemon.endpoint
+    _run("_hf_app.py", ep, "hf-full", str(short_tmp / "full"), "full", str(short_tmp / "full.safetensors"))
+    full = short_tmp / "full"
+    assert not full.exists() or not any(n.startswith("checkpoint-") for n in os.listdir(full))  # nothing written while training
+    out = short_tmp / "run"
+    # killed after step 10: the newest snapshot is step 8 (every 4 steps), its copy finished by step 9's optimizer step
+    _run("_hf_app.py", ep, "hf", str(out), "kill-after-10", str(short_tmp / "never"), expect=-9)
+    _run("_hf_app.py", ep, "hf", str(out), "resume", str(short_tmp / "resumed.safetensors"))
+    assert sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) == ["checkpoint-8"]
+    assert read_pointer(out / "checkpoint-8" / "ckptd.json") == ("hf", 8)
+    # steps 9-12 again, from step 8: weights, optimizer moments, LR schedule and dropout's RNG as the uninterrupted run's
+    assert_same(load_file(short_tmp / "resumed.safetensors"), load_file(short_tmp / "full.safetensors"))
+    with daemon.client("hf") as c:
+        assert c.latest() == 12
+
+
+def test_hf_resume_checkpoint_of_a_new_job_is_none_and_a_foreign_step_is_refused(daemon, short_tmp) -> None:  # noqa: ANN001
+    pytest.importorskip("accelerate")
+    from _models import make
+
+    from ckptd.errors import CheckpointError
+    from ckptd.integrations.hf import CkptdCallback
+
+    assert CkptdCallback("hf-new", endpoint=daemon.endpoint).resume_checkpoint(short_tmp / "o") is None  # a fresh start
+    model, optim = make()
+    with daemon.client("hf-plain") as c:
+        c.snapshot(model, optim, step=3).wait(30)
+    with pytest.raises(CheckpointError, match="not saved by CkptdCallback"):
+        CkptdCallback("hf-plain", endpoint=daemon.endpoint).resume_checkpoint(short_tmp / "o")
+    assert not (short_tmp / "o" / "checkpoint-3").exists()
+    with pytest.raises(ValueError, match="save_steps"):
+        CkptdCallback("x", save_steps=0)

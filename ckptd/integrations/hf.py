@@ -1,0 +1,179 @@
+"""Hugging Face ``transformers.Trainer``: checkpoint through ckptd, resume with ``resume_from_checkpoint``.
+
+    from ckptd.integrations.hf import CkptdCallback
+
+    ckpt = CkptdCallback("my-job", save_steps=500)
+    args = TrainingArguments(output_dir, save_strategy="no", ...)   # the Trainer's own saving off
+    trainer = Trainer(model, args, train_dataset=..., callbacks=[ckpt])
+    trainer.train(resume_from_checkpoint=ckpt.resume_checkpoint(args.output_dir))   # None: a fresh start
+
+Every ``save_steps`` optimizer steps, :meth:`CkptdCallback.on_step_end` takes a ``ckptd.snapshot`` of the model
+and optimizer (on every rank; the default non-blocking mode: the copy overlaps the next forward and
+backward) with the LR scheduler's state, the ``TrainerState`` and the RNG states as ``extra``: step
+``global_step`` of the job. Nothing is written under ``output_dir`` while training.
+
+Resuming: the Trainer loads ``resume_from_checkpoint`` from a checkpoint directory — at least a model
+weights file and ``trainer_state.json``, from which it fast-forwards the data loader. :meth:`resume_checkpoint`
+writes that directory once, at the restart, for the newest step of the job (``checkpoint-<step>``: the
+model's weights as ``model.safetensors``, ``trainer_state.json`` and a ``ckptd.json`` pointer). Then
+:meth:`on_train_begin` restores the model, the optimizer and the scheduler in place from the ckptd step
+itself (the optimizer never goes through a file), and the RNG states are restored where the Trainer
+restores its own, before the first step's forward.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import TrainerCallback
+
+from ..dcp.shared import client_for
+from .pointer import read_pointer, write_pointer
+
+__all__ = ["CkptdCallback"]
+
+POINTER = "ckptd.json"
+
+
+def _inner(obj: Any, attr: str) -> Any:
+    """The torch optimizer / scheduler inside accelerate's wrapper."""
+    return getattr(obj, attr, obj)
+
+
+def _rng() -> dict[str, Any]:
+    out: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def _set_rng(rng: dict[str, Any]) -> None:
+    version, internal, gauss = rng["python"]
+    random.setstate((version, tuple(internal), gauss))
+    np.random.set_state(tuple(rng["numpy"]))
+    torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+class CkptdCallback(TrainerCallback):
+    """Snapshots every ``save_steps`` steps (default: the ``TrainingArguments``' ``save_steps``) as job ``job``
+    (default: as :class:`ckptd.Client`'s). ``blocking``: ``snapshot(blocking=True)``."""
+
+    def __init__(
+        self, job: str | None = None, *, save_steps: int | None = None, endpoint: str | None = None, blocking: bool = False
+    ) -> None:
+        if save_steps is not None and (isinstance(save_steps, bool) or not isinstance(save_steps, int) or save_steps < 1):
+            raise ValueError(f"save_steps must be an int >= 1, got {save_steps!r}")
+        self.job, self.endpoint, self.save_steps, self.blocking = job, endpoint, save_steps, blocking
+        self.last: Any = None  # the newest SnapshotHandle
+        self._rng: dict[str, Any] | None = None  # RNG states to restore before the first step after a resume
+
+    @property
+    def client(self) -> Any:
+        return client_for(self.job, self.endpoint)
+
+    def _every(self, args: Any) -> int:
+        if self.save_steps is not None:
+            return self.save_steps
+        every = args.save_steps
+        if not isinstance(every, int) or every < 1:  # a fraction of the run, or unset
+            raise ValueError(f"CkptdCallback needs save_steps (an int >= 1): TrainingArguments.save_steps is {every!r}")
+        return every
+
+    def on_step_end(
+        self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, lr_scheduler: Any = None, **kw: Any
+    ) -> None:
+        if state.global_step % self._every(args):
+            return
+        extra = {
+            "trainer_state": json.dumps(_state_dict(state)),
+            "scheduler": _inner(lr_scheduler, "scheduler").state_dict() if lr_scheduler is not None else None,
+            "rng": _rng(),
+        }
+        self.last = self.client.snapshot(model, _inner(optimizer, "optimizer"), step=state.global_step, extra=extra, blocking=self.blocking)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self.client.wait()  # every snapshot of the run durable before train() returns
+
+    def resume_checkpoint(self, output_dir: str | os.PathLike[str]) -> str | None:
+        """``output_dir/checkpoint-<step>`` for the newest step of the job, written for the Trainer to resume
+        from (see the module's docstring); ``None`` if the job has no step yet. On every rank; rank 0 writes."""
+        from safetensors.torch import save_file
+
+        from ..client.restore import open_step
+        from ..errors import CheckpointError
+
+        client = self.client
+        try:
+            opened = open_step(client._rpc, client.job, None, hot=True)
+        except CheckpointError as e:
+            if "no committed checkpoint" in str(e):
+                return None
+            raise
+        try:
+            step = opened.reader.manifest["step"]
+            out = os.path.join(os.fspath(output_dir), f"checkpoint-{step}")
+            if _rank() == 0 and read_pointer_at(out) != (client.job, step):
+                _, tree = opened.reader.tree_for(0)
+                extra = (tree.get("extra") or {}).get("0") or {}
+                if "trainer_state" not in extra:
+                    raise CheckpointError(f"step {step} of job {client.job} was not saved by CkptdCallback: it has no trainer state")
+                os.makedirs(out, exist_ok=True)
+                keys = [k for k in opened.reader.manifest["tensors"] if k.startswith("model/")]
+                weights = {k.removeprefix("model/"): opened.reader.read_full(k) for k in keys}
+                save_file(weights, os.path.join(out, "model.safetensors"))
+                with open(os.path.join(out, "trainer_state.json"), "w") as f:
+                    f.write(extra["trainer_state"])
+                write_pointer(os.path.join(out, POINTER), client.job, step)  # last: the directory is complete
+        finally:
+            opened.close()
+        _barrier()
+        return out
+
+    def on_train_begin(
+        self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, lr_scheduler: Any = None, **kw: Any
+    ) -> None:
+        pointer = read_pointer_at(os.path.join(args.output_dir, f"checkpoint-{state.global_step}")) if state.global_step else None
+        if pointer is None:
+            return  # a fresh start, or a resume from a checkpoint the Trainer wrote itself
+        job, step = pointer
+        client = client_for(job, self.endpoint)
+        extra = client.restore(model, _inner(optimizer, "optimizer"), step=step)
+        if lr_scheduler is not None and extra.get("scheduler") is not None:
+            _inner(lr_scheduler, "scheduler").load_state_dict(extra["scheduler"])
+        self._rng = extra.get("rng")
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if self._rng is not None:  # where the Trainer restores its own RNG file: after fast-forwarding the data
+            _set_rng(self._rng)
+            self._rng = None
+
+
+def read_pointer_at(directory: str) -> tuple[str, int] | None:
+    path = os.path.join(directory, POINTER)
+    return read_pointer(path) if os.path.isfile(path) else None
+
+
+def _state_dict(state: Any) -> dict[str, Any]:
+    import dataclasses
+
+    return dataclasses.asdict(state)
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
