@@ -42,6 +42,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/stall.py
 	$(BIN)/python benchmarks/many_tensors.py
 	$(BIN)/python benchmarks/training_loop.py
+	$(BIN)/python benchmarks/dcp_writer.py
 	$(BIN)/python benchmarks/persist_restore.py
 	$(BIN)/python benchmarks/hot_restore.py
 	$(BIN)/python benchmarks/scaling.py

@@ -200,6 +200,45 @@ def test_a_save_after_a_reader_restore_continues_the_run(daemon) -> None:  # noq
     assert_same(full_state(m3, o3), want)
 
 
+def _titan_state(model: torch.nn.Module, optim: torch.optim.Optimizer, sched: object, loader: bytes, step: int) -> dict:
+    """What torchtitan's CheckpointManager hands DCP: the model's keys at the top level, the optimizer flattened."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    return {
+        **get_model_state_dict(model),
+        "optimizer": get_optimizer_state_dict(model, optim, options=flat),
+        "lr_scheduler": sched.state_dict(),  # type: ignore[attr-defined]
+        "dataloader": {"dp_rank_0": loader},
+        "train_state": {"step": step, "ntokens_seen": 4096 * step},
+    }
+
+
+def test_a_torchtitan_shaped_state_round_trips(daemon) -> None:  # noqa: ANN001
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    model, optim = make()
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 0.9**s)
+    for i in range(2):
+        train_step(model, optim, i)
+        sched.step()
+    want, loader = full_state(model, optim), pickle.dumps({"sample": 17})
+    fut = dcp.async_save(
+        _titan_state(model, optim, sched, loader, 5), storage_writer=ckptd.dcp.Writer("tt", endpoint=daemon.endpoint), checkpoint_id=5
+    )
+    fut.result()
+    m2, o2 = make(seed=8)
+    s2 = torch.optim.lr_scheduler.LambdaLR(o2, lambda s: 0.9**s)
+    state = _titan_state(m2, o2, s2, b"", 0)
+    dcp.load(state, storage_reader=ckptd.dcp.Reader(job="tt", endpoint=daemon.endpoint, step=5))
+    set_model_state_dict(m2, {k: state[k] for k in m2.state_dict()})
+    set_optimizer_state_dict(m2, o2, state["optimizer"], options=StateDictOptions(flatten_optimizer_state_dict=True))
+    s2.load_state_dict(state["lr_scheduler"])
+    assert_same(full_state(m2, o2), want)
+    assert state["dataloader"]["dp_rank_0"] == loader and state["train_state"] == {"step": 5, "ntokens_seen": 4096 * 5}
+    assert s2.last_epoch == sched.last_epoch == 2 and s2.get_last_lr() == sched.get_last_lr()
+
+
 # ---------------------------------------------------------------------------- mistakes
 
 
