@@ -59,17 +59,16 @@ def test_dcp_save_is_a_ckptd_step_that_restore_reader_and_verify_read(daemon) ->
     loader_state = pickle.dumps({"epoch": 2, "offset": 1234})  # as a data loader's state_dict often is: opaque bytes
     state = {**_state(model, optim), "trainer": {"step": 5, "lrs": (0.1, 0.01), "nan": float("nan")}, "loader": loader_state}
     state["trainer"]["rng"] = np.arange(4, dtype=np.int32)
-    dcp.save(state, storage_writer=ckptd.dcp.Writer("j", endpoint=daemon.endpoint), checkpoint_id="5")
+    dcp.save(state, storage_writer=ckptd.dcp.Writer("j", endpoint=daemon.endpoint, durable=True), checkpoint_id="5")
 
     # an ordinary ckptd step: ckptd.restore reads its model and optimizer
     m2, o2 = make(seed=3)
     with daemon.client("j") as c:
         c.restore(m2, o2)
         assert c.last_restore["step"] == 5
-        c.wait(30)
         path = step_dir(daemon.root, "j", 5)
     assert_same(full_state(m2, o2), want)
-    assert is_complete(path)
+    assert is_complete(path)  # durable=True: on disk when dcp.save returned
     verify = subprocess.run([sys.executable, "-m", "ckptd", "verify", path], capture_output=True, text=True)
     assert verify.returncode == 0, verify.stderr
 
