@@ -388,3 +388,15 @@ def test_rpc_and_cli_do_not_import_torch(daemon: DaemonProc) -> None:
     assert not {m for m in loaded if m.split(".")[0] == "torch"}, sorted(loaded)
     control = _modules_after(f"import ckptd.client.client\n{report}\n")
     assert "torch" in control
+
+
+def test_a_thread_per_request_does_not_exhaust_the_socket_limit(daemon: DaemonProc) -> None:
+    """A socket per thread: a long run makes a thread per background copy or DCP save (ZMQ allows 1023 sockets a
+    context); the sockets of threads that ended are closed when the next one is made."""
+    with Channel(daemon.endpoint, 10.0) as ch:
+        for _ in range(1100):
+            t = threading.Thread(target=ch.call, args=("hello",))
+            t.start()
+            t.join()
+        assert len(ch._sockets) <= 2
+        assert ch.call("hello")["ok"]

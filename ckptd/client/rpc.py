@@ -125,7 +125,7 @@ class Channel:
         self.endpoint, self.timeout = validate_endpoint(endpoint), timeout
         self._ctx = zmq.Context()
         self._tls = threading.local()
-        self._sockets: list[zmq.Socket] = []
+        self._sockets: list[tuple[threading.Thread, zmq.Socket]] = []  # each thread's socket, with its thread
         self._sock_lock = threading.Lock()
         self._ids = itertools.count(1)
         self.closed = False
@@ -135,6 +135,13 @@ class Channel:
         :class:`DaemonUnavailable` when no answer comes in time."""
         if self.closed:
             raise CheckpointError("client is closed")
+        try:
+            return self._call(op, rpc_timeout, frames, fields)
+        except zmq.ZMQError as e:  # e.g. the context's socket limit: an error naming it, never a bare ZMQError
+            self._drop_socket()
+            raise DaemonUnavailable(f"cannot talk to the ckptd daemon at {self.endpoint} (op {op}): {e}") from None
+
+    def _call(self, op: str, rpc_timeout: float | None, frames: tuple[bytes, ...], fields: dict[str, Any]) -> dict[str, Any]:
         timeout = self.timeout if rpc_timeout is None else rpc_timeout
         req_id = next(self._ids)
         s = self._socket(op)
@@ -182,7 +189,13 @@ class Channel:
                 raise CheckpointError(f"cannot connect to {self.endpoint!r}: {e}") from None
             self._tls.sock = s
             with self._sock_lock:
-                self._sockets.append(s)
+                # a socket per thread: those of threads that ended (a background copy, DCP's save thread, one
+                # per save) are closed here, or a long run would hit the context's socket limit
+                ended = [(t, x) for t, x in self._sockets if not t.is_alive()]
+                for t, x in ended:
+                    x.close(0)
+                    self._sockets.remove((t, x))
+                self._sockets.append((threading.current_thread(), s))
         return s
 
     def _drop_socket(self) -> None:
@@ -190,8 +203,7 @@ class Channel:
         if s is not None:
             self._tls.sock = None
             with self._sock_lock:
-                if s in self._sockets:
-                    self._sockets.remove(s)
+                self._sockets = [(t, x) for t, x in self._sockets if x is not s]
             s.close(0)
 
     def close(self) -> None:
@@ -200,7 +212,7 @@ class Channel:
             return
         self.closed = True
         with self._sock_lock:
-            for s in self._sockets:
+            for _, s in self._sockets:
                 s.close(0)
             self._sockets.clear()
         self._ctx.term()
