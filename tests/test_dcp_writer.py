@@ -238,6 +238,22 @@ def test_a_torchtitan_shaped_state_round_trips(daemon) -> None:  # noqa: ANN001
     assert s2.last_epoch == sched.last_epoch == 2 and s2.get_last_lr() == sched.get_last_lr()
 
 
+def test_a_writer_that_knows_its_step_commits_before_async_save_returns(daemon) -> None:  # noqa: ANN001
+    model, optim = make()
+    train_step(model, optim, 0)
+    want = full_state(model, optim)
+    fut = dcp.async_save(_state(model, optim), storage_writer=ckptd.dcp.Writer("known", endpoint=daemon.endpoint, step=4))
+    with daemon.rpc() as rpc:  # before DCP's thread did anything: the daemon has every rank's commit already
+        assert rpc.call("wait", job="known", step=4, timeout=0.0, persist=False)["state"] in ("pending", "memory", "durable")
+    fut.result()
+    m2, o2 = make(seed=2)
+    with daemon.client("known") as c:
+        c.restore(m2, o2, step=4)
+    assert_same(full_state(m2, o2), want)
+    with pytest.raises(BaseException, match="saves step 5; the save names checkpoint_id 6"):
+        dcp.save(_state(model, optim), storage_writer=ckptd.dcp.Writer("known", endpoint=daemon.endpoint, step=5), checkpoint_id=6)
+
+
 # ---------------------------------------------------------------------------- mistakes
 
 
@@ -258,6 +274,25 @@ def test_a_save_without_a_step_or_with_a_path_for_one_is_refused_and_leaves_noth
     assert _leased(daemon) == 0
     with daemon.client("m") as c:
         assert c.latest() is None
+
+
+def test_a_reused_writer_commits_each_save_its_own_state_after_a_failed_save(daemon) -> None:  # noqa: ANN001
+    model, optim = make()
+    w = ckptd.dcp.Writer("reuse", endpoint=daemon.endpoint)
+    train_step(model, optim, 0)
+    failed = dcp.async_save(_state(model, optim), storage_writer=w, checkpoint_id="/ckpt/step-1")  # staged, then refused
+    with pytest.raises(ValueError, match="checkpoint_id is the step number"):
+        failed.result()
+    train_step(model, optim, 1)
+    want = full_state(model, optim)
+    dcp.async_save(_state(model, optim), storage_writer=w, checkpoint_id=2).result()
+    m2, o2 = make(seed=3)
+    with daemon.client("reuse") as c:
+        c.restore(m2, o2, step=2)
+    assert_same(full_state(m2, o2), want)  # the state of its own call, not the failed save's left in the writer
+    assert _leased(daemon) == 1  # the failed save's copy, held until the writer is closed (or 4 newer ones)
+    w.close()
+    assert _leased(daemon) == 0
 
 
 def test_a_value_ckptd_cannot_store_is_named_and_nothing_is_leased(daemon) -> None:  # noqa: ANN001
@@ -290,6 +325,8 @@ def test_reader_mistakes_are_clear(daemon) -> None:  # noqa: ANN001
         dcp.load(_state(model, optim), storage_reader=ckptd.dcp.Reader(job="x", endpoint=daemon.endpoint, step=7))
     with pytest.raises(ValueError, match="checkpoint_id is the step number"):
         dcp.load(_state(model, optim), storage_reader=ckptd.dcp.Reader(job="x", endpoint=daemon.endpoint), checkpoint_id="latest")
+    with pytest.raises(BaseException, match="model.nope"):  # DCP's planner fails after the reader opened the step (hot)
+        dcp.load({"model": {"nope": torch.zeros(2)}}, storage_reader=ckptd.dcp.Reader(job="x", endpoint=daemon.endpoint))
     with daemon.client("probe") as c:
         assert c.status()["hot_pins"] == {}  # no hot pin left behind by the failed loads
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import warnings
 from typing import Any
@@ -115,7 +116,8 @@ class Client:
         self._trees = TreeEncoder()
         self._guard = CopyGuard()
         self._guarded: tuple[Any, set[int]] = (None, set())  # optimizer-owned storages, for the stage they were computed for
-        self._pending: list[SnapshotHandle] = []
+        self._pending: list[SnapshotHandle] = []  # under _plock: a DCP writer's thread adds to it too
+        self._plock = threading.Lock()
         self._closed = False
         self.early_copies = 0  # blocking snapshots whose copy overlapped the capture check (and held)
         self.last_restore: dict[str, Any] | None = None  # {step, path, source: memory | disk | bucket}
@@ -175,11 +177,20 @@ class Client:
         else:
             self._guard.hook(optim)  # type: ignore[arg-type]
             self._guard.start(step, lambda: self._background(handle, later, commit, staged.tree, event), handle._unreported)
-        self._pending.append(handle)
-        # a client that never calls wait() must not grow without bound; the daemon remembers more
-        # finished steps per job (TRACKS_KEPT) than this, so every kept handle can still be answered
-        del self._pending[:-PENDING_KEPT]
+        self._track(handle)
         return handle
+
+    def _track(self, handle: SnapshotHandle) -> None:
+        """Remember ``handle`` for :meth:`wait`. A client that never calls wait() must not grow without bound;
+        the daemon remembers more finished steps per job (TRACKS_KEPT) than this, so every kept handle can
+        still be answered."""
+        with self._plock:
+            self._pending.append(handle)
+            del self._pending[:-PENDING_KEPT]
+
+    def _untrack(self, handle: SnapshotHandle) -> None:
+        with self._plock:
+            self._pending = [h for h in self._pending if h is not handle]
 
     def snapshot_state(self, state: dict[str, Any], *, step: int, extra: dict[str, Any] | None = None) -> SnapshotHandle:
         """Checkpoint a state dict as it is, blocking: ``{"model": <model state dict>, "optim": <optimizer
@@ -339,10 +350,13 @@ class Client:
         are persisted now."""
         deadline = None if timeout is None else time.monotonic() + timeout
         paths = []
-        while self._pending:
-            h = self._pending[0]
+        while True:
+            with self._plock:
+                if not self._pending:
+                    break
+                h = self._pending[0]
             if h._reported:  # its failure was raised already (by the next snapshot, or its own wait)
-                self._pending.pop(0)
+                self._untrack(h)
                 continue
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
@@ -350,9 +364,9 @@ class Client:
             except StepDropped:  # kept in memory only and dropped, as the job's tiering policy allows: not an error here
                 log.debug("step %s of job %s was dropped from memory, not persisted", h.step, self.job)
             except CheckpointError:
-                self._pending.pop(0)  # a failed step is reported once; a timeout keeps it pending
+                self._untrack(h)  # a failed step is reported once; a timeout keeps it pending
                 raise
-            self._pending.pop(0)
+            self._untrack(h)
         return paths
 
     def restore(

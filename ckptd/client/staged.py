@@ -72,7 +72,7 @@ def stage_state(
 def commit_staged(st: StagedState, step: int | None = None) -> SnapshotHandle:
     """Commit what :func:`stage_state` copied as step ``step`` (default: the staged one); any thread.
     Raises :class:`CheckpointError` if the daemon refuses it (the slot is then given back)."""
-    from .client import PENDING_KEPT, _check_not_saved, _check_step
+    from .client import _check_not_saved, _check_step
     from .handle import SnapshotHandle
 
     if st.done:
@@ -91,6 +91,5 @@ def commit_staged(st: StagedState, step: int | None = None) -> SnapshotHandle:
     client, st.done = st.client, True
     handle = SnapshotHandle(client, step)
     client._commit_now(handle, {**st.fields, "step": step}, st.tree_json)
-    client._pending.append(handle)
-    del client._pending[:-PENDING_KEPT]
+    client._track(handle)
     return handle

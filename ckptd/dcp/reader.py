@@ -76,7 +76,6 @@ class Reader(StorageReader):
         self.step = step_of(step, "ckptd.dcp.Reader") if step is not None else None
         self.last_restore: dict[str, Any] | None = None  # job mode: which step was read, from where
         self._reader: CheckpointReader | None = None
-        self._open_step: Any = None  # job mode: the daemon's open step (hot segments pinned until closed)
         self._tensor_keys: dict[str, str] = {}  # DCP name -> ckptd state key
         self._values: dict[str, Any] = {}  # DCP name -> non-tensor value
 
@@ -94,27 +93,31 @@ class Reader(StorageReader):
         return is_complete(os.fspath(checkpoint_id))
 
     def _open(self) -> CheckpointReader:
+        """The step's reader, its names indexed. Job mode: the daemon's segments are pinned only while this
+        opens and indexes the step, and again inside ``read_data``: a load that fails in DCP's planning
+        (which never closes a reader) leaves no pin behind."""
         if self._reader is None:
             if self.job is not None:
-                from ..client.restore import open_step
-
-                client = client_for(self.job, self.endpoint)
-                client._guard.finish()
-                opened = open_step(client._rpc, client.job, self.step, hot=self.hot)
-                self._open_step, self._reader, self.last_restore = opened, opened.reader, opened.info
-                self.path = opened.reader.path
-                # as after ckptd.restore: this run continues from the step read, and may save the later numbers again
-                client._after, client._saved = opened.reader.manifest["step"], set()
+                opened = self._open_step()
+                try:
+                    self._index(opened.reader)
+                finally:
+                    opened.close()
+                self._reader, self.path = opened.reader, opened.reader.path
             else:
                 self._reader = CheckpointReader(self.path)  # type: ignore[arg-type]
-            self._index(self._reader)
+                self._index(self._reader)
         return self._reader
 
+    def _open_step(self, step: int | None = None) -> Any:
+        from ..client.restore import open_step
+
+        client = client_for(self.job, self.endpoint)
+        client._guard.finish()
+        return open_step(client._rpc, client.job, self.step if step is None else step, hot=self.hot)
+
     def _close(self) -> None:
-        opened, self._open_step = self._open_step, None
-        if opened is not None:
-            opened.close()
-        elif self._reader is not None:
+        if self._reader is not None:
             self._reader.close()
         self._reader = None
         self._tensor_keys, self._values = {}, {}
@@ -182,11 +185,20 @@ class Reader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        try:
+        if self.job is None:
             self._read(self._open(), plan, planner)
-        finally:
-            if self.job is not None:
-                self._close()  # this rank has read all it will: unpin the daemon's segments
+        else:
+            step = self._open().manifest["step"]
+            opened = self._open_step(step)  # the same step again, pinned while this rank reads it
+            try:
+                self._read(opened.reader, plan, planner)
+            finally:
+                opened.close()
+                self._close()
+            self.last_restore = opened.info
+            # as after ckptd.restore: this run continues from the step read, and may save the later numbers again
+            client = client_for(self.job, self.endpoint)
+            client._after, client._saved = step, set()
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut

@@ -10,7 +10,9 @@ on the training thread: the state is copied into a slot of the daemon's shared m
 state saved is the state at the call and training may change it as soon as ``async_save`` returns.
 DCP's background thread then runs its planning and :meth:`Writer.write_data`, which commits the slot as
 step ``checkpoint_id`` of the job — from then on the daemon owns the bytes: a trainer killed at any
-later point still ends in a complete step. ``dcp.save`` stages and commits inside ``write_data``.
+later point still ends in a complete step. A writer made for one save, ``Writer(job, step=N)``, commits
+inside ``stage()`` already: killed as soon as ``async_save`` returned, the step still completes.
+``dcp.save`` stages and commits inside ``write_data``.
 
 The saved step is an ordinary ckptd step: the state dict is stored as it was given (after DCP called
 ``state_dict()`` on its ``Stateful`` values), its tensors keyed by their path, ``DTensor`` /
@@ -29,9 +31,10 @@ and this writer's lease cannot move to another process), and a planner other tha
 
 from __future__ import annotations
 
+import logging
 import os
+import secrets
 import threading
-from collections import deque
 from typing import Any
 
 from torch.distributed.checkpoint import StorageWriter
@@ -46,13 +49,21 @@ from .shared import client_for, step_of
 
 __all__ = ["Writer"]
 
+log = logging.getLogger("ckptd.dcp")
+
 WAIT_POLL_S = 30.0
+TOKEN = "__ckptd_staged__"  # the key stage() adds to the state dict it hands back: which staged copy a save commits
+MAX_STAGED = 4  # staged copies a writer keeps uncommitted; older ones (their saves failed) are released
 
 
 class Writer(StorageWriter):
     """A DCP ``StorageWriter`` (and ``AsyncStager``) that saves step ``checkpoint_id`` of ``job`` through the
     node's ckptd daemon. ``job`` / ``endpoint`` default as :class:`ckptd.Client`'s (``CKPTD_JOB``,
-    ``CKPTD_ENDPOINT``). ``persist_every`` / ``persist_interval``: the job's tiering, as for ``Client``."""
+    ``CKPTD_ENDPOINT``). ``step``: the step this writer saves, when it is known before the call (a writer
+    per save); then ``dcp.async_save`` commits inside ``stage()``, so the daemon owns the state by the time
+    ``async_save`` returns (without it, once DCP's thread reached ``write_data``, milliseconds later), and
+    ``checkpoint_id`` may be left out. ``persist_every`` / ``persist_interval``: the job's tiering, as for
+    ``Client``."""
 
     _synchronize_after_execute = False  # stage() returns once the copy is done: nothing to synchronize
 
@@ -61,6 +72,7 @@ class Writer(StorageWriter):
         job: str | None = None,
         *,
         endpoint: str | None = None,
+        step: int | None = None,
         durable: bool = False,
         persist_every: int | None = None,
         persist_interval: float | None = None,
@@ -68,13 +80,14 @@ class Writer(StorageWriter):
         super().__init__()
         self._client = client_for(job, endpoint)
         self.job = self._client.job
+        self.step = None if step is None else step_of(step, "ckptd.dcp.Writer")
         self.durable = durable
         if persist_every is not None or persist_interval is not None:
             from ..client.client import tier_settings
 
             self._client._tiering = tier_settings(persist_every, persist_interval)
         self._local = threading.local()  # this save's step and role: DCP runs a save on one thread
-        self._staged: deque[StagedState] = deque()  # staged by async_save, in order, until write_data commits
+        self._staged: dict[str, StagedState] = {}  # staged by async_save, by the token in its state dict, until committed
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ AsyncStager
@@ -84,20 +97,30 @@ class Writer(StorageWriter):
         return False
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """Copy ``state_dict`` into the daemon's shared memory now (collective: every rank). Returns it as
-        given: DCP plans from its shapes; its data is not read again."""
-        st = stage_state(self._client, state_dict, step=None, any_keys=True)
+        """Copy ``state_dict`` into the daemon's shared memory now (collective: every rank). Returns it with
+        a token naming the copy (DCP plans from the shapes; no data is read again): ``write_data`` commits
+        exactly the copy its own save staged."""
+        st = stage_state(self._client, state_dict, step=self.step, any_keys=True)
+        if self.step is not None:  # the step is known: committed now, the daemon owns the state when async_save returns
+            commit_staged(st)
+        token = secrets.token_hex(8)
         with self._lock:
-            self._staged.append(st)
-        return state_dict
+            self._staged[token] = st
+            stale = list(self._staged)[:-MAX_STAGED]
+            stale_states = [self._staged.pop(t) for t in stale]
+        for old in stale_states:  # saves that failed between stage and write_data; their slots go back
+            log.warning("ckptd.dcp.Writer: a state staged by an earlier async_save was never committed (that save failed?); released")
+            old.release()
+        return {**state_dict, TOKEN: token}
 
     def synchronize_staging(self) -> None:
         """Nothing to wait for: :meth:`stage` returns once the copy is done."""
 
     def close(self) -> None:
-        """Give back slots staged by saves that never reached ``write_data`` (a save that failed in between)."""
+        """Give back slots staged by saves that never reached ``write_data`` (a save that failed in between).
+        A writer keeps at most the newest few such slots, so closing it matters only to give them back at once."""
         with self._lock:
-            staged, self._staged = list(self._staged), deque()
+            staged, self._staged = list(self._staged.values()), {}
         for st in staged:
             st.release()
 
@@ -132,25 +155,37 @@ class Writer(StorageWriter):
     def _step(self) -> int:
         step = getattr(self._local, "step", None)
         if step is None:
+            step = self.step
+        if step is None:
             raise CheckpointError("ckptd.dcp.Writer saves a step of a job: pass checkpoint_id=str(step) to dcp.save / dcp.async_save")
         return step
 
-    def _take_staged(self) -> StagedState | None:
-        """The oldest state :meth:`stage` copied on another thread (``async_save``'s): this save's."""
-        me = threading.get_ident()
+    def _take_staged(self, planner: SavePlanner) -> StagedState | None:
+        """The state this save's :meth:`stage` copied (``async_save``), found by its token; ``None`` for ``dcp.save``."""
+        flat = getattr(planner, "state_dict", None)
+        token = flat.get(TOKEN) if isinstance(flat, dict) else None
+        if token is None:
+            if self._staged and not isinstance(flat, dict):
+                raise CheckpointError(
+                    f"ckptd.dcp.Writer finds the state async_save staged through DCP's DefaultSavePlanner; {type(planner).__name__}"
+                    " keeps no state_dict: use the default planner"
+                )
+            return None
         with self._lock:
-            for st in self._staged:
-                if st.thread != me:
-                    self._staged.remove(st)
-                    return st
-        return None
+            st = self._staged.pop(token, None)
+        if st is None:
+            raise CheckpointError("the state this async_save staged is gone: committed already, or released by Writer.close()")
+        return st
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         step = self._step()
-        st = self._take_staged()
+        if self.step is not None and step != self.step:
+            raise CheckpointError(f"this ckptd.dcp.Writer saves step {self.step}; the save names checkpoint_id {step}")
+        st = self._take_staged(planner)
         if st is None:  # dcp.save: stage here (on every rank, DCP's foreground thread)
             st = stage_state(self._client, _state_of(planner), step=None, any_keys=True)
-        commit_staged(st, step)
+        if not st.done:  # (committed by stage() already when the writer knew its step)
+            commit_staged(st, step)
         results = [WriteResult(index=item.index, size_in_bytes=_nbytes(item), storage_data=None) for item in plan.items]
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
@@ -182,10 +217,10 @@ def _state_of(planner: SavePlanner) -> dict[str, Any]:
         )
     mappings = getattr(planner, "mappings", None)
     if not mappings:
-        return flat
+        return {k: v for k, v in flat.items() if k != TOKEN}
     from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
 
-    return unflatten_state_dict(flat, mappings)
+    return unflatten_state_dict({k: v for k, v in flat.items() if k != TOKEN}, mappings)
 
 
 def _nbytes(item: Any) -> int:
