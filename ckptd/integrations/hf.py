@@ -73,6 +73,7 @@ class CkptdCallback(TrainerCallback):
         self.job, self.endpoint, self.save_steps, self.blocking = job, endpoint, save_steps, blocking
         self.last: Any = None  # the newest SnapshotHandle
         self._rng: dict[str, Any] | None = None  # RNG states to restore before the first step after a resume
+        self._resume_step: int | None = None  # the step resume_checkpoint() chose (on every rank)
 
     @property
     def client(self) -> Any:
@@ -103,7 +104,26 @@ class CkptdCallback(TrainerCallback):
 
     def resume_checkpoint(self, output_dir: str | os.PathLike[str]) -> str | None:
         """``output_dir/checkpoint-<step>`` for the newest step of the job, written for the Trainer to resume
-        from (see the module's docstring); ``None`` if the job has no step yet. On every rank; rank 0 writes."""
+        from (see the module's docstring); ``None`` if the job has no step yet. Call it on every rank: rank 0
+        picks the step and writes the directory, every rank then resumes that step."""
+        from ..errors import CheckpointError
+
+        step, error = NO_STEP, None
+        if _rank() == 0:
+            try:
+                step = self._write_resume_dir(os.fspath(output_dir))
+            except Exception as e:  # every rank must hear of it, or they would wait for rank 0 forever
+                step, error = FAILED, e
+        step = _broadcast(step)
+        if error is not None:
+            raise error
+        if step == FAILED:
+            raise CheckpointError("rank 0 could not prepare the directory to resume from (see its error)")
+        self._resume_step = None if step == NO_STEP else step
+        return None if step == NO_STEP else os.path.join(os.fspath(output_dir), f"checkpoint-{step}")
+
+    def _write_resume_dir(self, output_dir: str) -> int:
+        """Write ``checkpoint-<step>`` for the newest step; return the step (``NO_STEP``: the job has none)."""
         from safetensors.torch import save_file
 
         from ..client.restore import open_step
@@ -114,35 +134,41 @@ class CkptdCallback(TrainerCallback):
             opened = open_step(client._rpc, client.job, None, hot=True)
         except CheckpointError as e:
             if "no committed checkpoint" in str(e):
-                return None
+                return NO_STEP
             raise
         try:
             step = opened.reader.manifest["step"]
-            out = os.path.join(os.fspath(output_dir), f"checkpoint-{step}")
-            if _rank() == 0 and read_pointer_at(out) != (client.job, step):
-                _, tree = opened.reader.tree_for(0)
-                extra = (tree.get("extra") or {}).get("0") or {}
-                if "trainer_state" not in extra:
-                    raise CheckpointError(f"step {step} of job {client.job} was not saved by CkptdCallback: it has no trainer state")
-                os.makedirs(out, exist_ok=True)
-                keys = [k for k in opened.reader.manifest["tensors"] if k.startswith("model/")]
-                weights = {k.removeprefix("model/"): opened.reader.read_full(k) for k in keys}
-                save_file(weights, os.path.join(out, "model.safetensors"))
-                with open(os.path.join(out, "trainer_state.json"), "w") as f:
-                    f.write(extra["trainer_state"])
-                write_pointer(os.path.join(out, POINTER), client.job, step)  # last: the directory is complete
+            out = os.path.join(output_dir, f"checkpoint-{step}")
+            if read_pointer_at(out) == (client.job, step):
+                return step  # written by an earlier attempt at this restart
+            _, tree = opened.reader.tree_for(0)
+            extra = (tree.get("extra") or {}).get("0") or {}
+            if "trainer_state" not in extra:
+                raise CheckpointError(f"step {step} of job {client.job} was not saved by CkptdCallback: it has no trainer state")
+            os.makedirs(out, exist_ok=True)
+            keys = [k for k in opened.reader.manifest["tensors"] if k.startswith("model/")]
+            save_file({k.removeprefix("model/"): opened.reader.read_full(k) for k in keys}, os.path.join(out, "model.safetensors"))
+            with open(os.path.join(out, "trainer_state.json"), "w") as f:
+                f.write(extra["trainer_state"])
+            write_pointer(os.path.join(out, POINTER), client.job, step)  # last: the directory is complete
+            return step
         finally:
             opened.close()
-        _barrier()
-        return out
 
     def on_train_begin(
         self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, lr_scheduler: Any = None, **kw: Any
     ) -> None:
-        pointer = read_pointer_at(os.path.join(args.output_dir, f"checkpoint-{state.global_step}")) if state.global_step else None
-        if pointer is None:
-            return  # a fresh start, or a resume from a checkpoint the Trainer wrote itself
-        job, step = pointer
+        if self._resume_step is not None:  # resume_checkpoint() in this process: the step every rank agreed on
+            job, step = self.client.job, self._resume_step
+        else:
+            pointer = read_pointer_at(os.path.join(args.output_dir, f"checkpoint-{state.global_step}")) if state.global_step else None
+            if pointer is None:
+                return  # a fresh start, or a resume from a checkpoint the Trainer wrote itself
+            job, step = pointer
+        if state.global_step != step:
+            from ..errors import CheckpointError
+
+            raise CheckpointError(f"the Trainer resumes at step {state.global_step}, but ckptd's step to restore is {step}")
         client = client_for(job, self.endpoint)
         extra = client.restore(model, _inner(optimizer, "optimizer"), step=step)
         if lr_scheduler is not None and extra.get("scheduler") is not None:
@@ -172,8 +198,17 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _barrier() -> None:
+NO_STEP, FAILED = -1, -2
+
+
+def _broadcast(step: int) -> int:
+    """Rank 0's ``step`` on every rank (once rank 0 has written the directory); as is without torch.distributed."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+    if not (dist.is_available() and dist.is_initialized()):
+        return step
+    from ..client.plan import _device
+
+    t = torch.tensor([step], dtype=torch.int64, device=_device())
+    dist.broadcast(t, src=0)
+    return int(t.item())

@@ -7,8 +7,10 @@ is read as untrusted input (size-limited JSON, the job name and step checked).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import tempfile
 from typing import TYPE_CHECKING, Any
 
 from ..config import MAX_STEP, validate_job
@@ -29,12 +31,19 @@ def write_pointer(path: str | os.PathLike[str], job: str, step: int) -> None:
         raise CheckpointError(f"{path}: a ckptd pointer is a local file (the checkpoint's bytes go to the daemon, which uploads them)")
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
-    tmp = f"{path}.ckptd-tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump({KEY: 1, "job": job, "step": step}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    # a fresh name (O_EXCL, never following a link someone planted in a shared directory), renamed over the path
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=".ckptd-pointer-")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({KEY: 1, "job": job, "step": step}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
     fd = os.open(d, os.O_RDONLY)
     try:
         os.fsync(fd)
