@@ -15,6 +15,9 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_PIN)"
 	$(BIN)/pip install -q -e ".[test]"
+	# torchtitan 0.3.0 for tests/test_integrations.py; without its dependencies (datasets, wandb,
+	# tensorboard...), which its CheckpointManager does not import: those it does are in the test extras
+	$(BIN)/pip install -q --no-deps "torchtitan==0.3.0"
 	touch $(STAMP)
 
 install: $(STAMP)

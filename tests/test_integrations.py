@@ -111,3 +111,33 @@ def test_hf_resume_checkpoint_of_a_new_job_is_none_and_a_foreign_step_is_refused
     assert not (short_tmp / "o" / "checkpoint-3").exists()
     with pytest.raises(ValueError, match="save_steps"):
         CkptdCallback("x", save_steps=0)
+
+
+# ---------------------------------------------------------------------------- torchtitan
+
+
+def test_torchtitan_checkpoint_manager_resumes_bit_exact_after_a_kill(daemon, short_tmp) -> None:  # noqa: ANN001
+    pytest.importorskip("torchtitan")
+    ep = daemon.endpoint
+    (short_tmp / "a").mkdir()
+    (short_tmp / "b").mkdir()
+    _run("_titan_app.py", ep, "tt-full", str(short_tmp / "a"), "full", str(short_tmp / "full.safetensors"))
+    # async_mode="async" saves every 4 steps through ckptd.dcp.Writer; SIGKILLed after step 10
+    _run("_titan_app.py", ep, "tt", str(short_tmp / "b"), "kill-after-10", str(short_tmp / "never"), expect=-9)
+    _run("_titan_app.py", ep, "tt", str(short_tmp / "b"), "resume", str(short_tmp / "resumed.safetensors"))
+    resumed = json.loads((short_tmp / "resumed.safetensors.json").read_text())
+    assert resumed == {"loaded": True, "resumed_at": 8}
+    assert_same(load_file(short_tmp / "resumed.safetensors"), load_file(short_tmp / "full.safetensors"))
+    assert not (short_tmp / "b" / "ckpt").exists()  # nothing went to torchtitan's folder: the steps are the daemon's
+    with daemon.client("tt") as c:
+        until(lambda: c.latest() == 12, 60, "step 12 durable")
+
+
+def test_torchtitan_config_refuses_what_cannot_work() -> None:
+    pytest.importorskip("torchtitan")
+    from ckptd.integrations.torchtitan import CkptdCheckpointManager
+
+    with pytest.raises(ValueError, match="keep_latest_k must be 0"):
+        CkptdCheckpointManager.Config(enable=True, keep_latest_k=5)
+    with pytest.raises(ValueError, match="process mode"):
+        CkptdCheckpointManager.Config(enable=True, async_mode="async_with_pinned_mem")
