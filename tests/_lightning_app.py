@@ -1,6 +1,8 @@
 """A tiny Lightning run for tests/test_integrations.py, in a process of its own.
 
-python _lightning_app.py ENDPOINT JOB CKPT_DIR EPOCHS MODE OUT      MODE: full | kill-at-N | resume
+python _lightning_app.py ENDPOINT JOB CKPT_DIR EPOCHS MODE OUT [DEVICES]     MODE: full | kill-at-N | resume
+
+DEVICES > 1: Lightning's own DDP launcher on CPU (it starts the other ranks by running this script again).
 """
 
 from __future__ import annotations
@@ -49,16 +51,19 @@ class KillAt(pl.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def main(endpoint: str, job: str, ckpt_dir: str, epochs: str, mode: str, out: str) -> None:
+def main(endpoint: str, job: str, ckpt_dir: str, epochs: str, mode: str, out: str, devices: str = "1") -> None:
     callbacks: list[pl.Callback] = [ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_epochs=1, save_top_k=-1)]
     if mode.startswith("kill-at-"):
         callbacks.append(KillAt(int(mode.removeprefix("kill-at-"))))
     trainer = pl.Trainer(
-        max_epochs=int(epochs), accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+        max_epochs=int(epochs), accelerator="cpu", devices=int(devices), strategy="ddp" if int(devices) > 1 else "auto",
+        logger=False, enable_progress_bar=False,
         enable_model_summary=False, deterministic=True, plugins=[CkptdCheckpointIO(job, endpoint=endpoint)], callbacks=callbacks,
     )  # fmt: skip
     model = Tiny()
     trainer.fit(model, data(), ckpt_path="last" if mode == "resume" else None)
+    if trainer.global_rank != 0:
+        return
     optim = trainer.optimizers[0]
     state = {f"model/{k}": v for k, v in model.state_dict().items()}
     for i, p in enumerate(model.parameters()):

@@ -49,6 +49,22 @@ def test_lightning_checkpoint_io_resumes_bit_exact_after_a_kill(daemon, short_tm
     assert is_complete(step_dir(daemon.root, "pl", 32))  # (the daemon's retention keeps the newest few steps)
 
 
+@pytest.mark.multiproc
+def test_lightning_ddp_saves_from_rank_0_and_every_rank_resumes(daemon, short_tmp) -> None:  # noqa: ANN001
+    """Lightning's own DDP launcher, two CPU ranks: only global rank 0 calls save_checkpoint (no collective may
+    wait for the other rank), both ranks load the pointer's step."""
+    pytest.importorskip("pytorch_lightning")
+    ep = daemon.endpoint
+    _run("_lightning_app.py", ep, "pl2-full", str(short_tmp / "full"), "4", "full", str(short_tmp / "full.safetensors"), "2")
+    ckpts = short_tmp / "ckpts"
+    _run("_lightning_app.py", ep, "pl2", str(ckpts), "4", "kill-at-2", str(short_tmp / "never"), "2", expect=-9)
+    assert read_pointer(ckpts / "last.ckpt") == ("pl2", 8)  # 2 epochs of 4 batches per rank
+    _run("_lightning_app.py", ep, "pl2", str(ckpts), "4", "resume", str(short_tmp / "resumed.safetensors"), "2")
+    assert_same(load_file(short_tmp / "resumed.safetensors"), load_file(short_tmp / "full.safetensors"))
+    with daemon.client("pl2") as c:
+        until(lambda: c.latest() == 16, 60, "step 16 durable")
+
+
 def test_lightning_load_refuses_a_forged_pointer_and_reads_plain_checkpoints(daemon, short_tmp) -> None:  # noqa: ANN001
     pytest.importorskip("pytorch_lightning")
     from ckptd.integrations.lightning import CkptdCheckpointIO
