@@ -1,6 +1,8 @@
 """A tiny transformers.Trainer run for tests/test_integrations.py, in a process of its own.
 
 python _hf_app.py ENDPOINT JOB OUTPUT_DIR MODE OUT      MODE: full | kill-after-N | resume
+
+Under torchrun (several CPU ranks, gloo) rank 0 writes OUT.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ def main(endpoint: str, job: str, output_dir: str, mode: str, out: str) -> None:
     )  # fmt: skip
     trainer = transformers.Trainer(model=model(), args=args, train_dataset=dataset(), callbacks=callbacks)
     trainer.train(resume_from_checkpoint=ckpt.resume_checkpoint(output_dir) if mode == "resume" else None)
+    if not trainer.is_world_process_zero():
+        return
     state = {f"model/{k}": v for k, v in trainer.model.state_dict().items()}
     optim = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
     for i, p in enumerate(trainer.model.parameters()):

@@ -111,6 +111,26 @@ def test_hf_trainer_callback_resumes_bit_exact_after_a_kill(daemon, short_tmp) -
         assert c.latest() == 12
 
 
+def _torchrun(script: str, *args: str, expect_ok: bool = True) -> None:
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{TESTS}", "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", os.path.join(TESTS, script)]
+    p = subprocess.run([*cmd, *args], env=env, capture_output=True, text=True, timeout=300)
+    assert (p.returncode == 0) == expect_ok, f"{script} {args} exited {p.returncode}:\n{p.stderr[-4000:]}"
+
+
+@pytest.mark.multiproc
+def test_hf_trainer_under_torchrun_resumes_the_step_rank_0_chose(daemon, short_tmp) -> None:  # noqa: ANN001
+    """Two CPU ranks (DDP over gloo): every rank snapshots, rank 0 picks and writes the step to resume, every rank
+    restores it; the run ends as the uninterrupted one."""
+    pytest.importorskip("accelerate")
+    ep = daemon.endpoint
+    _torchrun("_hf_app.py", ep, "hf2-full", str(short_tmp / "full"), "full", str(short_tmp / "full.safetensors"))
+    _torchrun("_hf_app.py", ep, "hf2", str(short_tmp / "run"), "kill-after-10", str(short_tmp / "never"), expect_ok=False)
+    _torchrun("_hf_app.py", ep, "hf2", str(short_tmp / "run"), "resume", str(short_tmp / "resumed.safetensors"))
+    assert sorted(os.listdir(short_tmp / "run")) == ["checkpoint-8"]
+    assert_same(load_file(short_tmp / "resumed.safetensors"), load_file(short_tmp / "full.safetensors"))
+
+
 def test_hf_resume_checkpoint_of_a_new_job_is_none_and_a_foreign_step_is_refused(daemon, short_tmp) -> None:  # noqa: ANN001
     pytest.importorskip("accelerate")
     from _models import make
