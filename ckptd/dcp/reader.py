@@ -188,9 +188,15 @@ class Reader(StorageReader):
         if self.job is None:
             self._read(self._open(), plan, planner)
         else:
-            step = self._open().manifest["step"]
+            indexed = self._open().manifest
+            step = indexed["step"]
             opened = self._open_step(step)  # the same step again, pinned while this rank reads it
             try:
+                if opened.reader.manifest.get("committed_at") != indexed.get("committed_at"):
+                    raise CheckpointError(
+                        f"step {step} of job {self.job} changed between DCP's planning and the read (dropped from memory,"
+                        " or replaced by a rolled-back run's save): load again"
+                    )
                 self._read(opened.reader, plan, planner)
             finally:
                 opened.close()

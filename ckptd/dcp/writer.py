@@ -35,6 +35,7 @@ import logging
 import os
 import secrets
 import threading
+import weakref
 from typing import Any
 
 from torch.distributed.checkpoint import StorageWriter
@@ -89,6 +90,8 @@ class Writer(StorageWriter):
         self._local = threading.local()  # this save's step and role: DCP runs a save on one thread
         self._staged: dict[str, StagedState] = {}  # staged by async_save, by the token in its state dict, until committed
         self._lock = threading.Lock()
+        # a writer dropped without close() (one per save, as DCP's examples make them) gives back what a failed save left
+        weakref.finalize(self, _release_all, self._staged, self._lock)
 
     # ------------------------------------------------------------------ AsyncStager
 
@@ -119,10 +122,7 @@ class Writer(StorageWriter):
     def close(self) -> None:
         """Give back slots staged by saves that never reached ``write_data`` (a save that failed in between).
         A writer keeps at most the newest few such slots, so closing it matters only to give them back at once."""
-        with self._lock:
-            staged, self._staged = list(self._staged.values()), {}
-        for st in staged:
-            st.release()
+        _release_all(self._staged, self._lock)
 
     def __getstate__(self) -> dict[str, Any]:
         raise CheckpointError(
@@ -186,6 +186,7 @@ class Writer(StorageWriter):
             st = stage_state(self._client, _state_of(planner), step=None, any_keys=True)
         if not st.done:  # (committed by stage() already when the writer knew its step)
             commit_staged(st, step)
+        self._local.step, self._local.saved = None, step  # a later save on this thread names its own step (or fails)
         results = [WriteResult(index=item.index, size_in_bytes=_nbytes(item), storage_data=None) for item in plan.items]
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
@@ -193,7 +194,8 @@ class Writer(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Wait until the step is complete in the daemon (``durable``: on its disk); raise if it failed."""
-        step, rpc = self._step(), self._client._rpc
+        saved = getattr(self._local, "saved", None)
+        step, rpc = (self._step() if saved is None else saved), self._client._rpc
         while True:
             rep = rpc.call("wait", rpc_timeout=rpc.timeout + WAIT_POLL_S + 5.0, job=self.job, step=step,
                            timeout=WAIT_POLL_S, persist=self.durable)  # fmt: skip
@@ -205,6 +207,14 @@ class Writer(StorageWriter):
 
     def storage_meta(self) -> None:
         return None
+
+
+def _release_all(staged: dict[str, StagedState], lock: threading.Lock) -> None:
+    with lock:
+        states = list(staged.values())
+        staged.clear()
+    for st in states:
+        st.release()
 
 
 def _state_of(planner: SavePlanner) -> dict[str, Any]:

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from transformers import TrainerCallback
 
-from ..dcp.shared import client_for
+from ..dcp.shared import client_for, rank0_step
 from .pointer import read_pointer, write_pointer
 
 __all__ = ["CkptdCallback"]
@@ -106,24 +106,12 @@ class CkptdCallback(TrainerCallback):
         """``output_dir/checkpoint-<step>`` for the newest step of the job, written for the Trainer to resume
         from (see the module's docstring); ``None`` if the job has no step yet. Call it on every rank: rank 0
         picks the step and writes the directory, every rank then resumes that step."""
-        from ..errors import CheckpointError
+        step = rank0_step(lambda: self._write_resume_dir(os.fspath(output_dir)))
+        self._resume_step = step
+        return None if step is None else os.path.join(os.fspath(output_dir), f"checkpoint-{step}")
 
-        step, error = NO_STEP, None
-        if _rank() == 0:
-            try:
-                step = self._write_resume_dir(os.fspath(output_dir))
-            except Exception as e:  # every rank must hear of it, or they would wait for rank 0 forever
-                step, error = FAILED, e
-        step = _broadcast(step)
-        if error is not None:
-            raise error
-        if step == FAILED:
-            raise CheckpointError("rank 0 could not prepare the directory to resume from (see its error)")
-        self._resume_step = None if step == NO_STEP else step
-        return None if step == NO_STEP else os.path.join(os.fspath(output_dir), f"checkpoint-{step}")
-
-    def _write_resume_dir(self, output_dir: str) -> int:
-        """Write ``checkpoint-<step>`` for the newest step; return the step (``NO_STEP``: the job has none)."""
+    def _write_resume_dir(self, output_dir: str) -> int | None:
+        """Write ``checkpoint-<step>`` for the newest step; return the step (``None``: the job has none)."""
         from safetensors.torch import save_file
 
         from ..client.restore import open_step
@@ -134,7 +122,7 @@ class CkptdCallback(TrainerCallback):
             opened = open_step(client._rpc, client.job, None, hot=True)
         except CheckpointError as e:
             if "no committed checkpoint" in str(e):
-                return NO_STEP
+                return None
             raise
         try:
             step = opened.reader.manifest["step"]
@@ -159,7 +147,7 @@ class CkptdCallback(TrainerCallback):
         self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, lr_scheduler: Any = None, **kw: Any
     ) -> None:
         if self._resume_step is not None:  # resume_checkpoint() in this process: the step every rank agreed on
-            job, step = self.client.job, self._resume_step
+            (job, step), self._resume_step = (self.client.job, self._resume_step), None
         else:
             pointer = read_pointer_at(os.path.join(args.output_dir, f"checkpoint-{state.global_step}")) if state.global_step else None
             if pointer is None:
@@ -190,25 +178,3 @@ def _state_dict(state: Any) -> dict[str, Any]:
     import dataclasses
 
     return dataclasses.asdict(state)
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-NO_STEP, FAILED = -1, -2
-
-
-def _broadcast(step: int) -> int:
-    """Rank 0's ``step`` on every rank (once rank 0 has written the directory); as is without torch.distributed."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return step
-    from ..client.plan import _device
-
-    t = torch.tensor([step], dtype=torch.int64, device=_device())
-    dist.broadcast(t, src=0)
-    return int(t.item())

@@ -8,7 +8,10 @@
 torchtitan builds the manager from that config (``Configurable``): its saves (``dcp.save`` /
 ``dcp.async_save`` of the model, optimizers, LR schedulers, data loader and train state, every ``interval``
 steps) go to the node's daemon as step ``<step>`` of the job instead of ``<folder>/step-<step>``, and
-``load()`` resumes from the newest durable step of the job (or ``load_step``). torchtitan's
+``load()`` resumes from the newest step the daemon holds (one still being persisted, or in the memory tier
+only, is persisted and waited for first; rank 0 decides, every rank loads that step), or ``load_step``.
+torchtitan's last save is model-only by default (``last_save_model_only``): a job resumed after its last
+step fails on the missing optimizer state, as torchtitan's own folder would. torchtitan's
 ``keep_latest_k`` purge has nothing to delete: the daemon's retention keeps steps (it must be 0). Saves
 torchtitan converts to Hugging Face format (``last_save_in_hf``) still go to its folder, as torchtitan
 writes them. ``async_mode="async_with_pinned_mem"`` (DCP's process mode) is refused: ``"async"`` stages
@@ -26,7 +29,7 @@ from torchtitan.components.checkpointer.base import MODEL
 from torchtitan.components.checkpointer.dcp import AsyncMode, CheckpointManager
 
 from ..dcp import Reader, Writer
-from ..dcp.shared import client_for
+from ..dcp.shared import client_for, rank0_step, resume_step
 
 __all__ = ["CkptdCheckpointManager"]
 
@@ -77,12 +80,14 @@ class CkptdCheckpointManager(CheckpointManager):
         return dcp.async_save(state_dict, storage_writer=writer, checkpoint_id=step, process_group=self.pg)
 
     def _load(self, step: int = -1) -> bool:
-        newest = client_for(self.job, self.endpoint).latest() if step == -1 else step
+        client = client_for(self.job, self.endpoint)
+        # rank 0 decides, every rank loads that step: the daemon may still be persisting the newest one
+        newest = rank0_step(lambda: resume_step(client)) if step == -1 else step
         if newest is None:  # the job has no step: a fresh start, or torchtitan's initial_load_path
             return super()._load(step)
         states = self._states_to_load(model_only=newest == 0)
         dcp.load(states, storage_reader=Reader(job=self.job, endpoint=self.endpoint, step=newest))
-        if newest != 0 and MODEL in self.states:  # as torchtitan's own load: the model's keys were flattened in
+        if MODEL in self.states:  # as torchtitan's own load: its model state is loaded through its wrapper
             self.states[MODEL].load_state_dict(states)
         return True
 
