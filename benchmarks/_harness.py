@@ -103,6 +103,15 @@ def build_state(params: float, seed: int = 0) -> tuple[nn.Module, torch.optim.Op
     return model, optim
 
 
+def loop_state(params: float, batch: int) -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor, int]:
+    """A training loop's model, optimizer (its state made), input batch, and the bytes of its state."""
+    model, optim = build_state(params)
+    _, d = shape_for(params)
+    nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    nbytes += sum(v.numel() * v.element_size() for st in optim.state.values() for v in st.values())
+    return model, optim, torch.randn(batch, d), nbytes
+
+
 def views_into(buf: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Typed views of ``buf`` (uint8) packed back to back, one shaped like each tensor: copy targets."""
     out, pos = [], 0

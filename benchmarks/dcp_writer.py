@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import DaemonProcess, build_state, machine_info, shape_for, write_json  # noqa: E402
+from _harness import DaemonProcess, loop_state, machine_info, write_json  # noqa: E402
 from training_loop import run_loop  # noqa: E402
 
 import ckptd.dcp  # noqa: E402
@@ -89,11 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", default="bench-out/dcp_writer.json")
     args = p.parse_args(argv)
-    model, optim = build_state(args.params)
-    _, d = shape_for(args.params)
-    x = torch.randn(args.batch, d)
-    nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    nbytes += sum(v.numel() * v.element_size() for st in optim.state.values() for v in st.values())
+    model, optim, x, nbytes = loop_state(args.params, args.batch)
     n_ckpt = args.steps // args.every
     work = tempfile.mkdtemp(prefix="cktw")
     daemon = DaemonProcess(os.path.join(work, "root"), f"ipc://{work}/d.sock", os.path.join(work, "d.log"))

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import DaemonProcess, build_state, machine_info, shape_for, write_json  # noqa: E402
+from _harness import DaemonProcess, loop_state, machine_info, write_json  # noqa: E402
 
 import ckptd  # noqa: E402
 
@@ -134,11 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--persist-every", type=int, default=3, help="the memory-tier mode persists one snapshot in N")
     p.add_argument("--rounds", type=int, default=3, help="ckptd's modes run interleaved this many times, each round with its own baseline")
     args = p.parse_args(argv)
-    model, optim = build_state(args.params)
-    _, d = shape_for(args.params)
-    x = torch.randn(args.batch, d)
-    nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    nbytes += sum(v.numel() * v.element_size() for st in optim.state.values() for v in st.values())
+    model, optim, x, nbytes = loop_state(args.params, args.batch)
     n_ckpt = args.steps // args.every
     work = tempfile.mkdtemp(prefix="cktl")
     results: dict[str, Any] = {}
