@@ -7,6 +7,7 @@ what a user of the package sees.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import math
 import os
@@ -101,6 +102,17 @@ def build_state(params: float, seed: int = 0) -> tuple[nn.Module, torch.optim.Op
     optim.step()
     optim.zero_grad(set_to_none=True)
     return model, optim
+
+
+def loop_parser(doc: str, json_path: str) -> argparse.ArgumentParser:
+    """The arguments every training-loop benchmark takes: state size, batch, steps, checkpoint interval, output."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--params", type=float, default=22e6)
+    p.add_argument("--batch", type=int, default=48)
+    p.add_argument("--steps", type=int, default=36)
+    p.add_argument("--every", type=int, default=6)
+    p.add_argument("--json", default=json_path)
+    return p
 
 
 def loop_state(params: float, batch: int) -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor, int]:

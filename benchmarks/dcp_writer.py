@@ -20,7 +20,6 @@ memory — it reaches the disk after). Prints a table; writes ``bench-out/dcp_wr
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import statistics
@@ -34,7 +33,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import DaemonProcess, loop_state, machine_info, write_json  # noqa: E402
+from _harness import DaemonProcess, loop_parser, loop_state, machine_info, write_json  # noqa: E402
 from training_loop import run_loop  # noqa: E402
 
 import ckptd.dcp  # noqa: E402
@@ -81,13 +80,8 @@ MODES = ("dcp.async_save -> directory", "dcp.async_save -> ckptd.dcp.Writer", "d
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--params", type=float, default=22e6)
-    p.add_argument("--batch", type=int, default=48)
-    p.add_argument("--steps", type=int, default=36)
-    p.add_argument("--every", type=int, default=6)
+    p = loop_parser(__doc__, "bench-out/dcp_writer.json")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--json", default="bench-out/dcp_writer.json")
     args = p.parse_args(argv)
     model, optim, x, nbytes = loop_state(args.params, args.batch)
     n_ckpt = args.steps // args.every

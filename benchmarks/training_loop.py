@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import DaemonProcess, loop_state, machine_info, write_json  # noqa: E402
+from _harness import DaemonProcess, loop_parser, loop_state, machine_info, write_json  # noqa: E402
 
 import ckptd  # noqa: E402
 
@@ -124,12 +124,7 @@ def summarize(runs: list[Run], n_ckpt: int, base_spans: list) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--params", type=float, default=22e6)
-    p.add_argument("--batch", type=int, default=48)
-    p.add_argument("--steps", type=int, default=36)
-    p.add_argument("--every", type=int, default=6)
-    p.add_argument("--json", default="bench-out/training_loop.json")
+    p = loop_parser(__doc__, "bench-out/training_loop.json")
     p.add_argument("--skip-process", action="store_true")
     p.add_argument("--persist-every", type=int, default=3, help="the memory-tier mode persists one snapshot in N")
     p.add_argument("--rounds", type=int, default=3, help="ckptd's modes run interleaved this many times, each round with its own baseline")
