@@ -297,3 +297,17 @@ def test_a_new_segment_is_made_off_the_loop_and_goes_to_the_rank_that_needed_it(
     assert [ident for ident, _ in pool.deferred] == [b"r2"]
     assert len(asked) == 3 and asked[2][0] == 5 * A, "the refused request's budget went to the one waiting"
     assert pool.bytes_held() == 6 * A
+
+
+def test_two_allocs_of_one_rank_at_once_are_both_granted_whichever_segment_comes_first(env: dict[str, Any]) -> None:
+    # prepare() asks for its slots side by side: the segment made for the second request can come first and
+    # go to the first request; the second must then take the first's segment when it comes (it waited forever)
+    A = shm.ALIGN
+    pool, asked = _growing_pool(env, 8 * A)
+    assert pool.request(b"a", _req(rank=0, nbytes=A)) is None
+    assert pool.request(b"b", _req(rank=0, nbytes=A)) is None
+    for _, token in reversed(asked):
+        pool.created(token, *pool.segments.create(A))
+    granted = {ident: r.name for ident, _, r in env["grants"]}
+    assert set(granted) == {b"a", b"b"} and len(set(granted.values())) == 2, env["grants"]
+    assert not pool.deferred and pool.bytes_held() == 2 * A

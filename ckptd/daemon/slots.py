@@ -127,7 +127,9 @@ class SlotPool:
         slot = min((s for s in free if s.owner == owner), key=lambda s: s.size, default=None)
         used = self.bytes_held()
         rounded = max(shm.ALIGN, -(-need // shm.ALIGN) * shm.ALIGN)
-        if slot is None and used + rounded > self.budget:
+        if slot is None and (used + rounded > self.budget or "_growing" in msg):
+            # over budget, or this request's own segment is still being made (another request of the same
+            # rank took the one that came first): any free slot that fits
             slot = min(free, key=lambda s: s.size, default=None)
         if slot is None:
             slot = self._create(need, rounded, used, msg)
