@@ -17,6 +17,7 @@ import os
 import threading
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -218,7 +219,8 @@ class Client:
         """Do the first snapshot's one-time work now, outside the training loop.
 
         Plans the layout (a collective: call on every rank), has the daemon create ``slots`` staging
-        slots of the right size for this rank and maps them, then hands them back unused. The next
+        slots of the right size for this rank and maps them (page-locked for CUDA state), all side by
+        side, then hands them back unused. The next
         snapshots reuse them at memory-copy speed. Default: two (one persisting while the next is
         filled), three with a memory tier (one persisting, the newest step held, the next filled).
         """
@@ -226,12 +228,13 @@ class Client:
             slots = 3 if self._memory_tier() else 2
         self._guard.finish()
         rank, world = dist_rank_world()
-        layout = self._stager.run(model, optim, None, rank, None).layout
-        leased = []
-        try:
-            for _ in range(slots):
-                leased.append(self._alloc(rank, world, 0, layout.file_size))
-                self._maps.mapping(leased[-1])
+        staged = self._stager.run(model, optim, None, rank, None)
+        leased: list[str] = []
+        try:  # the slots are asked for, made, mapped (and page-locked for CUDA) side by side
+            with ThreadPoolExecutor(slots) as pool:
+                for f in [pool.submit(lambda: leased.append(self._alloc(rank, world, 0, staged.layout.file_size))) for _ in range(slots)]:
+                    f.result()
+            self._maps.warm(leased, pin=staged.any_cuda)
         finally:
             for seg in leased:
                 self._release(seg)

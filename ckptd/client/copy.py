@@ -19,6 +19,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -94,6 +95,25 @@ class SlotMaps:
                 self._unmap(*self._maps.popitem(last=False))
         self._maps.move_to_end(name)
         return m
+
+    def warm(self, names: list[str], pin: bool) -> None:
+        """Map the segments ``names`` side by side (and page-lock them, ``pin``): ``prepare()`` takes the
+        one-time cost of each slot at once, off the training loop."""
+
+        def one(name: str) -> shm.Mapping:
+            m = shm.Mapping(name)
+            if pin:
+                from . import cuda
+
+                if m.tensor is not None and cuda.pin(m.tensor.data_ptr(), m.size):
+                    self.pinned.add(name)
+            return m
+
+        with ThreadPoolExecutor(max(1, len(names))) as pool:
+            for name, m in zip(names, pool.map(one, names)):
+                self._maps[name] = m
+        while len(self._maps) > MAPPINGS_KEPT:
+            self._unmap(*self._maps.popitem(last=False))
 
     def destinations(self, m: shm.Mapping, layout: ShardLayout) -> list[torch.Tensor]:
         """Typed views of the slot, one per chunk in layout order; built once per (slot, layout)."""
