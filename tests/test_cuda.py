@@ -51,3 +51,58 @@ def test_cuda_snapshot_is_state_at_call(daemon, blocking: bool) -> None:  # noqa
             c.restore(m2, o2, step=step)
             got = {k: v.cpu() for k, v in full_state(m2, o2).items()}
             assert_same(got, want)
+
+
+def _saved(daemon, job: str) -> tuple[dict[str, torch.Tensor], str]:  # noqa: ANN001
+    """A CUDA model + AdamW, prepared (slots made, mapped and page-locked up front), stepped and saved."""
+    model, optim = _cuda_model()
+    _step(model, optim, 0)
+    with daemon.client(job) as c:
+        c.prepare(model, optim)
+        assert len(c._maps.pinned) >= 2, "prepare() should page-lock its slots for device copies"
+        path = c.snapshot(model, optim, step=1, blocking=True).wait(60)
+    return {k: v.cpu() for k, v in full_state(model, optim).items()}, path
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("hot", [True, False])
+def test_cuda_restore_from_memory_and_disk_is_exact(daemon, hot: bool) -> None:  # noqa: ANN001
+    want, _ = _saved(daemon, "gr")
+    with daemon.client("gr") as c:
+        m2, o2 = _cuda_model()
+        c.restore(m2, o2, hot=hot)
+        assert c.last_restore["source"] == ("memory" if hot else "disk")
+    torch.cuda.synchronize()
+    assert_same({k: v.cpu() for k, v in full_state(m2, o2).items()}, want)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_restore_goes_through_page_locked_buffers_when_registering_fails(daemon, monkeypatch) -> None:  # noqa: ANN001
+    want, _ = _saved(daemon, "gb")
+    monkeypatch.setattr(cuda, "pin", lambda *a, **k: False)  # a driver that refuses read-only registration
+    with daemon.client("gb") as c:
+        m2, o2 = _cuda_model()
+        c.restore(m2, o2)
+        assert c.last_restore["source"] == "memory"
+    assert_same({k: v.cpu() for k, v in full_state(m2, o2).items()}, want)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_restore_of_a_corrupt_shard_fails_naming_it(daemon) -> None:  # noqa: ANN001
+    import os
+
+    import ckptd
+
+    _, path = _saved(daemon, "gc")
+    shard = next(os.path.join(path, f) for f in sorted(os.listdir(path)) if f.endswith(".safetensors"))
+    with open(shard, "r+b") as f:  # flip a byte of the last tensor's data: hashed while the GPU copies it
+        f.seek(-8, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-8, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0xFF]))
+    m2, o2 = _cuda_model()
+    with pytest.raises(ckptd.FormatError, match="checksum mismatch"):
+        ckptd.restore(m2, o2, path=path)

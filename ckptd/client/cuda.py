@@ -1,5 +1,6 @@
 """The GPU path, kept small and apart: page-locked staging slots and device-to-host copies on a
-side stream, guarded by an event. Everything here is a no-op without CUDA.
+side stream, guarded by an event; and, for restores, host-to-device copies from page-locked memory
+(:class:`Uploads`). Nothing here runs without CUDA.
 
 Who calls what (trainer process): the client pins a slot's mapping (``pin``) the first time a
 snapshot has CUDA tensors to copy into it and unpins it before unmapping (``unpin``); ``copy_async``
@@ -11,6 +12,8 @@ blocking) before the daemon is told the bytes are there.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -19,29 +22,46 @@ log = logging.getLogger("ckptd.cuda")
 
 _side_streams: dict[int, Any] = {}
 _warned = False
+REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly: the restore's mappings are read-only
 
 
 def available() -> bool:
     return torch.cuda.is_available()
 
 
-def pin(ptr: int, size: int) -> bool:
+def pin(ptr: int, size: int, flags: int = 0) -> bool:
     """Page-lock ``size`` bytes of mapped shared memory at ``ptr`` (``cudaHostRegister``) so device
-    copies into it run at full PCIe/NVLink speed and can be asynchronous. False if it cannot be."""
+    copies into or out of it run at full PCIe/NVLink speed and can be asynchronous. False if it cannot
+    be (``flags``: :data:`REGISTER_READ_ONLY` for a read-only mapping)."""
     global _warned
     if not available() or size == 0:
         return False
     try:
-        err = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
+        err = torch.cuda.cudart().cudaHostRegister(ptr, size, flags)
         code = int(getattr(err, "value", err))
     except (RuntimeError, AttributeError, TypeError) as e:
         code, err = -1, e
     if code != 0:
+        _clear_error()
         if not _warned:
-            log.warning("cudaHostRegister of the staging slot failed (%s): device copies fall back to pageable memory", err)
+            log.warning("cudaHostRegister of shared memory failed (%s): device copies go through pageable or bounce memory", err)
             _warned = True
         return False
     return True
+
+
+def _clear_error() -> None:
+    """Reset the CUDA runtime's last error after a refused registration: torch checks it after its next
+    kernel launch and would raise it there. Through the ``libcudart`` torch loaded; a no-op without one."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libcudart.so" in line}
+        for path in paths:
+            ctypes.CDLL(path).cudaGetLastError()
+    except (OSError, AttributeError) as e:
+        log.debug("could not reset the CUDA runtime's last error: %s", e)
 
 
 def unpin(ptr: int) -> None:
@@ -66,3 +86,70 @@ def copy_async(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> Any:
         event = torch.cuda.Event()
         event.record(stream)
     return event
+
+
+class Uploads:
+    """Host-to-device copies of one restore onto one GPU: non-blocking, on a side stream that first
+    waits for the work already queued on the current stream, from page-locked memory.
+
+    Sources: a read-only mapping of a daemon segment is page-locked once (``cudaHostRegister``,
+    read-only) the first time a copy reads it, and copied from in place; where that fails its bytes go
+    through a page-locked scratch buffer. Disk reads land in two page-locked scratch buffers used in
+    turn: one is refilled only after its previous copy ended, so reading the next chunk overlaps the
+    copy of this one. :meth:`finish` waits for every copy and lets go of the registrations; the
+    reader's :meth:`close` calls it before anything is unmapped.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+        self.stream.wait_stream(torch.cuda.current_stream(device))
+        self._scratch = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
+        self._busy: list[Any] = [None, None]  # the event after each scratch buffer's last copy
+        self._turn = 0
+        self._registered: dict[int, bool] = {}  # mapping's base address -> page-locked by us
+
+    def staging(self, n: int) -> torch.Tensor:
+        """A page-locked buffer of ``n`` bytes no copy still reads (the other one of the pair)."""
+        i = self._turn = 1 - self._turn
+        if self._busy[i] is not None:
+            self._busy[i].synchronize()
+            self._busy[i] = None
+        if self._scratch[i].numel() < n:
+            self._scratch[i] = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        return self._scratch[i][:n]
+
+    def host_source(self, view: torch.Tensor) -> torch.Tensor:
+        """``view`` (of a read-only mapping) if its mapping is page-locked, else its bytes in a page-locked buffer."""
+        storage = view.untyped_storage()
+        base = storage.data_ptr()
+        if base not in self._registered:
+            self._registered[base] = pin(base, storage.nbytes(), REGISTER_READ_ONLY)
+        if self._registered[base]:
+            return view
+        buf = self.staging(view.numel())
+        buf.copy_(view)
+        return buf
+
+    @contextmanager
+    def stream_for(self, raw: torch.Tensor) -> Iterator[None]:
+        """Copies made inside run on the side stream; a scratch buffer ``raw`` lies in stays busy until they end."""
+        with torch.cuda.stream(self.stream):
+            yield
+            ptr = raw.untyped_storage().data_ptr()
+            for i, buf in enumerate(self._scratch):
+                if buf.numel() and buf.untyped_storage().data_ptr() == ptr:
+                    self._busy[i] = torch.cuda.Event()
+                    self._busy[i].record(self.stream)
+
+    def finish(self) -> None:
+        """Wait for every copy; the current stream orders after them; registrations let go."""
+        try:
+            self.stream.synchronize()
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        finally:
+            for base, ok in self._registered.items():
+                if ok:
+                    unpin(base)
+            self._registered.clear()
+            self._busy = [None, None]

@@ -3,13 +3,16 @@
 Runs in the trainer's process (and in ``ckptd export`` and the DCP reader), on the calling thread,
 and needs no daemon: for every region a caller asks for it copies in the parts of the saved chunks
 that intersect it (so a chunk saved whole can fill a shard and the reverse), verifying each saved
-chunk's checksum before its bytes are used. :mod:`.load` puts a model and optimizer on top of it.
+chunk's checksum on the bytes it copies. :mod:`.load` puts a model and optimizer on top of it.
 """
 
 from __future__ import annotations
 
 import math
+import mmap
 import os
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,9 +27,20 @@ from ..validate import read_manifest, validate_manifest
 class CheckpointReader:
     """Reads verified chunk regions from one committed step directory.
 
-    Chunks are read with ``pread`` into memory of their own, not mapped: memory held is one saved
-    chunk at a time (an export of a checkpoint larger than RAM stays small), and every chunk's
-    checksum is verified on the very bytes that are then used.
+    Where the bytes come from, and how many times they are copied:
+
+    * shard files on disk are read with ``pread`` into one scratch buffer reused from chunk to chunk
+      (memory held: the largest saved chunk, so an export of a checkpoint larger than RAM stays small);
+    * the daemon's shared-memory segments of a hot restore are mapped read-only and used in place: the
+      only copy is into the destination.
+
+    A destination on a GPU gets non-blocking copies on a side stream from page-locked host memory (the
+    mapping registered with ``cudaHostRegister``, or a page-locked scratch pair for disk reads; see
+    :class:`.cuda.Uploads`). Every saved chunk's checksum is verified on the very bytes that are copied:
+    before the copy into a CPU destination (hashing on a second thread beside the copy measured no
+    faster on CPU), while the GPU's DMA runs for a GPU destination; a mismatch raises
+    :class:`FormatError` before :meth:`read_into` returns, and a failed read may leave the destination
+    partly written. :meth:`close` waits for copies in flight.
     """
 
     def __init__(
@@ -43,15 +57,31 @@ class CheckpointReader:
             self.manifest = validate_manifest(manifest, os.path.join(path, MANIFEST), memory=memory)
         self._files = dict(files or {})
         self._fds: dict[str, int] = {}
+        self._maps: dict[str, tuple[mmap.mmap, torch.Tensor]] = {}  # segments mapped read-only (hot)
+        self._scratch = torch.empty(0, dtype=torch.uint8)  # disk reads into a CPU destination
+        self._uploads: dict[torch.device, Any] = {}  # per GPU: a .cuda.Uploads
 
     def where(self, name: str) -> str:
         """The path the bytes of shard file ``name`` are read from."""
         return self._files.get(name) or os.path.join(self.path, name)
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        """Wait for the device copies in flight, then let go of every mapping, buffer and descriptor."""
+        try:
+            for up in self._uploads.values():
+                up.finish()
+        finally:
+            self._uploads.clear()
+            for mm, _ in self._maps.values():
+                try:
+                    mm.close()
+                except BufferError:  # a view of it is still alive somewhere: unmapped once that is gone
+                    pass
+            self._maps.clear()
+            self._scratch = torch.empty(0, dtype=torch.uint8)
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -74,23 +104,82 @@ class CheckpointReader:
             self._fds[name] = fd
         return self._fds[name]
 
-    def saved_chunk(self, key: str, c: dict[str, Any]) -> torch.Tensor:
-        """The saved chunk ``c`` of tensor ``key``, read and checksum-verified."""
-        b, e = c["byte_range"]
-        fd = self._fd(c["file"])
-        raw = torch.empty(e - b, dtype=torch.uint8)
-        view = memoryview(raw.numpy())
+    def _mapped(self, name: str) -> torch.Tensor:
+        """Shared-memory segment ``name``, mapped read-only (a ``uint8`` tensor that must never be written)."""
+        got = self._maps.get(name)
+        if got is None:
+            fd = self._fd(name)
+            size = os.fstat(fd).st_size
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ)
+            with warnings.catch_warnings():  # torch warns that the buffer is read-only: it is only ever a copy's source
+                warnings.simplefilter("ignore", UserWarning)
+                got = self._maps[name] = (mm, torch.frombuffer(mm, dtype=torch.uint8))
+        return got[1]
+
+    def _pread(self, fd: int, into: torch.Tensor, offset: int) -> int:
+        view = memoryview(into.numpy())
         got = 0
-        while got < e - b:
-            n = os.preadv(fd, [view[got:]], b + got)
+        while got < len(view):
+            n = os.preadv(fd, [view[got:]], offset + got)
             if n == 0:
                 break
             got += n
-        if got != e - b or (c["xxh3_64"] is not None and digest(view) != c["xxh3_64"]):
-            where = self.where(c["file"])
-            raise FormatError(f"checksum mismatch in {where} (tensor {key!r}, bytes {b}-{e}): the file is corrupt")
-        ent = self.manifest["tensors"][key]
-        return raw.view(dtype_from_name(ent["dtype"])).view(c["sizes"])
+        return got
+
+    def _raw(self, c: dict[str, Any], device: torch.device | None) -> torch.Tensor:
+        """The bytes of saved chunk ``c``, not yet verified: a view of the mapped segment (hot), else read
+        into scratch (page-locked, for ``device``, a GPU). Valid until the next call."""
+        b, e = c["byte_range"]
+        if c["file"] in self._files:
+            view = self._mapped(c["file"])[b:e]
+            return view if device is None else self._upload(device).host_source(view)
+        fd = self._fd(c["file"])
+        if device is None:
+            if self._scratch.numel() < e - b:
+                self._scratch = torch.empty(e - b, dtype=torch.uint8)
+            raw = self._scratch[: e - b]
+        else:
+            raw = self._upload(device).staging(e - b)
+        if self._pread(fd, raw, b) != e - b:
+            raise FormatError(f"{self.where(c['file'])} ends inside bytes {b}-{e}: truncated")
+        return raw
+
+    def _upload(self, device: torch.device) -> Any:
+        up = self._uploads.get(device)
+        if up is None:
+            from . import cuda
+
+            up = self._uploads[device] = cuda.Uploads(device)
+        return up
+
+    def _check(self, key: str, c: dict[str, Any], raw: torch.Tensor) -> None:
+        if c["xxh3_64"] is not None and digest(memoryview(raw.numpy())) != c["xxh3_64"]:
+            b, e = c["byte_range"]
+            raise FormatError(f"checksum mismatch in {self.where(c['file'])} (tensor {key!r}, bytes {b}-{e}): the file is corrupt")
+
+    def _typed(self, key: str, c: dict[str, Any], raw: torch.Tensor) -> torch.Tensor:
+        dtype = dtype_from_name(self.manifest["tensors"][key]["dtype"])
+        if raw.storage_offset() % dtype.itemsize:  # ckptd aligns every chunk; another writer may not have
+            raw = raw.clone()
+        return raw.view(dtype).view(c["sizes"])
+
+    def saved_chunk(self, key: str, c: dict[str, Any]) -> torch.Tensor:
+        """The saved chunk ``c`` of tensor ``key``, checksum-verified: a view of the reader's own memory,
+        valid until the next read or :meth:`close` (copy it to keep it); never write to it."""
+        raw = self._raw(c, None)
+        self._check(key, c, raw)
+        return self._typed(key, c, raw)
+
+    def _copy_chunk(self, key: str, c: dict[str, Any], put: Callable[[torch.Tensor], None], device: torch.device | None) -> None:
+        """``put`` the typed saved chunk ``c`` (it copies the part it needs), verifying its checksum meanwhile."""
+        raw = self._raw(c, device)
+        if device is not None:  # the GPU copies (non-blocking, from page-locked memory) while the CPU hashes
+            with self._upload(device).stream_for(raw):
+                put(self._typed(key, c, raw))
+            self._check(key, c, raw)
+            return
+        self._check(key, c, raw)  # a CPU destination: checked first (hashing beside the copy gained nothing on CPU)
+        put(self._typed(key, c, raw))
 
     def read_into(self, key: str, dst: torch.Tensor, offsets: tuple[int, ...], *, cast: torch.dtype | None = None) -> None:
         """Fill ``dst``, the region of tensor ``key`` starting at ``offsets``, from the saved chunks.
@@ -108,17 +197,21 @@ class CheckpointReader:
         if len(ent["shape"]) != len(sizes) or any(o + s > g for o, s, g in zip(offsets, sizes, ent["shape"])):
             raise CheckpointError(f"tensor {key!r}: region {offsets}+{sizes} does not fit the saved shape {ent['shape']}")
         filled = 0
+        device = dst.device if dst.device.type == "cuda" else None
         for c in ent["chunks"]:
             lo = [max(a, b) for a, b in zip(offsets, c["offsets"])]
             hi = [min(a + n, b + m) for a, n, b, m in zip(offsets, sizes, c["offsets"], c["sizes"])]
             if any(h <= lo_ for lo_, h in zip(lo, hi)):
                 continue
-            src = self.saved_chunk(key, c)
-            d = dst
-            for dim, (l, h) in enumerate(zip(lo, hi)):
-                src = src.narrow(dim, l - c["offsets"][dim], h - l)
-                d = d.narrow(dim, l - offsets[dim], h - l)
-            d.copy_(src)
+
+            def put(src: torch.Tensor, c: dict[str, Any] = c, lo: list[int] = lo, hi: list[int] = hi) -> None:
+                d = dst
+                for dim, (l, h) in enumerate(zip(lo, hi)):
+                    src = src.narrow(dim, l - c["offsets"][dim], h - l)
+                    d = d.narrow(dim, l - offsets[dim], h - l)
+                d.copy_(src, non_blocking=device is not None)
+
+            self._copy_chunk(key, c, put, device)
             filled += math.prod(h - l for l, h in zip(lo, hi))
         if filled != math.prod(sizes):
             raise CheckpointError(f"tensor {key!r}: the checkpoint covers {filled} of the {math.prod(sizes)} elements needed")
