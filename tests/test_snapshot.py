@@ -211,3 +211,25 @@ def test_prepare_creates_and_maps_the_slots_ahead(daemon) -> None:  # noqa: ANN0
             train_step(model, optim, step)
         assert c._maps.names() == prepared  # no new segment was created or mapped
         assert sum(c.status()["slots"].values()) == 2
+
+
+def test_prepare_again_keeps_its_mappings_and_asking_for_many_slots_or_none_works(daemon) -> None:  # noqa: ANN001
+    from ckptd.client.copy import MAPPINGS_KEPT
+
+    model, optim = make()
+    train_step(model, optim, 0)
+    with daemon.client("j") as c:
+        c.prepare(model, optim)
+        mapped = dict(c._maps._maps)
+        c.snapshot(model, optim, step=1, blocking=True).wait(30)
+        c.prepare(model, optim)  # the daemon gives the rank its own slots back: their mappings are kept, not made twice
+        assert all(c._maps._maps[name] is m for name, m in mapped.items())
+        c.prepare(model, optim, slots=0)
+        c.prepare(model, optim, slots=MAPPINGS_KEPT + 2)  # asked for side by side, all made; the newest few kept mapped
+        assert sum(c.status()["slots"].values()) == MAPPINGS_KEPT + 2
+        assert len(c._maps.names()) == MAPPINGS_KEPT
+        c.snapshot(model, optim, step=2, blocking=True).wait(30)
+    m2, o2 = make(seed=3)
+    with daemon.client("j") as r:
+        r.restore(m2, o2)
+    assert_same(full_state(m2, o2), full_state(model, optim))

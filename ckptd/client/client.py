@@ -231,7 +231,7 @@ class Client:
         staged = self._stager.run(model, optim, None, rank, None)
         leased: list[str] = []
         try:  # the slots are asked for, made, mapped (and page-locked for CUDA) side by side
-            with ThreadPoolExecutor(slots) as pool:
+            with ThreadPoolExecutor(max(1, slots)) as pool:
                 for f in [pool.submit(lambda: leased.append(self._alloc(rank, world, 0, staged.layout.file_size))) for _ in range(slots)]:
                     f.result()
             self._maps.warm(leased, pin=staged.any_cuda)

@@ -97,23 +97,40 @@ class SlotMaps:
         return m
 
     def warm(self, names: list[str], pin: bool) -> None:
-        """Map the segments ``names`` side by side (and page-lock them, ``pin``): ``prepare()`` takes the
-        one-time cost of each slot at once, off the training loop."""
+        """Map the segments ``names`` side by side (and page-lock them for the current GPU, ``pin``):
+        ``prepare()`` takes the one-time cost of each slot at once, off the training loop. Segments
+        already mapped are kept as they are; at most :data:`MAPPINGS_KEPT` are warmed."""
+        for name in names:
+            if name in self._maps:
+                self._maps.move_to_end(name)
+        fresh = [n for n in names[-MAPPINGS_KEPT:] if n not in self._maps]
+        device = torch.cuda.current_device() if pin else None  # a new thread's device is 0: register on this one's
 
-        def one(name: str) -> shm.Mapping:
+        def one(name: str) -> tuple[shm.Mapping, bool]:
             m = shm.Mapping(name)
-            if pin:
-                from . import cuda
+            if device is None or m.tensor is None:
+                return m, False
+            from . import cuda
 
-                if m.tensor is not None and cuda.pin(m.tensor.data_ptr(), m.size):
-                    self.pinned.add(name)
-            return m
+            with torch.cuda.device(device):
+                return m, cuda.pin(m.tensor.data_ptr(), m.size)
 
-        with ThreadPoolExecutor(max(1, len(names))) as pool:
-            for name, m in zip(names, pool.map(one, names)):
-                self._maps[name] = m
+        with ThreadPoolExecutor(max(1, len(fresh))) as pool:
+            futures = [(name, pool.submit(one, name)) for name in fresh]
+        errors = []
+        for name, f in futures:  # every mapping made is kept (and so closed later), whichever failed
+            try:
+                m, pinned = f.result()
+            except Exception as e:
+                errors.append(e)
+                continue
+            self._maps[name] = m
+            if pinned:
+                self.pinned.add(name)
         while len(self._maps) > MAPPINGS_KEPT:
             self._unmap(*self._maps.popitem(last=False))
+        if errors:
+            raise errors[0]
 
     def destinations(self, m: shm.Mapping, layout: ShardLayout) -> list[torch.Tensor]:
         """Typed views of the slot, one per chunk in layout order; built once per (slot, layout)."""

@@ -22,6 +22,7 @@ log = logging.getLogger("ckptd.cuda")
 
 _side_streams: dict[int, Any] = {}
 _warned = False
+REGISTER_PORTABLE = 0x01  # cudaHostRegisterPortable: page-locked for every GPU of the process
 REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly: the restore's mappings are read-only
 
 
@@ -66,9 +67,13 @@ def _clear_error() -> None:
 
 def unpin(ptr: int) -> None:
     try:
-        torch.cuda.cudart().cudaHostUnregister(ptr)
-    except (RuntimeError, AttributeError) as e:
-        log.warning("cudaHostUnregister failed: %s", e)
+        err = torch.cuda.cudart().cudaHostUnregister(ptr)
+        code = int(getattr(err, "value", err))
+    except (RuntimeError, AttributeError, TypeError) as e:
+        code, err = -1, e
+    if code != 0:
+        _clear_error()
+        log.warning("cudaHostUnregister failed: %s", err)
 
 
 def copy_async(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> Any:
@@ -89,25 +94,26 @@ def copy_async(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> Any:
 
 
 class Uploads:
-    """Host-to-device copies of one restore onto one GPU: non-blocking, on a side stream that first
-    waits for the work already queued on the current stream, from page-locked memory.
+    """Host-to-device copies of one restore onto one GPU: non-blocking, on a side stream that waits for
+    the work queued on the current stream before each chunk (a destination made just before, such as a
+    fresh optimizer state's ``zeros_like``, is filled first), from page-locked memory.
 
-    Sources: a read-only mapping of a daemon segment is page-locked once (``cudaHostRegister``,
-    read-only) the first time a copy reads it, and copied from in place; where that fails its bytes go
-    through a page-locked scratch buffer. Disk reads land in two page-locked scratch buffers used in
-    turn: one is refilled only after its previous copy ended, so reading the next chunk overlaps the
-    copy of this one. :meth:`finish` waits for every copy and lets go of the registrations; the
-    reader's :meth:`close` calls it before anything is unmapped.
+    Sources: a read-only mapping of a daemon segment is page-locked once per reader (``cudaHostRegister``,
+    read-only and portable to every GPU; ``registered`` is the reader's, shared by its devices) the first
+    time a copy reads it, and copied from in place; where that fails its bytes go through a page-locked
+    scratch buffer. Disk reads land in two page-locked scratch buffers used in turn: one is refilled only
+    after its previous copy ended, so reading the next chunk overlaps the copy of this one.
+    :meth:`finish` waits for every copy and gives the scratch memory back; the reader's ``close`` calls
+    it, then unregisters (:func:`unregister`), before anything is unmapped.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, registered: dict[int, bool]) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
-        self.stream.wait_stream(torch.cuda.current_stream(device))
         self._scratch = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
         self._busy: list[Any] = [None, None]  # the event after each scratch buffer's last copy
         self._turn = 0
-        self._registered: dict[int, bool] = {}  # mapping's base address -> page-locked by us
+        self._registered = registered  # mapping's base address -> page-locked by this reader
 
     def staging(self, n: int) -> torch.Tensor:
         """A page-locked buffer of ``n`` bytes no copy still reads (the other one of the pair)."""
@@ -124,7 +130,8 @@ class Uploads:
         storage = view.untyped_storage()
         base = storage.data_ptr()
         if base not in self._registered:
-            self._registered[base] = pin(base, storage.nbytes(), REGISTER_READ_ONLY)
+            with torch.cuda.device(self.device):
+                self._registered[base] = pin(base, storage.nbytes(), REGISTER_READ_ONLY | REGISTER_PORTABLE)
         if self._registered[base]:
             return view
         buf = self.staging(view.numel())
@@ -133,7 +140,9 @@ class Uploads:
 
     @contextmanager
     def stream_for(self, raw: torch.Tensor) -> Iterator[None]:
-        """Copies made inside run on the side stream; a scratch buffer ``raw`` lies in stays busy until they end."""
+        """Copies made inside run on the side stream, after the current stream's work; a scratch buffer
+        ``raw`` lies in stays busy until they end. Destinations: :meth:`keep`."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             yield
             ptr = raw.untyped_storage().data_ptr()
@@ -142,14 +151,27 @@ class Uploads:
                     self._busy[i] = torch.cuda.Event()
                     self._busy[i].record(self.stream)
 
+    def keep(self, dst: torch.Tensor) -> None:
+        """``dst`` is written on the side stream: its memory is not reused before that copy ends."""
+        dst.record_stream(self.stream)
+
     def finish(self) -> None:
-        """Wait for every copy; the current stream orders after them; registrations let go."""
+        """Wait for every copy (the current stream orders after them) and give the page-locked scratch back."""
         try:
             self.stream.synchronize()
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
         finally:
-            for base, ok in self._registered.items():
-                if ok:
-                    unpin(base)
-            self._registered.clear()
             self._busy = [None, None]
+            grown = any(b.numel() for b in self._scratch)
+            self._scratch = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
+            empty = getattr(torch._C, "_host_emptyCache", None)
+            if grown and empty is not None:
+                empty()  # the caching host allocator would keep the scratch page-locked for the whole process
+
+
+def unregister(registered: dict[int, bool]) -> None:
+    """Undo a reader's registrations (after every copy from them ended)."""
+    for base, ok in registered.items():
+        if ok:
+            unpin(base)
+    registered.clear()

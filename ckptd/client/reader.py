@@ -60,28 +60,35 @@ class CheckpointReader:
         self._maps: dict[str, tuple[mmap.mmap, torch.Tensor]] = {}  # segments mapped read-only (hot)
         self._scratch = torch.empty(0, dtype=torch.uint8)  # disk reads into a CPU destination
         self._uploads: dict[torch.device, Any] = {}  # per GPU: a .cuda.Uploads
+        self._registered: dict[int, bool] = {}  # mappings page-locked for those GPUs (base address -> done)
 
     def where(self, name: str) -> str:
         """The path the bytes of shard file ``name`` are read from."""
         return self._files.get(name) or os.path.join(self.path, name)
 
     def close(self) -> None:
-        """Wait for the device copies in flight, then let go of every mapping, buffer and descriptor."""
-        try:
-            for up in self._uploads.values():
+        """Wait for the device copies in flight, then let go of every registration, mapping, buffer and
+        descriptor (views handed out by :meth:`saved_chunk` are invalid from here on)."""
+        errors: list[Exception] = []
+        for up in self._uploads.values():
+            try:
                 up.finish()
-        finally:
-            self._uploads.clear()
-            for mm, _ in self._maps.values():
-                try:
-                    mm.close()
-                except BufferError:  # a view of it is still alive somewhere: unmapped once that is gone
-                    pass
-            self._maps.clear()
-            self._scratch = torch.empty(0, dtype=torch.uint8)
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
+            except Exception as e:  # every device still finishes: raised once all did
+                errors.append(e)
+        self._uploads.clear()
+        if self._registered:
+            from . import cuda
+
+            cuda.unregister(self._registered)
+        for mm, _ in self._maps.values():
+            mm.close()
+        self._maps.clear()
+        self._scratch = torch.empty(0, dtype=torch.uint8)
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        if errors:
+            raise errors[0]
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -149,7 +156,7 @@ class CheckpointReader:
         if up is None:
             from . import cuda
 
-            up = self._uploads[device] = cuda.Uploads(device)
+            up = self._uploads[device] = cuda.Uploads(device, self._registered)
         return up
 
     def _check(self, key: str, c: dict[str, Any], raw: torch.Tensor) -> None:
@@ -210,6 +217,8 @@ class CheckpointReader:
                     src = src.narrow(dim, l - c["offsets"][dim], h - l)
                     d = d.narrow(dim, l - offsets[dim], h - l)
                 d.copy_(src, non_blocking=device is not None)
+                if device is not None:
+                    self._upload(device).keep(d)
 
             self._copy_chunk(key, c, put, device)
             filled += math.prod(h - l for l, h in zip(lo, hi))
