@@ -10,7 +10,8 @@ A memory-only step leaves the tier in one of two ways:
 
 * **dropped** — when a step of its job committed later completes (in memory or on disk), or when a
   snapshot of its job needs its slots and shared memory is full (``lagging = "memory"``; under
-  ``"wait"`` only when nothing is being persisted that would free memory). Its slots are reused; a
+  ``"wait"`` only when nothing is being persisted that would free memory; the oldest first, never the
+  newest while an older one is pinned by a reader: the snapshot waits instead). Its slots are reused; a
   ``wait`` for it then fails saying why. Counted in ``memory_steps_dropped``.
 * **persisted** (promoted) — its held slots go to the persist threads like any committed slot, when
   the disk is free and the job owes a persisted step, when a ``wait`` or a restore that may not read
@@ -218,12 +219,15 @@ class MemoryTier:
 
     def reclaim(self, job: str, step: int | None) -> bool:
         """The slot pool is full for a snapshot of ``step``: drop ``job``'s oldest memory-only step to make room
-        (under ``lagging = "wait"`` only when no slot is being persisted, which would free memory)."""
+        (under ``lagging = "wait"`` only when no slot is being persisted, which would free memory). The newest
+        is dropped only when it is the only one: while an older one is being read (pinned), the snapshot
+        waits for that reader rather than lose the newest state."""
         if self.tiering.policy_of(job).lagging == "wait" and any(s.state is SlotState.COMMITTED for s in self.pool):
             return False
         who = "a snapshot" if step is None else f"step {step}"
-        for s, _ in self.steps.of_job(job, StepState.MEMORY):
-            if s != step and self.drop((job, s), f"dropped from memory: shared memory was full and {who} needed room"):
+        held = [s for s, _ in self.steps.of_job(job, StepState.MEMORY) if s != step]
+        for s in held[:-1] or held:
+            if self.drop((job, s), f"dropped from memory: shared memory was full and {who} needed room"):
                 return True
         return False
 
