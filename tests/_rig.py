@@ -133,10 +133,7 @@ class Rig:
         return out
 
     def handle(self, ev: ShardPersisted) -> None:
-        """What ``Daemon._on_persisted`` does with one event."""
-        slot = self.pool.get(ev.segment)
-        if slot is not None:
-            self.pool.persisted(slot, (ev.job, ev.step, ev.rank) if ev.error is None else None)
+        """What the daemon's loop does with one event."""
         self.completion.on_persisted(ev)
 
     def pump(self, n: int) -> list[ShardPersisted]:

@@ -182,3 +182,17 @@ def s3_bucket(s3_server) -> Iterator:  # noqa: ANN001
             client.delete_bucket(Bucket=bucket)
         except Exception:
             pass
+
+
+@pytest.fixture
+def small_fs(short_tmp):  # noqa: ANN001, ANN201
+    """A 3 MiB tmpfs: a real full disk. Skipped where this process may not mount."""
+    mnt = short_tmp / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.strip()}")
+    try:
+        yield str(mnt)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

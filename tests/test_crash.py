@@ -105,20 +105,6 @@ def test_restart_removes_unfinishable_partial_steps(make_daemon) -> None:  # noq
         assert c.latest() is None
 
 
-@pytest.fixture
-def small_fs(short_tmp):  # noqa: ANN001, ANN201
-    """A 3 MiB tmpfs: a real full disk. Skipped where this process may not mount."""
-    mnt = short_tmp / "small"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.strip()}")
-    try:
-        yield str(mnt)
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
 def test_full_disk_fails_the_step_and_keeps_the_previous(small_fs, make_daemon) -> None:  # noqa: ANN001
     # small_fs first: it is unmounted after the daemon is stopped and its segment directory removed
     """ENOSPC during persist: wait() raises clearly, the partial step is removed, the previous step

@@ -429,3 +429,71 @@ def test_with_an_older_step_pinned_by_a_reader_a_snapshot_short_of_memory_waits_
         assert got and "segment" in got[0]  # step 2 made the room, now that nobody reads it
         st = rpc.call("status")
         assert st["jobs"]["r"]["memory_only"] == [3] and st["memory_steps_dropped"] == 1
+
+
+def test_a_memory_only_step_that_cannot_be_persisted_on_a_full_disk_stays_in_memory(small_fs, make_daemon) -> None:  # noqa: ANN001
+    # small_fs first: it is unmounted after the daemon is stopped. Step 2 holds 4 MiB more than the 3 MiB disk:
+    # wait() asks for it durable, the disk refuses, and the step must stay restorable from memory (it was lost)
+    d = make_daemon(start=False)
+    d.root = small_fs
+    d.start()
+    model, optim = make()
+    with d.client("j", persist_every=100) as c:
+        _snapshot_steps(c, model, optim, (1,))
+        c.wait(30)  # a job's first step is persisted
+        model.register_buffer("bulk", torch.randn(1 << 20))
+        train_step(model, optim, 2)
+        h = c.snapshot(model, optim, step=2, blocking=True)
+        want = full_state(model, optim)
+        with pytest.raises(CheckpointError, match="No space left on device.*still held in memory"):
+            h.wait(30)
+        st = c.status()
+        assert job_status(c, "j")["memory_only"] == [2] and st["memory_steps_dropped"] == 0
+        assert not os.path.exists(os.path.join(small_fs, "j", "step-2.tmp")) and complete_steps(small_fs, "j") == [1]
+        m2, o2 = make(seed=4)
+        m2.register_buffer("bulk", torch.zeros(1 << 20))
+        c.restore(m2, o2)  # from memory, as before the failed attempt
+        assert c.last_restore["step"] == 2 and c.last_restore["source"] == "memory"
+        assert_same(full_state(m2, o2), want)
+        with pytest.raises(CheckpointError, match="still held in memory"):
+            h.wait(30)  # asked again: tried again, and refused again
+        del model.bulk
+        _snapshot_steps(c, model, optim, (3,))  # a later step that fits: it replaces step 2 and reaches disk
+        assert c.wait(30)[-1].endswith("step-3")
+        assert c.status()["shm_bytes"] <= c.status()["shm_budget"]
+    assert complete_steps(small_fs, "j") == [1, 3]
+
+
+def test_two_ranks_one_shard_written_one_refused_by_a_full_disk_both_stay_in_memory(small_fs, make_daemon) -> None:  # noqa: ANN001
+    # each 1.6 MB shard fits the 3 MiB disk alone, not both: one rank's shard may be written when the other's
+    # is refused; the step goes back to memory whole (the written rank's slot was not freed) and reads hot
+    from _rig import shard, tree
+    from _shards import shard_bytes
+
+    d = make_daemon(start=False)
+    d.root = small_fs
+    d.start()
+    n = 400_000
+    big = {r: bytes(shard_bytes([("model/big", torch.full((n,), float(r + 1)), (2 * n,), (r * n,))])) for r in (0, 1)}
+    big_tree = json.dumps({"model": {"big": {"__ckptd__": "tensor", "key": "model/big"}}}).encode()
+    fields = dict(job="b", world_size=2, local_world_size=2, replicas={}, persist_every=100)
+    with d.rpc() as rpc:
+        for step, data, raw in ((1, {r: shard(1, r, 2) for r in (0, 1)}, tree), (2, big, lambda r: big_tree)):
+            for rank in (0, 1):
+                rep = rpc.call("alloc", job="b", rank=rank, world_size=2, step=step, nbytes=len(data[rank]), pid=os.getpid())
+                with open(shm.path_of(rep["segment"]), "r+b") as f:
+                    f.write(data[rank])
+                lease = {"segment": rep["segment"], "lease": rep["lease"]}
+                rpc.call("commit", frames=(raw(rank),), step=step, rank=rank, nbytes=len(data[rank]), **lease, **fields)
+        assert rpc.call("wait", job="b", step=1, timeout=30.0)["state"] == "durable"
+        rep = rpc.call("wait", job="b", step=2, timeout=30.0)  # persist=True: promoted, then refused
+        assert rep["state"] == "failed" and "No space left on device" in rep["error"] and "still held in memory" in rep["error"]
+        st = rpc.call("status")
+        assert st["jobs"]["b"]["memory_only"] == [2] and st["slots"].get("held") == 2, st["slots"]
+        held = rpc.call("hot_open", job="b", step=2, pid=os.getpid())
+        assert held["step"] == 2 and held["tier"] == "memory"
+        for rank, seg in ((int(f.split("-")[1].split(".")[0]), s) for f, s in held["segments"].items()):
+            with open(shm.path_of(seg), "rb") as f:
+                assert f.read(len(big[rank])) == big[rank]
+        rpc.call("hot_close", pin=held["pin"], segments=list(held["segments"].values()))
+    assert complete_steps(small_fs, "b") == [1] and not os.path.exists(os.path.join(small_fs, "b", "step-2.tmp"))

@@ -14,6 +14,7 @@ Main thread only, except :meth:`Completion.uploaded`, which the upload thread ca
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +22,7 @@ from ..storage import local
 from .catalog import StepCatalog
 from .events import EventQueue, ShardPersisted, Uploaded
 from .persister import Persister
-from .slots import Slot
+from .slots import Slot, SlotState
 from .status import Counters
 from .steps import StepKey, StepState, StepTable, StepTrack
 from .uploader import Uploader
@@ -62,14 +63,25 @@ class Completion:
         self.persister.submit(slot)
 
     def on_persisted(self, ev: ShardPersisted) -> None:
+        """A persist thread is done with a shard: its slot is freed (remembering the shard for hot restores),
+        or, for a step persisted from the memory tier, held until the step is durable; then the step moves on."""
         key = (ev.job, ev.step)
         track = self.steps.get(key)
+        slot = self.pool.get(ev.segment)
+        from_memory = track is not None and track.from_memory and track.state is StepState.PENDING
+        if slot is not None and from_memory:
+            self.pool.hold(slot, (ev.job, ev.step, ev.rank))  # its bytes stay the step's only sure copy
+        elif slot is not None:
+            self.pool.persisted(slot, (ev.job, ev.step, ev.rank) if ev.error is None else None)
         if track is None:
             return
         track.inflight -= 1
         self.counters.persisted_bytes += ev.nbytes
         self.counters.persist_seconds += ev.seconds
-        if ev.error is not None and self.steps.fail(key, ev.error):
+        if ev.error is not None and from_memory:
+            track.persist_error = track.persist_error or ev.error
+            self.counters.error(f"job {ev.job} step {ev.step}: {ev.error} (kept in memory)")
+        elif ev.error is not None and self.steps.fail(key, ev.error):
             self.counters.error(f"job {ev.job} step {ev.step}: {ev.error}")
         if ev.node_ranks is not None and self.uploader is not None and track.state is StepState.PENDING:
             self.uploader.submit(ev.job, ev.step, track.world_size, ev.node_ranks)
@@ -82,10 +94,23 @@ class Completion:
                 self.uploader.submit(ev.job, ev.step, track.world_size)
             self.counters.steps_committed += 1
             log.info("committed job %s step %s -> %s", ev.job, ev.step, ev.path)
+            if track.from_memory:  # durable now: its held slots are free (and still serve hot restores)
+                for held in self.pool.held(*key).values():
+                    if held.state is SlotState.HELD:
+                        self.pool.persisted(held, held.holds)
             self.after_complete(ev.job, ev.step)
+        elif track.persist_error is not None and track.inflight == 0 and track.state is StepState.PENDING:
+            self._back_to_memory(key)
         self.settle(key, track)
         if track.state is not StepState.PENDING and self.memory is not None:
             self.memory.disk_free(ev.job)  # a step owed to disk may go now
+
+    def _back_to_memory(self, key: StepKey) -> None:
+        """Persisting a step from memory failed (a full disk): its partial files go, the step stays in memory
+        (restorable on this node as before), and whoever waited for it on disk hears why."""
+        local.remove_partial(self.root, *key)
+        log.error("job %s step %s: persisting it from memory failed; it stays in memory", *key)
+        self._answer(self.steps.back_to_memory(key, time.monotonic()))
 
     def uploaded(self, res: Uploaded) -> None:
         """Upload thread: a step's upload ended. Local steps it protected may go now."""

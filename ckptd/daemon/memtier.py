@@ -17,7 +17,9 @@ A memory-only step leaves the tier in one of two ways:
   the disk is free and the job owes a persisted step, when a ``wait`` or a restore that may not read
   shared memory asks for it, when every process of the run that committed it is gone (a trainer that
   crashed, or finished, leaves a durable checkpoint), and at the daemon's shutdown. A daemon that
-  crashes persists it on restart (held slots keep their commit records).
+  crashes persists it on restart (held slots keep their commit records). Its slots stay held until it
+  is durable: if persisting fails (a full disk) it is a memory-only step again (``Completion``; a gone
+  run's step is retried after :data:`PERSIST_RETRY_S`).
 
 Main thread only (the daemon's loop), except :meth:`MemoryTier._seal` on the seal thread.
 """
@@ -47,6 +49,7 @@ from .tiering import Tier, Tiering
 log = logging.getLogger("ckptd.daemon")
 
 DEATH_CHECK_S = 2.0  # how often the runs holding memory-only steps are checked for being gone
+PERSIST_RETRY_S = 60.0  # a gone run's step that failed to persist (a full disk) is tried again after this
 
 
 def read_header(fd: int, nbytes: int) -> bytes:
@@ -306,6 +309,10 @@ class MemoryTier:
             for s, t in self.steps.of_job(job, StepState.PENDING):
                 if t.tier == Tier.MEMORY.value and not t.all_committed and self.steps.abandon((job, s), "abandoned: its run ended"):
                     self._settle((job, s), t)  # its ranks that committed hold slots: freed
+            newest = self.steps.of_job(job, StepState.MEMORY)
+            failed_at = newest[-1][1].persist_failed_at if newest else 0.0
+            if failed_at and now - failed_at < PERSIST_RETRY_S:
+                continue  # it just failed to persist: not again at once
             step = self.want_durable(job, None)
             if step is not None:
                 log.info("job %s: its run is gone; persisting step %s from memory", job, step)

@@ -129,7 +129,7 @@ class Daemon:
             "promote": self._op_promote,
         }
         self._on_event: dict[type, Callable[[Any], None]] = {
-            ShardPersisted: self._on_persisted,
+            ShardPersisted: self.completion.on_persisted,
             ShardSealed: self.memtier.on_sealed,
             Uploaded: self.completion.on_uploaded,
             Fetched: lambda ev: self._answer(self.fetcher.done(ev), report=ev.report),
@@ -429,12 +429,6 @@ class Daemon:
                 self._on_event[type(event)](event)
             except Exception:  # one bad event must not take the daemon (and every other job) down
                 log.exception("could not handle %s", type(event).__name__)
-
-    def _on_persisted(self, ev: ShardPersisted) -> None:
-        slot = self.pool.get(ev.segment)
-        if slot is not None:  # free it, remembering which shard it still holds for hot restores
-            self.pool.persisted(slot, (ev.job, ev.step, ev.rank) if ev.error is None else None)
-        self.completion.on_persisted(ev)
 
     def _housekeeping(self, now: float) -> None:
         if self._metrics is not None:

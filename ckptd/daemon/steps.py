@@ -44,6 +44,9 @@ class StepTrack:
     committed_at: int = 0  # its first commit's time (ns): orders the job's steps
     promote: bool = False  # a memory-tier step someone wants durable: persisted as soon as it is sealed
     sealed: bool = False  # complete in shared memory (every rank's header read): a hot restore can read it
+    from_memory: bool = False  # being persisted from the memory tier: its slots stay held until it is durable
+    persist_error: str | None = None  # this attempt at persisting it from memory failed (the step stays in memory)
+    persist_failed_at: float = 0.0  # when an attempt last failed (monotonic): automatic retries wait a while
 
     @property
     def all_committed(self) -> bool:
@@ -162,7 +165,17 @@ class StepTable:
         """A memory-only step is persisted after all: pending again, bound for disk."""
         track = self.tracks[key]
         track.state, track.tier, track.promote = StepState.PENDING, "disk", False
+        track.from_memory, track.persist_error = True, None
         return track
+
+    def back_to_memory(self, key: StepKey, now: float) -> list[tuple[Waiter, dict[str, Any]]]:
+        """Persisting a step from memory failed: it is a memory-only step again (its slots still hold it).
+        Returns the waiters for its durability with the failure, forgotten here."""
+        track = self.tracks[key]
+        error = f"persisting step {key[1]} of job {key[0]} failed ({track.persist_error}); it is still held in memory on this node"
+        track.state, track.tier, track.from_memory, track.persist_failed_at = StepState.MEMORY, "memory", False, now
+        failed = {"state": StepState.FAILED.value, "path": None, "error": error}
+        return [(w, failed) for w in self.waiters.pop(key)] + [(w, self.answer(key, sealed_ok=True)) for w in self.seal_waiters.pop(key)]
 
     def complete(self, key: StepKey, path: str) -> None:
         track = self.tracks[key]
