@@ -18,6 +18,7 @@ from conftest import REPO, env_for
 
 from ckptd import shm
 from ckptd.config import daemon_config
+from ckptd.daemon.steps import StepState
 from ckptd.daemon.tiering import Tier, Tiering, TierPolicy
 from ckptd.errors import CheckpointError, StepDropped
 from ckptd.layout import complete_steps
@@ -497,3 +498,74 @@ def test_two_ranks_one_shard_written_one_refused_by_a_full_disk_both_stay_in_mem
                 assert f.read(len(big[rank])) == big[rank]
         rpc.call("hot_close", pin=held["pin"], segments=list(held["segments"].values()))
     assert complete_steps(small_fs, "b") == [1] and not os.path.exists(os.path.join(small_fs, "b", "step-2.tmp"))
+
+
+def test_a_seal_of_an_earlier_attempt_never_completes_a_later_attempt_of_the_step(tmp_path) -> None:  # noqa: ANN001
+    # the loop has not yet handled attempt 1's seal of rank 0 when step 5 is started afresh (its run gone) and
+    # attempt 2's rank 1 is sealed: rank 0's fragment of attempt 1 must not complete attempt 2's manifest
+    import time
+
+    import zmq
+    from _rig import record, shard, tree
+
+    from ckptd.daemon.catalog import StepCatalog
+    from ckptd.daemon.events import EventQueue
+    from ckptd.daemon.memtier import MemoryTier
+    from ckptd.daemon.slots import SlotPool
+    from ckptd.daemon.status import Counters
+    from ckptd.daemon.steps import StepTable
+
+    root = str(tmp_path / "root")
+    os.makedirs(root)
+    ctx = zmq.Context()
+    events = EventQueue(ctx)
+    pool = SlotPool(shm.SegmentDir(root), 64 << 20)
+    catalog = StepCatalog(root)
+    steps = StepTable(catalog.complete_path)
+    tier = MemoryTier(
+        steps, pool, catalog, Tiering(TierPolicy(persist_every=100)), Counters(), events, persist=lambda slot: None,
+        settle=lambda key, track: None, after_complete=lambda job, step: None, run_gone=lambda job: False, answer=lambda r: None,
+    )  # fmt: skip
+
+    def commit(rank: int) -> Any:
+        data = shard(5, rank, 2)
+        slot = pool.lease({"job": "j", "rank": rank, "world_size": 2, "step": 5, "nbytes": len(data), "pid": os.getpid()})
+        with open(shm.path_of(slot.name), "r+b") as f:
+            f.write(data)
+        pool.commit(slot, {**record(5, rank, 2, len(data)), "tree": tree(rank)})
+        track = steps.check_commit(("j", 5), rank, 2, 2)
+        steps.record_commit(("j", 5), track, rank, 2)
+        track.tier = Tier.MEMORY.value
+        tier.seal(slot)
+        return next_event()
+
+    def next_event() -> Any:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            got = list(events.drain())
+            if got:
+                assert len(got) == 1, got
+                return got[0]
+            events.wake.poll(500)
+        raise AssertionError("no ShardSealed within 30 s")
+
+    try:
+        stale = commit(0)  # attempt 1, not handled yet
+        steps.drop(("j", 5))  # a new run saves step 5 afresh
+        first = commit(1)
+        assert first.error is None and first.manifest is None, "attempt 1's rank 0 completed attempt 2"
+        tier.on_sealed(stale)  # late: nothing of attempt 2 changes
+        tier.on_sealed(first)
+        track = steps.get(("j", 5))
+        assert track.inflight == 0 and track.state is StepState.PENDING and track.committed == {1}
+        last = commit(0)
+        assert last.manifest is not None and {r["rank"] for r in last.manifest["ranks"]} == {0, 1}
+        tier.on_sealed(last)
+        assert steps.get(("j", 5)).state is StepState.MEMORY
+    finally:
+        tier.shutdown()
+        for slot in list(pool):
+            pool.unlink(slot)
+        events.close()
+        ctx.term()
+        shm.purge(root)

@@ -44,6 +44,7 @@ class ShardSealed:
     rank: int
     error: str | None = None
     manifest: dict[str, Any] | None = None  # this shard was the last: the step is complete in memory
+    attempt: int = 0  # the step's attempt (:attr:`~ckptd.daemon.steps.StepTrack.attempt`) the shard was committed to
 
 
 @dataclass(frozen=True)

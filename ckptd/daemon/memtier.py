@@ -91,7 +91,8 @@ class MemoryTier:
         self._after_complete, self._answer = after_complete, answer
         self._exec = ThreadPoolExecutor(1, thread_name_prefix="ckptd-seal")
         self._lock = threading.Lock()
-        self._frags: dict[StepKey, dict[int, dict[str, Any]]] = {}  # seal thread: fragments of steps being sealed
+        # seal thread: fragments of steps being sealed, per attempt (job, step, attempt)
+        self._frags: dict[tuple[str, int, int], dict[int, dict[str, Any]]] = {}
         self._last_check = 0.0
         pool.reclaim = self.reclaim
 
@@ -110,11 +111,11 @@ class MemoryTier:
         track = self.steps.get((rec["job"], rec["step"]))
         assert track is not None, "a committed slot's step is tracked"
         track.inflight += 1
-        self._exec.submit(self._seal, slot.name, dict(rec))
+        self._exec.submit(self._seal, slot.name, dict(rec), track.attempt)
 
-    def _seal(self, name: str, rec: dict[str, Any]) -> None:
+    def _seal(self, name: str, rec: dict[str, Any], attempt: int) -> None:
         job, step, rank, ws = rec["job"], rec["step"], rec["rank"], rec["world_size"]
-        key = (job, step)
+        key = (job, step, attempt)
         try:
             fd = self.pool.segments.open_owned(name)
             try:
@@ -135,16 +136,17 @@ class MemoryTier:
                 if len(got) == ws:
                     del self._frags[key]
                     manifest = build_manifest(job, step, ws, list(got.values()))
-            event = ShardSealed(name, job, step, rank, None, manifest)
+            event = ShardSealed(name, job, step, rank, None, manifest, attempt)
         except Exception as e:  # reported to the step's waiters, never swallowed
             log.error("sealing %s (job %s step %s rank %s) failed: %s", name, job, step, rank, e)
-            event = ShardSealed(name, job, step, rank, f"{e}")
+            event = ShardSealed(name, job, step, rank, f"{e}", None, attempt)
         self._events.post(event)
 
     def on_sealed(self, ev: ShardSealed) -> None:
         key = (ev.job, ev.step)
         track, slot = self.steps.get(key), self.pool.get(ev.segment)
-        if track is None:
+        if track is None or track.attempt != ev.attempt:  # an earlier attempt's, replaced since: nothing of this one
+            self._forget_attempt(ev.job, ev.step, ev.attempt)
             return
         track.inflight -= 1
         if track.tier == Tier.DISK.value:
@@ -194,9 +196,14 @@ class MemoryTier:
             self._answer(self.steps.answered_sealed(key))
 
     def forget(self, key: StepKey) -> None:
-        """Drop the fragments sealed so far of a step that failed (some rank will never be sealed)."""
+        """Drop the fragments sealed so far of a step that failed (some rank will never be sealed), of every attempt."""
         with self._lock:
-            self._frags.pop(key, None)
+            for k in [k for k in self._frags if k[:2] == key]:
+                del self._frags[k]
+
+    def _forget_attempt(self, job: str, step: int, attempt: int) -> None:
+        with self._lock:
+            self._frags.pop((job, step, attempt), None)
 
     # ------------------------------------------------------------------ leaving the tier
 

@@ -8,6 +8,7 @@ updates the table. A step leaves ``pending`` once (durable or failed); the table
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -18,6 +19,7 @@ from ..errors import ProtocolError
 from .waiters import Waiter, Waiters
 
 StepKey = tuple[str, int]  # (job, step)
+_ATTEMPTS = itertools.count(1)
 
 
 class StepState(StrEnum):
@@ -47,6 +49,9 @@ class StepTrack:
     from_memory: bool = False  # being persisted from the memory tier: its slots stay held until it is durable
     persist_error: str | None = None  # this attempt at persisting it from memory failed (the step stays in memory)
     persist_failed_at: float = 0.0  # when an attempt last failed (monotonic): automatic retries wait a while
+    # this track's own number: a step number saved again (abandoned, rolled back) is a new attempt, and work
+    # still in flight for an earlier one (a seal) must not count toward this one
+    attempt: int = field(default_factory=lambda: next(_ATTEMPTS))
 
     @property
     def all_committed(self) -> bool:
