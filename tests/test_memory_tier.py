@@ -456,10 +456,13 @@ def test_a_memory_only_step_that_cannot_be_persisted_on_a_full_disk_stays_in_mem
         c.restore(m2, o2)  # from memory, as before the failed attempt
         assert c.last_restore["step"] == 2 and c.last_restore["source"] == "memory"
         assert_same(full_state(m2, o2), want)
+        errors = c.status()["errors"]
         with pytest.raises(CheckpointError, match="still held in memory"):
             h.wait(30)  # asked again: tried again, and refused again
+        assert c.status()["errors"] == errors + 1
         del model.bulk
         _snapshot_steps(c, model, optim, (3,))  # a later step that fits: it replaces step 2 and reaches disk
+        until(lambda: job_status(c, "j")["memory_only"] == [3], what="step 2 dropped once step 3 is complete")
         assert c.wait(30)[-1].endswith("step-3")
         assert c.status()["shm_bytes"] <= c.status()["shm_budget"]
     assert complete_steps(small_fs, "j") == [1, 3]
@@ -569,3 +572,31 @@ def test_a_seal_of_an_earlier_attempt_never_completes_a_later_attempt_of_the_ste
         events.close()
         ctx.term()
         shm.purge(root)
+
+
+def test_a_step_a_full_disk_refused_at_shutdown_is_kept_for_the_next_start(small_fs, make_daemon) -> None:  # noqa: ANN001
+    # SIGTERM persists the newest memory-only step; the disk refuses it: its slots and records stay in /dev/shm
+    # and the next start, with room on the disk again, persists it
+    d = make_daemon(start=False)
+    d.root = small_fs
+    d.start()
+    model, optim = make()
+    with d.client("j", persist_every=100) as c:
+        _snapshot_steps(c, model, optim, (1,))
+        c.wait(30)
+        model.register_buffer("bulk", torch.randn(1 << 20))
+        train_step(model, optim, 2)
+        c.snapshot(model, optim, step=2, blocking=True)
+        want = full_state(model, optim)
+    d.stop()
+    assert d.segments(), "the step refused at shutdown was not kept"
+    assert complete_steps(small_fs, "j") == [1]
+    subprocess.run(["mount", "-o", "remount,size=16m", small_fs], check=True)
+    d.start()
+    m2, o2 = make(seed=4)
+    m2.register_buffer("bulk", torch.zeros(1 << 20))
+    with d.client("j") as c:
+        until(lambda: complete_steps(small_fs, "j") == [1, 2], what="step 2 persisted by the restart")
+        c.restore(m2, o2, hot=False)
+        assert c.last_restore["step"] == 2
+    assert_same(full_state(m2, o2), want)

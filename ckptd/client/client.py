@@ -367,7 +367,8 @@ class Client:
             except StepDropped:  # kept in memory only and dropped, as the job's tiering policy allows: not an error here
                 log.debug("step %s of job %s was dropped from memory, not persisted", h.step, self.job)
             except CheckpointError:
-                self._untrack(h)  # a failed step is reported once; a timeout keeps it pending
+                if h._failed is not None or h._reported:  # a failed step is reported once; a timeout, or a step
+                    self._untrack(h)  # the daemon still holds after persisting it failed, stays pending
                 raise
             self._untrack(h)
         return paths

@@ -72,6 +72,8 @@ class SnapshotHandle:
             if rep["state"] == "dropped":
                 self._reported = True
                 raise StepDropped(f"step {self.step} of job {self.job} is not durable: {rep['error']}")
+            if rep["state"] == "failed" and rep.get("in_memory"):  # persisting failed, the daemon still holds it
+                raise CheckpointError(f"step {self.step} of job {self.job} failed: {rep['error']}")  # a later wait tries again
             if rep["state"] == "failed":
                 self._failed = rep["error"]
             elif deadline is not None and time.monotonic() >= deadline:

@@ -111,6 +111,9 @@ class Completion:
         local.remove_partial(self.root, *key)
         log.error("job %s step %s: persisting it from memory failed; it stays in memory", *key)
         self._answer(self.steps.back_to_memory(key, time.monotonic()))
+        if self.memory is not None:
+            self.memory.returned(key)
+        self.pool.retry_deferred()  # its slots are held again, no longer being persisted: a waiting alloc may reclaim
 
     def uploaded(self, res: Uploaded) -> None:
         """Upload thread: a step's upload ended. Local steps it protected may go now."""

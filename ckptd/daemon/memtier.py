@@ -49,7 +49,8 @@ from .tiering import Tier, Tiering
 log = logging.getLogger("ckptd.daemon")
 
 DEATH_CHECK_S = 2.0  # how often the runs holding memory-only steps are checked for being gone
-PERSIST_RETRY_S = 60.0  # a gone run's step that failed to persist (a full disk) is tried again after this
+PERSIST_RETRY_S = 60.0  # a gone run's step that failed to persist (a full disk) is tried again after this,
+PERSIST_RETRY_MAX_S = 3600.0  # doubled after each failure, up to this
 
 
 def read_header(fd: int, nbytes: int) -> bytes:
@@ -297,6 +298,24 @@ class MemoryTier:
         latest, path = self.catalog.latest(job)
         return path is not None and latest != step and committed_at(path) > first_commit
 
+    def returned(self, key: StepKey) -> None:
+        """Persisting memory-only step ``key`` failed and it is memory-only again: dropped at once if a step of
+        its job committed later is complete meanwhile (it would have been dropped then, had it been here)."""
+        track = self.steps.get(key)
+        if track is not None and track.state is StepState.MEMORY and self._later_complete(key[0], track.committed_at, key[1]):
+            self.drop(key, f"dropped from memory: persisting it failed ({track.persist_error}) and a later step is complete")
+
+    def keep_for_restart(self) -> None:
+        """Shutdown, after the last persists: a job's newest memory-only step that could not be persisted keeps
+        its slots and commit records (committed again), so that the next start persists it."""
+        for job, held in self.steps.memory_steps().items():
+            track = self.steps.get((job, held[-1]))
+            if track is not None and track.persist_failures:
+                for slot in self.pool.held(job, held[-1]).values():
+                    if slot.state is SlotState.HELD:
+                        self.pool.unhold(slot)
+                log.warning("job %s step %s could not be persisted: kept in shared memory for the next start", job, held[-1])
+
     def disk_free(self, job: str) -> None:
         """A persisted step of ``job`` left pending: persist its newest memory-only step if one is owed."""
         if self.tiering.owed(job) and not self.steps.disk_busy(job):
@@ -317,9 +336,11 @@ class MemoryTier:
                 if t.tier == Tier.MEMORY.value and not t.all_committed and self.steps.abandon((job, s), "abandoned: its run ended"):
                     self._settle((job, s), t)  # its ranks that committed hold slots: freed
             newest = self.steps.of_job(job, StepState.MEMORY)
-            failed_at = newest[-1][1].persist_failed_at if newest else 0.0
-            if failed_at and now - failed_at < PERSIST_RETRY_S:
-                continue  # it just failed to persist: not again at once
+            last = newest[-1][1] if newest else None
+            if last is not None and last.persist_failures:
+                backoff = min(PERSIST_RETRY_MAX_S, PERSIST_RETRY_S * 2 ** (last.persist_failures - 1))
+                if now - last.persist_failed_at < backoff:
+                    continue  # it failed to persist lately: not again yet
             step = self.want_durable(job, None)
             if step is not None:
                 log.info("job %s: its run is gone; persisting step %s from memory", job, step)

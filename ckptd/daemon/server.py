@@ -245,6 +245,7 @@ class Daemon:
         self.persister.shutdown()
         self.grower.shutdown()  # segments still being made are adopted by the drain, then unlinked with the pool
         self._drain()
+        self.memtier.keep_for_restart()
         if self.uploader is not None:
             log.info("shutting down: finishing %d queued upload(s)", len(self.uploader.backlog()) + (self.uploader.current is not None))
             self.uploader.close()

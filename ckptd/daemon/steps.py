@@ -49,6 +49,7 @@ class StepTrack:
     from_memory: bool = False  # being persisted from the memory tier: its slots stay held until it is durable
     persist_error: str | None = None  # this attempt at persisting it from memory failed (the step stays in memory)
     persist_failed_at: float = 0.0  # when an attempt last failed (monotonic): automatic retries wait a while
+    persist_failures: int = 0  # attempts that failed: the automatic retries back off
     # this track's own number: a step number saved again (abandoned, rolled back) is a new attempt, and work
     # still in flight for an earlier one (a seal) must not count toward this one
     attempt: int = field(default_factory=lambda: next(_ATTEMPTS))
@@ -179,7 +180,8 @@ class StepTable:
         track = self.tracks[key]
         error = f"persisting step {key[1]} of job {key[0]} failed ({track.persist_error}); it is still held in memory on this node"
         track.state, track.tier, track.from_memory, track.persist_failed_at = StepState.MEMORY, "memory", False, now
-        failed = {"state": StepState.FAILED.value, "path": None, "error": error}
+        track.persist_failures += 1
+        failed = {"state": StepState.FAILED.value, "path": None, "error": error, "in_memory": True}  # a later wait tries again
         return [(w, failed) for w in self.waiters.pop(key)] + [(w, self.answer(key, sealed_ok=True)) for w in self.seal_waiters.pop(key)]
 
     def complete(self, key: StepKey, path: str) -> None:
