@@ -432,19 +432,29 @@ def test_with_an_older_step_pinned_by_a_reader_a_snapshot_short_of_memory_waits_
         assert st["jobs"]["r"]["memory_only"] == [3] and st["memory_steps_dropped"] == 1
 
 
-def test_a_memory_only_step_that_cannot_be_persisted_on_a_full_disk_stays_in_memory(small_fs, make_daemon) -> None:  # noqa: ANN001
-    # small_fs first: it is unmounted after the daemon is stopped. Step 2 holds 4 MiB more than the 3 MiB disk:
-    # wait() asks for it durable, the disk refuses, and the step must stay restorable from memory (it was lost)
+def _on_a_full_disk(small_fs: str, make_daemon: Any) -> tuple[Any, torch.nn.Module, torch.optim.Optimizer]:
+    """A daemon whose root is the 3 MiB tmpfs, and a model to save there."""
     d = make_daemon(start=False)
     d.root = small_fs
     d.start()
-    model, optim = make()
+    return (d, *make())
+
+
+def _too_big_for_the_disk(c: Any, model: torch.nn.Module, optim: torch.optim.Optimizer) -> Any:
+    """Step 1 persisted (a job's first is), then step 2, 4 MiB larger than the disk, held in memory only."""
+    _snapshot_steps(c, model, optim, (1,))
+    c.wait(30)
+    model.register_buffer("bulk", torch.randn(1 << 20))
+    train_step(model, optim, 2)
+    return c.snapshot(model, optim, step=2, blocking=True)
+
+
+def test_a_memory_only_step_that_cannot_be_persisted_on_a_full_disk_stays_in_memory(small_fs, make_daemon) -> None:  # noqa: ANN001
+    # small_fs first: it is unmounted after the daemon is stopped. Step 2 holds 4 MiB more than the 3 MiB disk:
+    # wait() asks for it durable, the disk refuses, and the step must stay restorable from memory (it was lost)
+    d, model, optim = _on_a_full_disk(small_fs, make_daemon)
     with d.client("j", persist_every=100) as c:
-        _snapshot_steps(c, model, optim, (1,))
-        c.wait(30)  # a job's first step is persisted
-        model.register_buffer("bulk", torch.randn(1 << 20))
-        train_step(model, optim, 2)
-        h = c.snapshot(model, optim, step=2, blocking=True)
+        h = _too_big_for_the_disk(c, model, optim)
         want = full_state(model, optim)
         with pytest.raises(CheckpointError, match="No space left on device.*still held in memory"):
             h.wait(30)
@@ -577,16 +587,9 @@ def test_a_seal_of_an_earlier_attempt_never_completes_a_later_attempt_of_the_ste
 def test_a_step_a_full_disk_refused_at_shutdown_is_kept_for_the_next_start(small_fs, make_daemon) -> None:  # noqa: ANN001
     # SIGTERM persists the newest memory-only step; the disk refuses it: its slots and records stay in /dev/shm
     # and the next start, with room on the disk again, persists it
-    d = make_daemon(start=False)
-    d.root = small_fs
-    d.start()
-    model, optim = make()
+    d, model, optim = _on_a_full_disk(small_fs, make_daemon)
     with d.client("j", persist_every=100) as c:
-        _snapshot_steps(c, model, optim, (1,))
-        c.wait(30)
-        model.register_buffer("bulk", torch.randn(1 << 20))
-        train_step(model, optim, 2)
-        c.snapshot(model, optim, step=2, blocking=True)
+        _too_big_for_the_disk(c, model, optim)
         want = full_state(model, optim)
     d.stop()
     assert d.segments(), "the step refused at shutdown was not kept"
