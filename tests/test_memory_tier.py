@@ -513,13 +513,11 @@ def test_two_ranks_one_shard_written_one_refused_by_a_full_disk_both_stay_in_mem
     assert complete_steps(small_fs, "b") == [1] and not os.path.exists(os.path.join(small_fs, "b", "step-2.tmp"))
 
 
-def test_a_seal_of_an_earlier_attempt_never_completes_a_later_attempt_of_the_step(tmp_path) -> None:  # noqa: ANN001
-    # the loop has not yet handled attempt 1's seal of rank 0 when step 5 is started afresh (its run gone) and
-    # attempt 2's rank 1 is sealed: rank 0's fragment of attempt 1 must not complete attempt 2's manifest
-    import time
-
+@pytest.fixture
+def tier_parts(tmp_path) -> Any:  # noqa: ANN001
+    """A MemoryTier with its real step table, slot pool, catalog and event queue, driven by hand (no loop);
+    ``settled`` records its settle calls."""
     import zmq
-    from _rig import record, shard, tree
 
     from ckptd.daemon.catalog import StepCatalog
     from ckptd.daemon.events import EventQueue
@@ -535,10 +533,31 @@ def test_a_seal_of_an_earlier_attempt_never_completes_a_later_attempt_of_the_ste
     pool = SlotPool(shm.SegmentDir(root), 64 << 20)
     catalog = StepCatalog(root)
     steps = StepTable(catalog.complete_path)
+    settled: list[Any] = []
     tier = MemoryTier(
         steps, pool, catalog, Tiering(TierPolicy(persist_every=100)), Counters(), events, persist=lambda slot: None,
-        settle=lambda key, track: None, after_complete=lambda job, step: None, run_gone=lambda job: False, answer=lambda r: None,
+        settle=lambda key, track: settled.append((key, track.state)), after_complete=lambda job, step: None,
+        run_gone=lambda job: False, answer=lambda r: None,
     )  # fmt: skip
+    try:
+        yield {"tier": tier, "steps": steps, "pool": pool, "events": events, "settled": settled}
+    finally:
+        tier.shutdown()
+        for slot in list(pool):
+            pool.unlink(slot)
+        events.close()
+        ctx.term()
+        shm.purge(root)
+
+
+def test_a_seal_of_an_earlier_attempt_never_completes_a_later_attempt_of_the_step(tier_parts) -> None:  # noqa: ANN001
+    # the loop has not yet handled attempt 1's seal of rank 0 when step 5 is started afresh (its run gone) and
+    # attempt 2's rank 1 is sealed: rank 0's fragment of attempt 1 must not complete attempt 2's manifest
+    import time
+
+    from _rig import record, shard, tree
+
+    tier, steps, pool, events = (tier_parts[k] for k in ("tier", "steps", "pool", "events"))
 
     def commit(rank: int) -> Any:
         data = shard(5, rank, 2)
@@ -562,26 +581,32 @@ def test_a_seal_of_an_earlier_attempt_never_completes_a_later_attempt_of_the_ste
             events.wake.poll(500)
         raise AssertionError("no ShardSealed within 30 s")
 
-    try:
-        stale = commit(0)  # attempt 1, not handled yet
-        steps.drop(("j", 5))  # a new run saves step 5 afresh
-        first = commit(1)
-        assert first.error is None and first.manifest is None, "attempt 1's rank 0 completed attempt 2"
-        tier.on_sealed(stale)  # late: nothing of attempt 2 changes
-        tier.on_sealed(first)
-        track = steps.get(("j", 5))
-        assert track.inflight == 0 and track.state is StepState.PENDING and track.committed == {1}
-        last = commit(0)
-        assert last.manifest is not None and {r["rank"] for r in last.manifest["ranks"]} == {0, 1}
-        tier.on_sealed(last)
-        assert steps.get(("j", 5)).state is StepState.MEMORY
-    finally:
-        tier.shutdown()
-        for slot in list(pool):
-            pool.unlink(slot)
-        events.close()
-        ctx.term()
-        shm.purge(root)
+    stale = commit(0)  # attempt 1, not handled yet
+    steps.drop(("j", 5))  # a new run saves step 5 afresh
+    first = commit(1)
+    assert first.error is None and first.manifest is None, "attempt 1's rank 0 completed attempt 2"
+    tier.on_sealed(stale)  # late: nothing of attempt 2 changes
+    tier.on_sealed(first)
+    track = steps.get(("j", 5))
+    assert track.inflight == 0 and track.state is StepState.PENDING and track.committed == {1}
+    last = commit(0)
+    assert last.manifest is not None and {r["rank"] for r in last.manifest["ranks"]} == {0, 1}
+    tier.on_sealed(last)
+    assert steps.get(("j", 5)).state is StepState.MEMORY
+
+
+def test_a_seal_that_comes_back_after_its_step_failed_on_disk_settles_it(tier_parts) -> None:  # noqa: ANN001
+    # a step bound for disk is sealed too; when its persist fails first (a full disk, quickly), the step was settled
+    # while the seal was still out (no cleanup then), and the seal's return must settle it (the partial files stayed)
+    from ckptd.daemon.events import ShardSealed
+
+    steps, tier = tier_parts["steps"], tier_parts["tier"]
+    track = steps.check_commit(("j", 7), 0, 1, 1)
+    steps.record_commit(("j", 7), track, 0, 1)
+    track.inflight = 1  # the seal, out
+    steps.fail(("j", 7), "writing ... failed: No space left on device")
+    tier.on_sealed(ShardSealed("gone", "j", 7, 0, None, None, track.attempt))
+    assert track.inflight == 0 and tier_parts["settled"] == [(("j", 7), StepState.FAILED)]
 
 
 def test_a_step_a_full_disk_refused_at_shutdown_is_kept_for_the_next_start(small_fs, make_daemon) -> None:  # noqa: ANN001

@@ -187,6 +187,7 @@ class MemoryTier:
         meanwhile (persisted, and leased again) is simply not served from memory."""
         if ev.error is not None or track.state is not StepState.PENDING:
             self.forget(key)
+            self._settle(key, track)  # a step that failed while this seal was out: its partial files go now
             return
         rec = (slot.lease or {}) if slot is not None and slot.state is SlotState.COMMITTED else {}
         if (rec.get("job"), rec.get("step"), rec.get("rank")) == (ev.job, ev.step, ev.rank):
