@@ -311,3 +311,24 @@ def test_two_allocs_of_one_rank_at_once_are_both_granted_whichever_segment_comes
     granted = {ident: r.name for ident, _, r in env["grants"]}
     assert set(granted) == {b"a", b"b"} and len(set(granted.values())) == 2, env["grants"]
     assert not pool.deferred and pool.bytes_held() == 2 * A
+
+
+def test_an_alloc_that_may_not_wait_is_refused_at_once_and_one_past_its_timeout_is_refused_not_granted_later(env: dict[str, Any]) -> None:
+    # prepare() asks without waiting; a snapshot's alloc carries its client's timeout: a request the client gave
+    # up on must not be granted later (the slot would be leased to nobody until the lease timeout)
+    A = shm.ALIGN
+    pool = env["make"](int(1.5 * A))
+    held = pool.request(b"h", _req(rank=0, nbytes=A))
+    assert held is not None
+    with pytest.raises(CheckpointError, match=r"no room for a \d+-byte slot .*raise --shm-budget"):
+        pool.request(b"p", {**_req(rank=1, nbytes=A), "wait": False})
+    assert pool.deferred == []
+    assert pool.request(b"s", {**_req(rank=1, nbytes=A), "timeout": 5.0}) is None  # deferred, for 5 s
+    env["clock"].now += 4
+    pool.reap(env["clock"]())
+    assert [i for i, _ in pool.deferred] == [b"s"] and env["grants"] == []
+    env["clock"].now += 2
+    pool.reap(env["clock"]())
+    assert pool.deferred == [] and [(i, "after waiting 5 s" in str(r)) for i, _, r in env["grants"]] == [(b"s", True)]
+    pool.free(held)  # the memory frees up: nobody is granted a slot they no longer wait for
+    assert len(env["grants"]) == 1 and pool.summary()["slots"] == {"free": 1}

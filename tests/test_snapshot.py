@@ -233,3 +233,19 @@ def test_prepare_again_keeps_its_mappings_and_asking_for_many_slots_or_none_work
     with daemon.client("j") as r:
         r.restore(m2, o2)
     assert_same(full_state(m2, o2), full_state(model, optim))
+
+
+def test_prepare_on_a_budget_too_small_for_its_slots_takes_those_that_fit_and_says_so(make_daemon, caplog) -> None:  # noqa: ANN001
+    # it waited for the alloc timeout (600 s), failed "is ckptd serve running?", and the slot it had asked for
+    # was granted later to nobody, so the next snapshot failed the same way
+    from ckptd import shm
+
+    d = make_daemon("--shm-budget", str(int(1.5 * shm.ALIGN)))
+    model, optim = make()
+    train_step(model, optim, 0)
+    with d.client("j") as c:
+        with caplog.at_level("WARNING", logger="ckptd.client"):
+            c.prepare(model, optim)
+        assert "prepare(): 1 of 2 slots fit now" in caplog.text and "raise --shm-budget" in caplog.text
+        assert c.status()["slots"] == {"free": 1} and c.status()["deferred_allocs"] == 0
+        assert c.snapshot(model, optim, step=1, blocking=True).wait(30).endswith("step-1")

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..config import ALLOC_TIMEOUT_S, CLIENT_TIMEOUT_S, default_endpoint, default_job, env_float, env_int, validate_job
-from ..errors import CheckpointError, DaemonUnavailable
+from ..errors import CheckpointError, DaemonUnavailable, ProtocolError
 from ..protocol import MAX_MESSAGE_BYTES
 from .copy import CopyGuard, EarlyCopy, EventGroup, Pairs, SlotMaps, copy_tensors, fill, optimizer_storages
 from .handle import SnapshotHandle, StepDropped
@@ -223,6 +223,7 @@ class Client:
         side, then hands them back unused. The next
         snapshots reuse them at memory-copy speed. Default: two (one persisting while the next is
         filled), three with a memory tier (one persisting, the newest step held, the next filled).
+        Slots the daemon's memory budget has no room for are not waited for: a warning says how many fit.
         """
         if slots is None:
             slots = 3 if self._memory_tier() else 2
@@ -230,10 +231,20 @@ class Client:
         rank, world = dist_rank_world()
         staged = self._stager.run(model, optim, None, rank, None)
         leased: list[str] = []
+        short: list[ProtocolError] = []
         try:  # the slots are asked for, made, mapped (and page-locked for CUDA) side by side
+
+            def one() -> None:
+                try:
+                    leased.append(self._alloc(rank, world, 0, staged.layout.file_size, wait=False))
+                except ProtocolError as e:  # no room in the budget now: refused at once, not waited for
+                    short.append(e)
+
             with ThreadPoolExecutor(max(1, slots)) as pool:
-                for f in [pool.submit(lambda: leased.append(self._alloc(rank, world, 0, staged.layout.file_size))) for _ in range(slots)]:
+                for f in [pool.submit(one) for _ in range(slots)]:
                     f.result()
+            if short:
+                log.warning("prepare(): %d of %d slots fit now; %s", len(leased), slots, str(short[0]).split(": ", 1)[-1])
             self._maps.warm(leased, pin=staged.any_cuda)
         finally:
             for seg in leased:
@@ -244,10 +255,13 @@ class Client:
         policy = {**self._rpc.call("hello").get("tiering", {}), **{k: v for k, v in self._tiering.items() if v is not None}}
         return policy.get("persist_every", 1) > 1 or policy.get("persist_interval", 0) > 0 or policy.get("lagging") == "memory"
 
-    def _alloc(self, rank: int, world: int, step: int | None, nbytes: int) -> str:
+    def _alloc(self, rank: int, world: int, step: int | None, nbytes: int, *, wait: bool = True) -> str:
+        """A slot leased for ``nbytes``; the daemon refuses one it cannot grant within the alloc timeout (or at
+        once, ``wait`` false) rather than grant it later to a client that gave up."""
         rep = self._rpc.call(
-            "alloc", rpc_timeout=self.alloc_timeout, job=self.job, rank=rank, world_size=world, step=step, nbytes=nbytes, pid=os.getpid()
-        )
+            "alloc", rpc_timeout=self.alloc_timeout + 5.0, job=self.job, rank=rank, world_size=world, step=step, nbytes=nbytes,
+            pid=os.getpid(), wait=wait, timeout=self.alloc_timeout if self.alloc_timeout < 1e9 else 0,
+        )  # fmt: skip
         self._leases[rep["segment"]] = rep["lease"]  # the secret that lets this client, and no other, commit or release it
         return rep["segment"]
 

@@ -114,10 +114,22 @@ class SlotPool:
             raise ProtocolError(f"a shard of {msg['nbytes']} bytes exceeds the shared-memory budget of {self.budget} bytes")
         slot = self.lease(msg)
         if slot is None:
+            if not msg.get("wait", True) and "_growing" not in msg:
+                raise CheckpointError(self._short(msg["nbytes"]))
             if len(self.deferred) >= MAX_DEFERRED_ALLOCS:
                 raise CheckpointError(f"{len(self.deferred)} allocations already wait for shared memory; try again later")
+            if msg.get("timeout"):
+                msg["_deadline"] = self._clock() + msg["timeout"]
             self.deferred.append((ident, msg))
         return slot
+
+    def _short(self, nbytes: int, waited: float | None = None) -> str:
+        held = self.bytes_held()
+        since = f" after waiting {waited:.0f} s" if waited is not None else ""
+        return (
+            f"no room for a {nbytes}-byte slot in the shared-memory budget{since}: {held} of {self.budget} bytes are held"
+            " (slots being filled or persisted, memory-tier steps); raise --shm-budget, or prepare() fewer slots"
+        )
 
     def lease(self, msg: dict[str, Any]) -> Slot | None:
         """Lease a slot of at least ``msg["nbytes"]`` to ``(job, rank)``, or ``None`` if none fits the budget."""
@@ -300,8 +312,11 @@ class SlotPool:
         """Free slots whose lessee died or held them past the lease timeout (a pid the daemon cannot
         see, in another PID namespace, never dies for it), lapse pins of dead readers or past their
         deadline, drop deferred requests of dead processes."""
-        # first: a freed slot must not go to the dead (pid 0: unknown, kept)
+        # first: a freed slot must not go to the dead (pid 0: unknown, kept), nor to a client that gave up
         self.deferred = [(i, m) for i, m in self.deferred if not m["pid"] or self._alive(m["pid"])]
+        for ident, msg in [d for d in self.deferred if d[1].get("_deadline", now + 1) < now and "_growing" not in d[1]]:
+            self.deferred.remove((ident, msg))
+            self._on_grant(ident, msg, CheckpointError(self._short(msg["nbytes"], msg["timeout"])))
         lapsed = False
         for slot in list(self.slots.values()):
             if slot.state is SlotState.LEASED and slot.pid is not None and not self._alive(slot.pid):
