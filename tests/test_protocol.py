@@ -48,6 +48,10 @@ BAD = [
     ("job slash", _alloc(job="a/b"), "invalid job name"),
     ("job empty", _alloc(job=""), "invalid job name"),
     ("too big", b" " * (MAX_MESSAGE_BYTES + 1), "exceeds"),
+    ("alloc wait not bool", _alloc(wait=1), "wrong type"),
+    ("alloc timeout negative", _alloc(timeout=-1), "finite number >= 0"),
+    ("alloc timeout string", _alloc(timeout="600"), "wrong type"),
+    ("alloc timeout NaN", _alloc(timeout=...)[:-1] + b',"timeout":NaN}', "finite"),
 ]
 
 
