@@ -22,7 +22,7 @@ from ..storage import local
 from .catalog import StepCatalog
 from .events import EventQueue, ShardPersisted, Uploaded
 from .persister import Persister
-from .slots import Slot, SlotState
+from .slots import Slot
 from .status import Counters
 from .steps import StepKey, StepState, StepTable, StepTrack
 from .uploader import Uploader
@@ -95,9 +95,8 @@ class Completion:
             self.counters.steps_committed += 1
             log.info("committed job %s step %s -> %s", ev.job, ev.step, ev.path)
             if track.from_memory:  # durable now: its held slots are free (and still serve hot restores)
-                for held in self.pool.held(*key).values():
-                    if held.state is SlotState.HELD:
-                        self.pool.persisted(held, held.holds)
+                for held in self.pool.held_now(*key):
+                    self.pool.persisted(held, held.holds)
             self.after_complete(ev.job, ev.step)
         elif track.persist_error is not None and track.inflight == 0 and track.state is StepState.PENDING:
             self._back_to_memory(key)

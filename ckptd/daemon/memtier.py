@@ -248,7 +248,7 @@ class MemoryTier:
         track = self.steps.get(key)
         if track is None or track.state is not StepState.MEMORY:
             return False
-        held = [s for s in self.pool.held(*key).values() if s.state is SlotState.HELD]
+        held = self.pool.held_now(*key)
         self.steps.to_disk(key)
         self.tiering.persisted(key[0])
         for slot in held:
@@ -312,9 +312,8 @@ class MemoryTier:
         for job, held in self.steps.memory_steps().items():
             track = self.steps.get((job, held[-1]))
             if track is not None and track.persist_failures:
-                for slot in self.pool.held(job, held[-1]).values():
-                    if slot.state is SlotState.HELD:
-                        self.pool.unhold(slot)
+                for slot in self.pool.held_now(job, held[-1]):
+                    self.pool.unhold(slot)
                 log.warning("job %s step %s could not be persisted: kept in shared memory for the next start", job, held[-1])
 
     def disk_free(self, job: str) -> None:

@@ -283,6 +283,10 @@ class SlotPool:
         hold = [s for s in self.slots.values() if s.state is not SlotState.LEASED and s.holds is not None and s.holds[:2] == (job, step)]
         return {s.holds[2]: s for s in sorted(hold, key=lambda s: s.used_at)}  # type: ignore[index]
 
+    def held_now(self, job: str, step: int) -> list[Slot]:
+        """Of :meth:`held`, the slots in state HELD: a memory-tier step's, not being persisted or freed."""
+        return [s for s in self.held(job, step).values() if s.state is SlotState.HELD]
+
     def forget_held(self, job: str, step: int) -> None:
         """Step ``step`` of ``job`` is gone (replaced): no slot serves its shards to a hot restore any more."""
         for s in self.slots.values():
