@@ -207,6 +207,37 @@ def test_an_event_of_an_untracked_step_changes_nothing(make_rig: Callable[..., R
     assert rig.counters == Counters() and rig.answers == [] and rig.steps.get((JOB, 99)) is None
 
 
+def test_a_shard_of_a_replaced_attempt_written_before_the_rollback_never_counts_toward_the_new_one(
+    make_rig: Callable[..., Rig],
+) -> None:
+    # the old step 20 is written and finalized by its persist thread, but the loop has not yet handled that
+    # event when a rolled-back run (it restored step 10) commits step 20 again: the old directory goes, and
+    # the late event must neither complete the new attempt (one shard, not yet written) nor hold its count
+    from ckptd.daemon.admission import Admission
+
+    rig = make_rig(workers=1)
+    old_slot = rig.commit(20, 0, 1, shard(20, 0, 1))
+    (late,) = rig.collect(1)
+    assert late.path == step_dir(rig.root, JOB, 20)
+    admission = Admission(rig.root, rig.steps, rig.pool, rig.completion.settle, rig.persister.job_lock)
+    admission.admit(JOB, 20, 0, 1, 1, None, after=10, run=2)
+    assert not os.path.exists(step_dir(rig.root, JOB, 20))  # the old line's step 20 is gone
+    rig.commit(20, 0, 1, shard(21, 0, 1))  # the new line's bytes differ
+    new = rig.steps.get((JOB, 20))
+    assert new.inflight == 1
+
+    rig.handle(late)
+    assert new.state is StepState.PENDING and new.inflight == 1 and new.path is None
+    assert old_slot.state is SlotState.FREE and old_slot.holds is None  # a hot restore never reads the old line's bytes
+    assert rig.catalog.in_memory(JOB) is None
+
+    (ev,) = rig.pump(1)
+    assert ev.path == step_dir(rig.root, JOB, 20) and new.state is StepState.DURABLE
+    assert verify_checkpoint(ev.path) == []
+    manifest = read_manifest(ev.path)
+    assert read_chunk(ev.path, manifest, "model/w", 0) == rank_tensors(21, 0)["model/w"].numpy().tobytes()
+
+
 # ---------------------------------------------------------------------------- superseded steps
 
 

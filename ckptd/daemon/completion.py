@@ -60,7 +60,7 @@ class Completion:
         track = self.steps.get((rec["job"], rec["step"]))
         assert track is not None, "a committed slot's step is tracked"
         track.inflight += 1
-        self.persister.submit(slot)
+        self.persister.submit(slot, track.attempt)
 
     def on_persisted(self, ev: ShardPersisted) -> None:
         """A persist thread is done with a shard: its slot is freed (remembering the shard for hot restores),
@@ -68,6 +68,13 @@ class Completion:
         key = (ev.job, ev.step)
         track = self.steps.get(key)
         slot = self.pool.get(ev.segment)
+        if track is not None and track.attempt != ev.attempt:
+            # an earlier attempt's shard (its step was replaced by a rolled-back run between the write and now):
+            # the bytes went with the old step, and nothing of it counts toward the new attempt
+            if slot is not None:
+                self.pool.persisted(slot, None)
+            log.info("job %s step %s: a shard of a replaced attempt of it was written; ignored", ev.job, ev.step)
+            return
         from_memory = track is not None and track.from_memory and track.state is StepState.PENDING
         if slot is not None and from_memory:
             self.pool.hold(slot, (ev.job, ev.step, ev.rank))  # its bytes stay the step's only sure copy

@@ -32,6 +32,7 @@ class ShardPersisted:
     path: str | None = None  # this shard was the last: the step is complete here
     manifest: dict[str, Any] | None = None  # ... and this is its manifest, kept for hot restores
     node_ranks: list[int] | None = None  # multi-node: this node's part is durable, these ranks to upload
+    attempt: int = 0  # the step's attempt (:attr:`~ckptd.daemon.steps.StepTrack.attempt`) the shard was committed to
 
 
 @dataclass(frozen=True)

@@ -96,9 +96,10 @@ class Persister:
         upload and fetch threads (:func:`ckptd.storage.local.job_lock`)."""
         return local.job_lock(self.root, job)
 
-    def submit(self, slot: Slot) -> None:
-        """Main thread: persist this committed slot. It is the worker's until its event is handled."""
-        self._pool.submit(self._run, slot, dict(slot.lease or {}))
+    def submit(self, slot: Slot, attempt: int = 0) -> None:
+        """Main thread: persist this committed slot, of the step's ``attempt`` (its event names it). It is the
+        worker's until its event is handled."""
+        self._pool.submit(self._run, slot, dict(slot.lease or {}), attempt)
 
     def mark_node_reported(self, job: str, step: int) -> None:
         with self.job_lock(job):
@@ -118,7 +119,7 @@ class Persister:
         """Finish every submitted shard, then stop the threads."""
         self._pool.shutdown(wait=True)
 
-    def _run(self, slot: Slot, rec: dict[str, Any]) -> None:
+    def _run(self, slot: Slot, rec: dict[str, Any], attempt: int) -> None:
         job, step, rank, ws = rec["job"], rec["step"], rec["rank"], rec["world_size"]
         lws = rec.get("local_world_size", ws)
         try:
@@ -134,10 +135,10 @@ class Persister:
             )  # fmt: skip
             seconds = time.monotonic() - t0
             path, node_ranks, manifest = self._after_write(job, step, ws, lws)
-            event = ShardPersisted(slot.name, job, step, rank, rec["nbytes"], seconds, None, path, manifest, node_ranks)
+            event = ShardPersisted(slot.name, job, step, rank, rec["nbytes"], seconds, None, path, manifest, node_ranks, attempt)
         except Exception as e:  # reported to every waiter of the step, never swallowed
             log.error("persisting %s (job %s step %s rank %s) failed: %s", slot.name, job, step, rank, e)
-            event = ShardPersisted(slot.name, job, step, rank, 0, 0.0, f"{e}")
+            event = ShardPersisted(slot.name, job, step, rank, 0, 0.0, f"{e}", attempt=attempt)
         self._events.post(event)
 
     def _after_write(self, job: str, step: int, ws: int, lws: int) -> tuple[str | None, list[int] | None, dict[str, Any] | None]:
