@@ -21,7 +21,7 @@ from ckptd.daemon.events import EventQueue, ShardPersisted
 from ckptd.daemon.persister import Persister
 from ckptd.daemon.slots import Slot, SlotPool
 from ckptd.daemon.status import Counters
-from ckptd.daemon.steps import StepTable
+from ckptd.daemon.steps import StepTable, StepTrack
 from ckptd.daemon.waiters import Waiter
 
 MiB = 1 << 20
@@ -100,21 +100,33 @@ class Rig:
             self.pool,
         )
 
-    def commit(self, step: int, rank: int, world_size: int, data: bytes, *, lws: int | None = None, raw_tree: bytes | None = None) -> Slot:
-        """Lease a slot, fill it with ``data`` and commit it as ``Daemon._op_commit`` does."""
+    def commit(
+        self,
+        step: int,
+        rank: int,
+        world_size: int,
+        data: bytes,
+        *,
+        lws: int | None = None,
+        raw_tree: bytes | None = None,
+        at: int | None = None,
+        track: StepTrack | None = None,
+    ) -> Slot:
+        """Lease a slot, fill it with ``data`` and commit it as ``Daemon._op_commit`` does (``at``: its
+        ``committed_at``, default :func:`record`'s; ``track``: the one ``Admission.admit`` returned)."""
         lws = world_size if lws is None else lws
         slot = self.pool.lease({"job": JOB, "rank": rank, "world_size": world_size, "step": step, "nbytes": len(data), "pid": os.getpid()})
         assert slot is not None
         with open(shm.path_of(slot.name), "r+b") as f:
             f.write(data)
-        rec = record(step, rank, world_size, len(data), lws)
+        rec = record(step, rank, world_size, len(data), lws, at)
         raw = tree(rank) if raw_tree is None else raw_tree
         self.pool.segments.write_record(slot.name, rec, tree=raw)
         rec["tree"] = raw
         self.pool.commit(slot, rec)
         key = (JOB, step)
-        track = self.steps.check_commit(key, rank, world_size, lws)
-        self.steps.record_commit(key, track, rank, lws)
+        track = track or self.steps.check_commit(key, rank, world_size, lws)
+        self.steps.record_commit(key, track, rank, lws, committed_at=rec["committed_at"])
         self.completion.persist(slot)
         return slot
 
@@ -161,12 +173,12 @@ class Rig:
             self.ctx.term()
 
 
-def record(step: int, rank: int, world_size: int, nbytes: int, lws: int | None = None) -> dict[str, Any]:
+def record(step: int, rank: int, world_size: int, nbytes: int, lws: int | None = None, at: int | None = None) -> dict[str, Any]:
     """A commit record as ``Daemon._op_commit`` writes it (the tree is added by ``shm.write_record``)."""
     lws = world_size if lws is None else lws
     return {
         "job": JOB, "rank": rank, "world_size": world_size, "local_world_size": lws, "step": step, "nbytes": nbytes, "replicas": {},
-        "committed_at": 1_000_000 + step,  # commit order follows the step here
+        "committed_at": 1_000_000 + step if at is None else at,  # commit order follows the step here, unless told
     }  # fmt: skip
 
 

@@ -23,10 +23,7 @@ class _Pool:
 def _admission(tmp_path: Any) -> tuple[Admission, StepTable, list[Any]]:
     steps = StepTable(lambda job, step: None)
     settled: list[Any] = []
-    import threading
-
-    lock = threading.RLock()
-    return Admission(str(tmp_path), steps, _Pool(), lambda k, t: settled.append(k), lambda job: lock), steps, settled  # type: ignore[arg-type]
+    return Admission(str(tmp_path), steps, _Pool(), lambda k, t: settled.append(k)), steps, settled  # type: ignore[arg-type]
 
 
 def test_a_half_step_recovered_after_a_daemon_crash_is_not_joined_by_a_new_run(tmp_path: Any) -> None:

@@ -24,6 +24,7 @@ from ckptd.daemon.events import ShardPersisted
 from ckptd.daemon.slots import SlotState
 from ckptd.daemon.status import Counters
 from ckptd.daemon.steps import StepState
+from ckptd.errors import ProtocolError
 from ckptd.layout import MANIFEST, fragment_name, fragments_present, shard_name, step_dir, tmp_dir
 from ckptd.storage.local import latest_step, read_latest
 from ckptd.tools.verify import verify_checkpoint
@@ -211,18 +212,17 @@ def test_a_shard_of_a_replaced_attempt_written_before_the_rollback_never_counts_
     make_rig: Callable[..., Rig],
 ) -> None:
     # the old step 20 is written and finalized by its persist thread, but the loop has not yet handled that
-    # event when a rolled-back run (it restored step 10) commits step 20 again: the old directory goes, and
-    # the late event must neither complete the new attempt (one shard, not yet written) nor hold its count
+    # event when a rolled-back run (it restored step 10) commits step 20 again: the late event must neither
+    # complete the new attempt (one shard, not yet written) nor hold its count; the new step replaces the old
     from ckptd.daemon.admission import Admission
 
     rig = make_rig(workers=1)
     old_slot = rig.commit(20, 0, 1, shard(20, 0, 1))
     (late,) = rig.collect(1)
     assert late.path == step_dir(rig.root, JOB, 20)
-    admission = Admission(rig.root, rig.steps, rig.pool, rig.completion.settle, rig.persister.job_lock)
+    admission = Admission(rig.root, rig.steps, rig.pool, rig.completion.settle)
     admission.admit(JOB, 20, 0, 1, 1, None, after=10, run=2)
-    assert not os.path.exists(step_dir(rig.root, JOB, 20))  # the old line's step 20 is gone
-    rig.commit(20, 0, 1, shard(21, 0, 1))  # the new line's bytes differ
+    rig.commit(20, 0, 1, shard(21, 0, 1), at=2_000_000)  # the new line's bytes differ
     new = rig.steps.get((JOB, 20))
     assert new.inflight == 1
 
@@ -230,12 +230,42 @@ def test_a_shard_of_a_replaced_attempt_written_before_the_rollback_never_counts_
     assert new.state is StepState.PENDING and new.inflight == 1 and new.path is None
     assert old_slot.state is SlotState.FREE and old_slot.holds is None  # a hot restore never reads the old line's bytes
     assert rig.catalog.in_memory(JOB) is None
+    assert verify_checkpoint(late.path) == []  # the old line's step 20 stays until the new one is complete
 
     (ev,) = rig.pump(1)
     assert ev.path == step_dir(rig.root, JOB, 20) and new.state is StepState.DURABLE
     assert verify_checkpoint(ev.path) == []
     manifest = read_manifest(ev.path)
     assert read_chunk(ev.path, manifest, "model/w", 0) == rank_tensors(21, 0)["model/w"].numpy().tobytes()
+    assert manifest["committed_at"] == 2_000_000 and sorted(os.listdir(os.path.join(rig.root, JOB))) == ["latest", "step-20"]
+
+
+def test_a_rolled_back_re_save_replaces_the_old_step_only_once_every_rank_is_on_disk(make_rig: Callable[..., Rig]) -> None:
+    from ckptd.daemon.admission import Admission
+
+    rig = make_rig()
+    for r in range(2):
+        rig.commit(30, r, 2, shard(30, r, 2))
+    rig.pump(2)
+    path = step_dir(rig.root, JOB, 30)
+    admission = Admission(rig.root, rig.steps, rig.pool, rig.completion.settle)
+    with pytest.raises(ProtocolError, match="already committed and this client restored no step"):
+        admission.admit(JOB, 30, 0, 2, 2, None, after=None, run=2)  # a fresh run never overwrites it
+
+    new: list[Any] = []
+    for r in range(2):  # the run rolled back to step 10: both ranks save 30 again, one after the other
+        new.append(admission.admit(JOB, 30, r, 2, 2, None, after=10, run=2))
+        rig.commit(30, r, 2, shard(31, r, 2), at=2_000_000 + r, track=new[-1])
+        if r == 0:
+            rig.pump(1)  # rank 0 of the new step is on disk, rank 1 not yet committed
+            assert read_manifest(path)["committed_at"] == 1_000_030 and verify_checkpoint(path) == []
+    assert new[0] is new[1] and new[0].replaces  # the second rank joins the first's attempt
+    (ev,) = rig.pump(1)
+    assert ev.path == path and rig.steps.get((JOB, 30)).state is StepState.DURABLE
+    manifest = read_manifest(path)
+    assert manifest["committed_at"] == 2_000_001 and verify_checkpoint(path) == []
+    assert read_chunk(path, manifest, "model/w", 1) == rank_tensors(31, 1)["model/w"].numpy().tobytes()
+    assert sorted(os.listdir(os.path.join(rig.root, JOB))) == ["latest", "step-30"]
 
 
 # ---------------------------------------------------------------------------- superseded steps

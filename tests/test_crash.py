@@ -93,6 +93,45 @@ def test_daemon_killed_mid_persist_finishes_after_restart(make_daemon) -> None: 
     assert "recovered committed shard" in daemon.log.read_text()
 
 
+def test_daemon_killed_mid_persist_of_a_rolled_back_re_save_keeps_the_old_step(make_daemon) -> None:  # noqa: ANN001
+    """Steps 1 and 2 saved; the user restores step 1 and saves 2 again on a new line. The daemon dies while
+    the new step 2 is being written: the old step 2 is still complete and restorable (it is replaced only
+    by a complete new one); after the restart the new step 2 is finished and takes its place."""
+    daemon = make_daemon()
+    model, optim = make()
+    model.register_buffer("bulk", torch.randn(1 << 20))  # 4 MiB: slow to write at the capped rate
+    states = {}
+    with daemon.client("rb") as c:
+        for step in (1, 2):
+            train_step(model, optim, step)
+            states[step] = full_state(model, optim)
+            c.snapshot(model, optim, step=step, blocking=True).wait(30)
+    daemon.stop()
+    daemon.start(["--write-rate-limit", "1M"])
+    jobdir = os.path.join(daemon.root, "rb")
+    with daemon.client("rb") as c:
+        c.restore(model, optim, step=1)
+        assert_same(full_state(model, optim), states[1])
+        train_step(model, optim, 100)
+        new = full_state(model, optim)
+        h = c.snapshot(model, optim, step=2, blocking=True)
+        shard = os.path.join(jobdir, "step-2.tmp", "rank-00000.safetensors")
+        deadline = time.monotonic() + 30
+        while not (os.path.exists(shard) and os.path.getsize(shard) > 0) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert os.path.exists(shard), "persist never started"
+        daemon.kill()
+        m2, o2 = make(seed=3)
+        m2.register_buffer("bulk", torch.zeros(1 << 20))
+        ckptd.restore(m2, o2, path=os.path.join(jobdir, "step-2"))  # the old line's step 2, complete
+        assert_same(full_state(m2, o2), states[2])
+        daemon.start([])
+        path = h.wait(60)  # the same handle reconnects to the restarted daemon
+    assert path == os.path.join(jobdir, "step-2") and sorted(os.listdir(jobdir)) == ["latest", "step-1", "step-2"]
+    ckptd.restore(m2, o2, path=path)
+    assert_same(full_state(m2, o2), new)
+
+
 def test_restart_removes_unfinishable_partial_steps(make_daemon) -> None:  # noqa: ANN001
     daemon = make_daemon()
     jobdir = os.path.join(daemon.root, "j")

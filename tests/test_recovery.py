@@ -23,16 +23,21 @@ from ckptd import shm
 from ckptd.daemon import recovery
 from ckptd.daemon.slots import Slot, SlotState
 from ckptd.daemon.steps import StepState
+from ckptd.errors import CheckpointError
 from ckptd.layout import fragment_name, fragments_present, is_complete, shard_name, step_dir, tmp_dir
 from ckptd.storage import local
 from ckptd.tools.verify import verify_checkpoint
 from ckptd.validate import read_manifest
 
 
-def write_fragment(root: str, step: int, rank: int, world_size: int, lws: int | None = None, *, row: int | None = None) -> None:
-    """Rank ``rank``'s shard and fragment in ``step-N.tmp``, as a persist thread of the previous run wrote them."""
+def write_fragment(
+    root: str, step: int, rank: int, world_size: int, lws: int | None = None, *, row: int | None = None, at: int | None = None
+) -> None:
+    """Rank ``rank``'s shard and fragment in ``step-N.tmp``, as a persist thread of the previous run wrote them
+    (from a commit record like :func:`_rig.record`'s; ``at``: its ``committed_at``)."""
     data = shard(step, rank, world_size, row=row)
-    local.write_shard(root, JOB, step, rank, world_size, memoryview(data), len(data), json.loads(tree(rank)), 0.0, {}, lws)
+    at = record(step, rank, world_size, len(data), at=at)["committed_at"]
+    local.write_shard(root, JOB, step, rank, world_size, memoryview(data), len(data), json.loads(tree(rank)), 0.0, {}, lws, at)
 
 
 def complete_step(root: str, step: int, world_size: int) -> str:
@@ -63,9 +68,9 @@ class Node(Rig):
                 f.write(raw_record)
         return name
 
-    def committed(self, step: int, rank: int, world_size: int, lws: int | None = None) -> str:
+    def committed(self, step: int, rank: int, world_size: int, lws: int | None = None, at: int | None = None) -> str:
         data = shard(step, rank, world_size)
-        return self.segment(data, record(step, rank, world_size, len(data), lws))
+        return self.segment(data, record(step, rank, world_size, len(data), lws, at))
 
     # this run
 
@@ -355,6 +360,63 @@ def test_a_step_finalized_by_recovery_is_reported_durable_and_not_written_again(
     assert node.steps.answer((JOB, 1))["state"] == "durable"
     assert verify_checkpoint(step_dir(node.root, JOB, 1)) == []
     assert shm.segments_of(node.root) == [] and not any(os.path.exists(shm.path_of(n)) for n in names)
+
+
+# ---------------------------------------------------------------------------- a rolled-back run's re-save
+
+OLD_AT, NEW_AT = 1_000_005, 2_000_000  # step 5's commit on the abandoned line, and on the new line (later)
+
+
+def _trash(root: str) -> list[str]:
+    return sorted(n for n in os.listdir(os.path.join(root, JOB)) if n.endswith(".del"))
+
+
+def test_a_rolled_back_re_save_cut_short_leaves_the_old_step_complete(node: Node) -> None:
+    """The daemon died while the new line's step 5 had one of its two ranks on disk: the old step 5 is
+    still there, complete and verified, and nothing of the new one is left over."""
+    old = complete_step(node.root, 5, 2)
+    write_fragment(node.root, 5, 0, 2, at=NEW_AT)
+    node.recover()
+    assert read_manifest(old)["committed_at"] == OLD_AT and verify_checkpoint(old) == []
+    assert partial_dirs(node.root) == [] and _trash(node.root) == []
+    assert local.latest_step(node.root, JOB) == (5, old)
+
+
+@pytest.mark.parametrize("renamed", [False, True], ids=["before-the-renames", "between-the-renames"])
+def test_a_rolled_back_re_save_whose_every_fragment_is_on_disk_replaces_the_old_step(node: Node, renamed: bool) -> None:
+    """The daemon died after the new line's step 5 was on disk but before (or while) it took the old one's
+    place: recovery finishes the replacement, and no half-deleted step is left."""
+    path = complete_step(node.root, 5, 2)
+    for r in range(2):
+        write_fragment(node.root, 5, r, 2, at=NEW_AT + r)
+    if renamed:  # the old step was moved aside, the new one not yet renamed into place
+        os.rename(path, os.path.join(node.root, JOB, "step-5.del"))
+    node.recover()
+    assert read_manifest(path)["committed_at"] == NEW_AT + 1 and verify_checkpoint(path) == []
+    assert partial_dirs(node.root) == [] and _trash(node.root) == []
+
+
+def test_a_committed_shard_newer_than_the_complete_step_of_its_number_is_persisted_not_dropped(node: Node) -> None:
+    """A rolled-back run committed step 5 again and the daemon died before persisting it: the complete step
+    5 on disk is the old line's, so the shard is persisted and the new step replaces it (not taken for
+    a step the previous run had finished)."""
+    path = complete_step(node.root, 5, 1)
+    name = node.committed(step=5, rank=0, world_size=1, at=NEW_AT)
+    node.recover()
+    assert [s.name for s in node.handed] == [name]
+    assert read_manifest(path)["committed_at"] == OLD_AT  # until the new one is complete
+    (ev,) = node.pump(1)
+    assert ev.error is None and ev.path == path and node.steps.get((JOB, 5)).state is StepState.DURABLE
+    assert read_manifest(path)["committed_at"] == NEW_AT and verify_checkpoint(path) == []
+    assert _trash(node.root) == []
+
+
+def test_a_complete_step_is_never_replaced_by_fragments_committed_no_later(node: Node) -> None:
+    path = complete_step(node.root, 5, 1)
+    write_fragment(node.root, 5, 0, 1, at=OLD_AT)  # the same commit time: not a newer attempt
+    with pytest.raises(CheckpointError, match="already exists"):
+        local.finalize_step(node.root, JOB, 5, 1)
+    assert read_manifest(path)["committed_at"] == OLD_AT and verify_checkpoint(path) == []
 
 
 def test_leftovers_that_are_not_segments_are_removed(node: Node) -> None:

@@ -18,24 +18,23 @@ a chimera of two runs. Main thread only (the daemon's loop), with the step table
 * **Rollback.** A step number that is already complete may be saved again only by a client that
   restored an earlier step of the job (``after`` < step: ``restore(step=k)`` then saving ``k+1``...;
   the client itself refuses to save one number twice after a restore): the old step of that number
-  belongs to the abandoned line and is deleted (renamed ``step-N.del`` at once, removed by a thread)
-  before the new one is written. Anything else is refused:
-  a fresh run never overwrites a complete checkpoint by accident.
+  belongs to the abandoned line, and the new one replaces it when it is complete
+  (:func:`ckptd.storage.local.finalize_step`: a newer commit of a complete number), so a crash in
+  between leaves the old one. Anything else is refused: a fresh run never overwrites a complete
+  checkpoint by accident.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
-import threading
 from collections.abc import Callable
 
 import psutil
 
 from ..errors import ProtocolError
-from ..layout import job_dir, step_dir, trash_dir
-from ..storage.files import fsync_dir
+from ..layout import step_dir
+from ..storage.local import committed_at
 from .slots import SlotPool
 from .steps import StepKey, StepState, StepTable, StepTrack
 
@@ -56,8 +55,8 @@ Settle = Callable[[StepKey, StepTrack], None]  # answer a step's waiters and cle
 
 
 class Admission:
-    def __init__(self, root: str, steps: StepTable, pool: SlotPool, settle: Settle, job_lock: Callable[[str], threading.RLock]) -> None:
-        self.root, self.steps, self.pool, self._settle, self._job_lock = root, steps, pool, settle, job_lock
+    def __init__(self, root: str, steps: StepTable, pool: SlotPool, settle: Settle) -> None:
+        self.root, self.steps, self.pool, self._settle = root, steps, pool, settle
         self._runs: dict[str, tuple[int, set[tuple[int, float]]]] = {}  # job -> (its run, (pid, start time) of committers)
         self.drop_memory: Callable[[StepKey, str], bool] = lambda key, why: False  # the memory tier's, set by the daemon
 
@@ -87,9 +86,12 @@ class Admission:
             if track.inflight:
                 raise ProtocolError(f"step {step} of job {job}: an abandoned attempt's shards are still being cleaned up; retry")
             self.steps.drop(key)  # a new attempt starts afresh
-        if os.path.isdir(step_dir(self.root, job, step)):
+        replacing = os.path.isdir(step_dir(self.root, job, step))
+        if replacing:
             self._replace(job, step, after)
-        return self.steps.check_commit(key, rank, ws, lws)
+        track = self.steps.check_commit(key, rank, ws, lws)
+        track.replaces = track.replaces or replacing
+        return track
 
     def committed(self, job: str, step: int, rank: int, peer: int | None = None, run: int | None = None) -> None:
         """``rank`` committed ``step``: every other step of ``job`` still missing ranks is abandoned."""
@@ -121,17 +123,18 @@ class Admission:
         self._runs[job] = (run, set())  # the earlier run is gone (or this process ran it): a relaunch takes over
 
     def _replace(self, job: str, step: int, after: int | None) -> None:
+        """A commit of ``step``, which is complete on disk: refused unless the client rolled back past it. The
+        old step stays until the new one is complete (see the module's docstring)."""
         if after is None or after >= step:
             since = "restored no step" if after is None else f"restored step {after}"
             raise ProtocolError(
                 f"step {step} of job {job} is already committed and this client {since}: a complete checkpoint is"
                 f" overwritten only by a run that rolled back (restore(step=k) with k < {step}); use another step or job"
             )
-        d, trash = step_dir(self.root, job, step), trash_dir(self.root, job, step)
-        with self._job_lock(job):
-            os.rename(d, trash)  # out of the committed namespace at once; recovery finishes a delete cut short
-            fsync_dir(job_dir(self.root, job))
-        threading.Thread(target=shutil.rmtree, args=(trash, True), name=f"ckptd-replace-{step}", daemon=True).start()
-        self.steps.drop((job, step))
-        self.pool.forget_held(job, step)
-        log.info("job %s: step %s replaced by a run rolled back to step %s (its old line is abandoned)", job, step, after)
+        track = self.steps.get((job, step))
+        if track is not None and track.state is StepState.PENDING and track.replaces:
+            if committed_at(step_dir(self.root, job, step)) < track.committed_at:
+                return  # another rank of the new attempt committed first (the old step is older than it)
+        self.steps.drop((job, step))  # the old step's track: the new attempt is tracked afresh
+        self.pool.forget_held(job, step)  # hot restores read the old step from disk until it is replaced
+        log.info("job %s: step %s is saved again by a run rolled back to step %s; it replaces the old one when complete", job, step, after)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from .. import shm
 from ..errors import CheckpointError, ProtocolError
@@ -49,6 +50,13 @@ def adopt_segments(pool: SlotPool, steps: StepTable, root: str) -> None:
             log.warning("ignoring segment %s: %s", name, e)
 
 
+def finished(root: str, rec: dict[str, Any]) -> bool:
+    """The step of commit record ``rec`` is complete on disk, with this commit in it: a complete step of that
+    number committed before it is the old line's, which a rolled-back run's re-save replaces once persisted."""
+    path = step_dir(root, rec["job"], rec["step"])
+    return is_complete(path) and local.committed_at(path) >= rec.get("committed_at", 0)
+
+
 def adopt_segment(pool: SlotPool, steps: StepTable, root: str, name: str) -> None:
     """Adopt one segment if its commit record is sound and its step still needs it; else unlink it."""
     segs = pool.segments
@@ -60,7 +68,7 @@ def adopt_segment(pool: SlotPool, steps: StepTable, root: str, name: str) -> Non
     rec, tree = validate_record(got[0]), got[1]
     if rec["nbytes"] > size:
         raise ProtocolError(f"its record claims {rec['nbytes']} bytes, the segment has {size}")
-    if is_complete(step_dir(root, rec["job"], rec["step"])):
+    if finished(root, rec):
         segs.unlink(name)  # finalized just before the crash: nothing left to do
         return
     if rec["rank"] in fragments_present(root, rec["job"], rec["step"]):
@@ -127,7 +135,7 @@ def recover(
             continue
         job, step = (slot.lease or {})["job"], (slot.lease or {})["step"]
         path = step_dir(root, job, step)
-        if is_complete(path):  # every fragment was on disk: the previous run died just before finalizing
+        if finished(root, slot.lease or {}):  # every fragment was on disk: the previous run died just before finalizing
             steps.complete((job, step), path)
             pool.unlink(slot)
         else:

@@ -106,7 +106,7 @@ class Daemon:
         self.completion = Completion(
             self.root, self.steps, self.catalog, self.persister, self.uploader, self.counters, self.events, self._answer, self.pool
         )
-        self.admission = Admission(self.root, self.steps, self.pool, self.completion.settle, self.persister.job_lock)
+        self.admission = Admission(self.root, self.steps, self.pool, self.completion.settle)
         self.tiering = Tiering(TierPolicy(config.persist_every, config.persist_interval, config.lagging))
         self.memtier = self.completion.memory = MemoryTier(
             self.steps, self.pool, self.catalog, self.tiering, self.counters, self.events, persist=self.completion.persist,

@@ -50,6 +50,7 @@ class StepTrack:
     persist_error: str | None = None  # this attempt at persisting it from memory failed (the step stays in memory)
     persist_failed_at: float = 0.0  # when an attempt last failed (monotonic): automatic retries wait a while
     persist_failures: int = 0  # attempts that failed: the automatic retries back off
+    replaces: bool = False  # a rolled-back run's re-save of a number complete on disk: it takes the old step's place
     # this track's own number: a step number saved again (abandoned, rolled back) is a new attempt, and work
     # still in flight for an earlier one (a seal) must not count toward this one
     attempt: int = field(default_factory=lambda: next(_ATTEMPTS))

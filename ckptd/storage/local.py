@@ -142,12 +142,21 @@ def finalize_step(root: str, job: str, step: int, world_size: int) -> str:
     Returns the complete step's directory. Call only when every rank's fragment is present.
     """
     d, final = tmp_dir(root, job, step), step_dir(root, job, step)
-    if os.path.exists(final):
-        raise CheckpointError(f"{final} already exists: a complete checkpoint is never overwritten")
     frags = [read_fragment(root, job, step, r) for r in range(world_size)]
-    write_json_durable(os.path.join(d, MANIFEST), build_manifest(job, step, world_size, frags))
+    manifest = build_manifest(job, step, world_size, frags)
+    old = os.path.exists(final)
+    if old and manifest["committed_at"] <= committed_at(final):
+        raise CheckpointError(f"{final} already exists: a complete checkpoint is never overwritten")
+    write_json_durable(os.path.join(d, MANIFEST), manifest)
+    if old:  # saved again by a run rolled back past it (admitted by the daemon): the newer commit replaces it
+        trash = trash_dir(root, job, step)
+        shutil.rmtree(trash, ignore_errors=True)
+        os.rename(final, trash)  # a crash from here on: recovery deletes the old step and finalizes this one again
     os.rename(d, final)
     fsync_dir(job_dir(root, job))
+    if old:
+        shutil.rmtree(trash, ignore_errors=True)
+        log.info("step %s of job %s replaced by a newer commit of the same number (a rollback)", step, job)
     try:
         update_latest(root, job, step)
     except OSError as e:  # the step is complete and durable all the same; latest_step() finds it by its manifest
