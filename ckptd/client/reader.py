@@ -23,6 +23,9 @@ from ..layout import MANIFEST, is_complete
 from ..storage.local import latest_step
 from ..validate import read_manifest, validate_manifest
 
+# one saved chunk a region needs: (tensor key, the manifest's chunk entry, the copy into the region, its GPU or None)
+Piece = tuple[str, dict[str, Any], Callable[[torch.Tensor], None], torch.device | None]
+
 
 class CheckpointReader:
     """Reads verified chunk regions from one committed step directory.
@@ -31,6 +34,9 @@ class CheckpointReader:
 
     * shard files on disk are read with ``pread`` into one scratch buffer reused from chunk to chunk
       (memory held: the largest saved chunk, so an export of a checkpoint larger than RAM stays small);
+      :meth:`read_many` (a restore) reads them on a thread instead, in file order, adjacent chunks in one
+      read, one run ahead of the checksum and copy (:mod:`.readahead`; memory held: two buffers of
+      ``RUN_BYTES`` or the largest chunk);
     * the daemon's shared-memory segments of a hot restore are mapped read-only and used in place: the
       only copy is into the destination.
 
@@ -193,6 +199,36 @@ class CheckpointReader:
 
         The saved dtype must be ``dst``'s, unless ``dst`` has dtype ``cast`` and both are floating
         point: then the saved values are converted (rounded as ``Tensor.copy_`` rounds)."""
+        for _, c, put, device in self.pieces(key, dst, offsets, cast=cast):
+            self._copy_chunk(key, c, put, device)
+
+    def read_many(self, pieces: list[Piece]) -> None:
+        """Copy in the :meth:`pieces` of many regions (each fills its own part of its destination, so in any
+        order). Chunks read from disk for a CPU destination are taken in file order and read ahead on a
+        thread (:class:`.readahead.ReadAhead`) while this one verifies and copies."""
+        disk: list[Piece] = []
+        rest: list[Piece] = []
+        for p in pieces:
+            (disk if p[3] is None and p[1]["file"] not in self._files else rest).append(p)
+        if len(disk) < 2:  # nothing to read ahead of
+            rest, disk = pieces, []
+        for key, c, put, device in rest:
+            self._copy_chunk(key, c, put, device)
+        if not disk:
+            return
+        from .readahead import ReadAhead
+
+        disk.sort(key=lambda p: (p[1]["file"], p[1]["byte_range"][0]))
+        fds = {p[1]["file"]: self._fd(p[1]["file"]) for p in disk}  # opened (and size-checked) here, read on the thread
+        with ReadAhead([p[1] for p in disk], lambda name, into, offset: self._pread(fds[name], into, offset), self.where) as ra:
+            for key, c, put, _ in disk:
+                raw = ra.take(c)
+                self._check(key, c, raw)
+                put(self._typed(key, c, raw))
+
+    def pieces(self, key: str, dst: torch.Tensor, offsets: tuple[int, ...], *, cast: torch.dtype | None = None) -> list[Piece]:
+        """What filling ``dst`` (see :meth:`read_into`) takes: each saved chunk it needs, with the function
+        that copies the chunk's part into ``dst``, checked (dtype, shape, full coverage) but not yet read."""
         ent = self.manifest["tensors"].get(key)
         if ent is None:
             raise CheckpointError(f"the checkpoint at {self.path} has no tensor {key!r}")
@@ -205,6 +241,7 @@ class CheckpointReader:
             raise CheckpointError(f"tensor {key!r}: region {offsets}+{sizes} does not fit the saved shape {ent['shape']}")
         filled = 0
         device = dst.device if dst.device.type == "cuda" else None
+        out: list[Piece] = []
         for c in ent["chunks"]:
             lo = [max(a, b) for a, b in zip(offsets, c["offsets"])]
             hi = [min(a + n, b + m) for a, n, b, m in zip(offsets, sizes, c["offsets"], c["sizes"])]
@@ -220,10 +257,11 @@ class CheckpointReader:
                 if device is not None:
                     self._upload(device).keep(d)
 
-            self._copy_chunk(key, c, put, device)
+            out.append((key, c, put, device))
             filled += math.prod(h - l for l, h in zip(lo, hi))
         if filled != math.prod(sizes):
             raise CheckpointError(f"tensor {key!r}: the checkpoint covers {filled} of the {math.prod(sizes)} elements needed")
+        return out
 
     def read_full(self, key: str) -> torch.Tensor:
         ent = self.manifest["tensors"].get(key)
