@@ -168,3 +168,48 @@ def test_leaving_early_stops_a_thread_that_waits_for_a_buffer() -> None:
     with readahead.ReadAhead(chunks, lambda n, into, off: into.numel(), str) as ra:
         ra.take(chunks[0])  # the thread has filled the second buffer and waits for the first back
     assert _no_thread_left()
+
+
+class _Fence:
+    """Stands in for a CUDA event after the copies from a buffer: the thread must wait for it."""
+
+    def __init__(self) -> None:
+        self.passed = threading.Event()
+
+    def synchronize(self) -> None:
+        assert self.passed.wait(30), "the fence was never passed"
+
+
+def test_a_buffer_is_refilled_only_after_its_fence_has_passed() -> None:
+    """For a GPU destination the caller's copies from a buffer run after take() returns (DMA): the thread
+    waits for the fence made when the caller moved on before reading the next run into that buffer."""
+    step = readahead.GAP_BYTES + 100
+    chunks = _chunks(*[("f", i * step, i * step + 10 * (i + 1)) for i in range(3)])  # three runs of 10, 20, 30 bytes
+    reads: list[int] = []
+    made: list[tuple[int, str]] = []
+    fences: list[_Fence] = []
+
+    def pread(name: str, into: torch.Tensor, offset: int) -> int:
+        reads.append(offset)
+        into.fill_(len(reads))
+        return into.numel()
+
+    def alloc(n: int) -> torch.Tensor:
+        made.append((n, threading.current_thread().name))
+        return torch.empty(n, dtype=torch.uint8)
+
+    def fence() -> _Fence:
+        fences.append(_Fence())
+        return fences[-1]
+
+    with readahead.ReadAhead(chunks, pread, str, alloc=alloc, fence=fence) as ra:
+        assert made == [(30, threading.current_thread().name)] * 2  # both buffers, the largest run, made here
+        assert ra.take(chunks[0]).tolist() == [1] * 10
+        assert ra.take(chunks[1]).tolist() == [2] * 20  # the first buffer is handed back behind a fence
+        assert len(fences) == 1
+        threading.Event().wait(0.2)
+        assert reads == [0, step]  # run 3 waits for the copies from the first buffer
+        fences[0].passed.set()
+        assert ra.take(chunks[2]).tolist() == [3] * 30
+        assert reads == [0, step, 2 * step]
+    assert _no_thread_left()

@@ -101,8 +101,9 @@ class Uploads:
     Sources: a read-only mapping of a daemon segment is page-locked once per reader (``cudaHostRegister``,
     read-only and portable to every GPU; ``registered`` is the reader's, shared by its devices) the first
     time a copy reads it, and copied from in place; where that fails its bytes go through a page-locked
-    scratch buffer. Disk reads land in two page-locked scratch buffers used in turn: one is refilled only
-    after its previous copy ended, so reading the next chunk overlaps the copy of this one.
+    scratch buffer. Disk reads land in two page-locked buffers used in turn: those of a restore's
+    read-ahead thread (:meth:`pinned`, refilled after :meth:`fence`), else this scratch pair (a single
+    :meth:`~.reader.CheckpointReader.read_into`); one is refilled only after its previous copy ended.
     :meth:`finish` waits for every copy and gives the scratch memory back; the reader's ``close`` calls
     it, then unregisters (:func:`unregister`), before anything is unmapped.
     """
@@ -114,6 +115,7 @@ class Uploads:
         self._busy: list[Any] = [None, None]  # the event after each scratch buffer's last copy
         self._turn = 0
         self._registered = registered  # mapping's base address -> page-locked by this reader
+        self._made = False  # page-locked read-ahead buffers were made (finish() gives them back)
 
     def staging(self, n: int) -> torch.Tensor:
         """A page-locked buffer of ``n`` bytes no copy still reads (the other one of the pair)."""
@@ -124,6 +126,18 @@ class Uploads:
         if self._scratch[i].numel() < n:
             self._scratch[i] = torch.empty(n, dtype=torch.uint8, pin_memory=True)
         return self._scratch[i][:n]
+
+    def pinned(self, n: int) -> torch.Tensor:
+        """A page-locked buffer of ``n`` bytes for :class:`.readahead.ReadAhead` (fenced by :meth:`fence`)."""
+        self._made = True
+        with torch.cuda.device(self.device):
+            return torch.empty(n, dtype=torch.uint8, pin_memory=True)
+
+    def fence(self) -> Any:
+        """An event after every copy enqueued so far: a read-ahead buffer is refilled once it has passed."""
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
 
     def host_source(self, view: torch.Tensor) -> torch.Tensor:
         """``view`` (of a read-only mapping) if its mapping is page-locked, else its bytes in a page-locked buffer."""
@@ -162,7 +176,8 @@ class Uploads:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
         finally:
             self._busy = [None, None]
-            grown = any(b.numel() for b in self._scratch)
+            grown = self._made or any(b.numel() for b in self._scratch)
+            self._made = False
             self._scratch = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
             empty = getattr(torch._C, "_host_emptyCache", None)
             if grown and empty is not None:

@@ -4,9 +4,10 @@ A restore from disk used to read a chunk, then hash it, then copy it, then read 
 idled while the CPU worked and the reverse. :class:`ReadAhead` knows the exact chunks a restore will
 take, in order (:meth:`.reader.CheckpointReader.read_many` plans them first), groups chunks that lie
 next to each other in one file into *runs* of up to :data:`RUN_BYTES` (one ``pread`` for many small
-tensors), and reads run ``i + 1`` into one buffer while the caller works on run ``i`` in the other.
-Only the chunks taken are read (a restore at another world size reads parts of several files); memory
-held: two buffers of the largest run (at most ``RUN_BYTES`` or the largest saved chunk).
+tensors), and reads run ``i + 1`` into one buffer while the caller works on run ``i`` in the other
+(for a GPU destination: page-locked buffers, refilled once the DMA from them has ended). Only the
+chunks taken are read (a restore at another world size reads parts of several files); memory held:
+two buffers of the largest run (``RUN_BYTES``, or the largest saved chunk if larger).
 """
 
 from __future__ import annotations
@@ -50,18 +51,35 @@ def plan_runs(chunks: list[dict[str, Any]]) -> list[Run]:
     return runs
 
 
+def _pageable(n: int) -> torch.Tensor:
+    return torch.empty(n, dtype=torch.uint8)
+
+
 class ReadAhead:
     """Hands out the raw bytes of the planned chunks in order (:meth:`take`), read one run ahead on a
     thread. ``pread(name, into, offset)`` reads into a ``uint8`` tensor and returns the bytes read; it
-    must be safe to call off the caller's thread (file descriptors opened beforehand). Use as a context
-    manager: leaving it stops and joins the thread, whatever happened."""
+    must be safe to call off the caller's thread (file descriptors opened beforehand).
 
-    def __init__(self, chunks: list[dict[str, Any]], pread: Callable[[str, torch.Tensor, int], int], where: Callable[[str], str]) -> None:
+    ``alloc(n)`` makes the two buffers, on the caller's thread (page-locked ones for a GPU destination).
+    ``fence()``, if given, is called when the caller is done with a run's buffer and returns something
+    whose ``synchronize()`` the thread waits for before refilling it (a CUDA event after the copies
+    still reading it). Use as a context manager: leaving it stops and joins the thread, whatever happened."""
+
+    def __init__(
+        self,
+        chunks: list[dict[str, Any]],
+        pread: Callable[[str, torch.Tensor, int], int],
+        where: Callable[[str], str],
+        *,
+        alloc: Callable[[int], torch.Tensor] = _pageable,
+        fence: Callable[[], Any] | None = None,
+    ) -> None:
         self._runs = plan_runs(chunks)
-        self._pread, self._where = pread, where
-        self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
+        self._pread, self._where, self._fence = pread, where, fence
+        size = max((r.end - r.start for r in self._runs), default=0)
+        self._free: queue.SimpleQueue[tuple[torch.Tensor, Any]] = queue.SimpleQueue()
         for _ in range(2):
-            self._free.put(torch.empty(0, dtype=torch.uint8))
+            self._free.put((alloc(size), None))
         self._filled: queue.SimpleQueue[tuple[Run, torch.Tensor] | BaseException | None] = queue.SimpleQueue()
         self._stop = False
         self._run: Run | None = None  # the run being taken from, its buffer, and how many of its chunks are left
@@ -72,13 +90,13 @@ class ReadAhead:
 
     def _work(self) -> None:
         for run in self._runs:
-            buf = self._free.get()  # waits until the caller is done with the run before last
+            buf, done = self._free.get()  # waits until the caller is done with the run before last
             if self._stop:
                 return
             n = run.end - run.start
             try:
-                if buf.numel() < n:
-                    buf = torch.empty(n, dtype=torch.uint8)
+                if done is not None:
+                    done.synchronize()  # copies still reading this buffer (a GPU's DMA) have ended
                 if self._pread(run.name, buf[:n], run.start) != n:
                     raise FormatError(f"{self._where(run.name)} ends inside bytes {run.start}-{run.end}: truncated")
             except BaseException as e:  # handed to the caller, who raises it
@@ -91,8 +109,8 @@ class ReadAhead:
         """The raw (unverified) bytes of the next planned chunk, which must be ``c``: a view valid until the
         chunk after the next is taken."""
         if self._left == 0:
-            if self._run is not None:
-                self._free.put(self._buf)  # the thread may refill it now
+            if self._run is not None:  # the thread may refill it now (after the fence, if any)
+                self._free.put((self._buf, self._fence() if self._fence is not None else None))
             got = self._filled.get()
             if got is None:
                 raise RuntimeError("more chunks taken than were planned")
@@ -109,8 +127,8 @@ class ReadAhead:
 
     def close(self) -> None:
         self._stop = True
-        self._free.put(torch.empty(0, dtype=torch.uint8))  # wakes the thread if it waits for a buffer
-        self._free.put(torch.empty(0, dtype=torch.uint8))
+        for _ in range(2):  # wakes the thread if it waits for a buffer
+            self._free.put((torch.empty(0, dtype=torch.uint8), None))
         self._thread.join()
 
     def __enter__(self) -> ReadAhead:

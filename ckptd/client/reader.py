@@ -36,7 +36,7 @@ class CheckpointReader:
       (memory held: the largest saved chunk, so an export of a checkpoint larger than RAM stays small);
       :meth:`read_many` (a restore) reads them on a thread instead, in file order, adjacent chunks in one
       read, one run ahead of the checksum and copy (:mod:`.readahead`; memory held: two buffers of
-      ``RUN_BYTES`` or the largest chunk);
+      ``RUN_BYTES`` or the largest chunk, page-locked for a GPU destination);
     * the daemon's shared-memory segments of a hot restore are mapped read-only and used in place: the
       only copy is into the destination.
 
@@ -185,7 +185,11 @@ class CheckpointReader:
 
     def _copy_chunk(self, key: str, c: dict[str, Any], put: Callable[[torch.Tensor], None], device: torch.device | None) -> None:
         """``put`` the typed saved chunk ``c`` (it copies the part it needs), verifying its checksum meanwhile."""
-        raw = self._raw(c, device)
+        self._consume(key, c, self._raw(c, device), put, device)
+
+    def _consume(
+        self, key: str, c: dict[str, Any], raw: torch.Tensor, put: Callable[[torch.Tensor], None], device: torch.device | None
+    ) -> None:
         if device is not None:  # the GPU copies (non-blocking, from page-locked memory) while the CPU hashes
             with self._upload(device).stream_for(raw):
                 put(self._typed(key, c, raw))
@@ -204,27 +208,32 @@ class CheckpointReader:
 
     def read_many(self, pieces: list[Piece]) -> None:
         """Copy in the :meth:`pieces` of many regions (each fills its own part of its destination, so in any
-        order). Chunks read from disk for a CPU destination are taken in file order and read ahead on a
-        thread (:class:`.readahead.ReadAhead`) while this one verifies and copies."""
-        disk: list[Piece] = []
-        rest: list[Piece] = []
+        order). Chunks read from disk are taken in file order, per destination device, and read ahead on a
+        thread (:class:`.readahead.ReadAhead`) while this one verifies and copies them."""
+        disk: dict[torch.device | None, list[Piece]] = {}
         for p in pieces:
-            (disk if p[3] is None and p[1]["file"] not in self._files else rest).append(p)
-        if len(disk) < 2:  # nothing to read ahead of
-            rest, disk = pieces, []
-        for key, c, put, device in rest:
-            self._copy_chunk(key, c, put, device)
-        if not disk:
-            return
+            if p[1]["file"] in self._files:  # the daemon's memory: mapped, nothing to read
+                self._copy_chunk(*p)
+            else:
+                disk.setdefault(p[3], []).append(p)
+        for device, group in disk.items():
+            if len(group) < 2:  # nothing to read ahead of
+                self._copy_chunk(*group[0])
+                continue
+            group.sort(key=lambda p: (p[1]["file"], p[1]["byte_range"][0]))
+            self._read_ahead(group, device)
+
+    def _read_ahead(self, group: list[Piece], device: torch.device | None) -> None:
         from .readahead import ReadAhead
 
-        disk.sort(key=lambda p: (p[1]["file"], p[1]["byte_range"][0]))
-        fds = {p[1]["file"]: self._fd(p[1]["file"]) for p in disk}  # opened (and size-checked) here, read on the thread
-        with ReadAhead([p[1] for p in disk], lambda name, into, offset: self._pread(fds[name], into, offset), self.where) as ra:
-            for key, c, put, _ in disk:
-                raw = ra.take(c)
-                self._check(key, c, raw)
-                put(self._typed(key, c, raw))
+        fds = {p[1]["file"]: self._fd(p[1]["file"]) for p in group}  # opened (and size-checked) here, read on the thread
+        kw: dict[str, Any] = {}
+        if device is not None:  # page-locked buffers, refilled once the copies from them ended
+            up = self._upload(device)
+            kw = {"alloc": up.pinned, "fence": up.fence}
+        with ReadAhead([p[1] for p in group], lambda name, into, offset: self._pread(fds[name], into, offset), self.where, **kw) as ra:
+            for key, c, put, _ in group:
+                self._consume(key, c, ra.take(c), put, device)
 
     def pieces(self, key: str, dst: torch.Tensor, offsets: tuple[int, ...], *, cast: torch.dtype | None = None) -> list[Piece]:
         """What filling ``dst`` (see :meth:`read_into`) takes: each saved chunk it needs, with the function
