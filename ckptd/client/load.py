@@ -250,9 +250,10 @@ def _listed(keys: list[str]) -> str:
 
 @contextmanager
 def gc_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector paused: a restore plans every chunk before reading any (thousands
-    of small objects for a state of small tensors, all alive until the read), and collections over them
-    cost more than the reads (none of them is cyclic: reference counting frees them)."""
+    """Python's cyclic garbage collector paused, for the whole process, while a restore plans every chunk
+    and reads them (thousands of small objects for a state of small tensors, all alive until the read:
+    collections over them cost more than the reads; none is cyclic, reference counting frees them).
+    Concurrent restores may re-enable it for each other early; it is enabled again if it was before."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -288,7 +289,7 @@ def load_into(
                     loader.missing.append(part)
                     continue
                 out[part] = loader.model(sd) if part == "model" else loader.optim(sd, target_root.get("model", {}))
-            reader.read_many(loader.pieces)
+            reader.read_many(loader.pieces)  # still paused: the pieces stay alive until read
     except CheckpointError as e:
         error = e
     missing, unexpected, failed = _agree(loader.missing, loader.unexpected, error, strict)

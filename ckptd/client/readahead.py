@@ -7,7 +7,7 @@ next to each other in one file into *runs* of up to :data:`RUN_BYTES` (one ``pre
 tensors), and reads run ``i + 1`` into one buffer while the caller works on run ``i`` in the other
 (for a GPU destination: page-locked buffers, refilled once the DMA from them has ended). Only the
 chunks taken are read (a restore at another world size reads parts of several files); memory held:
-two buffers of the largest run (``RUN_BYTES``, or the largest saved chunk if larger).
+two buffers of the largest run (``RUN_BYTES``, or the largest chunk read ahead: at most ``CHUNK_MAX``).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 from ..errors import FormatError
 
 RUN_BYTES = 16 << 20  # chunks adjacent in a file are read together, up to this many bytes per read
+CHUNK_MAX = 256 << 20  # a chunk larger than this is not read ahead (two buffers of it would cost too much memory)
 GAP_BYTES = 4096  # ... across alignment padding up to this many bytes
 
 
@@ -107,7 +108,7 @@ class ReadAhead:
 
     def take(self, c: dict[str, Any]) -> torch.Tensor:
         """The raw (unverified) bytes of the next planned chunk, which must be ``c``: a view valid until the
-        chunk after the next is taken."""
+        next call (which may hand its buffer back to the thread)."""
         if self._left == 0:
             if self._run is not None:  # the thread may refill it now (after the fence, if any)
                 self._free.put((self._buf, self._fence() if self._fence is not None else None))

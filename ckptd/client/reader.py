@@ -36,7 +36,8 @@ class CheckpointReader:
       (memory held: the largest saved chunk, so an export of a checkpoint larger than RAM stays small);
       :meth:`read_many` (a restore) reads them on a thread instead, in file order, adjacent chunks in one
       read, one run ahead of the checksum and copy (:mod:`.readahead`; memory held: two buffers of
-      ``RUN_BYTES`` or the largest chunk, page-locked for a GPU destination);
+      ``RUN_BYTES`` or the largest chunk up to ``CHUNK_MAX``, page-locked for a GPU destination; larger
+      chunks are read one at a time into the scratch buffer);
     * the daemon's shared-memory segments of a hot restore are mapped read-only and used in place: the
       only copy is into the destination.
 
@@ -210,9 +211,12 @@ class CheckpointReader:
         """Copy in the :meth:`pieces` of many regions (each fills its own part of its destination, so in any
         order). Chunks read from disk are taken in file order, per destination device, and read ahead on a
         thread (:class:`.readahead.ReadAhead`) while this one verifies and copies them."""
+        from .readahead import CHUNK_MAX
+
         disk: dict[torch.device | None, list[Piece]] = {}
         for p in pieces:
-            if p[1]["file"] in self._files:  # the daemon's memory: mapped, nothing to read
+            b, e = p[1]["byte_range"]
+            if p[1]["file"] in self._files or e - b > CHUNK_MAX:  # the daemon's memory (mapped), or a huge chunk
                 self._copy_chunk(*p)
             else:
                 disk.setdefault(p[3], []).append(p)
