@@ -13,7 +13,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -122,7 +124,7 @@ def test_upload_step_sends_shards_then_fragments_then_manifest(store: MemoryStor
     sent = upload_step(store, path, JOB, 4, moved.append)
     order = [shard_name(0), shard_name(1), fragment_name(0), fragment_name(1), MANIFEST]
     # first the manifest of an older step of that number goes (none here), then data, fragments, manifest
-    assert [op for op, _ in store.calls] == ["delete"] + ["put"] * 5
+    assert [op for op, _ in store.calls] == ["delete"] + ["put"] * 5  # the manifest as the bytes read before the files
     assert [key for _, key in store.calls] == [bucket_key(JOB, 4, n) for n in [MANIFEST, *order]]
     for name in order:  # every object is the local file, byte for byte
         assert store.objects[bucket_key(JOB, 4, name)] == Path(path, name).read_bytes()
@@ -139,11 +141,37 @@ def test_upload_step_refuses_a_step_that_is_not_complete(store: MemoryStore, src
 
 def test_upload_failing_at_the_manifest_leaves_a_partial_step(store: MemoryStore, src: str) -> None:
     path = make_step(src, JOB, 4)
-    with pytest.raises(CheckpointError, match="injected failure: put_file j/step-4/manifest.json"):
-        upload_step(FaultyStore(store, put_file=[MANIFEST]), path, JOB, 4)
+    with pytest.raises(CheckpointError, match="injected failure: put_bytes j/step-4/manifest.json"):
+        upload_step(FaultyStore(store, put_bytes=[MANIFEST]), path, JOB, 4)
     assert step_keys(store, JOB, 4) == [bucket_key(JOB, 4, fragment_name(0)), bucket_key(JOB, 4, shard_name(0))]
     assert remote_steps(store, JOB) == ([], [4])  # data without a manifest: not complete in the bucket
     upload_step(store, path, JOB, 4)  # the retry completes it
+    assert remote_steps(store, JOB) == ([4], [])
+
+
+def test_an_upload_whose_step_is_replaced_midway_never_completes_in_the_bucket(store: MemoryStore, src: str) -> None:
+    """A rolled-back run's step 4 takes the old step 4's place while the old one is being uploaded: the
+    files sent may be of either, so no manifest goes up (the new step's own upload completes it)."""
+    path = make_step(src, JOB, 4)
+
+    class Swapping:
+        def __init__(self) -> None:
+            self.done = False
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(store, name)
+
+        def put_file(self, rel: str, local: str, progress: Any = None) -> None:
+            store.put_file(rel, local, progress)
+            if not self.done:  # after the first file: the new step is renamed into place
+                self.done = True
+                os.rename(path, path + ".old")
+                shutil.copytree(path + ".old", path)
+
+    with pytest.raises(CheckpointError, match="was replaced by a new step 4 while it was uploaded"):
+        upload_step(Swapping(), path, JOB, 4)  # type: ignore[arg-type]
+    assert remote_steps(store, JOB) == ([], [4])  # data without a manifest: not a checkpoint
+    upload_step(store, path, JOB, 4)
     assert remote_steps(store, JOB) == ([4], [])
 
 
@@ -246,7 +274,7 @@ def test_remote_steps_splits_complete_from_partial_and_ignores_other_keys(store:
     for step in (2, 10):
         uploaded(store, src, JOB, step)
     with pytest.raises(CheckpointError):  # an upload that died before its manifest
-        upload_step(FaultyStore(store, put_file=[MANIFEST]), make_step(src, JOB, 3), JOB, 3)
+        upload_step(FaultyStore(store, put_bytes=[MANIFEST]), make_step(src, JOB, 3), JOB, 3)
     uploaded(store, src, "jx", 7)  # another job whose name starts the same
     for key in ("j/latest", "j/step-x/manifest.json", "j/notes/step-4/manifest.json", "jmanifest.json"):
         store.put_bytes(key, b"{}")
@@ -404,7 +432,7 @@ def test_download_step_of_a_missing_object_fails_and_leaves_nothing(store: Memor
 
 def test_download_step_of_a_step_that_is_not_in_the_bucket_leaves_nothing(store: MemoryStore, src: str, dst: str) -> None:
     with pytest.raises(CheckpointError):
-        upload_step(FaultyStore(store, put_file=[MANIFEST]), make_step(src, JOB, 3), JOB, 3)
+        upload_step(FaultyStore(store, put_bytes=[MANIFEST]), make_step(src, JOB, 3), JOB, 3)
     with pytest.raises(FileNotFoundError, match=re.escape(store.url(bucket_key(JOB, 3, MANIFEST)))):
         download_step(store, dst, JOB, 3)  # a partial upload: data, no manifest
     assert_nothing_left(dst, JOB, 3)
@@ -441,7 +469,7 @@ def test_remote_retention_protects_named_steps(store: MemoryStore, src: str) -> 
 
 
 def test_remote_retention_removes_stale_partial_uploads_but_not_busy_or_newer_ones(store: MemoryStore, src: str) -> None:
-    faulty = FaultyStore(store, put_file=[MANIFEST])
+    faulty = FaultyStore(store, put_bytes=[MANIFEST])
     for step in (1, 3, 4, 7):  # uploads that died before their manifest
         with pytest.raises(CheckpointError):
             upload_step(faulty, make_step(src, JOB, step), JOB, step)
@@ -456,7 +484,7 @@ def test_remote_retention_removes_stale_partial_uploads_but_not_busy_or_newer_on
 
 
 def test_remote_retention_without_a_complete_step_keeps_every_partial_upload(store: MemoryStore, src: str) -> None:
-    faulty = FaultyStore(store, put_file=[MANIFEST])
+    faulty = FaultyStore(store, put_bytes=[MANIFEST])
     for step in (1, 2):
         with pytest.raises(CheckpointError):
             upload_step(faulty, make_step(src, JOB, step), JOB, step)

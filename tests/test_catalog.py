@@ -134,7 +134,7 @@ def test_bucket_steps_are_complete_uploads_only(root: str, other: str, store: Me
     assert StepCatalog(root).bucket_steps(JOB) == []  # no bucket configured
     to_bucket(store, other, JOB, 2, 10)
     with pytest.raises(CheckpointError):  # an upload that died before its manifest
-        upload_step(FaultyStore(store, put_file=[MANIFEST]), make_step(other, JOB, 11), JOB, 11)
+        upload_step(FaultyStore(store, put_bytes=[MANIFEST]), make_step(other, JOB, 11), JOB, 11)
     to_bucket(store, other, "jx", 12)
     assert StepCatalog(root, store).bucket_steps(JOB) == [2, 10]
     assert StepCatalog(root, store).bucket_steps("jx") == [12]
@@ -183,7 +183,7 @@ def test_find_of_a_step_only_the_bucket_has(root: str, other: str, store: Memory
 def test_find_ignores_partial_uploads(root: str, other: str, store: MemoryStore) -> None:
     make_step(root, JOB, 2)
     with pytest.raises(CheckpointError):
-        upload_step(FaultyStore(store, put_file=[MANIFEST]), make_step(other, JOB, 6), JOB, 6)
+        upload_step(FaultyStore(store, put_bytes=[MANIFEST]), make_step(other, JOB, 6), JOB, 6)
     cat = StepCatalog(root, store)
     assert cat.find(JOB) == Found(2, Source.DISK, step_dir(root, JOB, 2))
     with pytest.raises(NoStep, match="step 6 of job 'j' is not a committed checkpoint"):
@@ -204,7 +204,7 @@ def test_find_without_a_bucket_reads_the_root_only(root: str) -> None:
 def test_no_step_names_the_job_and_where_it_looked(root: str, other: str, store: MemoryStore) -> None:
     write_partial(root, JOB, 1)  # partial steps do not count, locally or in the bucket
     with pytest.raises(CheckpointError):
-        upload_step(FaultyStore(store, put_file=[MANIFEST]), make_step(other, JOB, 2), JOB, 2)
+        upload_step(FaultyStore(store, put_bytes=[MANIFEST]), make_step(other, JOB, 2), JOB, 2)
     to_bucket(store, other, "another", 3)
     cat = StepCatalog(root, store)
     where = re.escape(f"under {root} or in mem://ckpts/")

@@ -268,6 +268,24 @@ def test_a_rolled_back_re_save_replaces_the_old_step_only_once_every_rank_is_on_
     assert sorted(os.listdir(os.path.join(rig.root, JOB))) == ["latest", "step-30"]
 
 
+def test_a_re_save_joins_by_the_old_steps_commit_time_and_a_multi_node_copy_goes_at_once(make_rig: Callable[..., Rig]) -> None:
+    from ckptd.daemon.admission import Admission
+
+    rig = make_rig()
+    rig.commit(40, 0, 1, shard(40, 0, 1), at=9_000_000_000)  # stamped by a clock far ahead (another node's)
+    rig.pump(1)
+    admission = Admission(rig.root, rig.steps, rig.pool, rig.completion.settle)
+    a = admission.admit(JOB, 40, 0, 2, 2, None, after=10, run=2)
+    assert a.replaces and a.replaces_at == 9_000_000_000  # the daemon stamps the new commits later than this
+    rig.commit(40, 0, 2, shard(41, 0, 2), at=1_000_000, track=a)  # even if this clock is behind
+    assert admission.admit(JOB, 40, 1, 2, 2, None, after=10, run=2) is a  # rank 1 joins rank 0's attempt
+
+    rig.commit(50, 0, 1, shard(50, 0, 1))
+    rig.pump(2)  # step 40's rank 0 and step 50
+    admission.admit(JOB, 50, 0, 2, 1, None, after=10, run=2)  # a multi-node re-save: the local copy is a cache
+    assert not os.path.exists(step_dir(rig.root, JOB, 50))
+
+
 # ---------------------------------------------------------------------------- superseded steps
 
 

@@ -243,6 +243,28 @@ def test_a_rolled_back_run_replaces_a_memory_only_step(daemon) -> None:  # noqa:
         _restores(c, 2, want)
 
 
+def test_a_rolled_back_re_save_held_in_memory_takes_the_old_steps_place_once_sealed(daemon) -> None:  # noqa: ANN001
+    """Steps 1 and 2 on disk; a run rolls back to 1 and saves 2 again, memory-only: once the new step 2 is
+    complete in memory the old line's step 2 leaves the disk, so no restore of step 2 (even after the new
+    one is dropped or the daemon restarts) can fall back to the abandoned line."""
+    model, optim = make()
+    with daemon.client("rm") as c:
+        _snapshot_steps(c, model, optim, (1, 2))
+        c.wait(timeout=30)
+    assert complete_steps(daemon.root, "rm") == [1, 2]
+    with daemon.client("rm", persist_every=100) as c:
+        c.restore(model, optim, step=1)
+        train_step(model, optim, 9)
+        want = full_state(model, optim)
+        c.snapshot(model, optim, step=2, blocking=True)
+        until(lambda: job_status(c, "rm").get("memory_only") == [2], what="the new step 2 in memory")
+        assert complete_steps(daemon.root, "rm") == [1]
+        m2, o2 = make(seed=4)
+        c.restore(m2, o2, step=2)
+        assert c.last_restore["source"] == "memory"
+        assert_same(full_state(m2, o2), want)
+
+
 # ---------------------------------------------------------------------------- persisting slower than snapshots
 
 

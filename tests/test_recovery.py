@@ -411,6 +411,35 @@ def test_a_committed_shard_newer_than_the_complete_step_of_its_number_is_persist
     assert _trash(node.root) == []
 
 
+def test_a_cut_short_replacement_whose_new_step_cannot_be_finalized_keeps_the_old_step(node: Node) -> None:
+    """The crash came between moving the old step 5 aside and renaming the new one into place, and the new
+    one's fragments turn out not to make a checkpoint: the old step is moved back, not deleted."""
+    path = complete_step(node.root, 5, 2)
+    for r in range(2):
+        write_fragment(node.root, 5, r, 2, at=NEW_AT + r, row=0)  # both claim rows 0-3: rows 4-7 uncovered
+    os.rename(path, os.path.join(node.root, JOB, "step-5.del"))
+    node.recover()
+    assert read_manifest(path)["committed_at"] == OLD_AT and verify_checkpoint(path) == []
+    assert partial_dirs(node.root) == [] and _trash(node.root) == []
+
+
+def test_a_replacement_whose_rename_fails_puts_the_old_step_back(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = complete_step(node.root, 5, 1)
+    write_fragment(node.root, 5, 0, 1, at=NEW_AT)
+    real = os.rename
+
+    def rename(src: str, dst: str) -> None:
+        if src.endswith(".tmp"):
+            raise OSError(5, "Input/output error")
+        real(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(OSError, match="Input/output error"):
+        local.finalize_step(node.root, JOB, 5, 1)
+    monkeypatch.undo()
+    assert read_manifest(path)["committed_at"] == OLD_AT and verify_checkpoint(path) == [] and _trash(node.root) == []
+
+
 def test_a_complete_step_is_never_replaced_by_fragments_committed_no_later(node: Node) -> None:
     path = complete_step(node.root, 5, 1)
     write_fragment(node.root, 5, 0, 1, at=OLD_AT)  # the same commit time: not a newer attempt

@@ -168,6 +168,9 @@ class _Recorder:
     def put_file(self, rel: str, path: str, progress: Any = None) -> None:
         self.puts.append(rel)
 
+    def put_bytes(self, rel: str, data: bytes) -> None:
+        self.puts.append(rel)
+
     def delete(self, rels: list[str]) -> None:
         self.puts.extend(f"delete {r}" for r in rels)
 

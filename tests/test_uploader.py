@@ -147,7 +147,7 @@ def test_failed_upload_is_reported_and_the_thread_goes_on(tmp_path: Path) -> Non
     write_step(root, JOB, 1)
     write_step(root, JOB, 2)
     mem = MemoryStore()
-    store = FaultyStore(mem, put_file=[2])  # step 1's third file: its manifest
+    store = FaultyStore(mem, put_bytes=[0])  # step 1's manifest (the first put_bytes)
     results = Results()
     up = make_uploader(store, root, results)
     try:

@@ -34,6 +34,7 @@ import psutil
 
 from ..errors import ProtocolError
 from ..layout import step_dir
+from ..storage import local
 from ..storage.local import committed_at
 from .slots import SlotPool
 from .steps import StepKey, StepState, StepTable, StepTrack
@@ -88,9 +89,10 @@ class Admission:
             self.steps.drop(key)  # a new attempt starts afresh
         replacing = os.path.isdir(step_dir(self.root, job, step))
         if replacing:
-            self._replace(job, step, after)
+            self._replace(job, step, after, multi_node=lws < ws)
         track = self.steps.check_commit(key, rank, ws, lws)
-        track.replaces = track.replaces or replacing
+        if replacing and not track.replaces:  # the new line's commits are ordered after the old step's
+            track.replaces, track.replaces_at = True, committed_at(step_dir(self.root, job, step))
         return track
 
     def committed(self, job: str, step: int, rank: int, peer: int | None = None, run: int | None = None) -> None:
@@ -122,9 +124,10 @@ class Admission:
             )
         self._runs[job] = (run, set())  # the earlier run is gone (or this process ran it): a relaunch takes over
 
-    def _replace(self, job: str, step: int, after: int | None) -> None:
+    def _replace(self, job: str, step: int, after: int | None, *, multi_node: bool) -> None:
         """A commit of ``step``, which is complete on disk: refused unless the client rolled back past it. The
-        old step stays until the new one is complete (see the module's docstring)."""
+        old step stays until the new one is complete (see the module's docstring), but for a multi-node
+        step, whose local copy is only a cache of the bucket's: that goes at once."""
         if after is None or after >= step:
             since = "restored no step" if after is None else f"restored step {after}"
             raise ProtocolError(
@@ -133,8 +136,12 @@ class Admission:
             )
         track = self.steps.get((job, step))
         if track is not None and track.state is StepState.PENDING and track.replaces:
-            if committed_at(step_dir(self.root, job, step)) < track.committed_at:
-                return  # another rank of the new attempt committed first (the old step is older than it)
-        self.steps.drop((job, step))  # the old step's track: the new attempt is tracked afresh
+            if committed_at(step_dir(self.root, job, step)) == track.replaces_at:
+                return  # another rank of the new attempt committed first: the old step is still the one it replaces
+        if track is not None and track.state is StepState.MEMORY:
+            return  # a re-save held in memory (its old step goes when it is sealed): check_commit refuses this
+        self.steps.drop((job, step))  # the old step's track (or its attempt's, finalized, event not yet handled)
         self.pool.forget_held(job, step)  # hot restores read the old step from disk until it is replaced
+        if multi_node:
+            local.retire_step(self.root, job, step)
         log.info("job %s: step %s is saved again by a run rolled back to step %s; it replaces the old one when complete", job, step, after)

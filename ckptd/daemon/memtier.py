@@ -37,6 +37,7 @@ from typing import Any
 from ..errors import FormatError
 from ..format import MAX_HEADER_BYTES, build_fragment, build_manifest, commit_time, parse_header
 from ..layout import shard_name
+from ..storage import local
 from ..storage.local import committed_at
 from .catalog import StepCatalog
 from .events import EventQueue, ShardSealed
@@ -172,6 +173,8 @@ class MemoryTier:
             self._settle(key, track)
             return
         track.state, track.sealed = StepState.MEMORY, True
+        if track.replaces:  # a rolled-back run's re-save, complete in memory: the old line's step goes now
+            local.retire_step(self.catalog.root, ev.job, ev.step)
         self.catalog.note_memory(ev.job, ev.step, ev.manifest)
         self.counters.memory_steps += 1
         # persisted first if someone asked: completing it may retry a deferred alloc that would drop it

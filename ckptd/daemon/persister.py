@@ -96,7 +96,7 @@ class Persister:
         upload and fetch threads (:func:`ckptd.storage.local.job_lock`)."""
         return local.job_lock(self.root, job)
 
-    def submit(self, slot: Slot, attempt: int = 0) -> None:
+    def submit(self, slot: Slot, attempt: int) -> None:
         """Main thread: persist this committed slot, of the step's ``attempt`` (its event names it). It is the
         worker's until its event is handled."""
         self._pool.submit(self._run, slot, dict(slot.lease or {}), attempt)

@@ -14,12 +14,13 @@ Main thread, before the loop starts: persist and upload threads only run what th
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
 from .. import shm
 from ..errors import CheckpointError, ProtocolError
-from ..layout import fragments_present, is_complete, partial_steps, step_dir
+from ..layout import fragments_present, is_complete, partial_steps, step_dir, trashed_steps
 from ..protocol import validate_record
 from ..storage import local
 from .persister import Persister
@@ -126,10 +127,17 @@ def recover(
     a step finalized just now from the fragments on disk are dropped and the step is durable."""
     adopt_segments(pool, steps, root)
     for job in jobs:
-        for step in local.empty_trash(root, job):
+        # an old step moved aside for a rolled-back run's re-save whose new step is not in place yet: kept
+        # until that one is finalized (below), then deleted, or moved back if it cannot be
+        swapping = [s for s in trashed_steps(root, job) if not os.path.exists(step_dir(root, job, s)) and s in partial_steps(root, job)]
+        for step in local.empty_trash(root, job, keep=swapping):
             log.info("finished deleting step %s of job %s (retention was interrupted)", step, job)
         for step in partial_steps(root, job):
             finish_partial_step(root, job, step, steps, persister, uploader)
+        for step in swapping:
+            if local.restore_trash(root, job, step):
+                log.warning("step %s of job %s: its rolled-back re-save could not be finished; the old step is kept", step, job)
+        local.empty_trash(root, job)
     for slot in pool:
         if slot.state is not SlotState.COMMITTED:
             continue

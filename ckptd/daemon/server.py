@@ -361,7 +361,7 @@ class Daemon:
         self.tiering.set_job(job, msg["persist_every"], msg["persist_interval"])
         self.memtier.decide(job, track, lws < ws)
         record = {k: msg[k] for k in ("job", "rank", "world_size", "local_world_size", "step", "nbytes", "replicas")}
-        record["committed_at"] = self._commit_time(job)
+        record["committed_at"] = self._commit_time(job, track.replaces_at)
         tree = msg["frames"][0]
         self.pool.segments.write_record(slot.name, record, tree=tree)  # from here on the shard survives any crash
         record["tree"] = tree  # raw JSON: parsed on the persist thread
@@ -374,13 +374,14 @@ class Daemon:
             self.memtier.seal(slot)
         return {}
 
-    def _commit_time(self, job: str) -> int:
+    def _commit_time(self, job: str, after: int = 0) -> int:
         """Nanoseconds since the epoch, strictly increasing per job in this run (a clock stepped back
-        must not make a later commit look older): the commit order ``latest`` follows."""
+        must not make a later commit look older), and later than ``after`` (the old step a rolled-back
+        run's re-save replaces, which another node's clock may have stamped): the order ``latest`` follows."""
         if job not in self._last_commit_ns:  # after a restart: later than every step on disk, whatever the clock says
             _, path = self.catalog.latest(job)
             self._last_commit_ns[job] = committed_at(path) if path is not None else 0
-        t = max(time.time_ns(), self._last_commit_ns[job] + 1)
+        t = max(time.time_ns(), self._last_commit_ns[job] + 1, after + 1)
         self._last_commit_ns[job] = t
         return t
 

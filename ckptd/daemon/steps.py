@@ -51,6 +51,7 @@ class StepTrack:
     persist_failed_at: float = 0.0  # when an attempt last failed (monotonic): automatic retries wait a while
     persist_failures: int = 0  # attempts that failed: the automatic retries back off
     replaces: bool = False  # a rolled-back run's re-save of a number complete on disk: it takes the old step's place
+    replaces_at: int = 0  # ... whose committed_at this is (its own commits are stamped later)
     # this track's own number: a step number saved again (abandoned, rolled back) is a new attempt, and work
     # still in flight for an earlier one (a seal) must not count toward this one
     attempt: int = field(default_factory=lambda: next(_ATTEMPTS))

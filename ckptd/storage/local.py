@@ -149,19 +149,58 @@ def finalize_step(root: str, job: str, step: int, world_size: int) -> str:
         raise CheckpointError(f"{final} already exists: a complete checkpoint is never overwritten")
     write_json_durable(os.path.join(d, MANIFEST), manifest)
     if old:  # saved again by a run rolled back past it (admitted by the daemon): the newer commit replaces it
-        trash = trash_dir(root, job, step)
-        shutil.rmtree(trash, ignore_errors=True)
-        os.rename(final, trash)  # a crash from here on: recovery deletes the old step and finalizes this one again
-    os.rename(d, final)
-    fsync_dir(job_dir(root, job))
-    if old:
-        shutil.rmtree(trash, ignore_errors=True)
-        log.info("step %s of job %s replaced by a newer commit of the same number (a rollback)", step, job)
+        _swap(root, job, step)
+    else:
+        os.rename(d, final)
+        fsync_dir(job_dir(root, job))
     try:
         update_latest(root, job, step)
     except OSError as e:  # the step is complete and durable all the same; latest_step() finds it by its manifest
         log.error("step %s of job %s is complete but %s could not be updated: %s", step, job, latest_file(root, job), e)
     return final
+
+
+def _swap(root: str, job: str, step: int) -> None:
+    """Put the complete ``step-N.tmp`` in the place of the complete ``step-N`` it replaces. The old one is
+    moved aside (``step-N.del``) first and deleted only once the new one is in place: a failure in between
+    moves it back, and a crash in between leaves both for recovery (:func:`restore_trash`)."""
+    d, final, trash = tmp_dir(root, job, step), step_dir(root, job, step), trash_dir(root, job, step)
+    shutil.rmtree(trash, ignore_errors=True)
+    os.rename(final, trash)
+    try:
+        os.rename(d, final)
+        fsync_dir(job_dir(root, job))
+    except OSError:
+        if not os.path.exists(final):
+            os.rename(trash, final)
+        raise
+    shutil.rmtree(trash, ignore_errors=True)
+    log.info("step %s of job %s replaced by a newer commit of the same number (a rollback)", step, job)
+
+
+def retire_step(root: str, job: str, step: int) -> None:
+    """Take complete step ``step`` out of the committed namespace at once (renamed ``step-N.del`` under the
+    job's lock) and delete it on a thread: a rolled-back run's re-save of it is complete in memory, or
+    is a multi-node step whose local copy is only a cache of the bucket's."""
+    d, trash = step_dir(root, job, step), trash_dir(root, job, step)
+    with job_lock(root, job):
+        if not os.path.isdir(d):
+            return
+        shutil.rmtree(trash, ignore_errors=True)
+        os.rename(d, trash)
+        fsync_dir(job_dir(root, job))
+    threading.Thread(target=shutil.rmtree, args=(trash, True), name=f"ckptd-retire-{step}", daemon=True).start()
+
+
+def restore_trash(root: str, job: str, step: int) -> bool:
+    """After recovery finished the partial steps: a ``step-N.del`` with no ``step-N`` is the old step of a
+    replacement a crash cut short whose new step could not be finalized: it is moved back (True)."""
+    trash, final = trash_dir(root, job, step), step_dir(root, job, step)
+    if os.path.exists(final) or not is_complete(trash):
+        return False
+    os.rename(trash, final)
+    fsync_dir(job_dir(root, job))
+    return True
 
 
 def read_latest(root: str, job: str) -> int | None:
@@ -250,9 +289,9 @@ def apply_retention(root: str, job: str, policy: RetentionPolicy) -> list[int]:
     return sorted(removed)
 
 
-def empty_trash(root: str, job: str) -> list[int]:
-    """Finish deleting the steps a crash left half-deleted by retention (``step-N.del``); returns them."""
-    steps = trashed_steps(root, job)
+def empty_trash(root: str, job: str, keep: list[int] | None = None) -> list[int]:
+    """Finish deleting the steps a crash left half-deleted (``step-N.del``), but those in ``keep``; returns them."""
+    steps = [s for s in trashed_steps(root, job) if s not in (keep or [])]
     for s in steps:
         shutil.rmtree(trash_dir(root, job, s), ignore_errors=True)
     return steps

@@ -63,13 +63,22 @@ def upload_step(store: ObjectStore, local_dir: str, job: str, step: int, progres
     names = sorted(os.listdir(local_dir))
     if MANIFEST not in names:
         raise CheckpointError(f"{local_dir} has no {MANIFEST}: only complete steps are uploaded")
+    ino = os.stat(local_dir).st_ino
+    with open(os.path.join(local_dir, MANIFEST), "rb") as f:
+        manifest = f.read()
     # a step number saved again (after a rollback) replaces an older step of that number: it must not
     # look complete while its files are being replaced
     store.delete([bucket_key(job, step, MANIFEST)])
     _commit_cache.pop((store.url(), job, step), None)
     shards = [n for n in names if n.endswith(".safetensors")]
     frags = [n for n in names if fragment_rank(n) is not None]
-    return _upload(store, local_dir, shards + frags + [MANIFEST], job, step, progress)
+    total = _upload(store, local_dir, shards + frags, job, step, progress)
+    if os.stat(local_dir).st_ino != ino:  # a rolled-back run's re-save took its place meanwhile: its files may be mixed in
+        raise CheckpointError(f"{local_dir} was replaced by a new step {step} while it was uploaded; that one is uploaded instead")
+    store.put_bytes(bucket_key(job, step, MANIFEST), manifest)  # the manifest read with the files it names
+    if progress is not None:
+        progress(len(manifest))
+    return total + len(manifest)
 
 
 def rank_files(ranks: list[int]) -> list[str]:
