@@ -7,6 +7,7 @@ Local root (the daemon's ``--root``)::
     <root>/<job>/step-<N>.fetch/    a step being downloaded from the bucket
     <root>/<job>/step-<N>/          a complete step: it holds manifest.json (written last)
     <root>/<job>/step-<N>.del/      a step retention is deleting (renamed out of the way first)
+    <root>/<job>/step-<N>.old/      a complete step being replaced by a newer commit of its number (a rollback)
     <root>/<job>/latest             the step number ``latest`` names: the complete step committed last
 
 Bucket (keys relative to the store's prefix)::
@@ -35,6 +36,7 @@ LATEST = "latest"
 _STEP_RE = re.compile(r"step-(\d+)")
 _TMP_RE = re.compile(r"step-(\d+)\.tmp")
 _DEL_RE = re.compile(r"step-(\d+)\.del")
+_OLD_RE = re.compile(r"step-(\d+)\.old")
 _FRAGMENT_RE = re.compile(r"rank-(\d{5,})\.json")
 _BUCKET_KEY_RE = re.compile(r"step-(\d+)/(.+)", re.S)
 
@@ -88,6 +90,12 @@ def trash_dir(root: str, job: str, step: int) -> str:
     return os.path.join(root, job, f"step-{step}.del")
 
 
+def replaced_dir(root: str, job: str, step: int) -> str:
+    """Where a complete step waits, intact, while a newer commit of its number takes its place: deleted
+    once that one is in place, moved back if it cannot be (never confused with a ``.del`` half-deleted)."""
+    return os.path.join(root, job, f"step-{step}.old")
+
+
 def latest_file(root: str, job: str) -> str:
     return os.path.join(root, job, LATEST)
 
@@ -126,6 +134,11 @@ def partial_steps(root: str, job: str) -> list[int]:
 def trashed_steps(root: str, job: str) -> list[int]:
     """Steps of ``job`` with a ``step-N.del`` directory (retention was deleting it), ascending."""
     return _steps_named(root, job, _DEL_RE, "step-{}.del")
+
+
+def replaced_steps(root: str, job: str) -> list[int]:
+    """Steps of ``job`` with a ``step-N.old`` directory (a replacement was cut short), ascending."""
+    return _steps_named(root, job, _OLD_RE, "step-{}.old")
 
 
 def _steps_named(root: str, job: str, pattern: re.Pattern[str], spell: str) -> list[int]:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _poll import until
 from _rig import JOB, FakeUploader, Rig, rank_tensors, shard, tear_down, tree
 
 from ckptd.daemon.events import ShardPersisted
@@ -283,7 +284,7 @@ def test_a_re_save_joins_by_the_old_steps_commit_time_and_a_multi_node_copy_goes
     rig.commit(50, 0, 1, shard(50, 0, 1))
     rig.pump(2)  # step 40's rank 0 and step 50
     admission.admit(JOB, 50, 0, 2, 1, None, after=10, run=2)  # a multi-node re-save: the local copy is a cache
-    assert not os.path.exists(step_dir(rig.root, JOB, 50))
+    until(lambda: not os.path.exists(step_dir(rig.root, JOB, 50)), what="the old local copy of step 50 retired")
 
 
 # ---------------------------------------------------------------------------- superseded steps

@@ -213,3 +213,22 @@ def test_a_buffer_is_refilled_only_after_its_fence_has_passed() -> None:
         assert ra.take(chunks[2]).tolist() == [3] * 30
         assert reads == [0, step, 2 * step]
     assert _no_thread_left()
+
+
+def test_the_thread_is_set_up_by_init_and_a_failing_init_reaches_the_caller() -> None:
+    """For a GPU destination ``init`` sets the thread's device before any fence is waited for there."""
+    chunks = _chunks(("f", 0, 10), ("f", 10 + readahead.GAP_BYTES + 1, 8192))
+    ran: list[str] = []
+    with readahead.ReadAhead(
+        chunks, lambda n, into, off: into.numel(), str, init=lambda: ran.append(threading.current_thread().name)
+    ) as ra:
+        ra.take(chunks[0])
+    assert ran == ["ckptd-readahead"]
+
+    def broken() -> None:
+        raise RuntimeError("CUDA error: invalid device ordinal")
+
+    with readahead.ReadAhead(chunks, lambda n, into, off: into.numel(), str, init=broken) as ra:
+        with pytest.raises(RuntimeError, match="invalid device ordinal"):
+            ra.take(chunks[0])
+    assert _no_thread_left()

@@ -368,7 +368,7 @@ OLD_AT, NEW_AT = 1_000_005, 2_000_000  # step 5's commit on the abandoned line, 
 
 
 def _trash(root: str) -> list[str]:
-    return sorted(n for n in os.listdir(os.path.join(root, JOB)) if n.endswith(".del"))
+    return sorted(n for n in os.listdir(os.path.join(root, JOB)) if n.endswith((".del", ".old")))
 
 
 def test_a_rolled_back_re_save_cut_short_leaves_the_old_step_complete(node: Node) -> None:
@@ -390,7 +390,7 @@ def test_a_rolled_back_re_save_whose_every_fragment_is_on_disk_replaces_the_old_
     for r in range(2):
         write_fragment(node.root, 5, r, 2, at=NEW_AT + r)
     if renamed:  # the old step was moved aside, the new one not yet renamed into place
-        os.rename(path, os.path.join(node.root, JOB, "step-5.del"))
+        os.rename(path, os.path.join(node.root, JOB, "step-5.old"))
     node.recover()
     assert read_manifest(path)["committed_at"] == NEW_AT + 1 and verify_checkpoint(path) == []
     assert partial_dirs(node.root) == [] and _trash(node.root) == []
@@ -417,10 +417,21 @@ def test_a_cut_short_replacement_whose_new_step_cannot_be_finalized_keeps_the_ol
     path = complete_step(node.root, 5, 2)
     for r in range(2):
         write_fragment(node.root, 5, r, 2, at=NEW_AT + r, row=0)  # both claim rows 0-3: rows 4-7 uncovered
-    os.rename(path, os.path.join(node.root, JOB, "step-5.del"))
+    os.rename(path, os.path.join(node.root, JOB, "step-5.old"))
     node.recover()
     assert read_manifest(path)["committed_at"] == OLD_AT and verify_checkpoint(path) == []
     assert partial_dirs(node.root) == [] and _trash(node.root) == []
+
+
+def test_a_half_deleted_step_is_never_moved_back_even_beside_a_partial_step_of_its_number(node: Node) -> None:
+    """``step-5.del`` is a step retention (or the retiring of a replaced step) was deleting: some of its
+    files may be gone already, so it is deleted, never taken for a replaced step to restore."""
+    path = complete_step(node.root, 5, 2)
+    os.remove(os.path.join(path, shard_name(1)))  # the delete had begun
+    os.rename(path, os.path.join(node.root, JOB, "step-5.del"))
+    write_fragment(node.root, 5, 0, 2, at=NEW_AT)  # a partial new step 5
+    node.recover()
+    assert not os.path.exists(path) and _trash(node.root) == []
 
 
 def test_a_replacement_whose_rename_fails_puts_the_old_step_back(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -438,6 +449,16 @@ def test_a_replacement_whose_rename_fails_puts_the_old_step_back(node: Node, mon
         local.finalize_step(node.root, JOB, 5, 1)
     monkeypatch.undo()
     assert read_manifest(path)["committed_at"] == OLD_AT and verify_checkpoint(path) == [] and _trash(node.root) == []
+
+
+def test_retiring_a_replaced_step_never_removes_a_newer_step_of_its_number(node: Node) -> None:
+    """The retire runs on a thread: by then the new step (a memory-tier re-save persisted at once) may be in
+    place; only the step committed at the time it names goes."""
+    path = complete_step(node.root, 5, 1)
+    local.retire_step(node.root, JOB, 5, committed=OLD_AT - 1).join()  # not the step on disk now
+    assert read_manifest(path)["committed_at"] == OLD_AT
+    local.retire_step(node.root, JOB, 5, committed=OLD_AT).join()
+    assert not os.path.exists(path) and _trash(node.root) == []
 
 
 def test_a_complete_step_is_never_replaced_by_fragments_committed_no_later(node: Node) -> None:

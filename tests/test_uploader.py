@@ -23,7 +23,7 @@ from ckptd.daemon.uploader import Uploader
 from ckptd.errors import CheckpointError
 from ckptd.layout import MANIFEST, bucket_key, parse_bucket_key, step_dir, tmp_dir
 from ckptd.storage.local import finalize_step, write_shard
-from ckptd.storage.remote import download_step, rank_files, remote_steps, upload_ranks, upload_step
+from ckptd.storage.remote import bucket_committed_at, download_step, rank_files, remote_steps, upload_ranks, upload_step
 from ckptd.storage.store import Progress
 
 JOB = "j"
@@ -33,18 +33,19 @@ WAIT_S = 30.0  # generous: only a broken uploader waits this long
 # ---------------------------------------------------------------------------- helpers
 
 
-def write_rank(root: str, job: str, step: int, rank: int, world_size: int) -> None:
-    """Rank ``rank``'s shard of a step into ``step-N.tmp`` (row ``rank`` of ``model/w``; rank 0 also holds ``model/b``)."""
+def write_rank(root: str, job: str, step: int, rank: int, world_size: int, at: int = 0) -> None:
+    """Rank ``rank``'s shard of a step into ``step-N.tmp`` (row ``rank`` of ``model/w``; rank 0 also holds
+    ``model/b``), committed at ``at``."""
     chunks: list[Chunk] = [("model/w", torch.full((1, 4), float(100 * step + rank), dtype=torch.float32), (world_size, 4), (rank, 0))]
     if rank == 0:
         chunks.append(("model/b", torch.arange(3, dtype=torch.int16) + step, (3,), (0,)))
     buf = shard_bytes(chunks)
-    write_shard(root, job, step, rank, world_size, memoryview(buf), len(buf), {"step": step})
+    write_shard(root, job, step, rank, world_size, memoryview(buf), len(buf), {"step": step}, committed_at=at)
 
 
-def write_step(root: str, job: str, step: int) -> str:
+def write_step(root: str, job: str, step: int, at: int = 0) -> str:
     """A complete single-rank step under ``root``; returns its directory."""
-    write_rank(root, job, step, 0, 1)
+    write_rank(root, job, step, 0, 1, at)
     return finalize_step(root, job, step, 1)
 
 
@@ -422,3 +423,20 @@ def test_close_finishes_the_upload_in_progress_and_the_queue(tmp_path: Path) -> 
     assert results.steps() == [("a", 1), ("b", 1), ("c", 1)]
     assert all(r.error is None and r.complete for r in results.items)
     assert remote_steps(store, "b") == ([1], []) and remote_steps(store, "c") == ([1], [])
+
+
+def test_catch_up_sends_a_step_that_replaced_the_bucket_s_older_step_of_its_number(tmp_path: Path) -> None:
+    """The bucket holds the old line's step 4; a rolled-back run's step 4 replaced it here and the daemon
+    restarted before uploading it: the catch-up sends it (the bucket's is an older commit), not skips it."""
+    root, other = str(tmp_path / "root"), str(tmp_path / "other")
+    store, results = MemoryStore(), Results()
+    upload_step(store, write_step(other, JOB, 4, at=1_000), JOB, 4)
+    write_step(root, JOB, 4, at=2_000)
+    up = make_uploader(store, root, results)
+    try:
+        up.catch_up(JOB, [4])
+        (got,) = results.wait(1)
+    finally:
+        up.close()
+    assert got.error is None and got.complete and got.nbytes == local_size(step_dir(root, JOB, 4))
+    assert bucket_committed_at(store, JOB, 4) == 2_000

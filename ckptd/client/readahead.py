@@ -61,7 +61,8 @@ class ReadAhead:
     thread. ``pread(name, into, offset)`` reads into a ``uint8`` tensor and returns the bytes read; it
     must be safe to call off the caller's thread (file descriptors opened beforehand).
 
-    ``alloc(n)`` makes the two buffers, on the caller's thread (page-locked ones for a GPU destination).
+    ``alloc(n)`` makes the two buffers, on the caller's thread (page-locked ones for a GPU destination);
+    ``init()`` runs first on the thread (it sets the thread's GPU).
     ``fence()``, if given, is called when the caller is done with a run's buffer and returns something
     whose ``synchronize()`` the thread waits for before refilling it (a CUDA event after the copies
     still reading it). Use as a context manager: leaving it stops and joins the thread, whatever happened."""
@@ -74,9 +75,10 @@ class ReadAhead:
         *,
         alloc: Callable[[int], torch.Tensor] = _pageable,
         fence: Callable[[], Any] | None = None,
+        init: Callable[[], None] | None = None,
     ) -> None:
         self._runs = plan_runs(chunks)
-        self._pread, self._where, self._fence = pread, where, fence
+        self._pread, self._where, self._fence, self._init = pread, where, fence, init
         size = max((r.end - r.start for r in self._runs), default=0)
         self._free: queue.SimpleQueue[tuple[torch.Tensor, Any]] = queue.SimpleQueue()
         for _ in range(2):
@@ -90,6 +92,12 @@ class ReadAhead:
         self._thread.start()
 
     def _work(self) -> None:
+        if self._init is not None:  # the thread's GPU: a fence waited for elsewhere would make a context on GPU 0
+            try:
+                self._init()
+            except BaseException as e:
+                self._filled.put(e)
+                return
         for run in self._runs:
             buf, done = self._free.get()  # waits until the caller is done with the run before last
             if self._stop:
@@ -131,6 +139,12 @@ class ReadAhead:
         for _ in range(2):  # wakes the thread if it waits for a buffer
             self._free.put((torch.empty(0, dtype=torch.uint8), None))
         self._thread.join()
+        # let go of the buffers now (page-locked ones go back before the reader gives the host cache back),
+        # even while a traceback still holds this object
+        self._buf = torch.empty(0, dtype=torch.uint8)
+        for q in (self._free, self._filled):
+            while not q.empty():
+                q.get_nowait()
 
     def __enter__(self) -> ReadAhead:
         return self

@@ -234,7 +234,7 @@ class CheckpointReader:
         kw: dict[str, Any] = {}
         if device is not None:  # page-locked buffers, refilled once the copies from them ended
             up = self._upload(device)
-            kw = {"alloc": up.pinned, "fence": up.fence}
+            kw = {"alloc": up.pinned, "fence": up.fence, "init": lambda: torch.cuda.set_device(device)}
         with ReadAhead([p[1] for p in group], lambda name, into, offset: self._pread(fds[name], into, offset), self.where, **kw) as ra:
             for key, c, put, _ in group:
                 self._consume(key, c, ra.take(c), put, device)

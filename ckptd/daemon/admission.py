@@ -88,11 +88,12 @@ class Admission:
                 raise ProtocolError(f"step {step} of job {job}: an abandoned attempt's shards are still being cleaned up; retry")
             self.steps.drop(key)  # a new attempt starts afresh
         replacing = os.path.isdir(step_dir(self.root, job, step))
+        old_at = committed_at(step_dir(self.root, job, step)) if replacing else 0
         if replacing:
-            self._replace(job, step, after, multi_node=lws < ws)
+            self._replace(job, step, after, old_at, multi_node=lws < ws)
         track = self.steps.check_commit(key, rank, ws, lws)
         if replacing and not track.replaces:  # the new line's commits are ordered after the old step's
-            track.replaces, track.replaces_at = True, committed_at(step_dir(self.root, job, step))
+            track.replaces, track.replaces_at = True, old_at
         return track
 
     def committed(self, job: str, step: int, rank: int, peer: int | None = None, run: int | None = None) -> None:
@@ -124,7 +125,7 @@ class Admission:
             )
         self._runs[job] = (run, set())  # the earlier run is gone (or this process ran it): a relaunch takes over
 
-    def _replace(self, job: str, step: int, after: int | None, *, multi_node: bool) -> None:
+    def _replace(self, job: str, step: int, after: int | None, old_at: int, *, multi_node: bool) -> None:
         """A commit of ``step``, which is complete on disk: refused unless the client rolled back past it. The
         old step stays until the new one is complete (see the module's docstring), but for a multi-node
         step, whose local copy is only a cache of the bucket's: that goes at once."""
@@ -136,12 +137,12 @@ class Admission:
             )
         track = self.steps.get((job, step))
         if track is not None and track.state is StepState.PENDING and track.replaces:
-            if committed_at(step_dir(self.root, job, step)) == track.replaces_at:
+            if old_at == track.replaces_at:
                 return  # another rank of the new attempt committed first: the old step is still the one it replaces
         if track is not None and track.state is StepState.MEMORY:
             return  # a re-save held in memory (its old step goes when it is sealed): check_commit refuses this
         self.steps.drop((job, step))  # the old step's track (or its attempt's, finalized, event not yet handled)
         self.pool.forget_held(job, step)  # hot restores read the old step from disk until it is replaced
         if multi_node:
-            local.retire_step(self.root, job, step)
+            local.retire_step(self.root, job, step, old_at)
         log.info("job %s: step %s is saved again by a run rolled back to step %s; it replaces the old one when complete", job, step, after)

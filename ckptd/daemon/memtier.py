@@ -174,7 +174,7 @@ class MemoryTier:
             return
         track.state, track.sealed = StepState.MEMORY, True
         if track.replaces:  # a rolled-back run's re-save, complete in memory: the old line's step goes now
-            local.retire_step(self.catalog.root, ev.job, ev.step)
+            local.retire_step(self.catalog.root, ev.job, ev.step, track.replaces_at)
         self.catalog.note_memory(ev.job, ev.step, ev.manifest)
         self.counters.memory_steps += 1
         # persisted first if someone asked: completing it may retry a deferred alloc that would drop it

@@ -4,6 +4,8 @@ the root, finished or cleaned up before the first request is served.
 * A segment with a commit record holds a rank's committed shard: it is adopted and persisted again,
   unless its step is already complete (the previous run finalized it just before dying).
 * A step retention was deleting when the daemon died (``step-N.del``) is deleted.
+* A step a rolled-back run's re-save was replacing (``step-N.old``) is deleted once the new one is in
+  place (finalized below), or moved back if that fails.
 * A partial step (``step-N.tmp``) whose every fragment is present is finalized; this node's whole
   part of a multi-node step is handed to the uploader again (the other nodes wait for it); one that
   recovered shards can still complete is kept; any other is removed.
@@ -14,13 +16,12 @@ Main thread, before the loop starts: persist and upload threads only run what th
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
 from .. import shm
 from ..errors import CheckpointError, ProtocolError
-from ..layout import fragments_present, is_complete, partial_steps, step_dir, trashed_steps
+from ..layout import fragments_present, is_complete, partial_steps, replaced_steps, step_dir
 from ..protocol import validate_record
 from ..storage import local
 from .persister import Persister
@@ -127,17 +128,14 @@ def recover(
     a step finalized just now from the fragments on disk are dropped and the step is durable."""
     adopt_segments(pool, steps, root)
     for job in jobs:
-        # an old step moved aside for a rolled-back run's re-save whose new step is not in place yet: kept
-        # until that one is finalized (below), then deleted, or moved back if it cannot be
-        swapping = [s for s in trashed_steps(root, job) if not os.path.exists(step_dir(root, job, s)) and s in partial_steps(root, job)]
-        for step in local.empty_trash(root, job, keep=swapping):
+        for step in local.empty_trash(root, job):
             log.info("finished deleting step %s of job %s (retention was interrupted)", step, job)
         for step in partial_steps(root, job):
             finish_partial_step(root, job, step, steps, persister, uploader)
-        for step in swapping:
-            if local.restore_trash(root, job, step):
+        # a step moved aside for a rolled-back run's re-save: deleted if the new one is in place now, else back
+        for step in replaced_steps(root, job):
+            if local.settle_replaced(root, job, step):
                 log.warning("step %s of job %s: its rolled-back re-save could not be finished; the old step is kept", step, job)
-        local.empty_trash(root, job)
     for slot in pool:
         if slot.state is not SlotState.COMMITTED:
             continue

@@ -18,7 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import CheckpointError
-from ..layout import step_dir, tmp_dir
+from ..format import commit_time
+from ..layout import MANIFEST, bucket_key, step_dir, tmp_dir
+from ..storage.local import committed_at as local_committed_at
 from ..storage.remote import (
     apply_remote_retention,
     is_complete_in_bucket,
@@ -162,11 +164,22 @@ class Uploader:
 
         return cb
 
+    def _bucket_has(self, job: str, step: int) -> bool:
+        """The bucket holds this local step already: a step of that number committed no earlier (not the
+        old line's step a rolled-back run's re-save replaced here, left there by a restart before its upload)."""
+        try:  # read now, not from the process's cache: another node's retention may have changed it
+            at = commit_time(self.store.get_bytes(bucket_key(job, step, MANIFEST)))
+        except FileNotFoundError:
+            return False
+        return at >= local_committed_at(step_dir(self.root, job, step))
+
     def _upload(self, u: Upload) -> Uploaded:
         u.started = time.monotonic()
         multi = u.ranks is not None
         url = step_url(self.store, u.job, u.step)
-        if u.catch_up and is_complete_in_bucket(self.store, u.job, u.step):
+        if u.catch_up and u.ranks is None and self._bucket_has(u.job, u.step):
+            return Uploaded(u.job, u.step, None, 0, 0.0, True, False, url)
+        if u.catch_up and u.ranks is not None and is_complete_in_bucket(self.store, u.job, u.step):
             return Uploaded(u.job, u.step, None, 0, 0.0, True, False, url)
         if u.ranks is None:
             d = step_dir(self.root, u.job, u.step)

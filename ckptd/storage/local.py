@@ -33,6 +33,7 @@ from ..layout import (
     is_complete,
     job_dir,
     latest_file,
+    replaced_dir,
     shard_name,
     step_dir,
     tmp_dir,
@@ -162,45 +163,56 @@ def finalize_step(root: str, job: str, step: int, world_size: int) -> str:
 
 def _swap(root: str, job: str, step: int) -> None:
     """Put the complete ``step-N.tmp`` in the place of the complete ``step-N`` it replaces. The old one is
-    moved aside (``step-N.del``) first and deleted only once the new one is in place: a failure in between
-    moves it back, and a crash in between leaves both for recovery (:func:`restore_trash`)."""
-    d, final, trash = tmp_dir(root, job, step), step_dir(root, job, step), trash_dir(root, job, step)
-    shutil.rmtree(trash, ignore_errors=True)
-    os.rename(final, trash)
+    moved aside intact (``step-N.old``) and deleted only once the new one is in place: a failure in
+    between moves it back, and a crash in between leaves it to recovery (:func:`settle_replaced`)."""
+    d, final, old = tmp_dir(root, job, step), step_dir(root, job, step), replaced_dir(root, job, step)
+    shutil.rmtree(old, ignore_errors=True)
+    os.rename(final, old)
     try:
         os.rename(d, final)
         fsync_dir(job_dir(root, job))
     except OSError:
         if not os.path.exists(final):
-            os.rename(trash, final)
+            os.rename(old, final)
         raise
-    shutil.rmtree(trash, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
     log.info("step %s of job %s replaced by a newer commit of the same number (a rollback)", step, job)
 
 
-def retire_step(root: str, job: str, step: int) -> None:
-    """Take complete step ``step`` out of the committed namespace at once (renamed ``step-N.del`` under the
-    job's lock) and delete it on a thread: a rolled-back run's re-save of it is complete in memory, or
-    is a multi-node step whose local copy is only a cache of the bucket's."""
-    d, trash = step_dir(root, job, step), trash_dir(root, job, step)
-    with job_lock(root, job):
-        if not os.path.isdir(d):
-            return
-        shutil.rmtree(trash, ignore_errors=True)
-        os.rename(d, trash)
-        fsync_dir(job_dir(root, job))
-    threading.Thread(target=shutil.rmtree, args=(trash, True), name=f"ckptd-retire-{step}", daemon=True).start()
-
-
-def restore_trash(root: str, job: str, step: int) -> bool:
-    """After recovery finished the partial steps: a ``step-N.del`` with no ``step-N`` is the old step of a
-    replacement a crash cut short whose new step could not be finalized: it is moved back (True)."""
-    trash, final = trash_dir(root, job, step), step_dir(root, job, step)
-    if os.path.exists(final) or not is_complete(trash):
+def settle_replaced(root: str, job: str, step: int) -> bool:
+    """Recovery, after the partial steps were finished: a ``step-N.old`` whose replacement is in place is
+    deleted; one whose replacement could not be finalized is moved back (returns True)."""
+    old, final = replaced_dir(root, job, step), step_dir(root, job, step)
+    if os.path.exists(final) or not is_complete(old):
+        shutil.rmtree(old, ignore_errors=True)
         return False
-    os.rename(trash, final)
+    os.rename(old, final)
     fsync_dir(job_dir(root, job))
     return True
+
+
+def retire_step(root: str, job: str, step: int, committed: int) -> threading.Thread:
+    """On a thread: take complete step ``step`` out of the committed namespace (renamed ``step-N.del``
+    under the job's lock) and delete it, if it is still the one committed at ``committed`` (a rolled-back
+    run's re-save of it is complete in memory, or is a multi-node step whose local copy is only a cache
+    of the bucket's; a newer step of that number, in place by then, stays)."""
+    d, trash = step_dir(root, job, step), trash_dir(root, job, step)
+
+    def run() -> None:
+        try:
+            with job_lock(root, job):
+                if not is_complete(d) or committed_at(d) != committed:
+                    return
+                shutil.rmtree(trash, ignore_errors=True)
+                os.rename(d, trash)
+                fsync_dir(job_dir(root, job))
+            shutil.rmtree(trash, ignore_errors=True)
+        except OSError as e:  # a later replacement or retention removes it; restores of the number read the newer step
+            log.error("could not remove the replaced step %s of job %s: %s", step, job, e)
+
+    t = threading.Thread(target=run, name=f"ckptd-retire-{step}", daemon=True)
+    t.start()
+    return t
 
 
 def read_latest(root: str, job: str) -> int | None:
@@ -289,9 +301,9 @@ def apply_retention(root: str, job: str, policy: RetentionPolicy) -> list[int]:
     return sorted(removed)
 
 
-def empty_trash(root: str, job: str, keep: list[int] | None = None) -> list[int]:
-    """Finish deleting the steps a crash left half-deleted (``step-N.del``), but those in ``keep``; returns them."""
-    steps = [s for s in trashed_steps(root, job) if s not in (keep or [])]
+def empty_trash(root: str, job: str) -> list[int]:
+    """Finish deleting the steps a crash left half-deleted by retention (``step-N.del``); returns them."""
+    steps = trashed_steps(root, job)
     for s in steps:
         shutil.rmtree(trash_dir(root, job, s), ignore_errors=True)
     return steps

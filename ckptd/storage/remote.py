@@ -60,10 +60,10 @@ def _upload(store: ObjectStore, local_dir: str, names: list[str], job: str, step
 
 def upload_step(store: ObjectStore, local_dir: str, job: str, step: int, progress: Progress | None = None) -> int:
     """Upload a complete local step: shards, then fragments, then the manifest. Returns bytes sent."""
+    ino = os.stat(local_dir).st_ino  # before the listing: a directory renamed into place after it is caught below
     names = sorted(os.listdir(local_dir))
     if MANIFEST not in names:
         raise CheckpointError(f"{local_dir} has no {MANIFEST}: only complete steps are uploaded")
-    ino = os.stat(local_dir).st_ino
     with open(os.path.join(local_dir, MANIFEST), "rb") as f:
         manifest = f.read()
     # a step number saved again (after a rollback) replaces an older step of that number: it must not
