@@ -282,6 +282,18 @@ def test_retention_keeps_the_latest_n(tmp_path: Path) -> None:
     assert local.apply_retention(root, JOB, KeepLatest(2)) == []
 
 
+def test_retention_of_a_number_whose_earlier_delete_is_unfinished_still_runs(tmp_path: Path) -> None:
+    """A ``step-1.del`` still being deleted (an earlier step 1, replaced by a rolled-back run) does not stop
+    retention from removing the step 1 there is now."""
+    root = str(tmp_path)
+    for s in range(1, 4):
+        _write_step(root, s, value=float(s))
+    os.makedirs(os.path.join(root, JOB, "step-1.del"))
+    open(os.path.join(root, JOB, "step-1.del", "rank-00000.safetensors"), "wb").write(b"old")
+    assert local.apply_retention(root, JOB, KeepLatest(2)) == [1]
+    assert complete_steps(root, JOB) == [2, 3] and not os.path.exists(os.path.join(root, JOB, "step-1.del"))
+
+
 def test_retention_keeps_a_protected_step(tmp_path: Path) -> None:
     root = str(tmp_path)
     for s in range(1, 5):

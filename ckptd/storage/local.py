@@ -293,6 +293,8 @@ def apply_retention(root: str, job: str, policy: RetentionPolicy) -> list[int]:
         keep_latest = Protect(frozenset([latest] if latest is not None else []))
         removed = [s for s in doomed(policy, steps_by_commit(root, job)) if not keep_latest.keeps([s])]
         for s in removed:
+            if os.path.exists(trash_dir(root, job, s)):  # a delete of that number still under way
+                shutil.rmtree(trash_dir(root, job, s), ignore_errors=True)
             os.rename(step_dir(root, job, s), trash_dir(root, job, s))
         if removed:
             fsync_dir(job_dir(root, job))
