@@ -16,6 +16,7 @@ from conftest import REPO, env_for
 from safetensors.torch import load_file
 
 import ckptd
+from ckptd.layout import shard_name, tmp_dir
 
 
 def _wait_durable(daemon, job: str, step: int, timeout: float = 60.0) -> str:  # noqa: ANN001
@@ -27,6 +28,16 @@ def _wait_durable(daemon, job: str, step: int, timeout: float = 60.0) -> str:  #
                 return rep["path"]
             assert rep["state"] == "pending", rep
     raise AssertionError(f"step {step} never became durable")
+
+
+def _kill_mid_persist(daemon, job: str, step: int) -> None:  # noqa: ANN001
+    """SIGKILL the daemon once it has begun writing rank 0's shard of ``step`` (a throttled disk: mid-write)."""
+    shard = os.path.join(tmp_dir(daemon.root, job, step), shard_name(0))
+    deadline = time.monotonic() + 30
+    while not (os.path.exists(shard) and os.path.getsize(shard) > 0) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert os.path.exists(shard), "persist never started"
+    daemon.kill()
 
 
 def test_trainer_killed_after_blocking_snapshot_still_commits(make_daemon, short_tmp) -> None:  # noqa: ANN001
@@ -73,12 +84,7 @@ def test_daemon_killed_mid_persist_finishes_after_restart(make_daemon) -> None: 
     jobdir = os.path.join(daemon.root, "j")
     with daemon.client("j") as c:
         h = c.snapshot(model, optim, step=2, blocking=True)
-        shard = os.path.join(jobdir, "step-2.tmp", "rank-00000.safetensors")
-        deadline = time.monotonic() + 30
-        while not (os.path.exists(shard) and os.path.getsize(shard) > 0) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert os.path.exists(shard), "persist never started"
-        daemon.kill()  # mid-persist: the shard is partly written, no manifest
+        _kill_mid_persist(daemon, "j", 2)  # the shard is partly written, no manifest
         assert not os.path.exists(os.path.join(jobdir, "step-2", "manifest.json"))
         assert open(os.path.join(jobdir, "latest")).read().strip() == "1"  # never an incomplete step
         assert daemon.segments(), "the committed shard must survive the daemon in shared memory"
@@ -115,12 +121,7 @@ def test_daemon_killed_mid_persist_of_a_rolled_back_re_save_keeps_the_old_step(m
         train_step(model, optim, 100)
         new = full_state(model, optim)
         h = c.snapshot(model, optim, step=2, blocking=True)
-        shard = os.path.join(jobdir, "step-2.tmp", "rank-00000.safetensors")
-        deadline = time.monotonic() + 30
-        while not (os.path.exists(shard) and os.path.getsize(shard) > 0) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert os.path.exists(shard), "persist never started"
-        daemon.kill()
+        _kill_mid_persist(daemon, "rb", 2)
         m2, o2 = make(seed=3)
         m2.register_buffer("bulk", torch.zeros(1 << 20))
         ckptd.restore(m2, o2, path=os.path.join(jobdir, "step-2"))  # the old line's step 2, complete
