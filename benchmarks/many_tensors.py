@@ -4,7 +4,10 @@
 
 A stack of ``layers`` Linear(32, 32) layers with AdamW state: 4 tensors per layer, 10,000 by
 default (16 MB). The floor is a Python loop of ``copy_`` of every state tensor into one prefaulted
-buffer, measured in the same run. Prints a markdown table; writes ``bench-out/many_tensors.json``.
+buffer, measured in the same run. Then the last step is restored from disk (page cache warm) into a
+second model and optimizer, beside torch's own ``Module.load_state_dict`` of the same model's state
+(part of every restore: ckptd hands the loaded state to ``set_state_dict``). Prints a markdown table;
+writes ``bench-out/many_tensors.json``.
 """
 
 from __future__ import annotations
@@ -25,17 +28,22 @@ from _harness import DaemonProcess, machine_info, views_into, write_json  # noqa
 import ckptd  # noqa: E402
 
 
+def build(layers: int, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(layers)])
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 32)).sum().backward()
+    optim.step()
+    return model, optim
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=1250)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--json", default="bench-out/many_tensors.json")
     args = p.parse_args(argv)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(args.layers)])
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randn(2, 32)).sum().backward()
-    optim.step()
+    model, optim = build(args.layers, seed=0)
     tensors = [t for t in model.state_dict().values()] + [v for st in optim.state.values() for v in st.values()]
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     buf = torch.empty(nbytes, dtype=torch.uint8)
@@ -50,7 +58,9 @@ def main(argv: list[str] | None = None) -> int:
 
     work = tempfile.mkdtemp(prefix="ckmt")
     daemon = DaemonProcess(os.path.join(work, "root"), f"ipc://{work}/d.sock", os.path.join(work, "d.log"))
-    rows: dict[str, list[float]] = {"floor": [], "blocking_first": [], "blocking": [], "default": [], "capture": [], "fingerprint": []}
+    rows: dict[str, list[float]] = {
+        "floor": [], "blocking_first": [], "blocking": [], "default": [], "capture": [], "fingerprint": [], "restore": [], "torch_load": [],
+    }  # fmt: skip
     from ckptd.client.capture import StateCapture, _fingerprint
 
     for _ in range(args.reps):  # the two halves of a snapshot's state capture, alone
@@ -76,7 +86,17 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.perf_counter()
                 h = c.snapshot(model, optim, step=2 * i + 2)
                 rows["default"].append(time.perf_counter() - t0)
-                h.wait()
+                path = h.wait()
+        m2, o2 = build(args.layers, seed=1)
+        ckptd.restore(m2, o2, path=path)  # warms the page cache and the restore path
+        state = model.state_dict()
+        for _ in range(args.reps):
+            t0 = time.perf_counter()
+            ckptd.restore(m2, o2, path=path)
+            rows["restore"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            m2.load_state_dict(state)
+            rows["torch_load"].append(time.perf_counter() - t0)
     finally:
         daemon.stop()
         shutil.rmtree(work, ignore_errors=True)
@@ -94,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         "default": "ckptd snapshot() default, warm: until it returns",
         "capture": "part: a full state capture (get_state_dict + flatten), first snapshot only",
         "fingerprint": "part: the capture cache's fingerprint check, every snapshot",
+        "restore": "ckptd.restore of the last step from disk (page cache warm), into a second model + AdamW",
+        "torch_load": "part of it: torch's Module.load_state_dict of the same model state",
     }
     for k, name in names.items():
         print(f"| {name} | {med[k]:.4f} | {med[k] / med['floor']:.2f} | {med[k] / len(tensors) * 1e6:.2f} |")
