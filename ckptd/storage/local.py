@@ -191,20 +191,30 @@ def settle_replaced(root: str, job: str, step: int) -> bool:
     return True
 
 
+def _to_trash(root: str, job: str, step: int) -> str:
+    """Rename complete step ``step`` to ``step-N.del`` (out of the committed namespace in one rename),
+    finishing first a delete of that number still under way; returns the new path. Call with the job's
+    lock held, and fsync the job directory."""
+    trash = trash_dir(root, job, step)
+    if os.path.exists(trash):
+        shutil.rmtree(trash, ignore_errors=True)
+    os.rename(step_dir(root, job, step), trash)
+    return trash
+
+
 def retire_step(root: str, job: str, step: int, committed: int) -> threading.Thread:
     """On a thread: take complete step ``step`` out of the committed namespace (renamed ``step-N.del``
     under the job's lock) and delete it, if it is still the one committed at ``committed`` (a rolled-back
     run's re-save of it is complete in memory, or is a multi-node step whose local copy is only a cache
     of the bucket's; a newer step of that number, in place by then, stays)."""
-    d, trash = step_dir(root, job, step), trash_dir(root, job, step)
+    d = step_dir(root, job, step)
 
     def run() -> None:
         try:
             with job_lock(root, job):
                 if not is_complete(d) or committed_at(d) != committed:
                     return
-                shutil.rmtree(trash, ignore_errors=True)
-                os.rename(d, trash)
+                trash = _to_trash(root, job, step)
                 fsync_dir(job_dir(root, job))
             shutil.rmtree(trash, ignore_errors=True)
         except OSError as e:  # a later replacement or retention removes it; restores of the number read the newer step
@@ -293,9 +303,7 @@ def apply_retention(root: str, job: str, policy: RetentionPolicy) -> list[int]:
         keep_latest = Protect(frozenset([latest] if latest is not None else []))
         removed = [s for s in doomed(policy, steps_by_commit(root, job)) if not keep_latest.keeps([s])]
         for s in removed:
-            if os.path.exists(trash_dir(root, job, s)):  # a delete of that number still under way
-                shutil.rmtree(trash_dir(root, job, s), ignore_errors=True)
-            os.rename(step_dir(root, job, s), trash_dir(root, job, s))
+            _to_trash(root, job, s)
         if removed:
             fsync_dir(job_dir(root, job))
     for s in removed:
