@@ -99,8 +99,8 @@ def restore(
 
     The daemon's shared memory is read instead of the disk while it still holds the step (``hot``)."""
     if path is not None and _default is None:
-        from .client.client import dist_rank_world
         from .client.load import restore_state
+        from .client.options import dist_rank_world
 
         return restore_state(path, model, optim, dist_rank_world()[0], strict=strict, dtype=dtype)  # no daemon needed
     return _client().restore(model, optim, step=step, path=path, hot=hot, strict=strict, dtype=dtype)

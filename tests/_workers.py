@@ -60,7 +60,8 @@ def save_then_check(rank: int, world: int, kind: str, endpoint: str, job: str, e
     model, optim = build(kind)
     for i in range(3):
         train_step(model, optim, i + 100 * rank)  # ranks see different data, as in real training
-    with ckptd.Client(endpoint=endpoint, job=job) as c:
+    # default mode: the background copy (on CPU state "auto" copies before returning, as blocking does)
+    with ckptd.Client(endpoint=endpoint, job=job, overlap="auto" if blocking else "always") as c:
         h = c.snapshot(model, optim, step=3, extra={"rank": rank}, blocking=blocking)
         train_step(model, optim, 50)  # runs while a default-mode copy may still be in flight
         h.wait(60)

@@ -32,14 +32,19 @@ def test_blocking_snapshot_restores_bit_exact(daemon) -> None:  # noqa: ANN001
     assert train_step(m2, o2, 3) == train_step(model, optim, 3)
 
 
-def test_overlapped_snapshot_is_state_at_call(daemon) -> None:  # noqa: ANN001
-    """Default mode: optim.step() right after the call must not leak into the checkpoint."""
+@pytest.mark.parametrize("overlap", ["auto", "always"])
+def test_overlapped_snapshot_is_state_at_call(daemon, overlap: str) -> None:  # noqa: ANN001
+    """Default mode: optim.step() right after the call must not leak into the checkpoint, whether the
+    optimizer's tensors are copied behind the next step ("always") or, CPU state in "auto", before return."""
     model, optim = make()
     train_step(model, optim, 0)
-    with daemon.client("j") as c:
+    with daemon.client("j", overlap=overlap) as c:
         for step in (1, 2, 3):
             want = full_state(model, optim)
             h = c.snapshot(model, optim, step=step)
+            # which path ran: a copy left for the background thread, or none (committed before return)
+            assert (c._guard._thread is not None) == (overlap == "always")
+            assert h.copied() or overlap == "always"
             train_step(model, optim, step)  # forward mutates a buffer, step() mutates params + state
             train_step(model, optim, step + 10)
             h.wait(30)
@@ -160,6 +165,20 @@ def test_bad_arguments(daemon) -> None:  # noqa: ANN001
         with pytest.raises(CheckpointError, match="already committed"):
             c.snapshot(model, optim, step=1, blocking=True)
         assert c.snapshot(model, optim, step=2, blocking=True).wait(30)  # still usable
+
+
+def test_a_bad_overlap_setting_is_refused_up_front(daemon, monkeypatch) -> None:  # noqa: ANN001
+    with pytest.raises(ValueError, match="overlap must be one of auto, always, never, got 'yes'"):
+        daemon.client("j", overlap="yes")
+    monkeypatch.setenv("CKPTD_OVERLAP", "on")
+    with pytest.raises(ValueError, match="CKPTD_OVERLAP='on' is not one of auto, always, never"):
+        daemon.client("j")
+    monkeypatch.setenv("CKPTD_OVERLAP", "never")
+    with daemon.client("j") as c:
+        assert c.overlap == "never"
+    monkeypatch.setenv("CKPTD_OVERLAP", "")
+    with daemon.client("j") as c:
+        assert c.overlap == "auto"
 
 
 @pytest.mark.parametrize("endpoint", ["bogus://nowhere", "/run/ckptd/ckptd.sock", "tcp://host", "ipc://"])

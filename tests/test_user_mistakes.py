@@ -117,7 +117,7 @@ def test_a_failed_background_snapshot_is_raised_once(daemon) -> None:  # noqa: A
     train_step(model, optim, 0)  # optimizer state exists: a default snapshot copies it in the background
     with daemon.client("once") as c:
         c.snapshot(model, optim, step=1, blocking=True).wait(30)
-    with daemon.client("once") as c:  # another run of the job, saving a step that is already committed
+    with daemon.client("once", overlap="always") as c:  # another run of the job, saving a step that is already committed
         h = c.snapshot(model, optim, step=1)
         train_step(model, optim, 1)
         with pytest.raises(CheckpointError, match="step 1 of job once is already committed"):
@@ -127,12 +127,28 @@ def test_a_failed_background_snapshot_is_raised_once(daemon) -> None:  # noqa: A
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             c.close()  # ... nor here
-    with daemon.client("once") as c:
+    with daemon.client("once", overlap="always") as c:
         h = c.snapshot(model, optim, step=2)
         with pytest.raises(CheckpointError, match="already committed"):
             c.snapshot(model, optim, step=3)  # the next snapshot raises it (it is the first to see it) ...
         assert c.wait(30) == []  # ... and wait() does not raise it again
         assert c.snapshot(model, optim, step=3).wait(30)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            c.close()
+
+
+def test_a_failed_default_snapshot_of_cpu_state_is_raised_by_the_call(daemon) -> None:  # noqa: ANN001
+    """ "auto" copies a CPU-only state before returning: the daemon's refusal is the call's own error."""
+    model, optim = make()
+    train_step(model, optim, 0)
+    with daemon.client("now") as c:
+        c.snapshot(model, optim, step=1).wait(30)
+    with daemon.client("now") as c:
+        with pytest.raises(CheckpointError, match="^snapshot of step 1 failed: daemon refused commit: step 1 of job now is already"):
+            c.snapshot(model, optim, step=1)
+        assert c.status()["slots"].get("leased", 0) == 0  # the refused step's slot was given back
+        assert c.snapshot(model, optim, step=2).wait(30)  # not raised again
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             c.close()

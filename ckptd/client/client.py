@@ -3,9 +3,10 @@
 
 One snapshot, in order, on the training thread: finish the previous background copy; stage the state
 (:mod:`.stage`: capture, plan — a collective —, layout); lease a slot (``alloc``); copy into it
-(:mod:`.copy`); commit (``commit``, with the tree as a second frame). With ``blocking=False`` the
-tensors only ``optimizer.step()`` mutates are copied by a background thread, which then commits; an
-optimizer step pre-hook, the next ``snapshot()``, ``restore()`` and ``wait()`` wait for it first.
+(:mod:`.copy`); commit (``commit``, with the tree as a second frame). With ``blocking=False`` and a
+state on a GPU (or ``overlap="always"``) the tensors only ``optimizer.step()`` mutates are copied by a
+background thread, which then commits; an optimizer step pre-hook, the next ``snapshot()``,
+``restore()`` and ``wait()`` wait for it first.
 ``SnapshotHandle.wait()`` / ``Client.wait()``: any thread; they block on the daemon's answer.
 Restores go through :mod:`.restore`; requests through :mod:`.rpc`.
 """
@@ -22,12 +23,13 @@ from typing import Any
 
 import torch
 
-from ..config import ALLOC_TIMEOUT_S, CLIENT_TIMEOUT_S, default_endpoint, default_job, env_float, env_int, validate_job
+from ..config import ALLOC_TIMEOUT_S, CLIENT_TIMEOUT_S, default_endpoint, default_job, env_float, validate_job
 from ..errors import CheckpointError, DaemonUnavailable, ProtocolError
 from ..protocol import MAX_MESSAGE_BYTES
 from .copy import CopyGuard, EarlyCopy, EventGroup, Pairs, SlotMaps, copy_tensors, fill, optimizer_storages
 from .handle import SnapshotHandle, StepDropped
 from .load import Restored, restore_state
+from .options import dist_rank_world, local_world_size, overlap_setting, tier_settings
 from .restore import Source, restore_from_daemon, restored
 from .rpc import Channel
 from .stage import Staged, Stager, TreeEncoder
@@ -35,34 +37,6 @@ from .stage import Staged, Stager, TreeEncoder
 log = logging.getLogger("ckptd.client")
 
 PENDING_KEPT = 64  # snapshot handles wait() still answers for: the newest ones
-
-
-def dist_rank_world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _local_world_size(world: int) -> int:
-    """How many of the job's ranks share this node's daemon: torchrun's ``LOCAL_WORLD_SIZE``, else all."""
-    v = os.environ.get("LOCAL_WORLD_SIZE", "")
-    return int(v) if v.isdigit() and 1 <= int(v) <= world else world
-
-
-def tier_settings(every: int | None, interval: float | None) -> dict[str, Any]:
-    """The commit's ``persist_every`` / ``persist_interval``: the arguments, else the environment, else
-    ``None`` (the daemon's); ``ValueError`` naming a bad one."""
-    if every is None and os.environ.get("CKPTD_PERSIST_EVERY"):
-        every = env_int("CKPTD_PERSIST_EVERY", 1)
-    if interval is None and os.environ.get("CKPTD_PERSIST_INTERVAL"):
-        interval = env_float("CKPTD_PERSIST_INTERVAL", 0.0)
-    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-        raise ValueError(f"persist_every must be an int >= 1, got {every!r}")
-    if interval is not None and not 0 <= interval <= 1e9:
-        raise ValueError(f"persist_interval must be a number of seconds >= 0, got {interval!r}")
-    return {"persist_every": every, "persist_interval": interval}
 
 
 def _check_step(step: object) -> None:
@@ -88,7 +62,9 @@ class Client:
     shared-memory budget is full (``CKPTD_TIMEOUT``, ``CKPTD_ALLOC_TIMEOUT``). ``persist_every`` /
     ``persist_interval`` (``CKPTD_PERSIST_EVERY`` / ``CKPTD_PERSIST_INTERVAL``) set this job's tiering:
     persist one snapshot in N, or the first T seconds after the last; the others stay in the daemon's
-    memory tier only (default: the daemon's settings; see README, "Memory tier").
+    memory tier only (default: the daemon's settings; see README, "Memory tier"). ``overlap``
+    (``CKPTD_OVERLAP``: ``auto``, ``always``, ``never``) says when the default mode copies behind the next
+    step: :func:`.options.overlap_setting`.
     """
 
     def __init__(
@@ -100,6 +76,7 @@ class Client:
         alloc_timeout: float | None = None,
         persist_every: int | None = None,
         persist_interval: float | None = None,
+        overlap: str | None = None,
     ) -> None:
         self.endpoint = endpoint or default_endpoint()
         if job is None:
@@ -110,6 +87,7 @@ class Client:
         self.timeout = timeout if timeout is not None else env_float("CKPTD_TIMEOUT", CLIENT_TIMEOUT_S)
         self.alloc_timeout = alloc_timeout if alloc_timeout is not None else env_float("CKPTD_ALLOC_TIMEOUT", ALLOC_TIMEOUT_S)
         self._tiering = tier_settings(persist_every, persist_interval)
+        self.overlap = overlap_setting(overlap)
         self._rpc = Channel(self.endpoint, self.timeout)
         self._stager = Stager(self.job)
         self._maps = SlotMaps()
@@ -120,7 +98,7 @@ class Client:
         self._pending: list[SnapshotHandle] = []  # under _plock: a DCP writer's thread adds to it too
         self._plock = threading.Lock()
         self._closed = False
-        self.early_copies = 0  # blocking snapshots whose copy overlapped the capture check (and held)
+        self.early_copies = 0  # snapshots copied before returning whose copy overlapped the capture check (and held)
         self.last_restore: dict[str, Any] | None = None  # {step, path, source: memory | disk | bucket}
         self._after: int | None = None  # the step restored through the daemon: a rolled-back run may save later numbers again
         self._saved: set[int] = set()  # steps saved since that restore: saved again, they would replace this run's own
@@ -155,7 +133,7 @@ class Client:
         self._guard.finish()  # the previous copy must end before we reuse the layout or slot
         _check_not_saved(self, step)
         rank, world = dist_rank_world()
-        early = self._early_copy(rank, world, step) if blocking else None
+        early = self._early_copy(rank, world, step) if blocking or self.overlap != "always" else None
         try:
             staged = self._stager.run(model, optim, extra, rank, step)
         except BaseException:
@@ -171,7 +149,7 @@ class Client:
         later: Pairs = ([], [])
         event = None
         if segment is None:  # no early copy, or it did not hold
-            segment, later, event = self._fill(optim, rank, world, step, staged, blocking)
+            segment, later, event = self._fill(optim, rank, world, step, staged, blocking or not self._overlaps(staged))
         commit = self._commit_fields(rank, world, step, segment, staged)
         if not later[0] and event is None:
             self._commit_now(handle, commit, tree_json or self._trees.encode(staged.tree))
@@ -180,6 +158,10 @@ class Client:
             self._guard.start(step, lambda: self._background(handle, later, commit, staged.tree, event), handle._unreported)
         self._track(handle)
         return handle
+
+    def _overlaps(self, staged: Staged) -> bool:
+        """Whether the default mode copies ``staged`` behind the next step (:func:`.options.overlap_setting`)."""
+        return self.overlap == "always" or (self.overlap == "auto" and staged.any_cuda)
 
     def _track(self, handle: SnapshotHandle) -> None:
         """Remember ``handle`` for :meth:`wait`. A client that never calls wait() must not grow without bound;
@@ -204,7 +186,7 @@ class Client:
 
     def _commit_fields(self, rank: int, world: int, step: int | None, segment: str, staged: Staged) -> dict[str, Any]:
         return dict(
-            job=self.job, rank=rank, world_size=world, local_world_size=_local_world_size(world), step=step,
+            job=self.job, rank=rank, world_size=world, local_world_size=local_world_size(world), step=step,
             segment=segment, nbytes=staged.layout.file_size, replicas=staged.replicas, after=self._after,
             run=self._stager.run_id, **self._tiering,
         )  # fmt: skip
@@ -275,7 +257,7 @@ class Client:
             log.warning("could not release %s: %s", segment, e)
 
     def _early_copy(self, rank: int, world: int, step: int) -> EarlyCopy | None:
-        """A blocking snapshot of a state with many tensors whose stage is cached: lease the slot and
+        """A snapshot copied before it returns, of a state with many tensors whose stage is cached: lease the slot and
         start copying now, while this thread checks that the capture holds and runs the plan's collective."""
         stage = self._stager.stage
         if stage is None or not EarlyCopy.worth_it(stage):

@@ -6,7 +6,7 @@ Who runs what, in a training process:
 * :class:`SlotMaps` and :func:`fill` — the training thread, inside ``snapshot()``: map the slot
   (once, kept warm), write the shard header, copy every tensor the optimizer step does not own (and,
   blocking, every tensor); CUDA sources are enqueued on a side stream.
-* :class:`EarlyCopy` — a blocking snapshot of many tensors whose stage is cached starts copying on a
+* :class:`EarlyCopy` — a snapshot copied before it returns, of many tensors whose stage is cached, starts copying on a
   worker thread while the training thread checks the capture (torch releases the GIL while copying).
 * :class:`CopyGuard` — the background thread that copies what only ``optimizer.step()`` mutates and
   then commits; an optimizer step pre-hook, the next snapshot, ``restore()`` and ``wait()`` join it
@@ -228,7 +228,7 @@ def fill(maps: SlotMaps, segment: str, staged: Staged, guarded: set[int], blocki
 
 
 class EarlyCopy:
-    """A blocking snapshot's copy started before its capture check finished.
+    """The copy of a snapshot copied before it returns, started before its capture check finished.
 
     :meth:`start` copies the cached stage's sources on a worker thread; :meth:`finish` keeps the copy
     only if the capture held (the stager kept the same :class:`Stage` object: every cached source is a

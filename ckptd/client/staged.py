@@ -51,7 +51,8 @@ def stage_state(
     """Copy ``state`` into a slot now (collective: every rank, the same ``step``). ``any_keys``: any
     top-level keys (a DCP state dict), else ``{"model": ..., "optim": ...}``. ``solo``: this process
     saves the step alone, as rank 0 of 1 (a framework that saves a replicated state from rank 0 only)."""
-    from .client import _check_not_saved, _check_step, dist_rank_world
+    from .client import _check_not_saved, _check_step
+    from .options import dist_rank_world
 
     if step is not None:
         _check_step(step)

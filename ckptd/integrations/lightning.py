@@ -57,7 +57,7 @@ class CkptdCheckpointIO(CheckpointIO):
     def client(self) -> Any:
         c = client_for(self.job, self.endpoint)
         if self._tiering != (None, None):
-            from ..client.client import tier_settings
+            from ..client.options import tier_settings
 
             c._tiering = tier_settings(*self._tiering)
         return c

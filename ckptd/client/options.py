@@ -1,0 +1,58 @@
+"""A client's settings from its arguments and the environment: where the rank stands in the job, the
+job's tiering, and whether ``snapshot()``'s default mode copies behind the next step (``overlap``)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..config import env_float, env_int
+
+OVERLAP_MODES = ("auto", "always", "never")
+
+
+def dist_rank_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def local_world_size(world: int) -> int:
+    """How many of the job's ranks share this node's daemon: torchrun's ``LOCAL_WORLD_SIZE``, else all."""
+    v = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(v) if v.isdigit() and 1 <= int(v) <= world else world
+
+
+def tier_settings(every: int | None, interval: float | None) -> dict[str, Any]:
+    """The commit's ``persist_every`` / ``persist_interval``: the arguments, else the environment, else
+    ``None`` (the daemon's); ``ValueError`` naming a bad one."""
+    if every is None and os.environ.get("CKPTD_PERSIST_EVERY"):
+        every = env_int("CKPTD_PERSIST_EVERY", 1)
+    if interval is None and os.environ.get("CKPTD_PERSIST_INTERVAL"):
+        interval = env_float("CKPTD_PERSIST_INTERVAL", 0.0)
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise ValueError(f"persist_every must be an int >= 1, got {every!r}")
+    if interval is not None and not 0 <= interval <= 1e9:
+        raise ValueError(f"persist_interval must be a number of seconds >= 0, got {interval!r}")
+    return {"persist_every": every, "persist_interval": interval}
+
+
+def overlap_setting(overlap: str | None) -> str:
+    """``snapshot()``'s default mode: the argument, else ``CKPTD_OVERLAP``, else ``"auto"``.
+
+    * ``"auto"``: copy what only ``optimizer.step()`` mutates behind the next forward/backward when the
+      state has CUDA tensors (the device-to-host copy runs on the copy engine, beside the compute); copy
+      a CPU-only state before returning, as ``blocking=True`` does (on CPU the copy and the step share
+      the same cores, and a background copy slowed the steps it overlapped by more than it saved);
+    * ``"always"``: the background copy for CPU state too (a CPU trainer with cores to spare);
+    * ``"never"``: every snapshot copies before returning.
+    """
+    if overlap is None:
+        overlap = os.environ.get("CKPTD_OVERLAP") or "auto"
+        if overlap not in OVERLAP_MODES:
+            raise ValueError(f"CKPTD_OVERLAP={overlap!r} is not one of {', '.join(OVERLAP_MODES)}")
+    if overlap not in OVERLAP_MODES:
+        raise ValueError(f"overlap must be one of {', '.join(OVERLAP_MODES)}, got {overlap!r}")
+    return overlap
