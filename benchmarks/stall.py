@@ -7,8 +7,8 @@ every measurement on that same state in one run:
   blocking staging copy can cost), alone and once more just before each blocking ckptd snapshot
   (the per-rep ratio of such pairs holds up when other processes share the CPUs and memory bus);
 * ckptd ``snapshot(blocking=True)`` (first call separately: it allocates the slot), default
-  ``snapshot()`` (returns before the copy; the copy finishes in a background thread), and time to
-  durable (call until ``handle.wait()`` returns);
+  ``snapshot()`` (on this CPU-only state ``overlap="auto"`` copies before returning, as blocking does; on
+  GPU state it returns before the copy, which finishes in a background thread), and time to durable (call until ``handle.wait()`` returns);
 * ``torch.save`` + fsync, ``dcp.save``, and ``dcp.async_save`` in thread mode and, with a 1-rank gloo
   group, process mode (default stager, and a persistent shared-memory stager).
 
@@ -234,8 +234,8 @@ def measure_ckptd(
         info["paired_ratios"] = [b / f for b, f in zip(blk.samples, paired.samples)]
         log(f"ckptd blocking: {blk.median:.4f} s (durable {blk_d.median:.3f} s), interleaved floor {paired.median:.4f} s")
 
-        dflt = res.row("ckptd_default", "ckptd snapshot() default, warm: until it returns")
-        copied = res.row("ckptd_default_copied", "ckptd snapshot() default: call -> background copy committed")
+        dflt = res.row("ckptd_default", "ckptd snapshot() default (overlap=auto), warm: until it returns")
+        copied = res.row("ckptd_default_copied", "ckptd snapshot() default: call -> copy committed")
         durable = res.row("ckptd_durable", "ckptd time to durable: snapshot() call -> h.wait()")
         for _ in range(reps):
             h, t0 = snap(False)
