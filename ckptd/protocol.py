@@ -130,7 +130,7 @@ OPTIONAL: dict[str, dict[str, tuple[tuple[type, ...], Any]]] = {
 # the commit record the daemon keeps in shared memory beside a committed segment (read back after a crash)
 RECORD_SCHEMA: dict[str, tuple[type, ...]] = {
     "job": _STR, "rank": _INT, "world_size": _INT, "local_world_size": _INT, "step": _INT, "nbytes": _INT,
-    "replicas": (dict,), "committed_at": _INT,
+    "replicas": (dict,), "committed_at": _INT, "run": (int, type(None)),
 }  # fmt: skip
 _ENVELOPE = {"v", "op", "id"}
 # closed ranges of the integer fields, wherever they appear
@@ -196,6 +196,7 @@ def validate_record(rec: Any) -> dict[str, Any]:
     """A commit record read back from shared memory after a crash, checked like a ``commit`` message."""
     if not isinstance(rec, dict):
         raise ProtocolError("commit record is not a JSON object")
+    rec.setdefault("run", None)  # written before records named their launch
     check_fields("commit record", RECORD_SCHEMA, rec)
     return rec
 

@@ -12,7 +12,7 @@ never in a ``KeyError``, a ``RecursionError`` or a path outside the step directo
 * integers are JSON integers (``true`` is not ``1``), chunks lie inside their tensor, byte ranges
   lie inside their file and hold exactly their chunk, checksums are 16 lowercase hex digits.
 
-Coverage (every element saved exactly once) is :func:`ckptd.format.check_coverage`'s job, the bytes
+Coverage (every element saved exactly once) is :func:`ckptd.coverage.check_coverage`'s job, the bytes
 themselves :mod:`ckptd.tools.verify`'s. :mod:`ckptd.format` re-exports this module's public names.
 Pure functions, no torch: safe on any thread, in the daemon, the trainer and the CLI.
 """
@@ -31,6 +31,8 @@ from .config import MAX_STEP, MAX_TREE_DEPTH, MAX_WORLD_SIZE, validate_job
 from .errors import FormatError
 from .format import FORMAT_VERSION, itemsize
 from .layout import MANIFEST, shard_name
+
+_MAX_RUN = (1 << 63) - 1  # a launch id (protocol.MAX_ID)
 
 MAX_NAME_BYTES = 255  # a file name, as Linux file systems allow
 MAX_DOCUMENT_DEPTH = MAX_TREE_DEPTH + 3  # a rank's tree sits three levels down in a manifest: object, ranks list, entry
@@ -192,6 +194,8 @@ def _envelope(obj: Any, where: str, kind: str) -> dict[str, Any]:
     _int(obj.get("world_size"), where, "world_size", 1, MAX_WORLD_SIZE)
     if "committed_at" in obj:  # absent from checkpoints written before it existed
         _int(obj["committed_at"], where, "committed_at")
+    if "run" in obj:  # the launch that saved it; absent before it existed
+        _int(obj["run"], where, "run", 1, _MAX_RUN)
     return obj
 
 

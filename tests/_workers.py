@@ -239,6 +239,23 @@ def save_multinode(rank: int, world: int, kind: str, endpoints: list[str], job: 
     return {"paths": paths}
 
 
+def resave_multinode(rank: int, world: int, kind: str, endpoints: list[str], job: str, expected: str) -> dict[str, Any]:
+    """A new launch after :func:`save_multinode`: restores step 2 (rolling back past step 4), trains on other
+    data and saves step 4 again; rank 0 writes the state it saved."""
+    per_node = world // len(endpoints)
+    os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
+    model, optim = build(kind, seed=3)
+    with ckptd.Client(endpoint=endpoints[rank // per_node], job=job) as c:
+        c.restore(model, optim, step=2)
+        for i in range(2):
+            train_step(model, optim, 1000 + i + 100 * rank)
+        want = full_state(model, optim)  # a collective: every rank
+        path = c.snapshot(model, optim, step=4, extra={"rank": rank, "line": "new"}, blocking=True).wait(120)
+    if rank == 0:
+        _save_expected(expected, want)
+    return {"path": path}
+
+
 def restore_via_daemon(rank: int, world: int, kind: str, endpoint: str, job: str, expected: str) -> dict[str, Any]:
     """Restore the newest step through ``endpoint``'s daemon (which may fetch it from the bucket)."""
     model, optim = build(kind, seed=7)

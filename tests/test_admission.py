@@ -56,3 +56,23 @@ def test_a_zombie_or_a_reused_pid_is_not_a_live_process() -> None:
     import os
 
     assert started(os.getpid()) is not None
+
+
+def test_a_multinode_step_this_daemon_saw_complete_is_saved_again_only_after_a_rollback(tmp_path: Any) -> None:
+    """A multi-node step lives in the bucket (no local directory); the daemon remembers it durable. A new
+    launch that restored an earlier step saves it again (its commits stamped after the old ones); one
+    that restored nothing is refused."""
+    adm, steps, _ = _admission(tmp_path)
+    old = steps.adopt(("j", 4), 4, 2)
+    for rank in (0, 1):
+        steps.record_commit(("j", 4), old, rank, 2, 11, committed_at=1_000)
+    steps.complete(("j", 4), "s3://b/j/step-4")
+    assert steps.get(("j", 4)).state is StepState.DURABLE
+    with pytest.raises(ProtocolError, match="step 4 of job j is already committed and this client restored no step"):
+        adm.admit("j", 4, 0, 4, 2, peer=None, after=None, run=22)
+    with pytest.raises(ProtocolError, match="restored step 4"):
+        adm.admit("j", 4, 0, 4, 2, peer=None, after=4, run=22)
+    track = adm.admit("j", 4, 0, 4, 2, peer=None, after=2, run=22)
+    assert track is not old and track.committed == set() and track.replaces and track.replaces_at == 1_000
+    steps.record_commit(("j", 4), track, 0, 2, 22, committed_at=2_000)
+    assert adm.admit("j", 4, 1, 4, 2, peer=None, after=2, run=22) is track  # the node's other rank joins it

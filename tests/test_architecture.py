@@ -51,7 +51,7 @@ ONE_HOME = {
     r"rank-\(": {"ckptd/layout.py"},
     r'"manifest\.json"': {"ckptd/layout.py"},
     r"step-\{": {"ckptd/layout.py"},
-    r"exists\([^)]*MANIFEST": {"ckptd/layout.py", "ckptd/storage/remote.py"},
+    r"exists\([^)]*MANIFEST": {"ckptd/layout.py"},
     r"%2F": {"ckptd/state.py"},
 }
 

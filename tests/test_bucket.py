@@ -36,7 +36,16 @@ from ckptd.layout import (
     tmp_dir,
 )
 from ckptd.storage.local import finalize_step, read_latest, write_shard
-from ckptd.storage.remote import apply_remote_retention, download_step, remote_steps, try_complete, upload_ranks, upload_step
+from ckptd.storage.remote import (
+    apply_remote_retention,
+    bucket_run,
+    clear_for_run,
+    download_step,
+    remote_steps,
+    try_complete,
+    upload_ranks,
+    upload_step,
+)
 from ckptd.storage.retention import AnyOf, KeepEvery, KeepLatest, Protect
 from ckptd.tools.verify import verify_checkpoint
 from ckptd.validate import read_manifest
@@ -66,10 +75,12 @@ def write_rank(
     *,
     local_world_size: int | None = None,
     replicas: dict[str, str] | None = None,
+    run: int | None = None,
 ) -> None:
     buf = shard_bytes(rank_chunks(step, rank, world_size) if chunks is None else chunks)
     tree = {"rank": rank, "step": step}
-    write_shard(root, job, step, rank, world_size, memoryview(buf), len(buf), tree, replicas=replicas, local_world_size=local_world_size)
+    lws = local_world_size
+    write_shard(root, job, step, rank, world_size, memoryview(buf), len(buf), tree, replicas=replicas, local_world_size=lws, run=run)
 
 
 def make_step(root: str, job: str, step: int, world_size: int = 1) -> str:
@@ -254,6 +265,66 @@ def test_try_complete_refuses_a_fragment_whose_shard_is_missing(store: MemorySto
     with pytest.raises(CheckpointError, match=r"step 6 of job j: rank 1's fragment is in the bucket but its shard is not"):
         try_complete(store, JOB, 6, 2)
     assert not store.exists(bucket_key(JOB, 6, MANIFEST))
+
+
+def test_a_rollback_resave_across_nodes_replaces_the_bucket_step_and_never_mixes_launches(
+    store: MemoryStore, tmp_path: Path, dst: str
+) -> None:
+    """Launch 11 completed step 6 over two nodes; launch 22 (rolled back past it) saves step 6 again. Its
+    files overwrite the old ones, so the old manifest goes first; until every node has uploaded launch 22's
+    ranks, the old launch's fragments still in the bucket are never merged with the new ones."""
+    old_a, old_b, new_a, new_b = (str(tmp_path / n) for n in ("old_a", "old_b", "new_a", "new_b"))
+    for root, ranks, run, base in ((old_a, (0, 1), 11, 6), (old_b, (2,), 11, 6), (new_a, (0, 1), 22, 106), (new_b, (2,), 22, 106)):
+        for rank in ranks:
+            write_rank(root, JOB, 6, rank, 3, rank_chunks(base, rank, 3), local_world_size=len(ranks), run=run)
+    upload_ranks(store, tmp_dir(old_a, JOB, 6), JOB, 6, [0, 1])
+    upload_ranks(store, tmp_dir(old_b, JOB, 6), JOB, 6, [2])
+    assert try_complete(store, JOB, 6, 3, 11) is True
+    assert bucket_run(store, JOB, 6) == (True, 11)
+    assert clear_for_run(store, JOB, 6, 11) is False  # its own launch's step: kept
+
+    assert clear_for_run(store, JOB, 6, 22) is True  # node a, before its upload: the old step stops looking complete
+    assert remote_steps(store, JOB) == ([], [6])
+    upload_ranks(store, tmp_dir(new_a, JOB, 6), JOB, 6, [0, 1])
+    assert try_complete(store, JOB, 6, 3, 22) is False  # rank 2's fragment there is launch 11's
+    assert try_complete(store, JOB, 6, 3, 11) is False  # ... and ranks 0 and 1 are no longer launch 11's
+    assert not store.exists(bucket_key(JOB, 6, MANIFEST))
+    assert clear_for_run(store, JOB, 6, 22) is False  # node b: nothing left to clear
+    upload_ranks(store, tmp_dir(new_b, JOB, 6), JOB, 6, [2])
+    assert try_complete(store, JOB, 6, 3, 22) is True
+    assert bucket_run(store, JOB, 6) == (True, 22)
+    assert try_complete(store, JOB, 6, 3, 11) is False  # launch 22's manifest is not launch 11's completion
+    path = download_step(store, dst, JOB, 6)
+    assert verify_checkpoint(path) == []
+    w = torch.cat([rank_chunks(106, r, 3)[0][1] for r in range(3)])  # every row is launch 22's
+    from safetensors.torch import load_file
+
+    got = torch.cat([load_file(os.path.join(path, shard_name(r)))["model/w"] for r in range(3)])
+    assert torch.equal(got, w)
+
+
+def test_fragments_of_two_launches_are_never_merged_into_one_manifest(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    write_rank(root, JOB, 6, 0, 2, run=11)
+    write_rank(root, JOB, 6, 1, 2, run=22)
+    with pytest.raises(CheckpointError, match=r"step 6 of job j: its fragments come from different launches of the job \(11, 22\)"):
+        finalize_step(root, JOB, 6, 2)
+    write_rank(root, JOB, 7, 0, 2, run=11)
+    write_rank(root, JOB, 7, 1, 2)  # a fragment that names no launch (an older ckptd): not a conflict
+    assert "run" not in read_manifest(finalize_step(root, JOB, 7, 2))
+
+
+@pytest.mark.parametrize("run", [0, -1, "11", True, 1 << 63, 1.5])
+def test_a_fragment_naming_a_launch_that_is_not_an_id_is_refused(tmp_path: Path, run: object) -> None:
+    from ckptd.storage.local import read_fragment
+    from ckptd.validate import parse_fragment
+
+    write_rank(str(tmp_path), JOB, 6, 0, 1, run=5)
+    frag = read_fragment(str(tmp_path), JOB, 6, 0)
+    assert frag["run"] == 5
+    frag["run"] = run
+    with pytest.raises(FormatError, match="run"):
+        parse_fragment(json.dumps(frag).encode(), "rank-00000.json")
 
 
 def test_try_complete_refuses_a_fragment_of_another_world_size(store: MemoryStore, tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from _dist import run_ranks
-from _workers import restore_via_daemon, save_multinode, snapshot_multinode_no_wait
+from _workers import resave_multinode, restore_via_daemon, save_multinode, snapshot_multinode_no_wait
 from test_remote import remote_toml
 
 from ckptd.client.restore import fetch
@@ -44,6 +44,37 @@ def test_two_nodes_four_ranks_restore_on_a_third_layout(make_daemon, short_tmp: 
     assert [o["step"] for o in outs] == [4, 4, 4]
     assert {o["source"] for o in outs} <= {"bucket", "disk"} and "bucket" in {o["source"] for o in outs}
     assert [o["extra"]["rank"] for o in outs] == [0, 1, 2]
+
+
+def test_a_rolled_back_launch_saving_a_step_again_replaces_it_in_the_bucket(make_daemon, short_tmp: Path, s3_bucket: RemoteConfig) -> None:  # noqa: ANN001
+    """Two nodes save steps 2 and 4; a new launch restores step 2 and saves step 4 again. The bucket's step 4
+    must become the new launch's, whole: not the old manifest over overwritten shards, nor a merge of the
+    two launches' fragments (the first node to finish would otherwise find the old manifest and stop)."""
+    import json
+
+    from ckptd.layout import MANIFEST, bucket_key
+
+    conf = remote_toml(short_tmp / "r.toml", s3_bucket, commit_timeout=120)
+    slow = remote_toml(short_tmp / "slow.toml", s3_bucket, commit_timeout=120, max_bandwidth=200_000)  # bytes/s: node 1 lags
+    nodes = [make_daemon("--config", conf, sub="node0"), make_daemon("--config", conf, sub="node1")]
+    expected = str(short_tmp / "expected.safetensors")
+    run_ranks(4, save_multinode, "fsdp2", [n.endpoint for n in nodes], "rb", expected)
+    with S3Store(s3_bucket) as store:
+        old_run = json.loads(store.get_bytes(bucket_key("rb", 4, MANIFEST)))["run"]
+    nodes[1].stop()
+    nodes[1].start(["--config", slow])  # same root: node 1 uploads the re-save's ranks slowly
+    outs = run_ranks(4, resave_multinode, "fsdp2", [n.endpoint for n in nodes], "rb", expected)
+    assert {o["path"] for o in outs} == {f"s3://{s3_bucket.bucket}/{s3_bucket.prefix}/rb/step-4"}
+    with S3Store(s3_bucket) as store:
+        manifest = json.loads(store.get_bytes(bucket_key("rb", 4, MANIFEST)))
+        assert manifest["run"] != old_run
+        assert remote_steps(store, "rb") == ([2, 4], [])
+    assert "saved by another launch: this launch's step of that number replaces it" in nodes[0].log.read_text()
+    # a third node restores the newest step from the bucket: the new launch's state, every rank's
+    third = make_daemon("--config", conf, sub="node2")
+    outs = run_ranks(2, restore_via_daemon, "fsdp2", third.endpoint, "rb", expected)
+    assert [o["step"] for o in outs] == [4, 4]
+    assert [o["extra"] for o in outs] == [{"rank": 0, "line": "new"}, {"rank": 1, "line": "new"}]
 
 
 def test_multinode_step_without_a_bucket_is_refused(make_daemon) -> None:  # noqa: ANN001

@@ -105,9 +105,14 @@ def test_bounds_on_other_ops(frame: bytes, msg: str) -> None:
 def test_a_commit_record_is_checked_like_a_commit() -> None:
     from ckptd.protocol import validate_record
 
-    good = {"job": "j", "rank": 0, "world_size": 2, "local_world_size": 2, "step": 3, "nbytes": 10, "replicas": {}, "committed_at": 5}
+    good = {"job": "j", "rank": 0, "world_size": 2, "local_world_size": 2, "step": 3, "nbytes": 10, "replicas": {}}
+    good |= {"committed_at": 5, "run": 7}
     assert validate_record(dict(good)) == good
+    older = {k: v for k, v in good.items() if k != "run"}  # a record written before records named their launch
+    assert validate_record(older) == {**good, "run": None}
     for bad, msg in (
+        ({**good, "run": 0}, "'run' = 0 is outside"),
+        ({**good, "run": "7"}, "'run' has the wrong type"),
         ({**good, "job": "../escape"}, "invalid job name"),
         ({**good, "world_size": 2**40}, "world_size"),
         ({**good, "rank": 7}, "outside world_size"),

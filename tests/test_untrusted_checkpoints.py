@@ -23,8 +23,9 @@ from _shards import shard_bytes
 from conftest import REPO
 
 from ckptd.config import MAX_TREE_DEPTH
+from ckptd.coverage import check_coverage
 from ckptd.errors import CheckpointError, FormatError
-from ckptd.format import build_fragment, build_manifest, check_coverage, parse_header
+from ckptd.format import build_fragment, build_manifest, parse_header
 from ckptd.layout import MANIFEST, shard_name, step_dir
 from ckptd.state import TAG, flatten, unflatten
 from ckptd.tools.verify import verify_checkpoint

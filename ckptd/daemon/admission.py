@@ -21,7 +21,10 @@ a chimera of two runs. Main thread only (the daemon's loop), with the step table
   belongs to the abandoned line, and the new one replaces it when it is complete
   (:func:`ckptd.storage.local.finalize_step`: a newer commit of a complete number), so a crash in
   between leaves the old one. Anything else is refused: a fresh run never overwrites a complete
-  checkpoint by accident.
+  checkpoint by accident. A multi-node step is complete in the bucket, not here: one this daemon
+  remembers complete is replaced the same way, and in the bucket the new launch's files take the place
+  of the old step's (:func:`ckptd.storage.remote.clear_for_run`), which is gone from the bucket until
+  every node has uploaded them (its objects are overwritten).
 """
 
 from __future__ import annotations
@@ -89,6 +92,10 @@ class Admission:
             self.steps.drop(key)  # a new attempt starts afresh
         replacing = os.path.isdir(step_dir(self.root, job, step))
         old_at = committed_at(step_dir(self.root, job, step)) if replacing else 0
+        done = self.steps.get(key)
+        if not replacing and lws < ws and done is not None and done.state is StepState.DURABLE:
+            # a multi-node step lives in the bucket, not here; this daemon remembers it complete
+            replacing, old_at = True, done.committed_at
         if replacing:
             self._replace(job, step, after, old_at, multi_node=lws < ws)
         track = self.steps.check_commit(key, rank, ws, lws)

@@ -85,6 +85,7 @@ def write_shard(
     replicas: dict[str, str] | None = None,
     local_world_size: int | None = None,
     committed_at: int = 0,
+    run: int | None = None,
 ) -> None:
     """Write one staged shard (``view[:nbytes]``) and then its fragment into ``step-N.tmp`` durably.
 
@@ -99,7 +100,8 @@ def write_shard(
     if new_job:
         fsync_dir(root)  # the job's directory entry itself must survive a power loss
     path, frag_path = os.path.join(d, shard_name(rank)), os.path.join(d, fragment_name(rank))
-    frag = build_fragment(job, step, rank, world_size, local_world_size or world_size, view, layout, replicas or {}, tree, committed_at)
+    lws = local_world_size or world_size
+    frag = build_fragment(job, step, rank, world_size, lws, view, layout, replicas or {}, tree, committed_at, run=run)
     try:
         if os.path.exists(frag_path):
             os.unlink(frag_path)  # first: while the shard is rewritten, this rank does not count as durable

@@ -19,7 +19,7 @@ import os
 import shutil
 
 from ..errors import CheckpointError, FormatError
-from ..format import build_manifest, commit_time
+from ..format import build_manifest, commit_time, fragment_run
 from ..layout import (
     MANIFEST,
     bucket_key,
@@ -43,11 +43,6 @@ from .store import ObjectStore, Progress
 def step_url(store: ObjectStore, job: str, step: int) -> str:
     """Where a step lives in the bucket, for messages and ``wait()``'s answer."""
     return store.url(bucket_prefix(job, step)[:-1])
-
-
-def is_complete_in_bucket(store: ObjectStore, job: str, step: int) -> bool:
-    """Whether step ``step`` of ``job`` is complete in the bucket: its manifest exists there."""
-    return store.exists(bucket_key(job, step, MANIFEST))
 
 
 def _upload(store: ObjectStore, local_dir: str, names: list[str], job: str, step: int, progress: Progress | None) -> int:
@@ -91,16 +86,53 @@ def upload_ranks(store: ObjectStore, local_dir: str, job: str, step: int, ranks:
     return _upload(store, local_dir, rank_files(ranks), job, step, progress)
 
 
-def try_complete(store: ObjectStore, job: str, step: int, world_size: int) -> bool:
+def _run_of(raw: bytes) -> int | None:
+    """The launch a manifest's bytes name (``None``: none, or not a JSON object)."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    return fragment_run(doc) if isinstance(doc, dict) else None
+
+
+def bucket_run(store: ObjectStore, job: str, step: int) -> tuple[bool, int | None]:
+    """``(complete, run)``: whether step ``step`` has a manifest in the bucket, and the launch it names."""
+    try:
+        raw = store.get_bytes(bucket_key(job, step, MANIFEST))
+    except FileNotFoundError:
+        return False, None
+    return True, _run_of(raw)
+
+
+def clear_for_run(store: ObjectStore, job: str, step: int, run: int | None) -> bool:
+    """Multi-node, before this node uploads its ranks of a step saved by launch ``run``: delete the
+    bucket's manifest of that number if another launch wrote it (a rolled-back run saving the step again,
+    or a relaunch that restored nothing). Its files are about to be overwritten, so it must stop looking
+    complete first; the step is complete again once every node's ranks of this launch are there. True
+    if one was deleted."""
+    if run is None:
+        return False
+    complete, theirs = bucket_run(store, job, step)
+    if not complete or theirs == run:
+        return False
+    store.delete([bucket_key(job, step, MANIFEST)])
+    _commit_cache.pop((store.url(), job, step), None)
+    return True
+
+
+def try_complete(store: ObjectStore, job: str, step: int, world_size: int, run: int | None = None) -> bool:
     """Multi-node: write the step's manifest if every rank's fragment is in the bucket.
 
-    True when the step is (now, or already) complete in the bucket. Raises ``CheckpointError`` when
-    the fragments do not make a whole checkpoint (coverage, differing replicas, mismatched steps).
+    True when the step is (now, or already) complete in the bucket. ``run``: the launch whose step this
+    is; another launch's fragments (of the step before a rollback) are never merged with its fragments,
+    and another launch's manifest is not its completion. Raises ``CheckpointError`` when the fragments
+    do not make a whole checkpoint (coverage, differing replicas, mismatched steps).
     """
     prefix = bucket_prefix(job, step)
     names = {k[len(prefix) :] for k in store.list(prefix)}
     if MANIFEST in names:
-        return True
+        complete, theirs = bucket_run(store, job, step)
+        return complete and (run is None or theirs == run)
     present = {r for n in names if (r := fragment_rank(n)) is not None}
     if not set(range(world_size)) <= present:
         return False
@@ -110,6 +142,8 @@ def try_complete(store: ObjectStore, job: str, step: int, world_size: int) -> bo
         frag = parse_fragment(store.get_bytes(key), store.url(key))  # another node's: checked like a manifest
         if shard_name(r) not in names:
             raise CheckpointError(f"step {step} of job {job}: rank {r}'s fragment is in the bucket but its shard is not")
+        if run is not None and fragment_run(frag) != run:
+            return False  # the step before a rollback's, on a node still uploading this launch's ranks
         frags.append(frag)
     manifest = build_manifest(job, step, world_size, frags)
     store.put_bytes(bucket_key(job, step, MANIFEST), json.dumps(manifest, separators=(",", ":")).encode())

@@ -14,8 +14,9 @@ from typing import Any
 
 import xxhash
 
+from ..coverage import check_coverage
 from ..errors import CheckpointError, FormatError
-from ..format import MAX_HEADER_BYTES, ChunkSpec, check_coverage, parse_header
+from ..format import MAX_HEADER_BYTES, ChunkSpec, parse_header
 from ..layout import MANIFEST, complete_steps, step_dir
 from ..validate import confined_name, read_manifest
 
