@@ -451,6 +451,28 @@ def test_a_replacement_whose_rename_fails_puts_the_old_step_back(node: Node, mon
     assert read_manifest(path)["committed_at"] == OLD_AT and verify_checkpoint(path) == [] and _trash(node.root) == []
 
 
+@pytest.mark.parametrize("replacing", [False, True], ids=["new-step", "replacing-an-old-one"])
+def test_a_step_whose_rename_cannot_be_synced_is_complete_not_failed(
+    node: Node, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, replacing: bool
+) -> None:
+    """The directory fsync after the rename into place fails (EIO): every file of the step is durable and,
+    were the rename lost, recovery would finalize ``step-5.tmp`` again, so the step is complete, not failed."""
+    if replacing:
+        complete_step(node.root, 5, 1)
+    write_fragment(node.root, 5, 0, 1, at=NEW_AT)
+
+    def fsync_dir(path: str) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(local, "fsync_dir", fsync_dir)
+    with caplog.at_level("ERROR", logger="ckptd.daemon"):
+        path = local.finalize_step(node.root, JOB, 5, 1)
+    monkeypatch.undo()
+    assert read_manifest(path)["committed_at"] == NEW_AT and verify_checkpoint(path) == []
+    assert partial_dirs(node.root) == [] and _trash(node.root) == []
+    assert "step 5 of job j is complete, but syncing its rename into place failed: [Errno 5] Input/output error" in caplog.text
+
+
 def test_retiring_a_replaced_step_never_removes_a_newer_step_of_its_number(node: Node) -> None:
     """The retire runs on a thread: by then the new step (a memory-tier re-save persisted at once) may be in
     place; only the step committed at the time it names goes."""

@@ -155,7 +155,7 @@ def finalize_step(root: str, job: str, step: int, world_size: int) -> str:
         _swap(root, job, step)
     else:
         os.rename(d, final)
-        fsync_dir(job_dir(root, job))
+        _sync_renamed(root, job, step)
     try:
         update_latest(root, job, step)
     except OSError as e:  # the step is complete and durable all the same; latest_step() finds it by its manifest
@@ -172,13 +172,22 @@ def _swap(root: str, job: str, step: int) -> None:
     os.rename(final, old)
     try:
         os.rename(d, final)
-        fsync_dir(job_dir(root, job))
     except OSError:
-        if not os.path.exists(final):
-            os.rename(old, final)
+        os.rename(old, final)
         raise
+    _sync_renamed(root, job, step)
     shutil.rmtree(old, ignore_errors=True)
     log.info("step %s of job %s replaced by a newer commit of the same number (a rollback)", step, job)
+
+
+def _sync_renamed(root: str, job: str, step: int) -> None:
+    """fsync the job directory after ``step-N.tmp`` was renamed to ``step-N``. A failure is logged, not
+    raised: every file of the step is durable already, and should the rename itself be lost, recovery
+    finds ``step-N.tmp`` with its manifest and finalizes it again; reporting the step failed would be false."""
+    try:
+        fsync_dir(job_dir(root, job))
+    except OSError as e:
+        log.error("step %s of job %s is complete, but syncing its rename into place failed: %s", step, job, e)
 
 
 def settle_replaced(root: str, job: str, step: int) -> bool:
