@@ -173,12 +173,15 @@ class Rig:
             self.ctx.term()
 
 
-def record(step: int, rank: int, world_size: int, nbytes: int, lws: int | None = None, at: int | None = None) -> dict[str, Any]:
+def record(
+    step: int, rank: int, world_size: int, nbytes: int, lws: int | None = None, at: int | None = None, run: int | None = 7
+) -> dict[str, Any]:
     """A commit record as ``Daemon._op_commit`` writes it (the tree is added by ``shm.write_record``)."""
     lws = world_size if lws is None else lws
     return {
         "job": JOB, "rank": rank, "world_size": world_size, "local_world_size": lws, "step": step, "nbytes": nbytes, "replicas": {},
         "committed_at": 1_000_000 + step if at is None else at,  # commit order follows the step here, unless told
+        "run": run,  # the launch: one for every step here, unless told
     }  # fmt: skip
 
 
