@@ -242,12 +242,14 @@ def build_fragment(
     committed_at: int = 0,
     *,
     run: int | None = None,
+    after: int | None = None,
     digests: bool = True,
 ) -> dict[str, Any]:
     """The fragment of one rank's shard (``shard``: its bytes, header included); checksums every chunk.
     ``committed_at``: when the daemon accepted the rank's commit (ns since the epoch), which orders steps.
-    ``run``: the launch that saved it (every rank of a launch shares it; ``None``: not known): a step saved
-    again by another launch (a rollback) is never merged with this one's fragments.
+    ``run``: the launch that saved it (every rank of a launch shares it; ``None``: not known) and ``after``:
+    the step that launch last restored (``None``: none). Together they name the attempt (:func:`attempt_of`):
+    a step saved again after a rollback is never merged with an earlier attempt's fragments.
     ``digests=False``: no checksums (``null``; ``shard`` then needs to hold only the header): a memory-tier
     step's, whose bytes never left the daemon's shared memory; never written to disk."""
     start = layout.data_start
@@ -282,7 +284,7 @@ def build_fragment(
             "committed_at": committed_at,
             "tree": tree,
         }
-        | ({} if run is None else {"run": run})
+        | ({} if run is None else {"run": run, "after": after})
     )
 
 
@@ -340,10 +342,11 @@ def build_manifest(job: str, step: int, world_size: int, frags: list[dict[str, A
                     f" another rank {ent['dtype']}{ent['shape']}"
                 )
             ent["chunks"].append({k: c[k] for k in ("name", "offsets", "sizes", "byte_range", "xxh3_64")} | {"file": fr["file"]})
-    runs = {fragment_run(fr) for fr in frags}
-    if len(runs - {None}) > 1:  # a fragment naming no launch (an older ckptd's) conflicts with none
+    attempts = {attempt_of(fr) for fr in frags}
+    if len(attempts - {None}) > 1:  # a fragment naming no attempt (an older ckptd's) conflicts with none
         raise CheckpointError(
-            f"step {step} of job {job}: its fragments come from different launches of the job ({_runs(runs - {None})}), never merged"
+            f"step {step} of job {job}: its fragments come from different attempts (launch, restored step):"
+            f" {sorted(attempts - {None}, key=str)}, never merged"
         )
     check_coverage(tensors)
     check_replicas(frags)
@@ -359,14 +362,19 @@ def build_manifest(job: str, step: int, world_size: int, frags: list[dict[str, A
         "files": files,
         "tensors": tensors,
         "ranks": ranks,
-    } | ({} if None in runs or not runs else {"run": runs.pop()})
+    } | _attempt_fields(attempts.pop() if len(attempts) == 1 else None)
 
 
-def _runs(runs: set[int | None]) -> str:
-    return ", ".join(str(r) for r in sorted(r for r in runs if r is not None))
+def _attempt_fields(attempt: tuple[int, int | None] | None) -> dict[str, Any]:
+    return {} if attempt is None else {"run": attempt[0], "after": attempt[1]}
 
 
-def fragment_run(doc: dict[str, Any]) -> int | None:
-    """The launch that wrote a fragment or manifest, ``None`` when it does not say (older ckptd)."""
-    run = doc.get("run")
-    return run if type(run) is int else None
+def attempt_of(doc: Any) -> tuple[int, int | None] | None:
+    """The attempt that wrote a fragment or manifest: ``(run, after)``, its launch and the step that launch
+    had restored (a launch that rolls back and saves a step number again makes a new attempt of it);
+    ``None`` when it does not say (written before 2026-11-24, or not a JSON object)."""
+    run = doc.get("run") if isinstance(doc, dict) else None
+    if type(run) is not int:
+        return None
+    after = doc.get("after")
+    return run, after if type(after) is int else None

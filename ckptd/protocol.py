@@ -131,6 +131,7 @@ OPTIONAL: dict[str, dict[str, tuple[tuple[type, ...], Any]]] = {
 RECORD_SCHEMA: dict[str, tuple[type, ...]] = {
     "job": _STR, "rank": _INT, "world_size": _INT, "local_world_size": _INT, "step": _INT, "nbytes": _INT,
     "replicas": (dict,), "committed_at": _INT, "run": (int, type(None)),
+    "after": (int, type(None)),
 }  # fmt: skip
 _ENVELOPE = {"v", "op", "id"}
 # closed ranges of the integer fields, wherever they appear
@@ -196,7 +197,8 @@ def validate_record(rec: Any) -> dict[str, Any]:
     """A commit record read back from shared memory after a crash, checked like a ``commit`` message."""
     if not isinstance(rec, dict):
         raise ProtocolError("commit record is not a JSON object")
-    rec.setdefault("run", None)  # written before records named their launch
+    rec.setdefault("run", None)  # written before records named their attempt
+    rec.setdefault("after", None)
     check_fields("commit record", RECORD_SCHEMA, rec)
     return rec
 

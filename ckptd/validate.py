@@ -196,6 +196,8 @@ def _envelope(obj: Any, where: str, kind: str) -> dict[str, Any]:
         _int(obj["committed_at"], where, "committed_at")
     if "run" in obj:  # the launch that saved it; absent before it existed
         _int(obj["run"], where, "run", 1, _MAX_RUN)
+    if obj.get("after") is not None:  # the step that launch had restored
+        _int(obj["after"], where, "after", 0, MAX_STEP)
     return obj
 
 

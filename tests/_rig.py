@@ -181,7 +181,7 @@ def record(
     return {
         "job": JOB, "rank": rank, "world_size": world_size, "local_world_size": lws, "step": step, "nbytes": nbytes, "replicas": {},
         "committed_at": 1_000_000 + step if at is None else at,  # commit order follows the step here, unless told
-        "run": run,  # the launch: one for every step here, unless told
+        "run": run, "after": None,  # the attempt: one launch that restored nothing, unless told
     }  # fmt: skip
 
 

@@ -38,8 +38,8 @@ from ckptd.layout import (
 from ckptd.storage.local import finalize_step, read_latest, write_shard
 from ckptd.storage.remote import (
     apply_remote_retention,
-    bucket_run,
-    clear_for_run,
+    bucket_attempt,
+    clear_for_attempt,
     download_step,
     remote_steps,
     try_complete,
@@ -76,11 +76,15 @@ def write_rank(
     local_world_size: int | None = None,
     replicas: dict[str, str] | None = None,
     run: int | None = None,
+    after: int | None = None,
+    at: int = 0,
 ) -> None:
     buf = shard_bytes(rank_chunks(step, rank, world_size) if chunks is None else chunks)
     tree = {"rank": rank, "step": step}
-    lws = local_world_size
-    write_shard(root, job, step, rank, world_size, memoryview(buf), len(buf), tree, replicas=replicas, local_world_size=lws, run=run)
+    attempt = {"committed_at": at, "run": run, "after": after}
+    write_shard(
+        root, job, step, rank, world_size, memoryview(buf), len(buf), tree, replicas=replicas, local_world_size=local_world_size, **attempt
+    )
 
 
 def make_step(root: str, job: str, step: int, world_size: int = 1) -> str:
@@ -267,63 +271,97 @@ def test_try_complete_refuses_a_fragment_whose_shard_is_missing(store: MemorySto
     assert not store.exists(bucket_key(JOB, 6, MANIFEST))
 
 
-def test_a_rollback_resave_across_nodes_replaces_the_bucket_step_and_never_mixes_launches(
-    store: MemoryStore, tmp_path: Path, dst: str
+def _frag(root: str, step: int, rank: int) -> dict[str, Any]:
+    from ckptd.storage.local import read_fragment
+
+    return read_fragment(root, JOB, step, rank)
+
+
+@pytest.mark.parametrize("new_run", [22, 11], ids=["another-launch", "the-same-launch"])
+def test_a_rollback_resave_across_nodes_replaces_the_bucket_step_and_never_mixes_attempts(
+    store: MemoryStore, tmp_path: Path, dst: str, new_run: int
 ) -> None:
-    """Launch 11 completed step 6 over two nodes; launch 22 (rolled back past it) saves step 6 again. Its
-    files overwrite the old ones, so the old manifest goes first; until every node has uploaded launch 22's
-    ranks, the old launch's fragments still in the bucket are never merged with the new ones."""
+    """Launch 11 completed step 6 over two nodes; then a launch (another, or 11 itself) restored step 2 and
+    saves step 6 again. Its files overwrite the old ones, so the old manifest goes first; until every node
+    has uploaded the new attempt's ranks, the old attempt's fragments still in the bucket are never merged
+    with the new ones."""
+    old, new = (11, None), (new_run, 2)
     old_a, old_b, new_a, new_b = (str(tmp_path / n) for n in ("old_a", "old_b", "new_a", "new_b"))
-    for root, ranks, run, base in ((old_a, (0, 1), 11, 6), (old_b, (2,), 11, 6), (new_a, (0, 1), 22, 106), (new_b, (2,), 22, 106)):
+    for root, ranks, (run, after), base, at in (
+        (old_a, (0, 1), old, 6, 1_000), (old_b, (2,), old, 6, 1_001), (new_a, (0, 1), new, 106, 2_000), (new_b, (2,), new, 106, 2_001)
+    ):  # fmt: skip
         for rank in ranks:
-            write_rank(root, JOB, 6, rank, 3, rank_chunks(base, rank, 3), local_world_size=len(ranks), run=run)
+            write_rank(root, JOB, 6, rank, 3, rank_chunks(base, rank, 3), local_world_size=len(ranks), run=run, after=after, at=at)
     upload_ranks(store, tmp_dir(old_a, JOB, 6), JOB, 6, [0, 1])
     upload_ranks(store, tmp_dir(old_b, JOB, 6), JOB, 6, [2])
-    assert try_complete(store, JOB, 6, 3, 11) is True
-    assert bucket_run(store, JOB, 6) == (True, 11)
-    assert clear_for_run(store, JOB, 6, 11) is False  # its own launch's step: kept
+    assert try_complete(store, JOB, 6, 3, old) is True
+    assert bucket_attempt(store, JOB, 6) == (True, old)
+    assert clear_for_attempt(store, JOB, 6, _frag(old_b, 6, 2)) is False  # its own attempt's step (an upload again): kept
 
-    assert clear_for_run(store, JOB, 6, 22) is True  # node a, before its upload: the old step stops looking complete
+    assert clear_for_attempt(store, JOB, 6, _frag(new_a, 6, 0)) is True  # node a first: the old step stops looking complete
     assert remote_steps(store, JOB) == ([], [6])
     upload_ranks(store, tmp_dir(new_a, JOB, 6), JOB, 6, [0, 1])
-    assert try_complete(store, JOB, 6, 3, 22) is False  # rank 2's fragment there is launch 11's
-    assert try_complete(store, JOB, 6, 3, 11) is False  # ... and ranks 0 and 1 are no longer launch 11's
+    assert try_complete(store, JOB, 6, 3, new) is False  # rank 2's fragment there is the old attempt's
+    assert try_complete(store, JOB, 6, 3, old) is False  # ... and ranks 0 and 1 are no longer the old attempt's
     assert not store.exists(bucket_key(JOB, 6, MANIFEST))
-    assert clear_for_run(store, JOB, 6, 22) is False  # node b: nothing left to clear
+    assert clear_for_attempt(store, JOB, 6, _frag(new_b, 6, 2)) is False  # node b: nothing left to clear
     upload_ranks(store, tmp_dir(new_b, JOB, 6), JOB, 6, [2])
-    assert try_complete(store, JOB, 6, 3, 22) is True
-    assert bucket_run(store, JOB, 6) == (True, 22)
-    assert try_complete(store, JOB, 6, 3, 11) is False  # launch 22's manifest is not launch 11's completion
+    assert try_complete(store, JOB, 6, 3, new) is True
+    assert bucket_attempt(store, JOB, 6) == (True, new)
+    assert try_complete(store, JOB, 6, 3, old) is False  # the new attempt's manifest is not the old one's completion
     path = download_step(store, dst, JOB, 6)
     assert verify_checkpoint(path) == []
-    w = torch.cat([rank_chunks(106, r, 3)[0][1] for r in range(3)])  # every row is launch 22's
     from safetensors.torch import load_file
 
     got = torch.cat([load_file(os.path.join(path, shard_name(r)))["model/w"] for r in range(3)])
-    assert torch.equal(got, w)
+    assert torch.equal(got, torch.cat([rank_chunks(106, r, 3)[0][1] for r in range(3)]))  # every row is the new attempt's
 
 
-def test_fragments_of_two_launches_are_never_merged_into_one_manifest(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("after", "at", "why"),
+    [
+        (None, 5_000, r"restored no step, committed later"),
+        (6, 5_000, r"restored step 6, committed later"),
+        (2, 500, r"restored step 2, committed earlier"),
+    ],
+    ids=["restored-nothing", "restored-this-step", "a-dead-attempt-uploaded-late"],
+)
+def test_a_complete_bucket_step_is_replaced_only_by_a_newer_rollback_attempt(
+    store: MemoryStore, tmp_path: Path, after: int | None, at: int, why: str
+) -> None:
+    """A relaunch that restored nothing (on a node whose daemon forgot the step), or the part of a dead
+    attempt found on a node's disk after a restart, must not delete the bucket's complete step 6."""
+    old, other = str(tmp_path / "old"), str(tmp_path / "other")
+    write_rank(old, JOB, 6, 0, 2, local_world_size=2, run=11, at=1_000)
+    write_rank(old, JOB, 6, 1, 2, local_world_size=2, run=11, at=1_000)
+    upload_ranks(store, tmp_dir(old, JOB, 6), JOB, 6, [0, 1])
+    assert try_complete(store, JOB, 6, 2, (11, None)) is True
+    write_rank(other, JOB, 6, 0, 2, local_world_size=1, run=22, after=after, at=at)
+    with pytest.raises(CheckpointError, match=rf"step 6 of job j is complete in the bucket, .*\(22, {after}\) \({why}\) does not replace"):
+        clear_for_attempt(store, JOB, 6, _frag(other, 6, 0))
+    assert bucket_attempt(store, JOB, 6) == (True, (11, None))
+
+
+def test_fragments_of_two_attempts_are_never_merged_into_one_manifest(tmp_path: Path) -> None:
     root = str(tmp_path)
     write_rank(root, JOB, 6, 0, 2, run=11)
-    write_rank(root, JOB, 6, 1, 2, run=22)
-    with pytest.raises(CheckpointError, match=r"step 6 of job j: its fragments come from different launches of the job \(11, 22\)"):
+    write_rank(root, JOB, 6, 1, 2, run=11, after=2)  # the same launch after a rollback: another attempt
+    with pytest.raises(CheckpointError, match=r"step 6 of job j: its fragments come from different attempts .*\(11, 2\)"):
         finalize_step(root, JOB, 6, 2)
     write_rank(root, JOB, 7, 0, 2, run=11)
     write_rank(root, JOB, 7, 1, 2)  # a fragment that names no launch (an older ckptd): not a conflict
     assert "run" not in read_manifest(finalize_step(root, JOB, 7, 2))
 
 
-@pytest.mark.parametrize("run", [0, -1, "11", True, 1 << 63, 1.5])
-def test_a_fragment_naming_a_launch_that_is_not_an_id_is_refused(tmp_path: Path, run: object) -> None:
-    from ckptd.storage.local import read_fragment
+@pytest.mark.parametrize(("field", "value"), [("run", v) for v in (0, -1, "11", True, 1 << 63, 1.5)] + [("after", v) for v in (-1, "2")])
+def test_a_fragment_naming_an_attempt_that_is_not_one_is_refused(tmp_path: Path, field: str, value: object) -> None:
     from ckptd.validate import parse_fragment
 
-    write_rank(str(tmp_path), JOB, 6, 0, 1, run=5)
-    frag = read_fragment(str(tmp_path), JOB, 6, 0)
-    assert frag["run"] == 5
-    frag["run"] = run
-    with pytest.raises(FormatError, match="run"):
+    write_rank(str(tmp_path), JOB, 6, 0, 1, run=5, after=2)
+    frag = _frag(str(tmp_path), 6, 0)
+    assert (frag["run"], frag["after"]) == (5, 2)
+    frag[field] = value
+    with pytest.raises(FormatError, match=field):
         parse_fragment(json.dumps(frag).encode(), "rank-00000.json")
 
 
@@ -547,10 +585,12 @@ def test_remote_retention_removes_stale_partial_uploads_but_not_busy_or_newer_on
     for step in (2, 5):
         uploaded(store, src, JOB, step)
     assert remote_steps(store, JOB) == ([2, 5], [1, 3, 4, 7])
-    # 3 is still being uploaded (busy); 7 is newer than the newest complete step: it may still complete
-    assert apply_remote_retention(store, JOB, KeepLatest(0), busy={3}) == [1, 4]
-    assert remote_steps(store, JOB) == ([2, 5], [3, 7])
-    assert apply_remote_retention(store, JOB, KeepLatest(1)) == [2, 3]
+    # only what is below the lowest complete step can no longer complete: above it, a partial step may be a
+    # rolled-back line's still being uploaded (numbered below the abandoned line's); 3 is busy here besides
+    assert apply_remote_retention(store, JOB, KeepLatest(0), busy={3}) == [1]
+    assert remote_steps(store, JOB) == ([2, 5], [3, 4, 7])
+    assert apply_remote_retention(store, JOB, KeepLatest(1)) == [2]
+    assert apply_remote_retention(store, JOB, KeepLatest(1)) == [3, 4]  # now below the lowest complete step, 5
     assert remote_steps(store, JOB) == ([5], [7])
 
 

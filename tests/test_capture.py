@@ -119,3 +119,32 @@ def test_early_copy_slot_is_given_back_when_the_snapshot_fails(daemon, monkeypat
         assert c.status()["slots"].get("leased", 0) == 0  # the early lease was released
         c.snapshot(model, optim, step=3, blocking=True).wait(30)
         assert c.early_copies == 1
+
+
+def test_an_early_copy_whose_slot_is_refused_falls_back_to_the_copy_after_the_collective(daemon, monkeypatch) -> None:  # noqa: ANN001
+    """The early copy leases its slot before the plan's collective, so it never waits for one: refused (the
+    budget is full), the snapshot goes on and leases after the collective, where every rank would see it."""
+    import ckptd.client.copy
+    from ckptd.errors import CheckpointError
+
+    monkeypatch.setattr(ckptd.client.copy, "EARLY_COPY_MIN_TENSORS", 1)
+    model, optim = make()
+    train_step(model, optim, 1)
+    with daemon.client("j") as c:
+        c.snapshot(model, optim, step=1).wait(30)  # CPU state: copied before returning; the stage is cached now
+        real, waits = c._alloc, []
+
+        def alloc(*args: object, wait: bool = True) -> str:
+            waits.append(wait)
+            if not wait:
+                raise CheckpointError("shared-memory budget full (refused at once)")
+            return real(*args, wait=wait)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(c, "_alloc", alloc)
+        train_step(model, optim, 2)
+        want = full_state(model, optim)
+        c.snapshot(model, optim, step=2).wait(30)
+        assert waits == [False, True] and c.early_copies == 0
+        m2, o2 = make(seed=9)
+        c.restore(m2, o2)
+        assert_same(full_state(m2, o2), want)

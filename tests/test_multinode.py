@@ -69,7 +69,7 @@ def test_a_rolled_back_launch_saving_a_step_again_replaces_it_in_the_bucket(make
         manifest = json.loads(store.get_bytes(bucket_key("rb", 4, MANIFEST)))
         assert manifest["run"] != old_run
         assert remote_steps(store, "rb") == ([2, 4], [])
-    assert "saved by another launch: this launch's step of that number replaces it" in nodes[0].log.read_text()
+    assert "saved by an earlier attempt: this one (a run rolled back to step 2) replaces it" in nodes[0].log.read_text()
     # a third node restores the newest step from the bucket: the new launch's state, every rank's
     third = make_daemon("--config", conf, sub="node2")
     outs = run_ranks(2, restore_via_daemon, "fsdp2", third.endpoint, "rb", expected)

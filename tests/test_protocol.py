@@ -106,13 +106,14 @@ def test_a_commit_record_is_checked_like_a_commit() -> None:
     from ckptd.protocol import validate_record
 
     good = {"job": "j", "rank": 0, "world_size": 2, "local_world_size": 2, "step": 3, "nbytes": 10, "replicas": {}}
-    good |= {"committed_at": 5, "run": 7}
+    good |= {"committed_at": 5, "run": 7, "after": 2}
     assert validate_record(dict(good)) == good
-    older = {k: v for k, v in good.items() if k != "run"}  # a record written before records named their launch
-    assert validate_record(older) == {**good, "run": None}
+    older = {k: v for k, v in good.items() if k not in ("run", "after")}  # written before records named their attempt
+    assert validate_record(older) == {**good, "run": None, "after": None}
     for bad, msg in (
         ({**good, "run": 0}, "'run' = 0 is outside"),
         ({**good, "run": "7"}, "'run' has the wrong type"),
+        ({**good, "after": -1}, "'after' = -1 is outside"),
         ({**good, "job": "../escape"}, "invalid job name"),
         ({**good, "world_size": 2**40}, "world_size"),
         ({**good, "rank": 7}, "outside world_size"),

@@ -33,14 +33,14 @@ WAIT_S = 30.0  # generous: only a broken uploader waits this long
 # ---------------------------------------------------------------------------- helpers
 
 
-def write_rank(root: str, job: str, step: int, rank: int, world_size: int, at: int = 0) -> None:
+def write_rank(root: str, job: str, step: int, rank: int, world_size: int, at: int = 0, run: int | None = None) -> None:
     """Rank ``rank``'s shard of a step into ``step-N.tmp`` (row ``rank`` of ``model/w``; rank 0 also holds
-    ``model/b``), committed at ``at``."""
+    ``model/b``), committed at ``at`` by launch ``run`` (which restored no step)."""
     chunks: list[Chunk] = [("model/w", torch.full((1, 4), float(100 * step + rank), dtype=torch.float32), (world_size, 4), (rank, 0))]
     if rank == 0:
         chunks.append(("model/b", torch.arange(3, dtype=torch.int16) + step, (3,), (0,)))
     buf = shard_bytes(chunks)
-    write_shard(root, job, step, rank, world_size, memoryview(buf), len(buf), {"step": step}, committed_at=at)
+    write_shard(root, job, step, rank, world_size, memoryview(buf), len(buf), {"step": step}, committed_at=at, run=run)
 
 
 def write_step(root: str, job: str, step: int, at: int = 0) -> str:
@@ -440,3 +440,26 @@ def test_catch_up_sends_a_step_that_replaced_the_bucket_s_older_step_of_its_numb
         up.close()
     assert got.error is None and got.complete and got.nbytes == local_size(step_dir(root, JOB, 4))
     assert bucket_committed_at(store, JOB, 4) == 2_000
+
+
+def test_a_nodes_part_that_may_not_replace_the_buckets_step_is_refused_and_removed(tmp_path: Path) -> None:
+    """The bucket holds step 3, complete (launch 11). A node's part of step 3 by launch 22, which restored no
+    step (its daemon had forgotten step 3: a restart), must not overwrite it: the upload fails saying why,
+    and the part, which can never complete, is removed."""
+    old, here = str(tmp_path / "old"), str(tmp_path / "here")
+    store, results = MemoryStore(), Results()
+    for r in (0, 1):
+        write_rank(old, JOB, 3, r, 2, at=1_000, run=11)
+    upload_ranks(store, tmp_dir(old, JOB, 3), JOB, 3, [0, 1])
+    store.put_bytes(bucket_key(JOB, 3, MANIFEST), b'{"run": 11, "after": null, "committed_at": 1000}')
+    write_rank(here, JOB, 3, 0, 2, at=5_000, run=22)
+    before = dict(store.objects)
+    up = make_uploader(store, here, results, commit_timeout=5.0)
+    try:
+        up.submit(JOB, 3, 2, ranks=[0])
+        (res,) = results.wait(1)
+    finally:
+        up.close()
+    assert res.error is not None and "is complete in the bucket" in res.error and "restored no step" in res.error
+    assert store.objects == before  # nothing of the bucket's step 3 was touched
+    assert not os.path.exists(tmp_dir(here, JOB, 3))

@@ -154,7 +154,8 @@ class Client:
         if not later[0] and event is None:
             self._commit_now(handle, commit, tree_json or self._trees.encode(staged.tree))
         else:
-            self._guard.hook(optim)  # type: ignore[arg-type]
+            if optim is not None:  # no optimizer: nothing left for later but the device-to-host copies' event
+                self._guard.hook(optim)
             self._guard.start(step, lambda: self._background(handle, later, commit, staged.tree, event), handle._unreported)
         self._track(handle)
         return handle
@@ -262,7 +263,10 @@ class Client:
         stage = self._stager.stage
         if stage is None or not EarlyCopy.worth_it(stage):
             return None
-        segment = self._alloc(rank, world, step, stage.layout.file_size)
+        try:  # not waiting: this comes before the plan's collective, which the other ranks would wait in
+            segment = self._alloc(rank, world, step, stage.layout.file_size, wait=False)
+        except CheckpointError:
+            return None  # the copy after the collective leases the slot (and raises there, on every rank)
         try:
             early = EarlyCopy(self._maps, segment, stage)
             early.start()

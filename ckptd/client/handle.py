@@ -21,9 +21,10 @@ __all__ = ["SnapshotHandle", "StepDropped"]
 class SnapshotHandle:
     """One snapshot in flight. ``wait()`` blocks until the step is durable and returns its path.
 
-    A failure is raised once by the client as a whole: by whichever of the next ``snapshot()``,
-    ``Client.wait()`` or ``close()`` sees it first (``close`` warns); this handle's own ``wait()``
-    always raises it."""
+    A failure of a snapshot committed before it returned (``blocking=True``, or a CPU-only state under
+    ``overlap="auto"``) is raised by ``snapshot()`` itself. A failure of a background copy is raised once
+    by the client as a whole: by whichever of the next ``snapshot()``, ``Client.wait()`` or ``close()``
+    sees it first (``close`` warns); this handle's own ``wait()`` always raises it."""
 
     def __init__(self, client: Client, step: int) -> None:
         self.client = client

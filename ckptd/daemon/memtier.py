@@ -129,7 +129,7 @@ class MemoryTier:
                 raise FormatError(f"staged shard is {rec['nbytes']} bytes but its header describes {layout.file_size}")
             frag = build_fragment(
                 job, step, rank, ws, rec.get("local_world_size", ws), head, layout, rec.get("replicas", {}), parse_tree(rec["tree"]),
-                rec.get("committed_at", 0), run=rec.get("run"), digests=False,
+                rec.get("committed_at", 0), run=rec.get("run"), after=rec.get("after"), digests=False,
             )  # fmt: skip
             manifest = None
             with self._lock:

@@ -131,7 +131,7 @@ class Persister:
                 slot.mapping = shm.Mapping(slot.name, writable=False, fd=fd)
             local.write_shard(
                 self.root, job, step, rank, ws, slot.mapping.view, rec["nbytes"], parse_tree(rec["tree"]),
-                self.write_rate_limit, rec.get("replicas", {}), lws, rec.get("committed_at", 0), rec.get("run"),
+                self.write_rate_limit, rec.get("replicas", {}), lws, rec.get("committed_at", 0), rec.get("run"), rec.get("after"),
             )  # fmt: skip
             seconds = time.monotonic() - t0
             path, node_ranks, manifest = self._after_write(job, step, ws, lws)

@@ -362,7 +362,8 @@ class Daemon:
         self.memtier.decide(job, track, lws < ws)
         record = {k: msg[k] for k in ("job", "rank", "world_size", "local_world_size", "step", "nbytes", "replicas")}
         record["committed_at"] = self._commit_time(job, track.replaces_at)
-        record["run"] = msg["run"]  # into the fragment: another launch's fragments of this step are never merged with it
+        # into the fragment: the attempt (launch, restored step), never merged with another attempt's fragments
+        record["run"], record["after"] = msg["run"], msg["after"]
         tree = msg["frames"][0]
         self.pool.segments.write_record(slot.name, record, tree=tree)  # from here on the shard survives any crash
         record["tree"] = tree  # raw JSON: parsed on the persist thread

@@ -16,16 +16,16 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import CheckpointError
-from ..format import commit_time, fragment_run
+from ..format import attempt_of, commit_time
 from ..layout import MANIFEST, bucket_key, step_dir, tmp_dir
 from ..storage.local import committed_at as local_committed_at
 from ..storage.local import read_fragment
 from ..storage.remote import (
     apply_remote_retention,
-    bucket_run,
-    clear_for_run,
+    clear_for_attempt,
     rank_files,
     step_url,
     try_complete,
@@ -181,9 +181,6 @@ class Uploader:
         url = step_url(self.store, u.job, u.step)
         if u.catch_up and u.ranks is None and self._bucket_has(u.job, u.step):
             return Uploaded(u.job, u.step, None, 0, 0.0, True, False, url)
-        run = None if u.ranks is None else fragment_run(read_fragment(self.root, u.job, u.step, u.ranks[0]))
-        if u.catch_up and u.ranks is not None and self._bucket_has_run(u, run):
-            return Uploaded(u.job, u.step, None, 0, 0.0, True, False, url)
         if u.ranks is None:
             d = step_dir(self.root, u.job, u.step)
             u.bytes_total = sum(os.path.getsize(os.path.join(d, n)) for n in os.listdir(d))
@@ -191,32 +188,39 @@ class Uploader:
         else:
             d = tmp_dir(self.root, u.job, u.step)
             u.bytes_total = sum(os.path.getsize(os.path.join(d, n)) for n in rank_files(u.ranks))
-            if clear_for_run(self.store, u.job, u.step, run):
-                log.warning(
-                    "step %s of job %s in the bucket was saved by another launch: this launch's step of that number"
-                    " replaces it (a rolled-back run saving it again); it is complete again once every node has uploaded",
-                    u.step, u.job,
-                )  # fmt: skip
+            frag = read_fragment(self.root, u.job, u.step, u.ranks[0])
+            self._make_room(u, frag, d)
             nbytes = upload_ranks(self.store, d, u.job, u.step, u.ranks, self._progress(u))
-            self._wait_complete(u, run)
+            self._wait_complete(u, attempt_of(frag))
             shutil.rmtree(d, ignore_errors=True)  # the bucket holds the step now; this node's part is not a checkpoint
         removed = apply_remote_retention(self.store, u.job, self.retention, busy={u.step} | self.pending(u.job))
         if removed:
             log.info("remote retention: removed steps %s of job %s from the bucket", removed, u.job)
         return Uploaded(u.job, u.step, None, nbytes, time.monotonic() - u.started, True, multi, url)
 
-    def _bucket_has_run(self, u: Upload, run: int | None) -> bool:
-        """Multi-node catch-up: the bucket completed this launch's step already (not another launch's of that number)."""
-        complete, theirs = bucket_run(self.store, u.job, u.step)
-        return complete and (run is None or theirs == run)
+    def _make_room(self, u: Upload, frag: dict[str, Any], d: str) -> None:
+        """Multi-node: before this node's ranks go up, take a step of that number another attempt completed out
+        of the bucket if this attempt replaces it (a rollback); else this node's part can never complete: it is
+        removed here, and the upload fails saying why."""
+        try:
+            cleared = clear_for_attempt(self.store, u.job, u.step, frag)
+        except CheckpointError:
+            shutil.rmtree(d, ignore_errors=True)
+            raise
+        if cleared:
+            log.warning(
+                "step %s of job %s in the bucket was saved by an earlier attempt: this one (a run rolled back to step %s)"
+                " replaces it; it is complete again once every node has uploaded its ranks",
+                u.step, u.job, frag.get("after"),
+            )  # fmt: skip
 
-    def _wait_complete(self, u: Upload, run: int | None) -> None:
-        """Multi-node: poll the bucket until every node's ranks of this launch are there and the manifest is written."""
+    def _wait_complete(self, u: Upload, attempt: tuple[int, int | None] | None) -> None:
+        """Multi-node: poll the bucket until every node's ranks of this attempt are there and the manifest is written."""
         deadline = time.monotonic() + self.commit_timeout
-        while not try_complete(self.store, u.job, u.step, u.world_size, run):
+        while not try_complete(self.store, u.job, u.step, u.world_size, attempt):
             if time.monotonic() > deadline:
                 raise CheckpointError(
-                    f"step {u.step} of job {u.job}: not every rank's shard reached the bucket within {self.commit_timeout:g} s"
-                    " (is every node's daemon configured with the same bucket and prefix?)"
+                    f"step {u.step} of job {u.job}: not every rank's shard of this attempt reached the bucket within"
+                    f" {self.commit_timeout:g} s (is every node's daemon configured with the same bucket and prefix?)"
                 )
             time.sleep(self.POLL_S)

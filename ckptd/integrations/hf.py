@@ -8,7 +8,7 @@
     trainer.train(resume_from_checkpoint=ckpt.resume_checkpoint(args.output_dir))   # None: a fresh start
 
 Every ``save_steps`` optimizer steps, :meth:`CkptdCallback.on_step_end` takes a ``ckptd.snapshot`` of the model
-and optimizer (on every rank; the default non-blocking mode: the copy overlaps the next forward and
+and optimizer (on every rank; the default mode: on a GPU the copy overlaps the next forward and
 backward) with the LR scheduler's state, the ``TrainerState`` and the RNG states as ``extra``: step
 ``global_step`` of the job. Nothing is written under ``output_dir`` while training.
 

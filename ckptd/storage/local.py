@@ -86,6 +86,7 @@ def write_shard(
     local_world_size: int | None = None,
     committed_at: int = 0,
     run: int | None = None,
+    after: int | None = None,
 ) -> None:
     """Write one staged shard (``view[:nbytes]``) and then its fragment into ``step-N.tmp`` durably.
 
@@ -101,7 +102,7 @@ def write_shard(
         fsync_dir(root)  # the job's directory entry itself must survive a power loss
     path, frag_path = os.path.join(d, shard_name(rank)), os.path.join(d, fragment_name(rank))
     lws = local_world_size or world_size
-    frag = build_fragment(job, step, rank, world_size, lws, view, layout, replicas or {}, tree, committed_at, run=run)
+    frag = build_fragment(job, step, rank, world_size, lws, view, layout, replicas or {}, tree, committed_at, run=run, after=after)
     try:
         if os.path.exists(frag_path):
             os.unlink(frag_path)  # first: while the shard is rewritten, this rank does not count as durable
@@ -175,19 +176,22 @@ def _swap(root: str, job: str, step: int) -> None:
     except OSError:
         os.rename(old, final)
         raise
-    _sync_renamed(root, job, step)
-    shutil.rmtree(old, ignore_errors=True)
+    if _sync_renamed(root, job, step):  # else the old one stays aside until recovery settles it
+        shutil.rmtree(old, ignore_errors=True)
     log.info("step %s of job %s replaced by a newer commit of the same number (a rollback)", step, job)
 
 
-def _sync_renamed(root: str, job: str, step: int) -> None:
+def _sync_renamed(root: str, job: str, step: int) -> bool:
     """fsync the job directory after ``step-N.tmp`` was renamed to ``step-N``. A failure is logged, not
     raised: every file of the step is durable already, and should the rename itself be lost, recovery
-    finds ``step-N.tmp`` with its manifest and finalizes it again; reporting the step failed would be false."""
+    finds ``step-N.tmp`` with its manifest and finalizes it again; reporting the step failed would be false.
+    Returns whether the sync succeeded."""
     try:
         fsync_dir(job_dir(root, job))
     except OSError as e:
         log.error("step %s of job %s is complete, but syncing its rename into place failed: %s", step, job, e)
+        return False
+    return True
 
 
 def settle_replaced(root: str, job: str, step: int) -> bool:

@@ -17,9 +17,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from typing import Any
 
 from ..errors import CheckpointError, FormatError
-from ..format import build_manifest, commit_time, fragment_run
+from ..format import attempt_of, build_manifest, commit_time
 from ..layout import (
     MANIFEST,
     bucket_key,
@@ -86,53 +87,73 @@ def upload_ranks(store: ObjectStore, local_dir: str, job: str, step: int, ranks:
     return _upload(store, local_dir, rank_files(ranks), job, step, progress)
 
 
-def _run_of(raw: bytes) -> int | None:
-    """The launch a manifest's bytes name (``None``: none, or not a JSON object)."""
-    try:
-        doc = json.loads(raw)
-    except (ValueError, RecursionError):
-        return None
-    return fragment_run(doc) if isinstance(doc, dict) else None
+Attempt = tuple[int, int | None]  # (launch, the step it had restored): see ckptd.format.attempt_of
 
 
-def bucket_run(store: ObjectStore, job: str, step: int) -> tuple[bool, int | None]:
-    """``(complete, run)``: whether step ``step`` has a manifest in the bucket, and the launch it names."""
+def _bucket_doc(store: ObjectStore, job: str, step: int) -> tuple[bool, Any]:
+    """``(complete, manifest)``: whether step ``step`` has a manifest in the bucket, and that manifest
+    parsed loosely (``None`` when it is not JSON; it is only asked which attempt wrote it and when)."""
     try:
         raw = store.get_bytes(bucket_key(job, step, MANIFEST))
     except FileNotFoundError:
         return False, None
-    return True, _run_of(raw)
+    try:
+        return True, json.loads(raw)
+    except (ValueError, RecursionError):
+        return True, None
 
 
-def clear_for_run(store: ObjectStore, job: str, step: int, run: int | None) -> bool:
-    """Multi-node, before this node uploads its ranks of a step saved by launch ``run``: delete the
-    bucket's manifest of that number if another launch wrote it (a rolled-back run saving the step again,
-    or a relaunch that restored nothing). Its files are about to be overwritten, so it must stop looking
-    complete first; the step is complete again once every node's ranks of this launch are there. True
-    if one was deleted."""
-    if run is None:
+def bucket_attempt(store: ObjectStore, job: str, step: int) -> tuple[bool, Attempt | None]:
+    """``(complete, attempt)``: whether step ``step`` has a manifest in the bucket, and the attempt it names."""
+    complete, doc = _bucket_doc(store, job, step)
+    return complete, attempt_of(doc)
+
+
+def clear_for_attempt(store: ObjectStore, job: str, step: int, frag: dict[str, Any]) -> bool:
+    """Multi-node, before this node uploads its ranks of a step (``frag``: one of their fragments): make
+    room in the bucket. Nothing to do when no manifest of that number is there, or it is this attempt's
+    own (an upload again after a restart). Another attempt's manifest is deleted, since its objects are
+    about to be overwritten and it must stop looking complete first, only if this attempt replaces it:
+    saved by a launch that restored an earlier step (a rollback) and committed after it. Else
+    ``CheckpointError``: a run that restored nothing, or a dead attempt's part uploaded late, never
+    overwrites a complete step. True if a manifest was deleted."""
+    ours = attempt_of(frag)
+    complete, doc = _bucket_doc(store, job, step)
+    if not complete or ours is None:  # ours None: a fragment of a ckptd that did not name attempts
         return False
-    complete, theirs = bucket_run(store, job, step)
-    if not complete or theirs == run:
+    theirs = attempt_of(doc)
+    if theirs == ours:
         return False
+    after, at = ours[1], frag.get("committed_at") or 0
+    if after is None or after >= step or commit_time(doc) >= at:
+        how = "restored no step" if after is None else f"restored step {after}"
+        raise CheckpointError(
+            f"step {step} of job {job} is complete in the bucket, saved by another attempt (launch, restored step) {theirs};"
+            f" this node's part of attempt {ours} ({how}, committed {'earlier' if commit_time(doc) >= at else 'later'})"
+            " does not replace it: only a run that restored an earlier step replaces a step, with a newer commit"
+        )
     store.delete([bucket_key(job, step, MANIFEST)])
     _commit_cache.pop((store.url(), job, step), None)
     return True
 
 
-def try_complete(store: ObjectStore, job: str, step: int, world_size: int, run: int | None = None) -> bool:
+def try_complete(store: ObjectStore, job: str, step: int, world_size: int, attempt: Attempt | None = None) -> bool:
     """Multi-node: write the step's manifest if every rank's fragment is in the bucket.
 
-    True when the step is (now, or already) complete in the bucket. ``run``: the launch whose step this
-    is; another launch's fragments (of the step before a rollback) are never merged with its fragments,
-    and another launch's manifest is not its completion. Raises ``CheckpointError`` when the fragments
-    do not make a whole checkpoint (coverage, differing replicas, mismatched steps).
+    True when the step is (now, or already) complete in the bucket. ``attempt``: whose step this is;
+    another attempt's fragments (the step before a rollback) are never merged with its own, and another
+    attempt's manifest is not its completion (a fragment or manifest naming no attempt, an older
+    ckptd's, counts as any). Raises ``CheckpointError`` when the fragments do not make a whole
+    checkpoint (coverage, differing replicas, mismatched steps).
     """
     prefix = bucket_prefix(job, step)
     names = {k[len(prefix) :] for k in store.list(prefix)}
     if MANIFEST in names:
-        complete, theirs = bucket_run(store, job, step)
-        return complete and (run is None or theirs == run)
+        complete, theirs = bucket_attempt(store, job, step)
+        done = complete and (attempt is None or theirs in (None, attempt))
+        if done:  # this process may have cached the commit time of the step this attempt replaced
+            _commit_cache.pop((store.url(), job, step), None)
+        return done
     present = {r for n in names if (r := fragment_rank(n)) is not None}
     if not set(range(world_size)) <= present:
         return False
@@ -142,11 +163,12 @@ def try_complete(store: ObjectStore, job: str, step: int, world_size: int, run: 
         frag = parse_fragment(store.get_bytes(key), store.url(key))  # another node's: checked like a manifest
         if shard_name(r) not in names:
             raise CheckpointError(f"step {step} of job {job}: rank {r}'s fragment is in the bucket but its shard is not")
-        if run is not None and fragment_run(frag) != run:
-            return False  # the step before a rollback's, on a node still uploading this launch's ranks
+        if attempt is not None and attempt_of(frag) not in (None, attempt):
+            return False  # the step before a rollback's, on a node still uploading this attempt's ranks
         frags.append(frag)
     manifest = build_manifest(job, step, world_size, frags)
     store.put_bytes(bucket_key(job, step, MANIFEST), json.dumps(manifest, separators=(",", ":")).encode())
+    _commit_cache.pop((store.url(), job, step), None)
     return True
 
 
@@ -260,11 +282,14 @@ def apply_remote_retention(
     store: ObjectStore, job: str, policy: RetentionPolicy, busy: frozenset[int] | set[int] = frozenset()
 ) -> list[int]:
     """Remove the complete steps ``policy`` does not keep (given them in commit order; never the latest),
-    and partial uploads below the latest complete step (they can no longer complete) except ``busy``
-    ones. Returns the steps removed."""
+    and partial uploads below the lowest complete step (they can no longer complete) except ``busy``
+    ones. Not below the latest: after a rollback, the new line's steps (above the step it restored, which
+    is complete here or was until newer commits retired it) are numbered below the abandoned line's, and
+    another node may still be uploading them. Returns the steps removed."""
     complete, partial = bucket_steps_by_commit(store, job)
     latest = complete[-1] if complete else -1
-    gone = [s for s in doomed(policy, complete) if s != latest] + [s for s in partial if s < latest and s not in busy]
+    floor = min(complete, default=-1)
+    gone = [s for s in doomed(policy, complete) if s != latest] + [s for s in partial if s < floor and s not in busy]
     for s in sorted(gone):
         _delete_step(store, job, s)
     return sorted(gone)
