@@ -32,6 +32,19 @@ def different_steps(rank: int, world: int, endpoint: str, job: str) -> dict[str,
     return {"error": err, "in_flight": status["jobs"].get(job, {}).get("in_flight", [])}
 
 
+def restore_different_steps(rank: int, world: int, endpoint: str, job: str) -> dict[str, Any]:
+    """Steps 2 and 4 saved; then each rank restores a step of its own (``strict=False`` skips the check a
+    strict restore makes) and saves step 5: a step after a restore must follow the same step everywhere."""
+    model, optim = build("ddp")
+    with ckptd.Client(endpoint=endpoint, job=job) as c:
+        for step in (2, 4):
+            train_step(model, optim, step)
+            c.snapshot(model, optim, step=step, blocking=True).wait(60)
+        c.restore(model, optim, step=2 if rank == 0 else 4, strict=False)
+        err = _error(lambda: c.snapshot(model, optim, step=5, blocking=True))
+    return {"error": err}
+
+
 def snapshot_on_rank0_only(rank: int, world: int, endpoint: str, job: str) -> dict[str, Any]:
     """``if rank == 0: ckptd.snapshot(...)``: rank 0 gets an error, not a hang and a gloo abort."""
     model, optim = build("ddp")

@@ -585,13 +585,29 @@ def test_remote_retention_removes_stale_partial_uploads_but_not_busy_or_newer_on
     for step in (2, 5):
         uploaded(store, src, JOB, step)
     assert remote_steps(store, JOB) == ([2, 5], [1, 3, 4, 7])
-    # only what is below the lowest complete step can no longer complete: above it, a partial step may be a
-    # rolled-back line's still being uploaded (numbered below the abandoned line's); 3 is busy here besides
-    assert apply_remote_retention(store, JOB, KeepLatest(0), busy={3}) == [1]
-    assert remote_steps(store, JOB) == ([2, 5], [3, 4, 7])
-    assert apply_remote_retention(store, JOB, KeepLatest(1)) == [2]
-    assert apply_remote_retention(store, JOB, KeepLatest(1)) == [3, 4]  # now below the lowest complete step, 5
+    # 3 is still being uploaded (busy); 7 is newer than the newest complete step: it may still complete
+    assert apply_remote_retention(store, JOB, KeepLatest(0), busy={3}) == [1, 4]
+    assert remote_steps(store, JOB) == ([2, 5], [3, 7])
+    assert apply_remote_retention(store, JOB, KeepLatest(1)) == [2, 3]
     assert remote_steps(store, JOB) == ([5], [7])
+
+
+def test_remote_retention_of_a_multinode_job_removes_the_partial_steps_it_is_told_are_settled(store: MemoryStore, src: str) -> None:
+    """Another node may be uploading any partial step of a multi-node job, even one numbered below the latest
+    (a rolled-back line's): only those ``settled`` names go, whatever their number."""
+    faulty = FaultyStore(store, put_bytes=[MANIFEST])
+    for step in (1, 3, 7):
+        with pytest.raises(CheckpointError):
+            upload_step(faulty, make_step(src, JOB, step), JOB, step)
+    uploaded(store, src, JOB, 5)
+    asked: list[int] = []
+
+    def settled(step: int) -> bool:
+        asked.append(step)
+        return step in (3, 7)
+
+    assert apply_remote_retention(store, JOB, KeepLatest(0), busy={7}, settled=settled) == [3]
+    assert asked == [1, 3] and remote_steps(store, JOB) == ([5], [1, 7])
 
 
 def test_remote_retention_without_a_complete_step_keeps_every_partial_upload(store: MemoryStore, src: str) -> None:

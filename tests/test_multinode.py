@@ -5,6 +5,7 @@ there; the trainers' process groups play no part. Restored on a third layout thr
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -69,7 +70,11 @@ def test_a_rolled_back_launch_saving_a_step_again_replaces_it_in_the_bucket(make
         manifest = json.loads(store.get_bytes(bucket_key("rb", 4, MANIFEST)))
         assert manifest["run"] != old_run
         assert remote_steps(store, "rb") == ([2, 4], [])
-    assert "saved by an earlier attempt: this one (a run rolled back to step 2) replaces it" in nodes[0].log.read_text()
+    logs = nodes[0].log.read_text() + nodes[1].log.read_text()
+    assert re.search(r"saved by an earlier attempt: this one \(\d+, 2\) \(a run rolled back to step 2\) replaces it", logs)
+    # every manifest written for step 4 in the re-save is the new attempt's (never a merge of the two)
+    wrote = re.findall(r"step 4 of job rb is complete in the bucket: wrote its manifest \(attempt \((\d+), (\w+)\)\)", logs)
+    assert wrote[-1][1] == "2" and all(w == wrote[-1] for w in wrote if w[1] != "None")
     # a third node restores the newest step from the bucket: the new launch's state, every rank's
     third = make_daemon("--config", conf, sub="node2")
     outs = run_ranks(2, restore_via_daemon, "fsdp2", third.endpoint, "rb", expected)

@@ -167,6 +167,27 @@ def test_bad_arguments(daemon) -> None:  # noqa: ANN001
         assert c.snapshot(model, optim, step=2, blocking=True).wait(30)  # still usable
 
 
+def test_each_restore_starts_a_new_attempt_even_of_the_same_step(daemon) -> None:  # noqa: ANN001
+    """Rolling back to step 1 twice in one process and saving step 3 again each time: every save of step 3 is
+    another attempt (launch id drawn afresh, restored step), so no two are ever taken for one another (in the
+    bucket, a multi-node step's files of two attempts share their names)."""
+    from ckptd.validate import read_manifest
+
+    model, optim = make()
+    attempts = []
+    with daemon.client("att") as c:
+        for line in range(3):
+            if line:
+                assert c.restore(model, optim, step=1).step == 1
+            for step in (2, 3) if line else (1, 2, 3):
+                train_step(model, optim, 10 * line + step)
+                c.snapshot(model, optim, step=step).wait(30)
+            m = read_manifest(os.path.join(daemon.root, "att", "step-3"))
+            attempts.append((m["run"], m["after"]))
+    assert attempts[0][1] is None and attempts[1][1] == attempts[2][1] == 1
+    assert len({run for run, _ in attempts}) == 3
+
+
 def test_a_bad_overlap_setting_is_refused_up_front(daemon, monkeypatch) -> None:  # noqa: ANN001
     with pytest.raises(ValueError, match="overlap must be one of auto, always, never, got 'yes'"):
         daemon.client("j", overlap="yes")

@@ -442,6 +442,27 @@ def test_catch_up_sends_a_step_that_replaced_the_bucket_s_older_step_of_its_numb
     assert bucket_committed_at(store, JOB, 4) == 2_000
 
 
+def test_a_multinode_partial_step_is_settled_once_its_objects_stay_unchanged_for_commit_timeout(tmp_path: Path) -> None:
+    """Retention's test for a multi-node job's partial steps: objects unchanged since this uploader first saw
+    them, for longer than any node waits for the others (commit_timeout)."""
+    store, now = MemoryStore(), [100.0]
+    up = make_uploader(store, str(tmp_path), Results(), commit_timeout=60.0)
+    up.clock = lambda: now[0]
+    try:
+        store.put_bytes(bucket_key(JOB, 4, "rank-00000.safetensors"), b"x")
+        settled = up._settled(JOB)
+        assert settled(4) is False  # first seen now
+        now[0] += 59.0
+        assert settled(4) is False
+        store.put_bytes(bucket_key(JOB, 4, "rank-00000.json"), b"{}")  # another node is still uploading it
+        now[0] += 30.0
+        assert settled(4) is False  # changed: the wait starts again
+        now[0] += 60.0
+        assert settled(4) is True
+    finally:
+        up.close()
+
+
 def test_a_nodes_part_that_may_not_replace_the_buckets_step_is_refused_and_removed(tmp_path: Path) -> None:
     """The bucket holds step 3, complete (launch 11). A node's part of step 3 by launch 22, which restored no
     step (its daemon had forgotten step 3: a restart), must not overwrite it: the upload fails saying why,

@@ -22,6 +22,7 @@ from _mistakes import (
     die_before_commit,
     different_steps,
     restore_and_compare,
+    restore_different_steps,
     restore_into_a_model_one_rank_extended,
     resume_and_save_again,
     snapshot_on_rank0_only,
@@ -188,6 +189,13 @@ def test_ranks_passing_different_steps_all_get_one_clear_error(daemon) -> None: 
         assert "the ranks passed different steps (rank 0: 4, rank 1: 5)" in o["error"], o
         assert o["in_flight"] == []
     assert not list((Path(daemon.root) / "steps").glob("step-*")), "nothing of either step was committed"
+
+
+def test_ranks_that_restored_different_steps_get_one_clear_error_at_the_next_snapshot(daemon) -> None:  # noqa: ANN001
+    outs = run_ranks(2, restore_different_steps, daemon.endpoint, "restores")
+    for o in outs:
+        assert "the ranks restored different steps before it (rank 0: 2, rank 1: 4)" in o["error"], o
+    assert not (Path(daemon.root) / "restores" / "step-5").exists()
 
 
 @pytest.mark.multiproc

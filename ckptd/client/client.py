@@ -241,8 +241,9 @@ class Client:
     def _alloc(self, rank: int, world: int, step: int | None, nbytes: int, *, wait: bool = True) -> str:
         """A slot leased for ``nbytes``; the daemon refuses one it cannot grant within the alloc timeout (or at
         once, ``wait`` false) rather than grant it later to a client that gave up."""
+        rpc_timeout = self.alloc_timeout + 5.0 if wait else self.timeout
         rep = self._rpc.call(
-            "alloc", rpc_timeout=self.alloc_timeout + 5.0, job=self.job, rank=rank, world_size=world, step=step, nbytes=nbytes,
+            "alloc", rpc_timeout=rpc_timeout, job=self.job, rank=rank, world_size=world, step=step, nbytes=nbytes,
             pid=os.getpid(), wait=wait, timeout=self.alloc_timeout if self.alloc_timeout < 1e9 else 0,
         )  # fmt: skip
         self._leases[rep["segment"]] = rep["lease"]  # the secret that lets this client, and no other, commit or release it
@@ -407,6 +408,7 @@ class Client:
         else:
             extra, self.last_restore = restore_from_daemon(self._rpc, self.job, model, optim, rank, step=step, hot=hot, how=how)
             self._after, self._saved = extra.step, set()  # saving the steps after it again starts a new line (rollback)
+            self._stager.restored(extra.step)  # ... as a new attempt, even of a number this launch saved before
         return extra
 
     def close(self) -> None:

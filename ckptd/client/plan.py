@@ -123,6 +123,12 @@ class WritePlan:
         self._blob = b""
         self.arrivals = Arrivals(scope)
         self.run = secrets.randbits(62) + 1  # this launch's id: every rank takes rank 0's (the daemon tells runs apart)
+        self.after: int | None = None  # the step this rank last restored: every rank must have restored the same
+
+    def restored(self, step: int) -> None:
+        """This rank restored ``step`` (a rollback when it saves the steps after it again): the saves from
+        here on are a new attempt, so the launch id is drawn afresh (rank 0's is taken at the next snapshot)."""
+        self.after, self.run = step, secrets.randbits(62) + 1
 
     def mine(
         self, items: list[tuple[ChunkId, int]], step: int | None = None, failed: bool = False, solo: bool = False
@@ -149,13 +155,14 @@ class WritePlan:
         world = dist.get_world_size()
         what = "ckptd.prepare()" if step is None else f"ckptd.snapshot(step={step})"
         self.arrivals.check(what)
-        mine = torch.tensor([h, -1 if step is None else step, self.run, int(failed)], dtype=torch.int64, device=dev)
+        mine = torch.tensor([h, -1 if step is None else step, self.run, int(failed), _or_minus(self.after)], dtype=torch.int64, device=dev)
         gathered = [torch.zeros_like(mine) for _ in range(world)]
         dist.all_gather(gathered, mine)
         bad = [r for r, t in enumerate(gathered) if int(t[3].item())]
         if bad:
             raise CheckpointError(f"{what}: rank(s) {bad[:8]} could not stage their state (see their error); nothing was saved")
         _same_step([int(t[1].item()) for t in gathered], what)
+        _same_restore([int(t[4].item()) for t in gathered], what)
         self.run = int(gathered[0][2].item())
         hashes = [int(t[0].item()) for t in gathered]
         if hashes == self._hashes and self._mine is not None:
@@ -175,6 +182,19 @@ def _same_step(steps: list[int], what: str) -> None:
     if len(set(steps)) > 1:
         said = ", ".join(f"rank {r}: {'prepare()' if s < 0 else s}" for r, s in enumerate(steps))
         raise CheckpointError(f"{what}: the ranks passed different steps ({said}); every rank must snapshot the same step")
+
+
+def _or_minus(v: int | None) -> int:
+    return -1 if v is None else v
+
+
+def _same_restore(steps: list[int], what: str) -> None:
+    if len(set(steps)) > 1:
+        said = ", ".join(f"rank {r}: {'none' if s < 0 else s}" for r, s in enumerate(steps))
+        raise CheckpointError(
+            f"{what}: the ranks restored different steps before it ({said}); a step saved after a restore must follow"
+            " the same restored step on every rank (restore(step=k) on every rank, strict)"
+        )
 
 
 def _all_gather_bytes(blob: bytes, dev: torch.device, world: int) -> list[bytes]:

@@ -68,6 +68,10 @@ class Stager:
         """This launch's id, the same on every rank once a snapshot or ``prepare`` planned."""
         return self._plan.run
 
+    def restored(self, step: int) -> None:
+        """This rank restored ``step``: a new attempt (:meth:`WritePlan.restored`)."""
+        self._plan.restored(step)
+
     def run(
         self, model: torch.nn.Module, optim: torch.optim.Optimizer | None, extra: dict[str, Any] | None, rank: int, step: int | None
     ) -> Staged:

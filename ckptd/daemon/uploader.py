@@ -20,7 +20,7 @@ from typing import Any
 
 from ..errors import CheckpointError
 from ..format import attempt_of, commit_time
-from ..layout import MANIFEST, bucket_key, step_dir, tmp_dir
+from ..layout import MANIFEST, bucket_key, bucket_prefix, step_dir, tmp_dir
 from ..storage.local import committed_at as local_committed_at
 from ..storage.local import read_fragment
 from ..storage.remote import (
@@ -76,6 +76,8 @@ class Uploader:
         self.forever = KeepEvery(keep_every)
         self.retention = AnyOf((KeepLatest(keep), self.forever))
         self.commit_timeout = commit_timeout
+        self.clock = time.monotonic  # tests move it
+        self._partials: dict[tuple[str, int], tuple[frozenset[str], float]] = {}  # (job, step) -> its objects, since when
         self._initializer = initializer
         self._queue: list[Upload] = []
         self._cv = threading.Condition()
@@ -193,10 +195,29 @@ class Uploader:
             nbytes = upload_ranks(self.store, d, u.job, u.step, u.ranks, self._progress(u))
             self._wait_complete(u, attempt_of(frag))
             shutil.rmtree(d, ignore_errors=True)  # the bucket holds the step now; this node's part is not a checkpoint
-        removed = apply_remote_retention(self.store, u.job, self.retention, busy={u.step} | self.pending(u.job))
+        settled = self._settled(u.job) if multi else None
+        removed = apply_remote_retention(self.store, u.job, self.retention, busy={u.step} | self.pending(u.job), settled=settled)
         if removed:
             log.info("remote retention: removed steps %s of job %s from the bucket", removed, u.job)
         return Uploaded(u.job, u.step, None, nbytes, time.monotonic() - u.started, True, multi, url)
+
+    def _settled(self, job: str) -> Callable[[int], bool]:
+        """Multi-node: whether a partial step of ``job`` in the bucket can no longer complete. Another node may
+        be uploading any of them (after a rollback, numbered below the latest too); one whose objects have not
+        changed for ``commit_timeout`` (as this uploader's retention passes saw them) has been given up by
+        every node that waited for it."""
+
+        def settled(step: int) -> bool:
+            keys, now = frozenset(self.store.list(bucket_prefix(job, step))), self.clock()
+            seen = self._partials.get((job, step))
+            if seen is None or seen[0] != keys:
+                if len(self._partials) > 4096:
+                    self._partials.clear()
+                self._partials[(job, step)] = (keys, now)
+                return False
+            return now - seen[1] >= self.commit_timeout
+
+        return settled
 
     def _make_room(self, u: Upload, frag: dict[str, Any], d: str) -> None:
         """Multi-node: before this node's ranks go up, take a step of that number another attempt completed out
@@ -209,9 +230,9 @@ class Uploader:
             raise
         if cleared:
             log.warning(
-                "step %s of job %s in the bucket was saved by an earlier attempt: this one (a run rolled back to step %s)"
+                "step %s of job %s in the bucket was saved by an earlier attempt: this one %s (a run rolled back to step %s)"
                 " replaces it; it is complete again once every node has uploaded its ranks",
-                u.step, u.job, frag.get("after"),
+                u.step, u.job, attempt_of(frag), frag.get("after"),
             )  # fmt: skip
 
     def _wait_complete(self, u: Upload, attempt: tuple[int, int | None] | None) -> None:

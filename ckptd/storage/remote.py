@@ -15,8 +15,10 @@ through the :class:`~ckptd.storage.store.ObjectStore` protocol.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import CheckpointError, FormatError
@@ -39,6 +41,8 @@ from .files import create_new, fsync_dir, write_all
 from .local import job_lock, update_latest
 from .retention import RetentionPolicy, doomed
 from .store import ObjectStore, Progress
+
+log = logging.getLogger("ckptd.daemon")
 
 
 def step_url(store: ObjectStore, job: str, step: int) -> str:
@@ -169,6 +173,7 @@ def try_complete(store: ObjectStore, job: str, step: int, world_size: int, attem
     manifest = build_manifest(job, step, world_size, frags)
     store.put_bytes(bucket_key(job, step, MANIFEST), json.dumps(manifest, separators=(",", ":")).encode())
     _commit_cache.pop((store.url(), job, step), None)
+    log.info("step %s of job %s is complete in the bucket: wrote its manifest (attempt %s)", step, job, attempt_of(manifest))
     return True
 
 
@@ -279,17 +284,20 @@ def _delete_step(store: ObjectStore, job: str, step: int) -> None:
 
 
 def apply_remote_retention(
-    store: ObjectStore, job: str, policy: RetentionPolicy, busy: frozenset[int] | set[int] = frozenset()
+    store: ObjectStore,
+    job: str,
+    policy: RetentionPolicy,
+    busy: frozenset[int] | set[int] = frozenset(),
+    settled: Callable[[int], bool] | None = None,
 ) -> list[int]:
     """Remove the complete steps ``policy`` does not keep (given them in commit order; never the latest),
-    and partial uploads below the lowest complete step (they can no longer complete) except ``busy``
-    ones. Not below the latest: after a rollback, the new line's steps (above the step it restored, which
-    is complete here or was until newer commits retired it) are numbered below the abandoned line's, and
-    another node may still be uploading them. Returns the steps removed."""
+    and partial uploads that can no longer complete, except ``busy`` ones: those ``settled`` says so of (a
+    multi-node job: another node may still be uploading any partial step, even one numbered below the
+    latest after a rollback), else those below the latest complete step. Returns the steps removed."""
     complete, partial = bucket_steps_by_commit(store, job)
     latest = complete[-1] if complete else -1
-    floor = min(complete, default=-1)
-    gone = [s for s in doomed(policy, complete) if s != latest] + [s for s in partial if s < floor and s not in busy]
+    stale = [s for s in partial if s not in busy and (settled(s) if settled is not None else s < latest)]
+    gone = [s for s in doomed(policy, complete) if s != latest] + stale
     for s in sorted(gone):
         _delete_step(store, job, s)
     return sorted(gone)
