@@ -365,11 +365,14 @@ def build_manifest(job: str, step: int, world_size: int, frags: list[dict[str, A
     } | _attempt_fields(attempts.pop() if len(attempts) == 1 else None)
 
 
-def _attempt_fields(attempt: tuple[int, int | None] | None) -> dict[str, Any]:
+Attempt = tuple[int, int | None]  # (launch, the step it had restored): see attempt_of
+
+
+def _attempt_fields(attempt: Attempt | None) -> dict[str, Any]:
     return {} if attempt is None else {"run": attempt[0], "after": attempt[1]}
 
 
-def attempt_of(doc: Any) -> tuple[int, int | None] | None:
+def attempt_of(doc: Any) -> Attempt | None:
     """The attempt that wrote a fragment or manifest: ``(run, after)``, its launch and the step that launch
     had restored (a launch that rolls back and saves a step number again makes a new attempt of it);
     ``None`` when it does not say (written before 2026-11-24, or not a JSON object)."""

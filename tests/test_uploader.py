@@ -99,6 +99,18 @@ class GatedStore(MemoryStore):
         super().put_file(rel, path, progress)
 
 
+def upload_part(store: Any, root: str, results: Results, step: int, *, commit_timeout: float) -> tuple[Uploaded, Uploader]:
+    """Upload rank 0's part of a 2-rank step of JOB with an uploader of its own; its one result, and the
+    uploader (closed)."""
+    up = make_uploader(store, root, results, commit_timeout=commit_timeout)
+    try:
+        up.submit(JOB, step, 2, ranks=[0])
+        (res,) = results.wait(1)
+    finally:
+        up.close()
+    return res, up
+
+
 def make_uploader(
     store: Any,
     root: str,
@@ -292,12 +304,7 @@ def test_multi_node_step_times_out_naming_the_step(tmp_path: Path) -> None:
     root = str(tmp_path / "root")
     write_rank(root, JOB, 7, 0, 2)  # rank 1's node never uploads
     store, results = MemoryStore(), Results()
-    up = make_uploader(store, root, results, commit_timeout=0.5)
-    try:
-        up.submit(JOB, 7, 2, ranks=[0])
-        (res,) = results.wait(1)
-    finally:
-        up.close()
+    res, up = upload_part(store, root, results, 7, commit_timeout=0.5)
     assert res.job == JOB and res.step == 7 and not res.complete and res.multi_node
     assert res.error is not None and "step 7 of job j" in res.error and "not every rank" in res.error
     assert not store.exists(bucket_key(JOB, 7, MANIFEST))
@@ -475,12 +482,7 @@ def test_a_nodes_part_that_may_not_replace_the_buckets_step_is_refused_and_remov
     store.put_bytes(bucket_key(JOB, 3, MANIFEST), b'{"run": 11, "after": null, "committed_at": 1000}')
     write_rank(here, JOB, 3, 0, 2, at=5_000, run=22)
     before = dict(store.objects)
-    up = make_uploader(store, here, results, commit_timeout=5.0)
-    try:
-        up.submit(JOB, 3, 2, ranks=[0])
-        (res,) = results.wait(1)
-    finally:
-        up.close()
+    res, _ = upload_part(store, here, results, 3, commit_timeout=5.0)
     assert res.error is not None and "is complete in the bucket" in res.error and "restored no step" in res.error
     assert store.objects == before  # nothing of the bucket's step 3 was touched
     assert not os.path.exists(tmp_dir(here, JOB, 3))

@@ -155,7 +155,7 @@ class WritePlan:
         world = dist.get_world_size()
         what = "ckptd.prepare()" if step is None else f"ckptd.snapshot(step={step})"
         self.arrivals.check(what)
-        mine = torch.tensor([h, -1 if step is None else step, self.run, int(failed), _or_minus(self.after)], dtype=torch.int64, device=dev)
+        mine = torch.tensor([h, _or_minus(step), self.run, int(failed), _or_minus(self.after)], dtype=torch.int64, device=dev)
         gathered = [torch.zeros_like(mine) for _ in range(world)]
         dist.all_gather(gathered, mine)
         bad = [r for r, t in enumerate(gathered) if int(t[3].item())]

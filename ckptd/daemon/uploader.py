@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointError
-from ..format import attempt_of, commit_time
+from ..format import Attempt, attempt_of, commit_time
 from ..layout import MANIFEST, bucket_key, bucket_prefix, step_dir, tmp_dir
 from ..storage.local import committed_at as local_committed_at
 from ..storage.local import read_fragment
@@ -235,7 +235,7 @@ class Uploader:
                 u.step, u.job, attempt_of(frag), frag.get("after"),
             )  # fmt: skip
 
-    def _wait_complete(self, u: Upload, attempt: tuple[int, int | None] | None) -> None:
+    def _wait_complete(self, u: Upload, attempt: Attempt | None) -> None:
         """Multi-node: poll the bucket until every node's ranks of this attempt are there and the manifest is written."""
         deadline = time.monotonic() + self.commit_timeout
         while not try_complete(self.store, u.job, u.step, u.world_size, attempt):

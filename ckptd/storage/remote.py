@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import CheckpointError, FormatError
-from ..format import attempt_of, build_manifest, commit_time
+from ..format import Attempt, attempt_of, build_manifest, commit_time
 from ..layout import (
     MANIFEST,
     bucket_key,
@@ -69,7 +69,7 @@ def upload_step(store: ObjectStore, local_dir: str, job: str, step: int, progres
     # a step number saved again (after a rollback) replaces an older step of that number: it must not
     # look complete while its files are being replaced
     store.delete([bucket_key(job, step, MANIFEST)])
-    _commit_cache.pop((store.url(), job, step), None)
+    _forget_commit(store, job, step)
     shards = [n for n in names if n.endswith(".safetensors")]
     frags = [n for n in names if fragment_rank(n) is not None]
     total = _upload(store, local_dir, shards + frags, job, step, progress)
@@ -89,9 +89,6 @@ def rank_files(ranks: list[int]) -> list[str]:
 def upload_ranks(store: ObjectStore, local_dir: str, job: str, step: int, ranks: list[int], progress: Progress | None = None) -> int:
     """Multi-node: upload this node's ranks of a step (each shard before its fragment). Returns bytes sent."""
     return _upload(store, local_dir, rank_files(ranks), job, step, progress)
-
-
-Attempt = tuple[int, int | None]  # (launch, the step it had restored): see ckptd.format.attempt_of
 
 
 def _bucket_doc(store: ObjectStore, job: str, step: int) -> tuple[bool, Any]:
@@ -137,7 +134,7 @@ def clear_for_attempt(store: ObjectStore, job: str, step: int, frag: dict[str, A
             " does not replace it: only a run that restored an earlier step replaces a step, with a newer commit"
         )
     store.delete([bucket_key(job, step, MANIFEST)])
-    _commit_cache.pop((store.url(), job, step), None)
+    _forget_commit(store, job, step)
     return True
 
 
@@ -156,7 +153,7 @@ def try_complete(store: ObjectStore, job: str, step: int, world_size: int, attem
         complete, theirs = bucket_attempt(store, job, step)
         done = complete and (attempt is None or theirs in (None, attempt))
         if done:  # this process may have cached the commit time of the step this attempt replaced
-            _commit_cache.pop((store.url(), job, step), None)
+            _forget_commit(store, job, step)
         return done
     present = {r for n in names if (r := fragment_rank(n)) is not None}
     if not set(range(world_size)) <= present:
@@ -172,7 +169,7 @@ def try_complete(store: ObjectStore, job: str, step: int, world_size: int, attem
         frags.append(frag)
     manifest = build_manifest(job, step, world_size, frags)
     store.put_bytes(bucket_key(job, step, MANIFEST), json.dumps(manifest, separators=(",", ":")).encode())
-    _commit_cache.pop((store.url(), job, step), None)
+    _forget_commit(store, job, step)
     log.info("step %s of job %s is complete in the bucket: wrote its manifest (attempt %s)", step, job, attempt_of(manifest))
     return True
 
@@ -189,7 +186,13 @@ def remote_steps(store: ObjectStore, job: str) -> tuple[list[int], list[int]]:
     return sorted(complete), sorted(seen - complete)
 
 
-_commit_cache: dict[tuple[str, str, int], int] = {}  # (bucket url, job, step) -> committed_at: manifests never change
+# (bucket url, job, step) -> committed_at; a manifest changes only when a rollback re-save replaces its step
+_commit_cache: dict[tuple[str, str, int], int] = {}
+
+
+def _forget_commit(store: ObjectStore, job: str, step: int) -> None:
+    """This process deleted, replaced or completed the bucket's step: its cached commit time may be stale."""
+    _commit_cache.pop((store.url(), job, step), None)
 
 
 def bucket_committed_at(store: ObjectStore, job: str, step: int) -> int | None:
@@ -198,10 +201,10 @@ def bucket_committed_at(store: ObjectStore, job: str, step: int) -> int | None:
     Read once per process; forgotten when this process deletes or uploads the step."""
     key = (store.url(), job, step)
     if key not in _commit_cache:
-        try:
-            value = commit_time(store.get_bytes(bucket_key(job, step, MANIFEST)))
-        except FileNotFoundError:
+        complete, doc = _bucket_doc(store, job, step)
+        if not complete:
             return None
+        value = commit_time(doc)
         if len(_commit_cache) > 65536:
             _commit_cache.clear()
         _commit_cache[key] = value
@@ -275,7 +278,7 @@ def download_step(store: ObjectStore, root: str, job: str, step: int, progress: 
 
 
 def _delete_step(store: ObjectStore, job: str, step: int) -> None:
-    _commit_cache.pop((store.url(), job, step), None)
+    _forget_commit(store, job, step)
     keys = store.list(bucket_prefix(job, step))
     man = bucket_key(job, step, MANIFEST)
     if man in keys:
