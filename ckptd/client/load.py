@@ -23,10 +23,8 @@ before the first step restores an optimizer without state, as ``optim.state_dict
 
 from __future__ import annotations
 
-import gc
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -35,6 +33,7 @@ from ..errors import CheckpointError
 from ..format import dtype_from_name
 from ..state import TAG, join_key, local_chunks, split_key, unflatten
 from ..tools.verify import stale_warning
+from ..validate import gc_paused
 from .capture import no_optimizer_init
 from .plan import Arrivals
 from .reader import CheckpointReader, Piece, resolve_step_dir
@@ -246,21 +245,6 @@ def _collapse(keys: list[str], saved: _Saved) -> list[str]:
 def _listed(keys: list[str]) -> str:
     more = f" and {len(keys) - LISTED} more" if len(keys) > LISTED else ""
     return ", ".join(keys[:LISTED]) + more
-
-
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector paused, for the whole process, while a restore plans every chunk
-    and reads them (thousands of small objects for a state of small tensors, all alive until the read:
-    collections over them cost more than the reads; none is cyclic, reference counting frees them).
-    Concurrent restores may re-enable it for each other early; it is enabled again if it was before."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def load_into(
