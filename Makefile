@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint bench bench-gpu clean systemd-analyze
+.PHONY: install demo test lint bench bench-gpu device-wheels clean systemd-analyze
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -56,6 +56,16 @@ bench: $(STAMP)
 bench-gpu: $(STAMP)
 	$(BIN)/pip install -q -e ".[test,bench]"
 	$(BIN)/python benchmarks/gpu_loop.py
+
+# the packages the lent GPU machine lacks (it has torch; it cannot download), as wheels for its Python 3.12,
+# into .whl/ for the device tool to carry: see benchmarks/on_device.sh
+DEVICE_WHEELS = pyzmq boto3 botocore s3transfer jmespath
+device-wheels: $(STAMP)
+	rm -rf .whl && mkdir -p .whl
+	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl $(DEVICE_WHEELS)
+	ls .whl
 
 clean:
 	rm -rf $(VENV) build *.egg-info

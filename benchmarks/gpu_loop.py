@@ -6,7 +6,10 @@ On the GPU box (one H100; the defaults: 0.5e9 fp32 parameters, 6 GB of state wit
 a checkpoint every 10):
 
     pip install -e . matplotlib     # ckptd's dependencies (pyzmq, psutil, xxhash, boto3, prometheus-client); matplotlib: the plot
-    python benchmarks/gpu_loop.py   # add --json $OUT/gpu_loop.json --plot $OUT/gpu_loop.png to get them back from the device tool
+    python benchmarks/gpu_loop.py
+
+Through the ``device`` tool, whose machine cannot download: ``make device-wheels`` here, then
+``bash benchmarks/on_device.sh loop [arguments]`` there, carrying ``.whl`` (see that script).
 
 It needs 3.5x the state in /dev/shm (within half of it: the daemon's default budget; else it says so and exits 2)
 and about 5x on the work directory's disk (``--workdir``, default ``$CKPTD_BENCH_DIR`` or the temp dir). It writes

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The GPU checks, on the lent GPU machine (the `device` tool's `run`), where nothing can be downloaded:
+# its python3 has torch (2.11 + CUDA 13 when last seen) and most of ckptd's dependencies, not pyzmq or
+# boto3. Before the first call, here: `make device-wheels` (the missing ones, as wheels for that machine's
+# Python 3.12, into .whl/, which git ignores). Then each call carries .whl and runs one phase:
+#
+#   run(command="bash benchmarks/on_device.sh tests", carry=[".whl"])      # tests/test_cuda.py + the GPU copy benchmark
+#   run(command="bash benchmarks/on_device.sh loop", carry=[".whl"])       # benchmarks/gpu_loop.py, every mode it reaches
+#   run(command="bash benchmarks/on_device.sh loop --modes lag-wait,lag-memory,dcp-thread", carry=[".whl"])
+#
+# A phase fits in one call (10 minutes): gpu_loop.py stops starting modes after --max-minutes (8 by default) and
+# names the ones it skipped, for a second call with --modes. Results and logs go to $OUT (they come back with
+# the call's reply): pytest.log, gpu_copy.log, gpu_loop.log, gpu_loop.json, gpu_loop.png.
+# Without $OUT (trying it here): into bench-out/device/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+phase="${1:-}"
+shift || true
+out="${OUT:-bench-out/device}"
+mkdir -p "$out"
+py="${PYTHON:-python3}"
+site="${CKPTD_DEVICE_SITE:-/tmp/ckptd-site}"
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl
+    export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONUNBUFFERED=1
+# what this run stands on, at the top of every log: the reply's tail may lose it
+"$py" - <<'EOF' | tee "$out/env.txt"
+import importlib, platform, sys
+import torch
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+if torch.cuda.is_available():
+    print("device", torch.cuda.get_device_name(0))
+missing = []
+for name in ("zmq", "psutil", "xxhash", "numpy", "prometheus_client", "boto3", "pytest"):
+    try:
+        importlib.import_module(name)
+    except ImportError as e:
+        missing.append(f"{name} ({e})")
+if missing:
+    sys.exit(f"missing on this machine: {', '.join(missing)}: run `make device-wheels` here and carry .whl")
+import ckptd  # noqa: F401  (from this checkout)
+print("ckptd from", ckptd.__file__)
+EOF
+
+case "$phase" in
+tests)
+    # test_cuda.py runs only with CUDA; the hot-restore and snapshot tests run their CPU paths beside it
+    set +e
+    "$py" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_hot.py -ra 2>&1 | tee "$out/pytest.log"
+    rc=${PIPESTATUS[0]}
+    "$py" benchmarks/gpu_copy.py --json "$out/gpu_copy.json" 2>&1 | tee "$out/gpu_copy.log"
+    exit "$rc"
+    ;;
+loop)
+    "$py" benchmarks/gpu_loop.py --json "$out/gpu_loop.json" --plot "$out/gpu_loop.png" "$@" 2>&1 | tee "$out/gpu_loop.log"
+    exit "${PIPESTATUS[0]}"
+    ;;
+*)
+    echo "usage: $0 tests | loop [gpu_loop.py arguments]" >&2
+    exit 2
+    ;;
+esac
