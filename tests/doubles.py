@@ -13,6 +13,7 @@ disks — is used by the scenario tests):
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -83,6 +84,12 @@ class MemoryStore:
         with self._lock:
             return sorted(k for k in self.objects if k.startswith(rel_prefix))
 
+    def list_tagged(self, rel_prefix: str = "") -> dict[str, str]:
+        """As S3 lists them: each key with the MD5 of its bytes (a single PUT's ETag)."""
+        self._log("list", rel_prefix)
+        with self._lock:
+            return {k: hashlib.md5(v).hexdigest() for k, v in self.objects.items() if k.startswith(rel_prefix)}
+
     def delete(self, rels: list[str]) -> None:
         with self._lock:
             for rel in rels:
@@ -99,7 +106,8 @@ class MemoryStore:
 
 class FaultyStore:
     """``store``, except that the operations named in ``faults`` fail with ``CheckpointError``: each
-    fault is a call index (0-based, per operation) or a key suffix."""
+    fault is a call index (0-based, per operation) or a key suffix. ``list`` counts ``list_tagged`` too:
+    both are one listing request."""
 
     def __init__(self, store: Any, **faults: list[int | str]) -> None:
         self.store, self.faults = store, faults
@@ -114,11 +122,12 @@ class FaultyStore:
 
     def __getattr__(self, name: str) -> Any:
         target = getattr(self.store, name)
-        if name not in ("put_file", "put_bytes", "get_file", "get_bytes", "list", "delete", "exists"):
+        if name not in ("put_file", "put_bytes", "get_file", "get_bytes", "list", "list_tagged", "delete", "exists"):
             return target
+        op = "list" if name == "list_tagged" else name
 
         def call(rel: Any, *args: Any, **kw: Any) -> Any:
-            self._maybe_fail(name, rel if isinstance(rel, str) else ",".join(rel))
+            self._maybe_fail(op, rel if isinstance(rel, str) else ",".join(rel))
             return target(rel, *args, **kw)
 
         return call

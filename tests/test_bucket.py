@@ -635,22 +635,24 @@ def _manifest_at(store: MemoryStore, step: int, at: int) -> None:
     store.put_bytes(f"{JOB}/step-{step}/manifest.json", json.dumps({"committed_at": at}).encode())
 
 
-def test_a_step_number_saved_again_is_ordered_by_its_new_commit() -> None:
-    """After a rollback a step number is deleted by retention and saved again: the order must follow the
-    new manifest, not a cached time of the old one (retention would delete the step just uploaded)."""
+@pytest.mark.parametrize("deleted_first", [True, False])
+def test_a_step_number_saved_again_by_other_nodes_is_ordered_by_its_new_commit(deleted_first: bool) -> None:
+    """After a rollback a step number is saved again, by other nodes' daemons: this process (a daemon that
+    only restores the job, or one of another node) was never told, yet its order must follow the new
+    manifest, not its cached time of the old one (its `latest` would name the wrong step, its retention
+    would delete the step just uploaded). Deleted by retention in between, or replaced in place."""
     from ckptd.storage.remote import bucket_steps_by_commit
 
     store = MemoryStore()
     for at, step in enumerate((100, 200, 300, 110)):
         _manifest_at(store, step, at)
     assert bucket_steps_by_commit(store, JOB)[0] == [100, 200, 300, 110]
-    assert apply_remote_retention(store, JOB, KeepLatest(2)) == [100, 200]
-    _manifest_at(store, 200, 9)  # 200 saved again, on the new line: an upload replaces its manifest
-    from ckptd.storage import remote
-
-    remote._commit_cache.pop((store.url(), JOB, 200), None)  # what upload_step does before it uploads
-    assert bucket_steps_by_commit(store, JOB)[0] == [300, 110, 200]
-    assert apply_remote_retention(store, JOB, KeepLatest(2)) == [300]
+    if deleted_first:
+        assert apply_remote_retention(store, JOB, KeepLatest(2)) == [100, 200]
+        assert bucket_steps_by_commit(store, JOB)[0] == [300, 110]
+    _manifest_at(store, 200, 9)  # 200 saved again on the new line, its manifest written by another node
+    assert bucket_steps_by_commit(store, JOB)[0] == ([300, 110, 200] if deleted_first else [100, 300, 110, 200])
+    assert apply_remote_retention(store, JOB, KeepLatest(2)) == ([300] if deleted_first else [100, 300])
 
 
 def test_a_manifest_deleted_by_another_node_meanwhile_is_no_error() -> None:

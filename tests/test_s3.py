@@ -94,6 +94,18 @@ def test_bytes_round_trip_and_exists(store: S3Store) -> None:
     assert store.get_bytes("manifest.json") == b"{}"
 
 
+def test_list_tagged_tells_a_rewritten_object_from_the_one_listed_before(store: S3Store) -> None:
+    """What a cache of a bucket manifest's contents is checked against (another node may rewrite it)."""
+    store.put_bytes("j/step-1/manifest.json", b'{"committed_at": 1}')
+    store.put_bytes("j/step-2/manifest.json", b'{"committed_at": 2}')
+    first = store.list_tagged("j/")
+    assert sorted(first) == store.list("j/") == ["j/step-1/manifest.json", "j/step-2/manifest.json"]
+    store.put_bytes("j/step-1/manifest.json", b'{"committed_at": 3}')
+    again = store.list_tagged("j/")
+    assert again["j/step-1/manifest.json"] != first["j/step-1/manifest.json"]
+    assert again["j/step-2/manifest.json"] == first["j/step-2/manifest.json"]
+
+
 def test_progress_sums_to_size(store: S3Store, tmp_path: Path) -> None:
     size = 11 * MiB + 17
     _write(tmp_path / "src", size)

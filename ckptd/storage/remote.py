@@ -174,20 +174,29 @@ def try_complete(store: ObjectStore, job: str, step: int, world_size: int, attem
     return True
 
 
-def remote_steps(store: ObjectStore, job: str) -> tuple[list[int], list[int]]:
-    """``(complete, partial)`` steps of ``job`` in the bucket, each sorted."""
-    complete, seen = set(), set()
-    for key in store.list(f"{job}/"):
+def _listing(store: ObjectStore, job: str) -> tuple[dict[int, str], list[int]]:
+    """The steps of ``job`` in the bucket: the complete ones with their manifest's tag (one listing), and
+    the partial ones, sorted."""
+    tags: dict[int, str] = {}
+    seen = set()
+    for key, tag in store.list_tagged(f"{job}/").items():
         parsed = parse_bucket_key(job, key)
         if parsed is not None:
             seen.add(parsed[0])
             if parsed[1] == MANIFEST:
-                complete.add(parsed[0])
-    return sorted(complete), sorted(seen - complete)
+                tags[parsed[0]] = tag
+    return tags, sorted(seen - tags.keys())
 
 
-# (bucket url, job, step) -> committed_at; a manifest changes only when a rollback re-save replaces its step
-_commit_cache: dict[tuple[str, str, int], int] = {}
+def remote_steps(store: ObjectStore, job: str) -> tuple[list[int], list[int]]:
+    """``(complete, partial)`` steps of ``job`` in the bucket, each sorted."""
+    tags, partial = _listing(store, job)
+    return sorted(tags), partial
+
+
+# (bucket url, job, step) -> (the manifest's tag when read, its committed_at); a manifest changes only when a
+# rollback re-save replaces its step, maybe by other nodes' daemons: the tag of a listing tells
+_commit_cache: dict[tuple[str, str, int], tuple[str | None, int]] = {}
 
 
 def _forget_commit(store: ObjectStore, job: str, step: int) -> None:
@@ -195,27 +204,30 @@ def _forget_commit(store: ObjectStore, job: str, step: int) -> None:
     _commit_cache.pop((store.url(), job, step), None)
 
 
-def bucket_committed_at(store: ObjectStore, job: str, step: int) -> int | None:
+def bucket_committed_at(store: ObjectStore, job: str, step: int, tag: str | None = None) -> int | None:
     """When step ``step`` (complete in the bucket) was committed: its manifest's ``committed_at``, 0 if
     absent (older ckptd) or unreadable, ``None`` if the manifest is gone (another node's retention).
-    Read once per process; forgotten when this process deletes or uploads the step."""
+    Read once per version of the manifest: ``tag``, the manifest's tag in a listing just made, tells a
+    replaced manifest from the one read before; without it the value read before stands (this process
+    forgets it when it deletes or uploads the step)."""
     key = (store.url(), job, step)
-    if key not in _commit_cache:
+    cached = _commit_cache.get(key)
+    if cached is None or (tag is not None and cached[0] != tag):
         complete, doc = _bucket_doc(store, job, step)
         if not complete:
+            _commit_cache.pop(key, None)
             return None
-        value = commit_time(doc)
         if len(_commit_cache) > 65536:
             _commit_cache.clear()
-        _commit_cache[key] = value
-    return _commit_cache[key]
+        cached = _commit_cache[key] = (tag, commit_time(doc))
+    return cached[1]
 
 
 def bucket_steps_by_commit(store: ObjectStore, job: str) -> tuple[list[int], list[int]]:
     """``(complete, partial)`` steps of ``job`` in the bucket: the complete ones oldest commit first (the
     last is the bucket's latest), the partial ones ascending."""
-    complete, partial = remote_steps(store, job)
-    when = {s: at for s in complete if (at := bucket_committed_at(store, job, s)) is not None}
+    tags, partial = _listing(store, job)
+    when = {s: at for s, tag in tags.items() if (at := bucket_committed_at(store, job, s, tag)) is not None}
     return sorted(when, key=lambda s: (when[s], s)), partial
 
 

@@ -298,15 +298,19 @@ class S3Store:
         ``list("step-1/")`` lists one directory-like level and below; ``list("step-1")`` would also
         match ``step-10/...``.
         """
+        return sorted(self.list_tagged(rel_prefix))
+
+    def list_tagged(self, rel_prefix: str = "") -> dict[str, str]:
+        """Every key that starts with ``rel_prefix`` (as :meth:`list`), relative, with its ETag."""
         _check_rel("key prefix", rel_prefix, prefix_of_keys=True)
         root = f"{self.config.prefix}/" if self.config.prefix else ""
-        keys: builtins.list[str] = []
+        tags: dict[str, str] = {}
         with self._translate("list", root + rel_prefix + "*"):
             paginator = self.client.get_paginator("list_objects_v2")
             pages = paginator.paginate(Bucket=self.config.bucket, Prefix=root + rel_prefix, PaginationConfig={"PageSize": _LIST_PAGE})
             for page in pages:
-                keys.extend(obj["Key"] for obj in page.get("Contents", ()))
-        return sorted(k[len(root) :] for k in keys)
+                tags.update((obj["Key"][len(root) :], str(obj.get("ETag", ""))) for obj in page.get("Contents", ()))
+        return tags
 
     def delete(self, rels: builtins.list[str]) -> None:
         """Delete the objects named in ``rels``, up to 1000 per request; missing ones are not an error."""

@@ -38,6 +38,11 @@ class ObjectStore(Protocol):
         """Every key starting with ``rel_prefix`` (a plain string prefix), sorted."""
         ...
 
+    def list_tagged(self, rel_prefix: str = "") -> dict[str, str]:
+        """Every key starting with ``rel_prefix``, with a tag that changes whenever the object is written
+        with other bytes (S3's ETag): what a cache of an object's contents checks before it is trusted."""
+        ...
+
     def delete(self, rels: list[str]) -> None:
         """Delete these objects; missing ones are not an error."""
         ...
