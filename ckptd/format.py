@@ -53,6 +53,8 @@ if TYPE_CHECKING:
 FORMAT_VERSION = 1
 HEADER_ALIGN = 64
 MAX_HEADER_BYTES = 256 << 20  # refuse absurd headers from untrusted shared memory or disk
+MAX_DIMS = 64  # torch allows at most 64 dimensions; more is hostile (and math.prod over them slow)
+_I64 = (1 << 63) - 1  # sizes, offsets and byte positions: torch and the file system count in int64
 
 # safetensors dtype names → element size; the daemon validates shards with this table alone
 _ITEMSIZE = {
@@ -156,9 +158,21 @@ def build_layout(items: list[tuple[str, str, torch.dtype, tuple[int, ...], tuple
 
 
 def _int_list(v: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
-        raise FormatError(f"{what} must be a list of non-negative integers, got {v!r}")
+    """At most :data:`MAX_DIMS` integers in [0, 2**63 - 1]: a hostile header's thousands of huge integers
+    would hold the GIL in ``math.prod`` for minutes (the daemon's loop included)."""
+    if (
+        not isinstance(v, list)
+        or len(v) > MAX_DIMS
+        or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= _I64 for x in v)
+    ):
+        raise FormatError(f"{what} must be a list of at most {MAX_DIMS} integers in [0, 2**63 - 1], got {_brief(v)}")
     return tuple(v)
+
+
+def _brief(v: Any, limit: int = 200) -> str:
+    """``repr(v)``, cut to ``limit`` characters: an untrusted value goes into logs and ``status``."""
+    text = repr(v) if not isinstance(v, list) or len(v) <= 64 else f"[{len(v)} items: {repr(v[:8])[1:-1]}, ...]"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _chunk_spec(name: str, ent: Any, cm: Any) -> ChunkSpec:
@@ -167,9 +181,10 @@ def _chunk_spec(name: str, ent: Any, cm: Any) -> ChunkSpec:
         raise FormatError(f"chunk {name!r}: entry is not an object")
     dt = ent.get("dtype")
     sizes = _int_list(ent.get("shape"), f"chunk {name!r} shape")
-    b, e = _int_list(ent.get("data_offsets"), f"chunk {name!r} data_offsets") if len(ent.get("data_offsets", ())) == 2 else (None, None)
-    if b is None:
+    offsets = ent.get("data_offsets")
+    if not isinstance(offsets, list) or len(offsets) != 2:
         raise FormatError(f"chunk {name!r}: data_offsets must be [begin, end]")
+    b, e = _int_list(offsets, f"chunk {name!r} data_offsets")
     gshape = _int_list(cm.get("global_shape"), f"chunk {name!r} global_shape")
     offs = _int_list(cm.get("offsets"), f"chunk {name!r} offsets")
     key = cm.get("key")
@@ -177,7 +192,7 @@ def _chunk_spec(name: str, ent: Any, cm: Any) -> ChunkSpec:
         raise FormatError(f"chunk {name!r}: key must be a string")
     if len(gshape) != len(sizes) or len(offs) != len(sizes) or any(o + s > g for o, s, g in zip(offs, sizes, gshape)):
         raise FormatError(f"chunk {name!r}: offsets {offs} + sizes {sizes} do not fit global shape {gshape}")
-    if e - b != math.prod(sizes) * itemsize(dt):
+    if math.prod(sizes) * itemsize(dt) > _I64 or e - b != math.prod(sizes) * itemsize(dt):
         raise FormatError(f"chunk {name!r}: {e - b} bytes do not match shape {list(sizes)} of {dt}")
     return ChunkSpec(name, key, dt, sizes, gshape, offs, b, e)
 

@@ -31,7 +31,7 @@ from typing import Any, NoReturn
 
 from .config import MAX_STEP, MAX_TREE_DEPTH, MAX_WORLD_SIZE, validate_job
 from .errors import FormatError
-from .format import FORMAT_VERSION, itemsize
+from .format import FORMAT_VERSION, MAX_DIMS, itemsize
 from .layout import MANIFEST, shard_name
 
 _MAX_RUN = (1 << 63) - 1  # a launch id (protocol.MAX_ID)
@@ -165,9 +165,6 @@ def _dtype_size(v: Any, where: str, field: str) -> int:
         return itemsize(v)
     except FormatError:
         _fail(where, field, f"{_short.repr(v)} is not a dtype this ckptd knows")
-
-
-MAX_DIMS = 64  # torch allows at most 64 dimensions; more is hostile (and math.prod over them slow)
 
 
 def _shape(v: Any, where: str, field: str) -> list[int]:

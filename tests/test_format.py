@@ -89,7 +89,20 @@ BAD_HEADERS = [
         "model/w": {"key": "model/w", "global_shape": [2, 3], "offsets": [1, 0]},
         "model/b": {"key": "model/b", "global_shape": [4], "offsets": [2]}})), "do not fit"),
     ("chunk lists differ", lambda: _mutate_header(lambda o: _set_meta(o, chunks={})), "different chunks"),
+    ("data_offsets not a list", lambda: _mutate_header(lambda o: o["model/b"].update(data_offsets=7)), "must be \\[begin, end\\]"),
+    ("offset past int64", lambda: _mutate_header(lambda o: o["model/b"].update(data_offsets=[24, 1 << 63])), "at most 64 integers"),
 ]  # fmt: skip
+
+
+def test_a_header_of_thousands_of_huge_dimensions_is_refused_before_any_arithmetic() -> None:
+    """The attack: a lessee commits a shard whose header gives a chunk 700 dimensions of 4,300 digits each.
+    Multiplying them held the GIL for 50 s (the daemon's loop stopped answering, past systemd's watchdog);
+    the refusal must come from counting, and the message (logged, shown by ``status``) stay short."""
+    huge = [int("9" * 4300)] * 700
+    buf = _mutate_header(lambda o: o["model/w"].update(shape=huge))
+    with pytest.raises(FormatError, match="at most 64 integers") as err:
+        parse_header(memoryview(buf), len(buf))
+    assert len(str(err.value)) < 400
 
 
 @pytest.mark.parametrize("case,make,msg", BAD_HEADERS, ids=[c[0] for c in BAD_HEADERS])
