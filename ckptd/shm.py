@@ -39,6 +39,7 @@ log = logging.getLogger("ckptd.daemon")
 SHM_DIR = os.environ.get("CKPTD_SHM_DIR", "/dev/shm")
 MARKER = ".ckptd-shm"  # in the daemon's root: the name of its private segment directory
 RECORD_SUFFIX = ".commit"
+RECORD_MODE = 0o600  # commit records: read by this daemon alone (whatever the umask or --group), checked so at adoption
 ALIGN = 2 << 20  # round segment sizes up so slots can be reused by slightly larger shards
 _DIR_RE = re.compile(r"ckptd-\d+-[0-9a-f]{16}")
 _FILE_RE = re.compile(r"[0-9a-f]{32}")
@@ -177,7 +178,8 @@ class SegmentDir:
                 raise Untrusted(f"{path} is a symbolic link") from None
             raise
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != self.file_mode:
+        mode = RECORD_MODE if name.endswith(RECORD_SUFFIX) else self.file_mode
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != mode:
             os.close(fd)
             raise Untrusted(f"{path} is not a file this daemon made (uid {st.st_uid}, mode {st.st_mode:o})")
         return fd
@@ -228,7 +230,7 @@ class SegmentDir:
             os.unlink(tmp)  # a torn earlier attempt
         except FileNotFoundError:
             pass
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN, self.file_mode)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN, RECORD_MODE)
         with open(fd, "wb") as f:
             f.write(json.dumps(record, separators=(",", ":")).encode() + b"\n")
             f.write(tree)

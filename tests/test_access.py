@@ -104,3 +104,32 @@ def test_group_members_get_in_and_others_do_not() -> None:
         import shutil
 
         shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as other users")
+def test_with_a_group_a_crashed_daemon_adopts_its_commit_records(short_tmp: Path) -> None:
+    """With ``--group`` the daemon runs under umask 027: records were made 0640 while adoption wanted 0660,
+    so after a crash every commit (a memory-only step here) was called "not a file this daemon made", lost,
+    and its segment left in /dev/shm for good. Records are 0600 (only the daemon reads them), checked so."""
+    try:
+        grp.getgrnam(GROUP)
+    except KeyError:
+        pytest.skip(f"no group {GROUP!r} here")
+    d = DaemonProc(short_tmp, ["--group", GROUP])
+    try:
+        d.start()
+        m = torch.nn.Linear(4, 4)
+        with d.client(persist_every=100) as c:
+            c.snapshot(m, step=1, blocking=True).wait()
+            c.snapshot(m, step=2, blocking=True)  # committed when it returns, held in memory only
+            assert d.rpc().call("wait", job="t", step=2, timeout=0.0, persist=False)["state"] == "memory"
+            records = [n for n in _segments(d) if os.path.exists(shm.path_of(n) + shm.RECORD_SUFFIX)]
+            assert records and all(_mode(shm.path_of(n) + shm.RECORD_SUFFIX)[0] == 0o600 for n in records)
+            d.kill()  # a crash: the commit records are all that is left of step 2
+        d.start()
+        assert d.rpc().call("wait", job="t", step=2, timeout=60.0)["state"] == "durable"  # adopted, then persisted
+        with d.client() as c:
+            assert c.latest() == 2
+        assert "not a file this daemon made" not in d.log.read_text()
+    finally:
+        d.cleanup()
