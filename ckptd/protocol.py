@@ -116,8 +116,9 @@ OPTIONAL: dict[str, dict[str, tuple[tuple[type, ...], Any]]] = {
     # this launch's id (all its ranks share it): the daemon refuses a second live run saving the same job
     "wait": {"persist": ((bool,), True)},  # false: a step held in the memory tier only counts as done
     # wait false: refused at once when memory is short, never deferred (prepare() takes the slots that fit);
-    # timeout: a deferred alloc is refused after this many seconds (0: it waits as long as its process lives)
-    "alloc": {"wait": ((bool,), True), "timeout": ((int, float), 0)},
+    # timeout: a deferred alloc is refused after this many seconds (0: it waits as long as its process lives);
+    # warm: prepare() filling the pool before any snapshot: never makes room by dropping a memory-tier step
+    "alloc": {"wait": ((bool,), True), "timeout": ((int, float), 0), "warm": ((bool,), False)},
     "promote": {"persist": ((bool,), True)},
     "commit": {
         "after": ((int, type(None)), None),

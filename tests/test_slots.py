@@ -70,6 +70,21 @@ def test_budget_full_defers_and_a_release_grants(env: dict[str, Any]) -> None:
     assert pool.deferred == []
 
 
+def test_prepare_never_drops_a_memory_only_step_to_warm_a_slot(env: dict[str, Any]) -> None:
+    """A trainer restarted on the node calls prepare() (allocs that do not wait, ``warm``) before restore():
+    with the pool full of the job's memory-only steps, prepare() must be refused, not drop the newest step to
+    warm a slot (the restore would then read an older step). A snapshot may still make room so."""
+    asked: list[tuple[str, int | None]] = []
+    pool = env["make"](2 * MiB)
+    pool.reclaim = lambda job, step: asked.append((job, step)) or False
+    assert pool.lease(_req(rank=0)) is not None  # the pool is full (a memory-only step's slot, say)
+    with pytest.raises(CheckpointError, match="no room"):
+        pool.request(b"p", {**_req(rank=1, step=0), "wait": False, "warm": True})
+    assert asked == [] and pool.deferred == []
+    assert pool.request(b"s", _req(rank=1, step=6)) is None  # a snapshot: asks for room, then waits
+    assert asked == [("j", 6)] and len(pool.deferred) == 1
+
+
 def test_a_request_larger_than_the_budget_is_refused(env: dict[str, Any]) -> None:
     pool = env["make"](4 * MiB)
     with pytest.raises(ProtocolError, match="exceeds the shared-memory budget"):

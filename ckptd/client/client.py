@@ -219,7 +219,7 @@ class Client:
 
             def one() -> None:
                 try:
-                    leased.append(self._alloc(rank, world, 0, staged.layout.file_size, wait=False))
+                    leased.append(self._alloc(rank, world, 0, staged.layout.file_size, wait=False, warm=True))
                 except ProtocolError as e:  # no room in the budget now: refused at once, not waited for
                     short.append(e)
 
@@ -238,13 +238,13 @@ class Client:
         policy = {**self._rpc.call("hello").get("tiering", {}), **{k: v for k, v in self._tiering.items() if v is not None}}
         return policy.get("persist_every", 1) > 1 or policy.get("persist_interval", 0) > 0 or policy.get("lagging") == "memory"
 
-    def _alloc(self, rank: int, world: int, step: int | None, nbytes: int, *, wait: bool = True) -> str:
+    def _alloc(self, rank: int, world: int, step: int | None, nbytes: int, *, wait: bool = True, warm: bool = False) -> str:
         """A slot leased for ``nbytes``; the daemon refuses one it cannot grant within the alloc timeout (or at
-        once, ``wait`` false) rather than grant it later to a client that gave up."""
+        once, ``wait`` false) rather than grant it later to a client that gave up. ``warm``: for prepare()."""
         rpc_timeout = self.alloc_timeout + 5.0 if wait else self.timeout
         rep = self._rpc.call(
             "alloc", rpc_timeout=rpc_timeout, job=self.job, rank=rank, world_size=world, step=step, nbytes=nbytes,
-            pid=os.getpid(), wait=wait, timeout=self.alloc_timeout if self.alloc_timeout < 1e9 else 0,
+            pid=os.getpid(), wait=wait, timeout=self.alloc_timeout if self.alloc_timeout < 1e9 else 0, warm=warm,
         )  # fmt: skip
         self._leases[rep["segment"]] = rep["lease"]  # the secret that lets this client, and no other, commit or release it
         return rep["segment"]

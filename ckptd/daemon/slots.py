@@ -146,7 +146,9 @@ class SlotPool:
         if slot is None:
             slot = self._create(need, rounded, used, msg)
             if slot is None:
-                if "_growing" not in msg and self.reclaim(msg["job"], msg["step"]):
+                # a memory-tier step is dropped only for a snapshot: prepare() warming the pool is refused instead,
+                # never paid for with a job's newest state (a restarted trainer prepares before it restores)
+                if "_growing" not in msg and not msg.get("warm") and self.reclaim(msg["job"], msg["step"]):
                     return self.lease(msg)  # a memory-tier step made room
                 return None
         slot.state, slot.owner, slot.pid, slot.used_at = SlotState.LEASED, owner, msg["pid"] or None, self._clock()
