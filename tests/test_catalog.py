@@ -242,6 +242,29 @@ def test_in_memory_is_the_last_step_noted_per_job(root: str) -> None:
     assert StepCatalog(root).in_memory(JOB) is None  # a fresh catalog (a restarted daemon) holds nothing
 
 
+def test_when_the_newest_step_in_memory_fails_the_one_before_it_is_the_newest_again(root: str) -> None:
+    """Memory-only step 3, then step 4 sealed on its way to disk: hot restores read 4. When 4's persist fails
+    (a full disk) it is forgotten, and 3, still held, is what they read, not nothing (the catalog kept one
+    entry per job, and a restore then looked for step 3 on disk). A step completed on disk ends the disk
+    entries before it."""
+    from ckptd.daemon.tiering import Tier
+
+    cat = StepCatalog(root)
+    m3, m4 = {"committed_at": 30}, {"committed_at": 40}
+    cat.note_memory(JOB, 3, m3)
+    cat.note_memory(JOB, 4, m4)
+    assert cat.in_memory(JOB) == InMemory(4, step_dir(root, JOB, 4), m4, Tier.MEMORY)
+    cat.forget_memory(JOB, 4)
+    assert cat.in_memory(JOB) == InMemory(3, step_dir(root, JOB, 3), m3, Tier.MEMORY)
+    assert cat.in_memory_steps() == {JOB: 3}
+    cat.note_complete(JOB, 1, step_dir(root, JOB, 1), {"committed_at": 10})
+    cat.note_complete(JOB, 5, step_dir(root, JOB, 5), {"committed_at": 50})
+    assert [e.step for e in cat.in_memory_all(JOB)] == [3, 5]  # disk step 1 ended by 5; memory step 3 waits for its drop
+    cat.forget_memory(JOB, 5)  # a disk step is not forgotten so
+    cat.forget_memory(JOB, 3)
+    assert cat.in_memory(JOB).step == 5
+
+
 def test_uploaded_is_the_newest_step_per_job(root: str) -> None:
     cat = StepCatalog(root)
     assert cat.uploaded() == {}

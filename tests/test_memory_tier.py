@@ -231,6 +231,53 @@ def test_the_daemons_shutdown_persists_memory_only_steps_and_a_crash_loses_none(
     until(lambda: complete_steps(d.root, "c") == [1, 2], what="the restarted daemon persisting step 2")
 
 
+def test_a_restore_of_the_newest_step_while_the_job_snapshots_reads_the_newest(daemon) -> None:  # noqa: ANN001
+    """An evaluation process restores the newest step of a job that snapshots every step: the step it settled
+    on (2) is dropped from memory by the next snapshot before it opens it. The restore reads the newest (3)
+    instead of failing with "step 2 is not a committed checkpoint"."""
+    model, optim = make()
+    with daemon.client("j", persist_every=100) as c, daemon.client("j") as reader:
+        _snapshot_steps(c, model, optim, (1, 2))
+        until(lambda: job_status(c, "j").get("memory_only") == [2], what="step 2 in memory")
+        real = reader._rpc.call
+
+        def call(op: str, **kw: Any) -> Any:
+            if op == "hot_open":  # the trainer's next snapshot lands between the settling and the opening
+                _snapshot_steps(c, model, optim, (3,))
+                until(lambda: job_status(c, "j").get("memory_only") == [3], what="step 3 in memory, 2 dropped")
+            return real(op, **kw)
+
+        reader._rpc.call = call  # type: ignore[method-assign]
+        m2, o2 = make(seed=7)
+        reader.restore(m2, o2)
+        assert reader.last_restore["step"] == 3 and reader.last_restore["source"] == "memory"
+        assert_same(full_state(m2, o2), full_state(model, optim))  # the trainer's state at step 3
+
+
+def test_a_disk_bound_step_that_fails_after_its_seal_leaves_the_memory_only_step_before_it_restorable(daemon) -> None:  # noqa: ANN001
+    """Memory-only step 3, then step 4 bound for disk: sealed first (hot restores read it at once), then its
+    persist fails. Step 3, still held, must be what a restore reads (it was unreachable: "holds no step in
+    memory", then "step 3 is not a committed checkpoint"), and it must not be dropped for step 4."""
+    model, optim = make()
+    with daemon.client("j", persist_every=3) as c:
+        _snapshot_steps(c, model, optim, (1,))
+        c.wait(60)
+        _snapshot_steps(c, model, optim, (2, 3))
+        until(lambda: job_status(c, "j").get("memory_only") == [3], what="step 3 in memory")
+        want3 = full_state(model, optim)
+        os.makedirs(os.path.join(daemon.root, "j", "step-4.tmp", "rank-00000.safetensors"))  # its shard cannot be written
+        train_step(model, optim, 4)
+        h4 = c.snapshot(model, optim, step=4, blocking=True)
+        with pytest.raises(CheckpointError, match="step 4 of job j failed"):
+            h4.wait(60)
+        assert job_status(c, "j").get("memory_only") == [3]
+    m2, o2 = make(seed=7)
+    with daemon.client("j") as r:
+        r.restore(m2, o2)
+        assert r.last_restore["step"] == 3 and r.last_restore["source"] == "memory"
+    assert_same(full_state(m2, o2), want3)
+
+
 def test_a_rolled_back_run_replaces_a_memory_only_step(daemon) -> None:  # noqa: ANN001
     model, optim = make()
     with daemon.client("r", persist_every=100) as c:

@@ -73,6 +73,14 @@ def settled(rpc: Channel, job: str, step: int | None, *, persist: bool) -> int |
             return None
 
 
+def _settle(rpc: Channel, job: str, step: int | None, *, persist: bool) -> int | None:
+    """:func:`settled`; a restore of the newest step (``step`` None) then still asks for the newest: a step
+    completed meanwhile (a job that snapshots every step while another process reads it) may already have
+    dropped the one settled on from memory."""
+    got = settled(rpc, job, step, persist=persist)
+    return None if step is None else got
+
+
 @dataclass
 class OpenStep:
     """A step opened for reading through the daemon (:func:`open_step`): close it when done."""
@@ -97,7 +105,7 @@ def _hot_reader(held: dict[str, Any]) -> CheckpointReader:
 def open_step(rpc: Channel, job: str, step: int | None, *, hot: bool = True) -> OpenStep:
     """The newest complete step of ``job`` (or ``step``) opened for reading: from the daemon's shared memory
     while it holds the step (``hot``), else from its root, downloaded from the bucket first if need be."""
-    step = settled(rpc, job, step, persist=not hot)
+    step = _settle(rpc, job, step, persist=not hot)
     if hot:
         held = rpc.call("hot_open", job=job, step=step, pid=os.getpid())
         if held["step"] is not None:
@@ -135,7 +143,7 @@ def restore_from_daemon(
 ) -> tuple[Restored, dict[str, Any]]:
     """Load the newest complete step of ``job`` (or ``step``) in place; returns ``(extra, last_restore)``.
     ``how``: :func:`.load.restore_state`'s ``strict`` and ``dtype``."""
-    step = settled(rpc, job, step, persist=not hot)
+    step = _settle(rpc, job, step, persist=not hot)
     if hot:
         held = rpc.call("hot_open", job=job, step=step, pid=os.getpid())
         if held["step"] is not None:

@@ -59,7 +59,9 @@ class InMemory:
 class StepCatalog:
     def __init__(self, root: str, store: ObjectStore | None = None) -> None:
         self.root, self.store = root, store
-        self._in_memory: dict[str, InMemory] = {}
+        # job -> step -> a step completed (or sealed on its way to disk) here: the newest by commit order is the
+        # one hot restores read; the ones before it come back when it fails or is dropped
+        self._in_memory: dict[str, dict[int, InMemory]] = {}
         self._uploaded: dict[str, int] = {}
 
     def jobs(self) -> list[str]:
@@ -132,27 +134,42 @@ class StepCatalog:
     # ------------------------------------------------------------------ what this run completed (main thread)
 
     def note_complete(self, job: str, step: int, path: str, manifest: dict[str, Any] | None, tier: Tier = Tier.DISK) -> None:
-        """Step ``step`` completed here; it is the one hot restores read unless one committed later
-        completed first (persist threads may finish steps in any order; commit order decides)."""
-        cur = self._in_memory.get(job)
-        if cur is None or (commit_time(manifest), step) >= (commit_time(cur.manifest), cur.step):
-            self._in_memory[job] = InMemory(step, path, manifest, tier)
+        """Step ``step`` completed here (on disk, ``tier`` DISK), or was sealed into memory (``note_memory``):
+        hot restores read the newest such step by commit order (persist threads may finish steps in any
+        order). A step completed on disk ends the entries of the disk steps committed before it; memory
+        entries end by :meth:`forget_memory` (dropped, or failed)."""
+        entries = self._in_memory.setdefault(job, {})
+        entries[step] = InMemory(step, path, manifest, tier)
+        if tier is Tier.DISK:
+            at = (commit_time(manifest), step)
+            for s, e in list(entries.items()):
+                if e.tier is Tier.DISK and (commit_time(e.manifest), s) < at:
+                    del entries[s]
 
     def note_memory(self, job: str, step: int, manifest: dict[str, Any]) -> None:
-        """Step ``step`` is complete in the memory tier only (its manifest has no checksums)."""
+        """Step ``step`` is complete in the memory tier only, or sealed on its way to disk (its manifest has
+        no checksums)."""
         self.note_complete(job, step, step_dir(self.root, job, step), manifest, Tier.MEMORY)
 
     def forget_memory(self, job: str, step: int) -> None:
-        """Memory-only step ``step`` was dropped: hot restores no longer read it."""
-        cur = self._in_memory.get(job)
-        if cur is not None and cur.step == step and cur.tier is Tier.MEMORY:
-            del self._in_memory[job]
+        """Memory-only step ``step`` was dropped, or a sealed step failed: hot restores no longer read it, and
+        the step before it (if this daemon still has it) is the job's newest again."""
+        entries = self._in_memory.get(job, {})
+        cur = entries.get(step)
+        if cur is not None and cur.tier is Tier.MEMORY:
+            del entries[step]
+            if not entries:
+                del self._in_memory[job]
 
     def in_memory(self, job: str) -> InMemory | None:
-        return self._in_memory.get(job)
+        """The job's newest step completed or sealed here, by commit order."""
+        return max(self.in_memory_all(job), key=lambda e: (commit_time(e.manifest), e.step), default=None)
+
+    def in_memory_all(self, job: str) -> list[InMemory]:
+        return list(self._in_memory.get(job, {}).values())
 
     def in_memory_steps(self) -> dict[str, int]:
-        return {job: m.step for job, m in self._in_memory.items()}
+        return {job: m.step for job in self._in_memory if (m := self.in_memory(job)) is not None}
 
     def note_uploaded(self, job: str, step: int) -> None:
         self._uploaded[job] = max(step, self._uploaded.get(job, -1))

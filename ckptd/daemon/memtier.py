@@ -294,11 +294,13 @@ class MemoryTier:
         return self.want_durable(job, step) or step if persist else step
 
     def _later_complete(self, job: str, first_commit: int, step: int) -> bool:
-        """Another step of ``job``, committed after ``step``'s first commit, is complete (sealed or held in memory,
-        or durable on disk). Ranks commit in order, so any other step committed since is a later one."""
-        held = self.catalog.in_memory(job)
-        if held is not None and held.step != step and commit_time(held.manifest) > first_commit:
-            return True
+        """Another step of ``job``, committed after ``step``'s first commit, is complete (held in memory only, or
+        durable on disk; a step only sealed on its way to disk is not, yet: its persist may fail). Ranks commit
+        in order, so any other step committed since is a later one."""
+        for held in self.catalog.in_memory_all(job):
+            track = self.steps.get((job, held.step))
+            if held.step != step and commit_time(held.manifest) > first_commit and (track is None or track.state is not StepState.PENDING):
+                return True
         latest, path = self.catalog.latest(job)
         return path is not None and latest != step and committed_at(path) > first_commit
 
