@@ -259,16 +259,19 @@ def build_fragment(
     run: int | None = None,
     after: int | None = None,
     digests: bool = True,
+    sums: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """The fragment of one rank's shard (``shard``: its bytes, header included); checksums every chunk.
     ``committed_at``: when the daemon accepted the rank's commit (ns since the epoch), which orders steps.
     ``run``: the launch that saved it (every rank of a launch shares it; ``None``: not known) and ``after``:
     the step that launch last restored (``None``: none). Together they name the attempt (:func:`attempt_of`):
     a step saved again after a rollback is never merged with an earlier attempt's fragments.
-    ``digests=False``: no checksums (``null``; ``shard`` then needs to hold only the header): a memory-tier
-    step's, whose bytes never left the daemon's shared memory; never written to disk."""
+    ``digests=False``: no checksums (``null``): a memory-tier step's, never written to disk. ``sums``: computed
+    already (the header's under ``""``, each chunk's under its name). With either, ``shard`` is the header alone."""
     start = layout.data_start
-    digest_of = digest if digests else (lambda buf: None)
+    if sums is None:
+        digest_of = digest if digests else (lambda buf: None)
+        sums = {"": digest_of(shard[:start])} | {c.name: digest_of(shard[start + c.begin : start + c.end]) for c in layout.chunks}
     chunks = [
         {
             "name": c.name,
@@ -278,29 +281,26 @@ def build_fragment(
             "global_shape": list(c.global_shape),
             "offsets": list(c.offsets),
             "byte_range": [start + c.begin, start + c.end],
-            "xxh3_64": digest_of(shard[start + c.begin : start + c.end]),
+            "xxh3_64": sums[c.name],
         }
         for c in layout.chunks
     ]
-    return (
-        {
-            "format_version": FORMAT_VERSION,
-            "kind": "ckptd-fragment",
-            "job": job,
-            "step": step,
-            "rank": rank,
-            "world_size": world_size,
-            "local_world_size": local_world_size,  # fewer than world_size: a multi-node step, completed through the bucket
-            "file": shard_name(rank),
-            "size": layout.file_size,
-            "header_xxh3_64": digest_of(shard[:start]),
-            "chunks": chunks,
-            "replicas": replicas,
-            "committed_at": committed_at,
-            "tree": tree,
-        }
-        | ({} if run is None else {"run": run, "after": after})
-    )
+    return {
+        "format_version": FORMAT_VERSION,
+        "kind": "ckptd-fragment",
+        "job": job,
+        "step": step,
+        "rank": rank,
+        "world_size": world_size,
+        "local_world_size": local_world_size,  # fewer than world_size: a multi-node step, completed through the bucket
+        "file": shard_name(rank),
+        "size": layout.file_size,
+        "header_xxh3_64": sums[""],
+        "chunks": chunks,
+        "replicas": replicas,
+        "committed_at": committed_at,
+        "tree": tree,
+    } | ({} if run is None else {"run": run, "after": after})
 
 
 def _region(cid: str) -> str:

@@ -165,10 +165,6 @@ class Rig:
         try:
             self.persister.shutdown()
         finally:
-            for slot in self.pool:
-                if slot.mapping is not None:
-                    slot.mapping.close()
-                    slot.mapping = None
             self.events.close()
             self.ctx.term()
 

@@ -150,10 +150,10 @@ class FaultyDisk:
         with self.mp.context() as mp:
             if name == "shard":
 
-                def paced(fd: int, view: Any, nbytes: int, rate: float) -> None:
+                def paced(*args: Any) -> dict[str, str]:
                     raise OSError(err, os.strerror(err))
 
-                mp.setattr(local, "_write_paced", paced)
+                mp.setattr(local, "_copy_paced", paced)
             elif name in ("fragment", "manifest", "latest"):
                 real = files.write_durable
                 suffix = {"fragment": ".json", "manifest": MANIFEST, "latest": "latest"}[name]

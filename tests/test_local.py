@@ -100,13 +100,38 @@ def test_written_step_round_trips(tmp_path: Path) -> None:
     assert local.latest_step(root, JOB) == (5, path)
 
 
-def test_shard_file_is_exactly_the_staged_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(local, "WRITE_BLOCK", 64)  # many short writes: the loop must not drop or repeat bytes
+@pytest.mark.parametrize("block", [64, 7, 1 << 20])
+def test_shard_file_is_exactly_the_staged_bytes_and_its_checksums_those_of_its_chunks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, block: int
+) -> None:
+    """Copied block by block and hashed while in cache: blocks that end inside the header or a chunk, or
+    hold several, must neither drop nor repeat bytes, in the file or in a checksum."""
+    from ckptd.format import build_fragment, parse_header
+
+    monkeypatch.setattr(local, "COPY_BLOCK", block)
     view, n = _shard(0, ws=1, value=7.0, rows=40, slack=1000)  # the slot is longer than the shard
     view[n:] = b"\xee" * (len(view) - n)
     local.write_shard(str(tmp_path), JOB, 1, 0, 1, view, n, {}, rate_limit=1e12)
     on_disk = Path(tmp_path, JOB, "step-1.tmp", shard_name(0)).read_bytes()
     assert len(on_disk) == n and on_disk == bytes(view[:n])
+    frag = json.loads(Path(tmp_path, JOB, "step-1.tmp", fragment_name(0)).read_text())
+    want = build_fragment(JOB, 1, 0, 1, 1, view[:n], parse_header(view, n), {}, {})  # hashed over the whole buffer
+    assert frag["header_xxh3_64"] == want["header_xxh3_64"] and frag["chunks"] == want["chunks"]
+
+
+def test_a_segment_truncated_under_the_persist_fails_its_shard_and_leaves_nothing(tmp_path: Path) -> None:
+    """The lessee can still truncate its segment (it holds it open for writing): the daemon reads it with
+    pread, so a short segment is a clear error for this shard, never a SIGBUS that kills the daemon."""
+    view, n = _shard(0, ws=1, value=7.0, rows=400)
+    seg = tmp_path / "segment"
+    seg.write_bytes(bytes(view[: n // 2]))  # the rest was cut off
+    fd = os.open(seg, os.O_RDONLY)
+    try:
+        with pytest.raises(FormatError, match="its segment was truncated"):
+            local.write_shard(str(tmp_path / "root"), JOB, 1, 0, 1, fd, n, {})
+    finally:
+        os.close(fd)
+    assert os.listdir(tmp_path / "root" / JOB / "step-1.tmp") == []
 
 
 def test_fragment_describes_its_shard(tmp_path: Path) -> None:

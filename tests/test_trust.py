@@ -236,6 +236,34 @@ def test_a_tree_cannot_rewrite_the_commit_record(make_daemon) -> None:  # noqa: 
 # ---------------------------------------------------------------------------- leases and messages
 
 
+@pytest.mark.parametrize("keep", [0, "half"])
+def test_a_lessee_that_truncates_its_segment_cannot_kill_the_daemon(daemon, keep: int | str) -> None:  # noqa: ANN001
+    """The attack: lease a slot, let a persist read it once, lease it again, truncate the file (the lessee holds
+    it open for writing) and commit. The daemon kept a mapping of the segment and read past its end: SIGBUS.
+    Now it reads segments with pread: the step fails, saying so, and the daemon answers on."""
+    from _rig import shard, tree
+
+    data = shard(1, 0, 1)
+    fields = dict(job="j", rank=0, world_size=1, local_world_size=1, nbytes=len(data), replicas={})
+    with daemon.rpc() as rpc:
+        for step in (1, 2):
+            rep = rpc.call("alloc", job="j", rank=0, world_size=1, step=step, nbytes=len(data), pid=os.getpid())
+            fd = os.open(shm.path_of(rep["segment"]), os.O_RDWR)
+            try:
+                os.pwrite(fd, data, 0)
+                if step == 2:
+                    os.ftruncate(fd, 0 if keep == 0 else len(data) // 2)
+            finally:
+                os.close(fd)
+            rpc.call("commit", segment=rep["segment"], lease=rep["lease"], frames=(tree(0),), step=step, **fields)
+            done = rpc.call("wait", job="j", step=step, timeout=30.0)
+            if step == 1:
+                assert done["state"] == "durable"
+        assert done["state"] == "failed" and "truncated" in done["error"], done
+        assert daemon.proc.poll() is None and rpc.call("hello")["ok"]
+        assert rpc.call("latest", job="j")["step"] == 1
+
+
 def test_another_client_cannot_commit_or_release_a_lease_it_did_not_take(daemon) -> None:  # noqa: ANN001
     with daemon.rpc() as a, daemon.rpc() as b:
         lease = a.call("alloc", job="j", rank=0, world_size=1, step=1, nbytes=4096, pid=os.getpid())

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from .. import shm
 from ..config import MAX_TREE_DEPTH
 from ..errors import FormatError, ProtocolError
 from ..layout import MANIFEST, fragments_present, tmp_dir
@@ -124,15 +125,16 @@ class Persister:
         lws = rec.get("local_world_size", ws)
         try:
             t0 = time.monotonic()
-            if slot.mapping is None:  # mapped here, not on the main loop: ~0.1 s per GB with MAP_POPULATE
-                from .. import shm
-
-                fd = self._open_segment(slot.name) if self._open_segment is not None else None
-                slot.mapping = shm.Mapping(slot.name, writable=False, fd=fd)
-            local.write_shard(
-                self.root, job, step, rank, ws, slot.mapping.view, rec["nbytes"], parse_tree(rec["tree"]),
-                self.write_rate_limit, rec.get("replicas", {}), lws, rec.get("committed_at", 0), rec.get("run"), rec.get("after"),
-            )  # fmt: skip
+            # read with pread, never mapped: the lessee can still truncate its segment, and a mapping's read past the
+            # end would kill the daemon (SIGBUS); a short read fails this shard alone
+            fd = self._open_segment(slot.name) if self._open_segment is not None else os.open(shm.path_of(slot.name), os.O_RDONLY)
+            try:
+                local.write_shard(
+                    self.root, job, step, rank, ws, fd, rec["nbytes"], parse_tree(rec["tree"]),
+                    self.write_rate_limit, rec.get("replicas", {}), lws, rec.get("committed_at", 0), rec.get("run"), rec.get("after"),
+                )  # fmt: skip
+            finally:
+                os.close(fd)
             seconds = time.monotonic() - t0
             path, node_ranks, manifest = self._after_write(job, step, ws, lws)
             event = ShardPersisted(slot.name, job, step, rank, rec["nbytes"], seconds, None, path, manifest, node_ranks, attempt)

@@ -56,7 +56,6 @@ class Slot:
     lease: dict[str, Any] | None = None  # leased: the lease's fields; committed: the commit record
     tree_bytes: int = 0  # committed: the tree the daemon holds in memory (counted in the budget)
     used_at: float = 0.0
-    mapping: shm.Mapping | None = None  # the daemon's read-only mapping, made by a persist thread
     holds: tuple[str, int, int] | None = None  # (job, step, rank) a free slot still holds, persisted
     pins: dict[str, tuple[int, float]] = field(default_factory=dict)  # pin token -> (reader pid, deadline)
 
@@ -262,9 +261,6 @@ class SlotPool:
                 self._on_grant(ident, msg, slot)
 
     def unlink(self, slot: Slot) -> None:
-        if slot.mapping is not None:
-            slot.mapping.close()
-            slot.mapping = None
         self.segments.unlink(slot.name)
         self.slots.pop(slot.name, None)
 
@@ -343,9 +339,6 @@ class SlotPool:
         for slot in list(self.slots.values()):
             if slot.state is not SlotState.COMMITTED:
                 self.unlink(slot)
-            elif slot.mapping is not None:
-                slot.mapping.close()
-                slot.mapping = None
         self.segments.close()
 
     # ------------------------------------------------------------------ for status

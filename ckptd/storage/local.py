@@ -20,12 +20,16 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import struct
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
+import xxhash
+
 from ..errors import CheckpointError, FormatError
-from ..format import build_fragment, build_manifest, commit_time, parse_header
+from ..format import MAX_HEADER_BYTES, ShardLayout, build_fragment, build_manifest, commit_time, parse_header
 from ..layout import (
     MANIFEST,
     complete_steps,
@@ -57,19 +61,71 @@ def job_lock(root: str, job: str) -> threading.RLock:
         return _locks.setdefault((os.path.abspath(root), job), threading.RLock())
 
 
-WRITE_BLOCK = 16 << 20
+COPY_BLOCK = 8 << 20  # read, hashed and written while it is in the CPU's cache
 
 
-def _write_paced(fd: int, view: memoryview, nbytes: int, rate_limit: float) -> None:
-    """Write ``view[:nbytes]``; ``rate_limit`` (bytes/s, 0 = unlimited) paces it so training I/O is not starved."""
-    t0 = time.monotonic()
-    pos = 0
+def _reader(source: Any) -> Callable[[memoryview, int], int]:
+    """``read(into, pos)`` over a staged shard: a file descriptor (a daemon segment, read with ``pread``: a
+    segment its lessee truncates is then a short read, not a SIGBUS in the daemon) or a buffer (tests, tools)."""
+    if isinstance(source, int):
+        return lambda into, pos: os.preadv(source, [into], pos)
+    view = memoryview(source).cast("B")
+
+    def read(into: memoryview, pos: int) -> int:
+        n = max(0, min(len(into), len(view) - pos))
+        into[:n] = view[pos : pos + n]
+        return n
+
+    return read
+
+
+def _read_exactly(read: Callable[[memoryview, int], int], into: memoryview, pos: int, nbytes: int) -> None:
+    got = 0
+    while got < len(into):
+        n = read(into[got:], pos + got)
+        if n == 0:
+            raise FormatError(f"the staged shard ends at byte {pos + got}, not {nbytes}: its segment was truncated")
+        got += n
+
+
+def _header(read: Callable[[memoryview, int], int], nbytes: int) -> bytes:
+    """A staged shard's header bytes (its length first: bounded before the rest is read)."""
+    head = bytearray(8)
+    _read_exactly(read, memoryview(head), 0, nbytes)
+    (n,) = struct.unpack("<Q", head)
+    if n > MAX_HEADER_BYTES or 8 + n > nbytes:
+        raise FormatError(f"shard header length {n} out of bounds (shard holds {nbytes} bytes)")
+    buf = bytearray(8 + n)
+    _read_exactly(read, memoryview(buf), 0, nbytes)
+    return bytes(buf)
+
+
+def _copy_paced(read: Callable[[memoryview, int], int], fd: int, layout: ShardLayout, nbytes: int, rate_limit: float) -> dict[str, str]:
+    """Copy the staged shard into ``fd`` block by block, hashing each block while it is in cache (one pass
+    over the shard); return the header's and each chunk's XXH3-64 (as :func:`build_fragment` takes them).
+    ``rate_limit`` (bytes/s, 0 = unlimited) paces it so training I/O is not starved."""
+    names = ["", *(c.name for c in layout.chunks)]
+    ends = [layout.data_start, *(layout.data_start + c.end for c in layout.chunks)]
+    hashers = [xxhash.xxh3_64() for _ in names]
+    block = memoryview(bytearray(min(COPY_BLOCK, max(nbytes, 1))))
+    t0, pos, part = time.monotonic(), 0, 0
     while pos < nbytes:
-        pos += os.write(fd, view[pos : min(nbytes, pos + WRITE_BLOCK)])
-        if rate_limit > 0:
-            ahead = pos / rate_limit - (time.monotonic() - t0)
-            if ahead > 0:
-                time.sleep(ahead)
+        n = min(len(block), nbytes - pos)
+        _read_exactly(read, block[:n], pos, nbytes)
+        off = 0
+        while off < n:
+            while ends[part] <= pos + off:  # an empty chunk ends where it begins
+                part += 1
+            take = min(n, ends[part] - pos) - off
+            hashers[part].update(block[off : off + take])
+            off += take
+        done = 0
+        while done < n:
+            done += os.write(fd, block[done:n])
+        pos += n
+        if rate_limit > 0 and (ahead := pos / rate_limit - (time.monotonic() - t0)) > 0:
+            time.sleep(ahead)
+    return {name: h.hexdigest() for name, h in zip(names, hashers)}
 
 
 def write_shard(
@@ -78,7 +134,7 @@ def write_shard(
     step: int,
     rank: int,
     world_size: int,
-    view: memoryview,
+    source: Any,
     nbytes: int,
     tree: dict[str, Any],
     rate_limit: float = 0.0,
@@ -88,11 +144,13 @@ def write_shard(
     run: int | None = None,
     after: int | None = None,
 ) -> None:
-    """Write one staged shard (``view[:nbytes]``) and then its fragment into ``step-N.tmp`` durably.
+    """Write one staged shard (``nbytes`` of ``source``: a segment's file descriptor, or a buffer) and then its
+    fragment into ``step-N.tmp`` durably, checksumming each chunk on the bytes written.
 
-    Raises :class:`CheckpointError` (full disk, bad header); the partial files are removed.
+    Raises :class:`CheckpointError` (full disk, bad header, a segment truncated); the partial files are removed.
     """
-    layout = parse_header(view, nbytes)
+    read = _reader(source)
+    layout = parse_header(_header(read, nbytes), nbytes)
     if layout.file_size != nbytes:
         raise FormatError(f"staged shard is {nbytes} bytes but its header describes {layout.file_size}")
     d = tmp_dir(root, job, step)
@@ -102,23 +160,27 @@ def write_shard(
         fsync_dir(root)  # the job's directory entry itself must survive a power loss
     path, frag_path = os.path.join(d, shard_name(rank)), os.path.join(d, fragment_name(rank))
     lws = local_world_size or world_size
-    frag = build_fragment(job, step, rank, world_size, lws, view, layout, replicas or {}, tree, committed_at, run=run, after=after)
     try:
         if os.path.exists(frag_path):
             os.unlink(frag_path)  # first: while the shard is rewritten, this rank does not count as durable
         fd = create_new(path)
         try:
-            _write_paced(fd, view, nbytes, rate_limit)
+            sums = _copy_paced(read, fd, layout, nbytes, rate_limit)
             os.fsync(fd)
         finally:
             os.close(fd)
+        frag = build_fragment(
+            job, step, rank, world_size, lws, layout.header, layout, replicas or {}, tree, committed_at, run=run, after=after, sums=sums
+        )
         write_json_durable(frag_path, frag)  # last: a fragment present means its shard is durable
-    except OSError as e:
+    except (OSError, FormatError) as e:
         for p in (path, frag_path):
             try:
                 os.unlink(p)
             except OSError:
                 pass
+        if isinstance(e, FormatError):
+            raise
         raise CheckpointError(f"writing {path} failed: {e.strerror or e}") from None
 
 
