@@ -325,8 +325,13 @@ class SlotPool:
                 log.warning("trainer pid %s died holding %s uncommitted: slot freed, nothing of it is persisted", slot.pid, slot.name)
                 self.free(slot)
             elif slot.state is SlotState.LEASED and now - slot.leased_at > self.lease_timeout:
-                log.warning("the lease of %s (pid %s) lapsed after %.0f s uncommitted: slot freed", slot.name, slot.pid, self.lease_timeout)
-                self.free(slot)
+                # its holder may still live (another PID namespace, a stalled trainer) and write through its mapping:
+                # the segment is retired, never leased to anyone else (its memory returns when the holder unmaps)
+                log.warning(
+                    "the lease of %s (pid %s) lapsed after %.0f s uncommitted: segment retired", slot.name, slot.pid, self.lease_timeout
+                )
+                self.unlink(slot)
+                lapsed = True
             for token, (pid, deadline) in list(slot.pins.items()):
                 if deadline < now or (pid and not self._alive(pid)):
                     slot.pins.pop(token)  # a hot restore's reader died, or holds the slot longer than any restore takes
