@@ -24,7 +24,8 @@ before the first step restores an optimizer without state, as ``optim.state_dict
 from __future__ import annotations
 
 import warnings
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -295,6 +296,21 @@ def load_into(
     return out, missing, unexpected
 
 
+@contextmanager
+def _thawed(optim: torch.optim.Optimizer) -> Iterator[None]:
+    """The optimizer's frozen parameters (``requires_grad=False``, kept in it for staged unfreezing)
+    require gradients inside this block: torch's ``set_state_dict`` loads optimizer state only for
+    parameters that do, and would drop theirs without a word. Each flag is put back on the way out."""
+    frozen = [p for g in optim.param_groups for p in g["params"] if not p.requires_grad and (p.is_floating_point() or p.is_complex())]
+    try:
+        for p in frozen:
+            p.requires_grad_(True)
+        yield
+    finally:
+        for p in frozen:
+            p.requires_grad_(False)
+
+
 def restore_state(
     path: str,
     model: torch.nn.Module,
@@ -338,7 +354,7 @@ def restore_state(
     # the match was checked above; torch's own strictness would refuse a parameter left without state
     opts = StateDictOptions(strict=False)
     if optim is not None and "optim" in loaded:
-        with no_optimizer_init():
+        with no_optimizer_init(), _thawed(optim):
             set_state_dict(model, optim, model_state_dict=loaded.get("model", {}), optim_state_dict=loaded["optim"], options=opts)
     elif "model" in loaded:
         set_model_state_dict(model, loaded["model"], options=opts)
