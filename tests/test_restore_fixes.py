@@ -49,3 +49,31 @@ def test_optimizer_state_of_frozen_parameters_is_restored(daemon) -> None:  # no
         assert sorted(got) == sorted(want) == ["exp_avg", "exp_avg_sq", "step"]
         for name in want:
             assert torch.equal(got[name], want[name]), name
+
+
+def _decay(epoch: int) -> float:
+    return 0.5**epoch
+
+
+def test_lr_scheduler_resumes_after_restore_as_if_never_interrupted(daemon) -> None:  # noqa: ANN001
+    """An LR scheduler adds ``initial_lr`` to each param group; resuming one at its epoch needs it back."""
+    model = _layers(0, n=2)
+    optim = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, _decay)
+    for i in range(3):
+        _step(model, optim, i)
+        sched.step()
+    with daemon.client("sched") as c:
+        path = c.snapshot(model, optim, step=3, extra={"epoch": sched.last_epoch}, blocking=True).wait(30)
+    m2 = _layers(1, n=2)
+    o2 = torch.optim.SGD(m2.parameters(), lr=1.0, momentum=0.9)
+    extra = ckptd.restore(m2, o2, path=path)
+    assert o2.param_groups[0]["initial_lr"] == 1.0 and o2.param_groups[0]["lr"] == optim.param_groups[0]["lr"] == 0.125
+    s2 = torch.optim.lr_scheduler.LambdaLR(o2, _decay, last_epoch=extra["epoch"] - 1)  # a KeyError without initial_lr
+    for i in range(3, 5):
+        for m, o, s in ((model, optim, sched), (m2, o2, s2)):
+            _step(m, o, i)
+            s.step()
+    assert o2.param_groups[0]["lr"] == optim.param_groups[0]["lr"] == 1.0 * 0.5**5
+    for p, q in zip(model.parameters(), m2.parameters()):
+        assert torch.equal(p, q)

@@ -198,7 +198,9 @@ class _Loader:
 
     def _group(self, i: int, target: dict[str, Any]) -> dict[str, Any]:
         """Target group ``i`` with the hyperparameters of the saved group that holds its parameters
-        (by index when none does); which parameters it holds stays the target's."""
+        (by index when none does), as ``load_state_dict`` gives them: keys only the saved group has too
+        (``initial_lr``, which an LR scheduler added), keys only the target has kept. Which parameters
+        it holds (``params``, ``param_names``) stays the target's."""
         mine = set(target.get("params", []))
         groups = self.saved.groups
         best = max(range(len(groups)), key=lambda j: len(mine & set(groups[j].get("params") or [])), default=None)
@@ -206,8 +208,10 @@ class _Loader:
             best = i if i < len(groups) else None
         if best is None:
             return target
+        own = ("params", "param_names")
         node = groups[best]
-        return {k: v if k == "params" or k not in node else unflatten(node[k], self.reader.read_full) for k, v in target.items()}
+        out = {k: unflatten(v, self.reader.read_full) for k, v in node.items() if k not in own}
+        return {**target, **out, **{k: target[k] for k in own if k in target}}
 
 
 def _agree(missing: list[str], unexpected: list[str], error: BaseException | None, strict: bool) -> tuple[list[str], list[str], list[int]]:
