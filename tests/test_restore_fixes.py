@@ -3,9 +3,20 @@ resumed after a restore, a strict restore that refuses, and optimizer state not 
 
 from __future__ import annotations
 
+import json
+import os
+import struct
+import time
+from typing import Any
+
+import pytest
 import torch
+import torch.distributed as dist
+from _dist import run_ranks
 
 import ckptd
+from ckptd import shm
+from ckptd.errors import CheckpointError
 
 
 def _layers(seed: int, n: int = 4) -> torch.nn.Sequential:
@@ -77,3 +88,99 @@ def test_lr_scheduler_resumes_after_restore_as_if_never_interrupted(daemon) -> N
     assert o2.param_groups[0]["lr"] == optim.param_groups[0]["lr"] == 1.0 * 0.5**5
     for p, q in zip(model.parameters(), m2.parameters()):
         assert torch.equal(p, q)
+
+
+def test_a_refused_strict_restore_leaves_the_model_and_optimizer_as_they_were(daemon) -> None:  # noqa: ANN001
+    """A live run with a new head restores a checkpoint without it: the strict restore says what is missing,
+    and the run goes on with its own weights and moments, not the checkpoint's under the new head."""
+    model = _layers(0, n=2)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _step(model, optim, 0)
+    with daemon.client("head") as c:
+        path = c.snapshot(model, optim, step=1, blocking=True).wait(30)
+    live = _layers(5, n=3)
+    lo = torch.optim.AdamW(live.parameters(), lr=1e-2)
+    _step(live, lo, 1)
+    params = [p.detach().clone() for p in live.parameters()]
+    moments = [{k: v.clone() for k, v in lo.state[p].items()} for p in live.parameters()]
+    with pytest.raises(CheckpointError, match="missing from the checkpoint: model/2.weight, model/2.bias"):
+        ckptd.restore(live, lo, path=path)
+    for p, before, state in zip(live.parameters(), params, moments):
+        assert torch.equal(p, before)
+        assert sorted(lo.state[p]) == sorted(state) and all(torch.equal(lo.state[p][k], v) for k, v in state.items())
+    assert not torch.equal(live[0].weight, model[0].weight)
+
+
+def _two_layers(seed: int) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+
+
+def _refused_on_rank_1(rank: int, world: int, path: str) -> dict[str, Any]:
+    model = _two_layers(9)
+    if rank == 1:
+        model = model.double()  # a mistake on one rank only
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        ckptd.restore(model, path=path)
+        error = None
+    except CheckpointError as e:
+        error = str(e)
+    return {"error": error, "unchanged": all(torch.equal(p, b) for p, b in zip(model.parameters(), before))}
+
+
+@pytest.mark.multiproc
+def test_a_restore_refused_on_one_rank_loads_nothing_on_any_rank(daemon) -> None:  # noqa: ANN001
+    with daemon.client("one") as c:
+        path = c.snapshot(_two_layers(0), step=1, blocking=True).wait(30)
+    outs = run_ranks(2, _refused_on_rank_1, path, timeout=100)
+    assert "the checkpoint holds torch.float32, the target is torch.float64" in outs[1]["error"], outs
+    assert "restore failed on rank(s) [1]" in outs[0]["error"] and "nothing was loaded on this rank" in outs[0]["error"], outs
+    assert all(o["unchanged"] for o in outs), outs
+
+
+def _own(rank: int, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = torch.nn.Module()
+    model.shared = torch.nn.Linear(2, 2)  # replicated: the same on every rank
+    torch.manual_seed(seed + 1 + rank)
+    setattr(model, f"own{rank}", torch.nn.Linear(16, 16))  # only this rank holds it
+    return model
+
+
+def _spoil_own_segment(root: str, key: str) -> None:
+    """Overwrite the first bytes of ``key`` in the daemon's shared-memory copy of this rank's shard."""
+    for name in shm.segments_of(root):
+        with open(shm.path_of(name), "r+b") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(n))
+            if key in header:
+                f.seek(8 + n + header[key]["data_offsets"][0])
+                f.write(b"\x7f" * 16)
+                return
+    raise AssertionError(f"no segment holds {key}")
+
+
+def _hot_restore_spoiled_on_rank_1(rank: int, world: int, endpoint: str, root: str) -> dict[str, Any]:
+    os.environ["CKPTD_COLLECTIVE_TIMEOUT"] = "20"  # a rank left alone in the collective fails in 20 s, not 30 min
+    model = _own(rank, 0)
+    with ckptd.Client(endpoint=endpoint, job="spoiled") as c:
+        c.snapshot(model, step=1, blocking=True).wait(60)
+        if rank == 1:
+            _spoil_own_segment(root, "model/own1.weight")
+        dist.barrier()
+        other = _own(rank, 9)
+        t0 = time.monotonic()
+        c.restore(other)
+        took = time.monotonic() - t0
+        same = all(torch.equal(p, q) for p, q in zip(model.parameters(), other.parameters()))
+        return {"source": c.last_restore["source"], "same": same, "took": took}
+
+
+@pytest.mark.multiproc
+def test_a_hot_restore_corrupt_on_one_rank_reads_the_disk_on_every_rank(daemon) -> None:  # noqa: ANN001
+    """Rank 1's shared-memory copy is corrupt: its read fails after rank 0 read its own. Every rank is told
+    the checkpoint is bad (a FormatError) and every rank reads the step from disk, together."""
+    outs = run_ranks(2, _hot_restore_spoiled_on_rank_1, daemon.endpoint, daemon.root, timeout=100)
+    assert [o["source"] for o in outs] == ["disk", "disk"] and all(o["same"] for o in outs), outs
+    assert all(o["took"] < 15 for o in outs), outs

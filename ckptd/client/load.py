@@ -14,7 +14,9 @@ keeps the target's value (a new head), a parameter without saved optimizer state
 (as a fresh optimizer has), and :class:`Restored` lists both. A strict restore with torch.distributed
 initialized and more than one rank is collective: one ``all_gather_object`` agrees which saved keys no
 rank holds (every MoE rank holds only its own experts), unites the missing ones, and makes one rank's
-failure every rank's. ``strict=False`` makes no collective and lists what this rank saw.
+failure every rank's; a second one, after the tensors were read, does so for read errors (a corrupt
+file). ``strict=False`` makes no collective and lists what this rank saw. Nothing is read into the
+caller's model or optimizer before the restore is judged: one refused leaves them as they were.
 A saved tensor whose global shape differs from the target's is always an error.
 
 An optimizer is given state to load into only when the checkpoint holds some: a checkpoint taken
@@ -30,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, FormatError
 from ..format import dtype_from_name
 from ..state import TAG, join_key, local_chunks, split_key, unflatten
 from ..tools.verify import stale_warning
@@ -214,22 +216,57 @@ class _Loader:
         return {**target, **out, **{k: target[k] for k in own if k in target}}
 
 
-def _agree(missing: list[str], unexpected: list[str], error: BaseException | None, strict: bool) -> tuple[list[str], list[str], list[int]]:
-    """Every rank's view, when torch.distributed runs more than one rank and the restore is strict: the
-    union of missing keys, the saved keys no rank's target has (those every rank found unexpected), and
-    the ranks that failed. One ``all_gather_object``, after every rank checked in (a restore on some
-    ranks only is an error, not a hang)."""
+Failure = tuple[int, str, bool]  # a failed rank, its error, and whether that was a FormatError (a bad file)
+
+
+def _collective(strict: bool) -> bool:
+    """Whether a restore agrees with the other ranks: strict, with torch.distributed running more than one."""
     import torch.distributed as dist
 
-    if not strict or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    return strict and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _gather(error: BaseException | None, *more: Any) -> list[Any]:
+    """Every rank's ``(error, *more)``, the error as ``(text, is a FormatError)`` or ``None``."""
+    import torch.distributed as dist
+
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (None if error is None else (str(error), isinstance(error, FormatError)), *more))
+    return every
+
+
+def _failed(every: list[Any]) -> list[Failure]:
+    return [(r, *mine[0]) for r, mine in enumerate(every) if mine[0] is not None]
+
+
+def _agree(
+    missing: list[str], unexpected: list[str], error: BaseException | None, strict: bool
+) -> tuple[list[str], list[str], list[Failure]]:
+    """Every rank's view, when the restore is :func:`_collective`: the union of missing keys, the saved
+    keys no rank's target has (those every rank found unexpected), and the ranks that failed. One
+    ``all_gather_object``, after every rank checked in (a restore on some ranks only is an error, not a
+    hang); the only check-in of the restore."""
+    if not _collective(strict):
         return missing, unexpected, []
     _ARRIVALS.check("ckptd.restore()")
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (None if error is None else str(error), sorted(missing), sorted(unexpected)))
-    failed = [r for r, (err, _, _) in enumerate(every) if err is not None]
+    every = _gather(error, sorted(missing), sorted(unexpected))
     all_missing = sorted({k for _, m, _ in every for k in m})
     common = set(every[0][2]).intersection(*(u for _, _, u in every[1:]))
-    return all_missing, [k for k in unexpected if k in common], failed
+    return all_missing, [k for k in unexpected if k in common], _failed(every)
+
+
+def _raise_failure(error: CheckpointError | None, failed: list[Failure], then: str) -> None:
+    """Raise this rank's error, or (it had none) one naming the ranks that failed and saying ``then``. A
+    FormatError only where every failure was one, on every rank alike: a hot restore then reads the
+    step from disk on every rank together, or on none."""
+    if error is None and not failed:
+        return
+    bad_file = all(f for _, _, f in failed)
+    if error is not None and (bad_file or not isinstance(error, FormatError)):
+        raise error
+    first = failed[0][1] if len(failed[0][1]) <= 300 else failed[0][1][:300] + "..."
+    exc = (FormatError if bad_file else CheckpointError)(f"restore failed on rank(s) {[r for r, _, _ in failed][:8]} ({first}); {then}")
+    raise exc from error
 
 
 def _collapse(keys: list[str], saved: _Saved) -> list[str]:
@@ -252,6 +289,34 @@ def _listed(keys: list[str]) -> str:
     return ", ".join(keys[:LISTED]) + more
 
 
+def _plan(loader: _Loader, target_root: dict[str, Any], strict: bool) -> dict[str, Any]:
+    """The state ``set_state_dict`` takes, its tensors the target's own, not yet read (``loader.pieces``)."""
+    out: dict[str, Any] = {}
+    for part, sd in target_root.items():
+        if not loader.saved.has(part):
+            if strict:
+                path = loader.reader.path
+                raise CheckpointError(f"the checkpoint at {path} holds no {part} state (restore with strict=False to skip it)")
+            loader.missing.append(part)
+            continue
+        out[part] = loader.model(sd) if part == "model" else loader.optim(sd, target_root.get("model", {}))
+    return out
+
+
+def _refuse_mismatch(path: str, missing: list[str], unexpected: list[str]) -> None:
+    if not (missing or unexpected):
+        return
+    why = []
+    if missing:
+        why.append(f"missing from the checkpoint: {_listed(missing)}")
+    if unexpected:
+        why.append(f"in the checkpoint but not in the model or optimizer: {_listed(unexpected)}")
+    raise CheckpointError(
+        f"the checkpoint at {path} does not match the model: {'; '.join(why)}. "
+        "restore(..., strict=False) loads what matches and returns the lists"
+    )
+
+
 def load_into(
     reader: CheckpointReader,
     target_root: dict[str, Any],
@@ -261,42 +326,34 @@ def load_into(
     cast: torch.dtype | None = None,
 ) -> tuple[dict[str, Any], list[str], list[str]]:
     """Fill ``target_root`` (``model`` and optionally ``optim`` state dicts in the caller's layout)
-    from the checkpoint, in place; return it with the missing and unexpected keys. Any rank's failure
-    is every rank's (strict, distributed): no rank goes on alone into a collective ``set_state_dict``."""
+    from the checkpoint, in place; return it with the missing and unexpected keys.
+
+    Nothing is read into the target (its tensors are the live parameters and optimizer state) until the
+    whole restore is planned and judged: a strict restore that does not match raises with the target
+    untouched. Any rank's failure is every rank's (strict, distributed): no rank goes on alone into a
+    collective ``set_state_dict``; a read that failed on some rank (a corrupt or truncated file) is agreed
+    on once more, and the target may then be partly overwritten."""
     saved = _Saved(reader, rank)
     loader = _Loader(reader, saved, cast)
     out: dict[str, Any] = {}
     error: CheckpointError | None = None
-    try:
-        with gc_paused():
-            for part, sd in target_root.items():
-                if not saved.has(part):
-                    if strict:
-                        raise CheckpointError(
-                            f"the checkpoint at {reader.path} holds no {part} state (restore with strict=False to skip it)"
-                        )
-                    loader.missing.append(part)
-                    continue
-                out[part] = loader.model(sd) if part == "model" else loader.optim(sd, target_root.get("model", {}))
-            reader.read_many(loader.pieces)  # still paused: the pieces stay alive until read
-    except CheckpointError as e:
-        error = e
-    missing, unexpected, failed = _agree(loader.missing, loader.unexpected, error, strict)
-    if error is not None:
-        raise error
-    if failed:
-        raise CheckpointError(f"restore failed on rank(s) {failed[:8]} (see their error); nothing was loaded on this rank")
-    unexpected = _collapse(unexpected, saved)
-    if strict and (missing or unexpected):
-        why = []
-        if missing:
-            why.append(f"missing from the checkpoint: {_listed(missing)}")
-        if unexpected:
-            why.append(f"in the checkpoint but not in the model or optimizer: {_listed(unexpected)}")
-        raise CheckpointError(
-            f"the checkpoint at {reader.path} does not match the model: {'; '.join(why)}. "
-            "restore(..., strict=False) loads what matches and returns the lists"
-        )
+    with gc_paused():  # until read: the pieces stay alive
+        try:
+            out = _plan(loader, target_root, strict)
+        except CheckpointError as e:
+            error = e
+        missing, unexpected, failed = _agree(loader.missing, loader.unexpected, error, strict)
+        _raise_failure(error, failed, "nothing was loaded on this rank")
+        unexpected = _collapse(unexpected, saved)
+        if strict:
+            _refuse_mismatch(reader.path, missing, unexpected)
+        try:
+            reader.read_many(loader.pieces)
+        except CheckpointError as e:
+            error = e
+    if _collective(strict):
+        failed = _failed(_gather(error))
+    _raise_failure(error, failed, "this rank's model and optimizer may be partly overwritten: restore again")
     return out, missing, unexpected
 
 
