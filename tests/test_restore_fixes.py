@@ -184,3 +184,61 @@ def test_a_hot_restore_corrupt_on_one_rank_reads_the_disk_on_every_rank(daemon) 
     outs = run_ranks(2, _hot_restore_spoiled_on_rank_1, daemon.endpoint, daemon.root, timeout=100)
     assert [o["source"] for o in outs] == ["disk", "disk"] and all(o["same"] for o in outs), outs
     assert all(o["took"] < 15 for o in outs), outs
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Adafactor"), reason="this torch has no Adafactor")
+def test_factored_optimizer_state_restores_after_a_warm_up_backward(daemon) -> None:  # noqa: ANN001
+    """Adafactor keeps a weight's second moment factored (``row_var`` [out, 1], ``col_var`` [1, in]). A
+    resumed run whose parameters already have gradients (a warm-up backward) but whose optimizer has no
+    state yet gets it all back, and its next step is the uninterrupted run's."""
+    model = _layers(0, n=2)
+    optim = torch.optim.Adafactor(model.parameters(), lr=1e-2)
+    for i in range(2):
+        _step(model, optim, i)
+    assert tuple(optim.state[model[0].weight]["row_var"].shape) == (6, 1)
+    with daemon.client("factored") as c:
+        path = c.snapshot(model, optim, step=2, blocking=True).wait(30)
+    m2 = _layers(1, n=2)
+    o2 = torch.optim.Adafactor(m2.parameters(), lr=1e-2)
+    m2(torch.randn(5, 6)).sum().backward()  # gradients, no optimizer state
+    restored = ckptd.restore(m2, o2, path=path)
+    assert restored.missing_keys == [] and restored.unexpected_keys == []
+    for p, q in zip(model.parameters(), m2.parameters()):
+        assert sorted(o2.state[q]) == sorted(optim.state[p])
+        assert all(torch.equal(o2.state[q][k], v) for k, v in optim.state[p].items())
+    _step(model, optim, 2)
+    _step(m2, o2, 2)
+    for p, q in zip(model.parameters(), m2.parameters()):
+        assert torch.equal(p, q)
+        assert all(torch.equal(o2.state[q][k], v) for k, v in optim.state[p].items())
+
+
+def _factored_into_fsdp2(rank: int, world: int, path: str) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _layers(1, n=2)
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    optim = torch.optim.Adafactor(model.parameters(), lr=1e-2)
+    model(torch.randn(5, 6)).sum().backward()  # gradients, no optimizer state
+    try:
+        ckptd.restore(model, optim, path=path)
+    except CheckpointError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+@pytest.mark.multiproc
+@pytest.mark.skipif(not hasattr(torch.optim, "Adafactor"), reason="this torch has no Adafactor")
+def test_factored_state_into_a_sharded_parameter_without_state_says_when_to_restore(daemon) -> None:  # noqa: ANN001
+    """FSDP2 parameters shard their optimizer state like themselves; with no state yet there is no layout
+    for a factored entry: the error names it and says what works, instead of listing it missing and unexpected."""
+    model = _layers(0, n=2)
+    optim = torch.optim.Adafactor(model.parameters(), lr=1e-2)
+    _step(model, optim, 0)
+    with daemon.client("factored-fsdp") as c:
+        path = c.snapshot(model, optim, step=1, blocking=True).wait(30)
+    (out,) = run_ranks(1, _factored_into_fsdp2, path, timeout=100)
+    assert "cannot restore optim/state/0.weight/row_var (saved shape [6, 1]) into sharded parameter 0.weight" in out["error"], out
+    assert "restore before the first backward or optimizer step, or into an optimizer that has state" in out["error"], out
+    assert "missing from the checkpoint" not in out["error"], out

@@ -58,6 +58,11 @@ class Restored(dict):  # type: ignore[type-arg]
         self.unexpected_keys = unexpected
 
 
+def _sharded(value: Any) -> bool:
+    """A DTensor or ShardedTensor (as :func:`..state.local_chunks` tells them)."""
+    return (hasattr(value, "local_shards") and hasattr(value, "metadata")) or hasattr(value, "__create_chunk_list__")
+
+
 def _lookup(tree: Any, path: tuple[str, ...]) -> Any:
     """The saved tree node at ``path`` (keys as ``flatten`` names them), or ``_MISSING``."""
     node = tree
@@ -166,7 +171,8 @@ class _Loader:
             if fqn in saved.optim_state:
                 if entries is None:  # no state in the target yet (never stepped, or torch did not make it)
                     entries = self._fresh_entries(fqn, msd.get(fqn))
-                self.unexpected += [join_key(("optim", "state", fqn, n)) for n in saved.entries(fqn) if n not in entries]
+                left = [join_key(("optim", "state", fqn, n)) for n in saved.entries(fqn) if n not in entries]
+                self.unexpected += [k for k in left if k not in self.missing]  # a saved entry without a target is missing
                 state[fqn] = self.build(entries, ("optim", "state", fqn))
             elif fqn not in saved.optim_params and entries is not None:
                 self.missing.append(join_key(("optim", "state", fqn)))  # a new parameter: it starts without state
@@ -178,24 +184,32 @@ class _Loader:
         return {**{k: v for k, v in osd.items() if k not in ("state", "param_groups")}, "state": state, "param_groups": groups}
 
     def _fresh_entries(self, fqn: str, param: Any) -> dict[str, Any]:
-        """Target buffers for the saved state of a parameter that has none yet: shaped (and sharded)
-        like the parameter, or scalars; what cannot be shaped so is missing."""
+        """Target buffers for the saved state of a parameter that has none yet: zeros of the saved dtype,
+        shaped (and sharded) like the parameter where the saved entry is, else of the saved shape on the
+        parameter's device (factored state: Adafactor's ``row_var``); scalars as saved."""
         out: dict[str, Any] = {}
         for name, node in self.saved.entries(fqn).items():
             ent = self.saved.tensors.get(node.get("key")) if isinstance(node, dict) and node.get(TAG) == "tensor" else None
             if ent is None:
                 out[name] = unflatten(node, self.reader.read_full)
                 continue
-            dtype = dtype_from_name(ent["dtype"])
-            try:
-                if not ent["shape"]:
-                    out[name] = torch.zeros((), dtype=dtype)
-                elif isinstance(param, torch.Tensor) and list(param.shape) == ent["shape"]:
+            dtype, shape = dtype_from_name(ent["dtype"]), ent["shape"]
+            key = join_key(("optim", "state", fqn, name))
+            if not shape:
+                out[name] = torch.zeros((), dtype=dtype)
+            elif isinstance(param, torch.Tensor) and list(param.shape) == shape:
+                try:
                     out[name] = torch.zeros_like(param, dtype=dtype)
-                else:
-                    raise TypeError("no parameter of that shape")
-            except (TypeError, RuntimeError, NotImplementedError):
-                self.missing.append(join_key(("optim", "state", fqn, name)))
+                except (TypeError, RuntimeError, NotImplementedError):
+                    self.missing.append(key)  # no buffer like this parameter can be made
+            elif _sharded(param):
+                raise CheckpointError(
+                    f"cannot restore {key} (saved shape {shape}) into sharded parameter {fqn} of shape {list(param.shape)}, "
+                    "which has no optimizer state yet to take its layout from: restore before the first backward or "
+                    "optimizer step, or into an optimizer that has state"
+                )
+            else:
+                out[name] = torch.zeros(shape, dtype=dtype, device=param.device if isinstance(param, torch.Tensor) else None)
         return out
 
     def _group(self, i: int, target: dict[str, Any]) -> dict[str, Any]:
