@@ -269,7 +269,7 @@ def _agree(
     return all_missing, [k for k in unexpected if k in common], _failed(every)
 
 
-def _raise_failure(error: CheckpointError | None, failed: list[Failure], then: str) -> None:
+def _raise_failure(error: BaseException | None, failed: list[Failure], then: str) -> None:
     """Raise this rank's error, or (it had none) one naming the ranks that failed and saying ``then``. A
     FormatError only where every failure was one, on every rank alike: a hot restore then reads the
     step from disk on every rank together, or on none."""
@@ -350,7 +350,7 @@ def load_into(
     saved = _Saved(reader, rank)
     loader = _Loader(reader, saved, cast)
     out: dict[str, Any] = {}
-    error: CheckpointError | None = None
+    error: BaseException | None = None
     with gc_paused():  # until read: the pieces stay alive
         try:
             out = _plan(loader, target_root, strict)
@@ -363,7 +363,7 @@ def load_into(
             _refuse_mismatch(reader.path, missing, unexpected)
         try:
             reader.read_many(loader.pieces)
-        except CheckpointError as e:
+        except Exception as e:  # any error (an EIO from the disk too): the other ranks hear of it rather than wait
             error = e
     if _collective(strict):
         failed = _failed(_gather(error))
