@@ -172,6 +172,24 @@ def test_a_pin_lapses_even_if_its_pid_lives(env: dict[str, Any]) -> None:
     assert slot.pins == {}  # a reader that died
 
 
+def test_a_reader_that_opens_and_never_closes_cannot_pile_up_pins(env: dict[str, Any]) -> None:
+    """The attack: hot_open in a loop without hot_close. Each pin lived 10 minutes and was checked on the loop
+    every housekeeping pass: 166,882 pins in 40 s kept the idle daemon at 13 % of a core, and growing. A
+    process now holds at most MAX_PINS_PER_READER on a slot; another process's restores are unaffected."""
+    from ckptd.config import MAX_PINS_PER_READER
+
+    pool = env["make"](2 * MiB)
+    slot = pool.lease(_req())
+    assert slot is not None
+    tokens = [pool.pin([slot], 4242) for _ in range(MAX_PINS_PER_READER)]
+    with pytest.raises(CheckpointError, match="already holds 16 open hot restores"):
+        pool.pin([slot], 4242)
+    assert len(slot.pins) == MAX_PINS_PER_READER
+    pool.pin([slot], 4343)  # another reader
+    pool.unpin([slot.name], tokens[0], 4242)
+    pool.pin([slot], 4242)  # one closed: one more may open
+
+
 def test_a_lapsed_pin_grants_a_waiting_request(env: dict[str, Any]) -> None:
     pool = env["make"](2 * MiB)
     slot = pool.lease(_req())

@@ -29,7 +29,7 @@ from enum import StrEnum
 from typing import Any
 
 from .. import shm
-from ..config import HOT_PIN_MAX_S, LEASE_TIMEOUT_S, MAX_DEFERRED_ALLOCS
+from ..config import HOT_PIN_MAX_S, LEASE_TIMEOUT_S, MAX_DEFERRED_ALLOCS, MAX_PINS_PER_READER, MAX_PINS_UNNAMED
 from ..errors import CheckpointError, ProtocolError
 
 log = logging.getLogger("ckptd.daemon")
@@ -293,7 +293,14 @@ class SlotPool:
 
     def pin(self, slots: list[Slot], pid: int) -> str:
         """Keep ``slots`` from reuse while ``pid`` reads them: until :meth:`unpin` with the returned
-        token, the reader's death, or HOT_PIN_MAX_S."""
+        token, the reader's death, or HOT_PIN_MAX_S. A reader holds at most ``MAX_PINS_PER_READER``
+        pins on a slot (a client that opens and never closes would otherwise pile up pins, each checked
+        on the loop every housekeeping pass); readers the kernel cannot name (pid 0) share ``MAX_PINS_UNNAMED``."""
+        limit = MAX_PINS_PER_READER if pid else MAX_PINS_UNNAMED
+        for slot in slots:
+            if sum(1 for p, _ in slot.pins.values() if p == pid) >= limit:
+                who = f"process {pid}" if pid else "processes outside this PID namespace"
+                raise CheckpointError(f"{who} already holds {limit} open hot restores of {slot.name}: close them (hot_close) first")
         token, deadline = secrets.token_hex(16), self._clock() + HOT_PIN_MAX_S
         for slot in slots:
             slot.pins[token] = (pid, deadline)
