@@ -178,11 +178,40 @@ class SegmentDir:
                 raise Untrusted(f"{path} is a symbolic link") from None
             raise
         st = os.fstat(fd)
-        mode = RECORD_MODE if name.endswith(RECORD_SUFFIX) else self.file_mode
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != mode:
+        modes = (RECORD_MODE,) if name.endswith(RECORD_SUFFIX) else (self.file_mode, self.sealed_mode)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) not in modes:
             os.close(fd)
             raise Untrusted(f"{path} is not a file this daemon made (uid {st.st_uid}, mode {st.st_mode:o})")
         return fd
+
+    @property
+    def sealed_mode(self) -> int:
+        """A committed segment's mode: the group (``--group``) may read it, no longer write it."""
+        return self.file_mode & ~0o022
+
+    def seal(self, name: str) -> None:
+        """Segment ``name`` was committed: no member of the group opens it for writing from here on (its lessee
+        writes through the mapping it has; a hot restore's readers open it read-only)."""
+        if self.sealed_mode != self.file_mode:
+            os.chmod(self._path(name), self.sealed_mode)
+
+    def unseal(self, name: str, *, rename: bool) -> str:
+        """Segment ``name`` is leased again: writable by its lessee; under a fresh name if ``rename`` (its name
+        went to hot restores' readers, who must not open it for writing now). Returns its name."""
+        if self.sealed_mode == self.file_mode:
+            return name
+        if rename:
+            while True:
+                new = f"{self.name}/{secrets.token_hex(16)}"
+                try:
+                    os.link(self._path(name), self._path(new))  # never replaces: a name taken is drawn again
+                    break
+                except FileExistsError:
+                    continue
+            os.unlink(self._path(name))
+            name = new
+        os.chmod(self._path(name), self.file_mode)
+        return name
 
     def size_of(self, name: str) -> int:
         fd = self.open_owned(name)

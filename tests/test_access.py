@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import grp
 import os
 import stat
@@ -87,7 +88,7 @@ def test_group_members_get_in_and_others_do_not() -> None:
         assert _mode(base / "run" / "d.sock") == (0o660, gid)
         assert _mode(d.root) == (0o2750, gid)
         for name in _segments(d):
-            assert _mode(shm.path_of(name)) == (0o660, gid)
+            assert _mode(shm.path_of(name)) == (0o640, gid)  # committed: members may read it, no longer write it
         assert _mode(os.path.dirname(shm.path_of(name))) == (0o710, gid)  # members open a named segment, cannot list
         step_dir = Path(d.root) / "t" / "step-1"
         assert os.stat(step_dir).st_gid == gid  # inherited through the setgid root
@@ -131,5 +132,48 @@ def test_with_a_group_a_crashed_daemon_adopts_its_commit_records(short_tmp: Path
         with d.client() as c:
             assert c.latest() == 2
         assert "not a file this daemon made" not in d.log.read_text()
+    finally:
+        d.cleanup()
+
+
+_OPENS = """
+import os, sys
+os.setgroups([int(sys.argv[1])]); os.setgid(int(sys.argv[1])); os.setuid(int(sys.argv[2]))
+for path in sys.argv[3:]:
+    for how, flag in (("read", os.O_RDONLY), ("write", os.O_RDWR)):
+        try:
+            os.close(os.open(path, flag))
+            print(how, "ok")
+        except OSError as e:
+            print(how, e.errno)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as other users")
+def test_a_group_member_cannot_rewrite_another_jobs_committed_shard(short_tmp: Path) -> None:
+    """The attack (``--group``): a member asks ``hot_open`` for another job's step, which names its segments,
+    and opens them for writing to change the shard before it is persisted (memory-only steps have no
+    checksum). Committed segments are read-only to the group, and a segment whose name went to a reader is
+    renamed before it is leased again, so the name learned is of no use later either."""
+    try:
+        gid = grp.getgrnam(GROUP).gr_gid
+    except KeyError:
+        pytest.skip(f"no group {GROUP!r} here")
+    os.chmod(short_tmp, 0o755)
+    d = DaemonProc(short_tmp, ["--group", GROUP])
+    try:
+        d.start()
+        m = torch.nn.Linear(4, 4)
+        with d.client("victim") as c, d.rpc() as rpc:
+            c.snapshot(m, step=1, blocking=True).wait()
+            held = rpc.call("hot_open", job="victim", step=None, pid=os.getpid())
+            paths = [shm.path_of(seg) for seg in held["segments"].values()]
+            r = subprocess.run([sys.executable, "-c", _OPENS, str(gid), str(NOBODY), *paths], capture_output=True, text=True, timeout=60)
+            assert r.returncode == 0, r.stderr
+            assert r.stdout.split("\n")[:2] == ["read ok", f"write {errno.EACCES}"]
+            rpc.call("hot_close", pin=held["pin"], segments=list(held["segments"].values()))
+            c.snapshot(m, step=2, blocking=True).wait()  # the victim's rank leases its slot again
+            assert not any(os.path.exists(p) for p in paths)  # under a new name: the one learned opens nothing
+            assert rpc.call("latest", job="victim")["step"] == 2
     finally:
         d.cleanup()

@@ -552,29 +552,31 @@ def test_crossed_leases_are_refused(make_daemon) -> None:  # noqa: ANN001
 
 def test_a_lapsed_lease_cannot_be_committed(make_daemon) -> None:  # noqa: ANN001
     """Attack: a client sits on its lease past the lease timeout (1 s) and then commits or releases it, also once
-    the same segment has been leased to another client under a new token; the new holder's commit goes through."""
-    d = make_daemon("--lease-timeout", "1", "--shm-budget", "2M")  # room for one slot: it must be reused
+    its memory has been leased to another client under a new token; the new holder's commit goes through.
+    The lapsed segment is retired, never leased again: its holder may still write to it."""
+    d = make_daemon("--lease-timeout", "1", "--shm-budget", "2M")  # room for one slot: the lapsed one's memory
     a, b = Peer(d), Peer(d)
     fields = {"world_size": 1, "local_world_size": 1, "step": 1, "nbytes": 4096, "replicas": {}}
     seg, tok = _lease(a, job="ja", rank=0, world_size=1, step=1)
     t0 = time.monotonic()
     assert a.slots() == {"leased": 1}
     time.sleep(1.5)
-    _wait_for(a, lambda st: st["slots"] == {"free": 1}, "the lease did not lapse")  # the reaper runs every 0.5 s
-    assert time.monotonic() - t0 > 1.0
+    _wait_for(a, lambda st: st["slots"] == {}, "the lease did not lapse")  # the reaper runs every 0.5 s
+    assert time.monotonic() - t0 > 1.0 and not os.path.exists(shm.path_of(seg))
     a.refused("commit", REFUSED, (b"{}",), job="ja", rank=0, segment=seg, lease=tok, **fields)
     a.refused("release", REFUSED, segment=seg, lease=tok)
     seg_b, tok_b = _lease(b, job="jb", rank=0, world_size=1, step=1)
-    assert seg_b == seg and tok_b != tok
-    a.refused("commit", REFUSED, (b"{}",), job="ja", rank=0, segment=seg, lease=tok, **fields)
-    a.refused("commit", REFUSED, (b"{}",), job="jb", rank=0, segment=seg, lease=tok, **fields)
-    a.refused("release", REFUSED, segment=seg, lease=tok)
+    assert seg_b != seg and tok_b != tok
+    for s in (seg, seg_b):
+        a.refused("commit", REFUSED, (b"{}",), job="ja", rank=0, segment=s, lease=tok, **fields)
+        a.refused("commit", REFUSED, (b"{}",), job="jb", rank=0, segment=s, lease=tok, **fields)
+        a.refused("release", REFUSED, segment=s, lease=tok)
     assert a.slots() == {"leased": 1}
-    b.ok("commit", (b"{}",), job="jb", rank=0, segment=seg, lease=tok_b, **fields)
+    b.ok("commit", (b"{}",), job="jb", rank=0, segment=seg_b, lease=tok_b, **fields)
     _wait_for(a, lambda st: st["slots"] == {"free": 1}, "the committed slot was not freed")
     b.quiet(0)
     b.close()
-    _end_clean(d, a, seg.split("/")[0], frozenset({"jb"}))
+    _end_clean(d, a, seg_b.split("/")[0], frozenset({"jb"}))
 
 
 def test_foreign_segments_and_paths_are_refused(make_daemon, tmp_path: Path) -> None:  # noqa: ANN001

@@ -57,6 +57,7 @@ class Slot:
     tree_bytes: int = 0  # committed: the tree the daemon holds in memory (counted in the budget)
     used_at: float = 0.0
     holds: tuple[str, int, int] | None = None  # (job, step, rank) a free slot still holds, persisted
+    exposed: bool = False  # its name went to a hot restore's reader: renamed before it is leased again
     pins: dict[str, tuple[int, float]] = field(default_factory=dict)  # pin token -> (reader pid, deadline)
 
 
@@ -142,6 +143,8 @@ class SlotPool:
             # over budget, or this request's own segment is still being made (another request of the same
             # rank took the one that came first): any free slot that fits
             slot = min(free, key=lambda s: s.size, default=None)
+        if slot is not None and not self._writable(slot):
+            return self.lease(msg)  # retired: another slot, or a new one
         if slot is None:
             slot = self._create(need, rounded, used, msg)
             if slot is None:
@@ -154,6 +157,22 @@ class SlotPool:
         slot.holds, slot.token, slot.leased_at = None, secrets.token_hex(16), slot.used_at
         slot.lease = {k: msg[k] for k in LEASE_FIELDS}
         return slot
+
+    def _writable(self, slot: Slot) -> bool:
+        """A free slot about to be leased, made writable for its lessee (``--group``: committed segments are
+        read-only to the group), under a new name if a reader learned the old one; False (the slot retired)
+        if that failed."""
+        try:
+            name = self.segments.unseal(slot.name, rename=slot.exposed)
+        except OSError as e:
+            log.error("cannot lease %s again (%s): segment retired", slot.name, e.strerror or e)
+            self.unlink(slot)
+            return False
+        if name != slot.name:
+            self.slots[name] = self.slots.pop(slot.name)
+            slot.name = name
+        slot.exposed = False
+        return True
 
     def _create(self, need: int, rounded: int, used: int, msg: dict[str, Any]) -> Slot | None:
         """A new segment, after evicting free slots (least recently used first) until it fits; with a
@@ -194,6 +213,10 @@ class SlotPool:
     def commit(self, slot: Slot, record: dict[str, Any], tree_bytes: int = 0) -> None:
         """The lessee filled the slot and committed it: it is the persist threads' until :meth:`persisted`."""
         slot.state, slot.lease, slot.token, slot.tree_bytes = SlotState.COMMITTED, record, None, tree_bytes
+        try:
+            self.segments.seal(slot.name)  # --group: no member opens it for writing any more
+        except OSError as e:
+            log.warning("cannot make %s read-only to the group: %s", slot.name, e.strerror or e)
 
     def persisted(self, slot: Slot, holds: tuple[str, int, int] | None) -> None:
         """A persist thread is done with a committed slot: drop its commit record, free it, and remember
@@ -269,6 +292,7 @@ class SlotPool:
     def adopt(self, name: str, size: int, record: dict[str, Any]) -> Slot:
         """Take over a segment a previous run committed (its commit ``record`` read back, checked)."""
         slot = Slot(name, size, state=SlotState.COMMITTED, owner=(record["job"], record["rank"]), lease=record)
+        slot.exposed = True  # the daemon before this one may have given its name to readers
         slot.tree_bytes = len(record.get("tree") or b"")
         self.slots[name] = slot
         return slot
@@ -304,6 +328,7 @@ class SlotPool:
         token, deadline = secrets.token_hex(16), self._clock() + HOT_PIN_MAX_S
         for slot in slots:
             slot.pins[token] = (pid, deadline)
+            slot.exposed = True
         return token
 
     def unpin(self, names: list[Any], token: str, peer: int | None = None) -> None:
