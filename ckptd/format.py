@@ -259,7 +259,7 @@ def build_fragment(
     run: int | None = None,
     after: int | None = None,
     digests: bool = True,
-    sums: dict[str, str] | None = None,
+    sums: tuple[str, dict[str, str]] | None = None,
 ) -> dict[str, Any]:
     """The fragment of one rank's shard (``shard``: its bytes, header included); checksums every chunk.
     ``committed_at``: when the daemon accepted the rank's commit (ns since the epoch), which orders steps.
@@ -267,11 +267,12 @@ def build_fragment(
     the step that launch last restored (``None``: none). Together they name the attempt (:func:`attempt_of`):
     a step saved again after a rollback is never merged with an earlier attempt's fragments.
     ``digests=False``: no checksums (``null``): a memory-tier step's, never written to disk. ``sums``: computed
-    already (the header's under ``""``, each chunk's under its name). With either, ``shard`` is the header alone."""
+    already (the header's, and each chunk's by its name). With either, ``shard`` is the header alone."""
     start = layout.data_start
     if sums is None:
         digest_of = digest if digests else (lambda buf: None)
-        sums = {"": digest_of(shard[:start])} | {c.name: digest_of(shard[start + c.begin : start + c.end]) for c in layout.chunks}
+        sums = (digest_of(shard[:start]), {c.name: digest_of(shard[start + c.begin : start + c.end]) for c in layout.chunks})
+    header_sum, chunk_sums = sums
     chunks = [
         {
             "name": c.name,
@@ -281,7 +282,7 @@ def build_fragment(
             "global_shape": list(c.global_shape),
             "offsets": list(c.offsets),
             "byte_range": [start + c.begin, start + c.end],
-            "xxh3_64": sums[c.name],
+            "xxh3_64": chunk_sums[c.name],
         }
         for c in layout.chunks
     ]
@@ -295,7 +296,7 @@ def build_fragment(
         "local_world_size": local_world_size,  # fewer than world_size: a multi-node step, completed through the bucket
         "file": shard_name(rank),
         "size": layout.file_size,
-        "header_xxh3_64": sums[""],
+        "header_xxh3_64": header_sum,
         "chunks": chunks,
         "replicas": replicas,
         "committed_at": committed_at,

@@ -113,8 +113,12 @@ class SegmentDir:
             if self.gid is not None:
                 os.chown(path, -1, self.gid)
                 os.chmod(path, 0o710)  # members reach a segment by name, cannot list or create
-            _check_dir(path)
-            write_durable(self._marker, f"{name}\n".encode())
+            try:
+                _check_dir(path)
+                write_durable(self._marker, f"{name}\n".encode())
+            except BaseException:
+                os.rmdir(path)  # no directory that no marker names: nothing would ever remove it
+                raise
             return name
 
     def _path(self, name: str) -> str:
@@ -200,18 +204,22 @@ class SegmentDir:
         went to hot restores' readers, who must not open it for writing now). Returns its name."""
         if self.sealed_mode == self.file_mode:
             return name
-        if rename:
-            while True:
-                new = f"{self.name}/{secrets.token_hex(16)}"
-                try:
-                    os.link(self._path(name), self._path(new))  # never replaces: a name taken is drawn again
-                    break
-                except FileExistsError:
-                    continue
-            os.unlink(self._path(name))
-            name = new
         os.chmod(self._path(name), self.file_mode)
-        return name
+        if not rename:
+            return name
+        while True:
+            new = f"{self.name}/{secrets.token_hex(16)}"
+            try:
+                os.link(self._path(name), self._path(new))  # never replaces: a name taken is drawn again
+                break
+            except FileExistsError:
+                continue
+        try:
+            os.unlink(self._path(name))
+        except OSError:
+            os.unlink(self._path(new))  # one name, the old one, which the caller then retires
+            raise
+        return new
 
     def size_of(self, name: str) -> int:
         fd = self.open_owned(name)

@@ -119,6 +119,18 @@ def test_shard_file_is_exactly_the_staged_bytes_and_its_checksums_those_of_its_c
     assert frag["header_xxh3_64"] == want["header_xxh3_64"] and frag["chunks"] == want["chunks"]
 
 
+def test_a_chunk_named_like_nothing_does_not_take_the_headers_checksum(tmp_path: Path) -> None:
+    """A lessee names a chunk "": its checksum is the chunk's, the header's stays the header's."""
+    from ckptd.format import build_layout
+
+    data = bytes(range(16))
+    layout = build_layout([("", "model/w", torch.uint8, (16,), (16,), (0,))])
+    buf = layout.header + data
+    local.write_shard(str(tmp_path), JOB, 1, 0, 1, memoryview(buf), len(buf), {})
+    frag = json.loads(Path(tmp_path, JOB, "step-1.tmp", fragment_name(0)).read_text())
+    assert frag["header_xxh3_64"] == digest(layout.header) and frag["chunks"][0]["xxh3_64"] == digest(data)
+
+
 def test_a_segment_truncated_under_the_persist_fails_its_shard_and_leaves_nothing(tmp_path: Path) -> None:
     """The lessee can still truncate its segment (it holds it open for writing): the daemon reads it with
     pread, so a short segment is a clear error for this shard, never a SIGBUS that kills the daemon."""

@@ -664,6 +664,40 @@ def test_a_seal_of_an_earlier_attempt_never_completes_a_later_attempt_of_the_ste
     assert steps.get(("j", 5)).state is StepState.MEMORY
 
 
+def test_a_failed_later_step_never_counts_as_complete_for_the_memory_only_step_before_it(tmp_path) -> None:  # noqa: ANN001
+    """Memory-only step 1 failed to persist (a full disk) and is back in memory; disk-bound step 2, committed
+    later, was sealed, then failed on one rank while another still writes. Step 1 is still the newest state
+    there is: it must not be dropped as if a later step were complete, and no restore is served step 2."""
+    from ckptd.daemon.catalog import StepCatalog
+    from ckptd.daemon.memtier import MemoryTier
+    from ckptd.daemon.status import Counters
+    from ckptd.daemon.steps import StepTable, StepTrack
+
+    class Pool:
+        reclaim = None
+
+        def held(self, job: str, step: int) -> dict[int, Any]:
+            return {}
+
+        def drop_held(self, job: str, step: int) -> int:
+            return 0
+
+    cat = StepCatalog(str(tmp_path))
+    steps = StepTable(cat.complete_path)
+    tier = MemoryTier(
+        steps, Pool(), cat, Tiering(TierPolicy(persist_every=100)), Counters(), None, persist=lambda slot: None,  # type: ignore[arg-type]
+        settle=lambda key, track: None, after_complete=lambda job, step: None, run_gone=lambda job: False, answer=lambda r: None,
+    )  # fmt: skip
+    manifest = lambda step, at: {"step": step, "world_size": 1, "committed_at": at, "ranks": [{"rank": 0}]}  # noqa: E731
+    steps.tracks[("j", 1)] = StepTrack(1, 1, {0}, state=StepState.MEMORY, tier="memory", committed_at=100, persist_error="ENOSPC")
+    cat.note_memory("j", 1, manifest(1, 100))
+    steps.tracks[("j", 2)] = StepTrack(2, 2, {0, 1}, state=StepState.FAILED, tier="disk", committed_at=200, inflight=1, error="ENOSPC")
+    cat.note_memory("j", 2, manifest(2, 200))
+    assert not tier._later_complete("j", 100, 1)
+    tier.returned(("j", 1))
+    assert steps.tracks[("j", 1)].state is StepState.MEMORY
+
+
 def test_a_seal_that_comes_back_after_its_step_failed_on_disk_settles_it(tier_parts) -> None:  # noqa: ANN001
     # a step bound for disk is sealed too; when its persist fails first (a full disk, quickly), the step was settled
     # while the seal was still out (no cleanup then), and the seal's return must settle it (the partial files stayed)

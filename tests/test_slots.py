@@ -85,6 +85,28 @@ def test_prepare_never_drops_a_memory_only_step_to_warm_a_slot(env: dict[str, An
     assert asked == [("j", 6)] and len(pool.deferred) == 1
 
 
+def test_with_a_group_another_jobs_free_segment_is_retired_not_leased(env: dict[str, Any]) -> None:
+    """``--group``: job A's processes may keep a writable mapping of a segment A used, which no mode or name
+    change takes back; leased to job B, A could rewrite B's committed shard. Such a segment is retired and B
+    gets a new one; A's own rank gets its segment back, writable again (read-only to the group once committed)."""
+    os.makedirs(env["root"] + "/g")
+    segments = shm.SegmentDir(env["root"] + "/g", file_mode=0o660, gid=os.getgid())
+    pool = SlotPool(segments, 2 * MiB, on_grant=lambda i, m, r: None, clock=env["clock"])
+    a = pool.lease(_req(job="A"))
+    assert a is not None
+    pool.commit(a, {"job": "A"})
+    assert os.stat(shm.path_of(a.name)).st_mode & 0o777 == 0o640
+    pool.persisted(a, ("A", 1, 0))
+    again = pool.lease(_req(job="A", step=2))
+    assert again is a and os.stat(shm.path_of(a.name)).st_mode & 0o777 == 0o660
+    pool.free(a)
+    b = pool.lease(_req(job="B"))
+    try:
+        assert b is not None and b.name != a.name and not os.path.exists(shm.path_of(a.name))
+    finally:
+        shm.purge(env["root"] + "/g")
+
+
 def test_a_request_larger_than_the_budget_is_refused(env: dict[str, Any]) -> None:
     pool = env["make"](4 * MiB)
     with pytest.raises(ProtocolError, match="exceeds the shared-memory budget"):

@@ -354,7 +354,7 @@ def load_into(
     with gc_paused():  # until read: the pieces stay alive
         try:
             out = _plan(loader, target_root, strict)
-        except CheckpointError as e:
+        except Exception as e:  # any error (an EIO, an out-of-memory): the other ranks hear of it rather than wait
             error = e
         missing, unexpected, failed = _agree(loader.missing, loader.unexpected, error, strict)
         _raise_failure(error, failed, "nothing was loaded on this rank")

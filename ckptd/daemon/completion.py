@@ -157,11 +157,12 @@ class Completion:
     def settle(self, key: StepKey, track: StepTrack) -> None:
         """After a step's state may have changed: clean up a failed step once no shard of it is being
         written, and answer its waiters once it left pending."""
+        if track.state is StepState.FAILED:
+            self.catalog.forget_memory(*key)  # sealed, then failed to persist: no hot restore reads it, from now
         if track.state is StepState.FAILED and track.inflight == 0:
             local.remove_partial(self.root, *key)  # rare: before waiters hear of it
             if self.pool.drop_held(*key):  # ranks of it that were sealed into the memory tier
                 self.pool.retry_deferred()
-            self.catalog.forget_memory(*key)  # sealed, then failed to persist: no hot restore reads it
             if self.memory is not None:
                 self.memory.forget(key)
         if track.state is not StepState.PENDING:

@@ -299,7 +299,8 @@ class MemoryTier:
         in order, so any other step committed since is a later one."""
         for held in self.catalog.in_memory_all(job):
             track = self.steps.get((job, held.step))
-            if held.step != step and commit_time(held.manifest) > first_commit and (track is None or track.state is not StepState.PENDING):
+            done = track is None or track.state in (StepState.MEMORY, StepState.DURABLE)  # not pending, not failed
+            if held.step != step and commit_time(held.manifest) > first_commit and done:
                 return True
         latest, path = self.catalog.latest(job)
         return path is not None and latest != step and committed_at(path) > first_commit

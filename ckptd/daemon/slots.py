@@ -143,7 +143,7 @@ class SlotPool:
             # over budget, or this request's own segment is still being made (another request of the same
             # rank took the one that came first): any free slot that fits
             slot = min(free, key=lambda s: s.size, default=None)
-        if slot is not None and not self._writable(slot):
+        if slot is not None and not self._writable(slot, msg["job"]):
             return self.lease(msg)  # retired: another slot, or a new one
         if slot is None:
             slot = self._create(need, rounded, used, msg)
@@ -158,10 +158,15 @@ class SlotPool:
         slot.lease = {k: msg[k] for k in LEASE_FIELDS}
         return slot
 
-    def _writable(self, slot: Slot) -> bool:
-        """A free slot about to be leased, made writable for its lessee (``--group``: committed segments are
-        read-only to the group), under a new name if a reader learned the old one; False (the slot retired)
-        if that failed."""
+    def _writable(self, slot: Slot, job: str) -> bool:
+        """A free slot about to be leased to ``job``, made writable for its lessee (``--group``: committed
+        segments are read-only to the group), under a new name if a reader learned the old one; False (the
+        slot retired) if that failed, or if (``--group``) it was another job's: that job's processes may still
+        hold a writable mapping of it, which no mode or name change takes back."""
+        if self.segments.sealed_mode != self.segments.file_mode and slot.owner is not None and slot.owner[0] != job:
+            log.info("segment %s of job %s retired rather than leased to job %s", slot.name, slot.owner[0], job)
+            self.unlink(slot)
+            return False
         try:
             name = self.segments.unseal(slot.name, rename=slot.exposed)
         except OSError as e:

@@ -29,7 +29,7 @@ from typing import Any
 import xxhash
 
 from ..errors import CheckpointError, FormatError
-from ..format import MAX_HEADER_BYTES, ShardLayout, build_fragment, build_manifest, commit_time, parse_header
+from ..format import MAX_HEADER_BYTES, ShardLayout, build_fragment, build_manifest, commit_time, digest, parse_header
 from ..layout import (
     MANIFEST,
     complete_steps,
@@ -100,15 +100,25 @@ def _header(read: Callable[[memoryview, int], int], nbytes: int) -> bytes:
     return bytes(buf)
 
 
-def _copy_paced(read: Callable[[memoryview, int], int], fd: int, layout: ShardLayout, nbytes: int, rate_limit: float) -> dict[str, str]:
-    """Copy the staged shard into ``fd`` block by block, hashing each block while it is in cache (one pass
-    over the shard); return the header's and each chunk's XXH3-64 (as :func:`build_fragment` takes them).
-    ``rate_limit`` (bytes/s, 0 = unlimited) paces it so training I/O is not starved."""
-    names = ["", *(c.name for c in layout.chunks)]
-    ends = [layout.data_start, *(layout.data_start + c.end for c in layout.chunks)]
+def _write_all(fd: int, buf: memoryview) -> None:
+    done = 0
+    while done < len(buf):
+        done += os.write(fd, buf[done:])
+
+
+def _copy_paced(
+    read: Callable[[memoryview, int], int], fd: int, layout: ShardLayout, nbytes: int, rate_limit: float
+) -> tuple[str, dict[str, str]]:
+    """Write the header as parsed (the lessee may have changed the segment's copy since), then copy the
+    chunks' bytes block by block, hashing each block while it is in cache (one pass over the shard); return
+    the header's and each chunk's XXH3-64 (as :func:`build_fragment` takes them). ``rate_limit`` (bytes/s,
+    0 = unlimited) paces it so training I/O is not starved."""
+    _write_all(fd, memoryview(layout.header))
+    names = [c.name for c in layout.chunks]
+    ends = [layout.data_start + c.end for c in layout.chunks]
     hashers = [xxhash.xxh3_64() for _ in names]
     block = memoryview(bytearray(min(COPY_BLOCK, max(nbytes, 1))))
-    t0, pos, part = time.monotonic(), 0, 0
+    t0, pos, part = time.monotonic(), layout.data_start, 0
     while pos < nbytes:
         n = min(len(block), nbytes - pos)
         _read_exactly(read, block[:n], pos, nbytes)
@@ -119,13 +129,11 @@ def _copy_paced(read: Callable[[memoryview, int], int], fd: int, layout: ShardLa
             take = min(n, ends[part] - pos) - off
             hashers[part].update(block[off : off + take])
             off += take
-        done = 0
-        while done < n:
-            done += os.write(fd, block[done:n])
+        _write_all(fd, block[:n])
         pos += n
         if rate_limit > 0 and (ahead := pos / rate_limit - (time.monotonic() - t0)) > 0:
             time.sleep(ahead)
-    return {name: h.hexdigest() for name, h in zip(names, hashers)}
+    return digest(layout.header), {name: h.hexdigest() for name, h in zip(names, hashers)}
 
 
 def write_shard(
