@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import logging
 import os
-import struct
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..errors import FormatError
-from ..format import MAX_HEADER_BYTES, build_fragment, build_manifest, commit_time, parse_header
+from ..format import build_fragment, build_manifest, commit_time, parse_header
 from ..layout import shard_name
 from ..storage import local
 from ..storage.local import committed_at
@@ -52,20 +51,6 @@ log = logging.getLogger("ckptd.daemon")
 DEATH_CHECK_S = 2.0  # how often the runs holding memory-only steps are checked for being gone
 PERSIST_RETRY_S = 60.0  # a gone run's step that failed to persist (a full disk) is tried again after this,
 PERSIST_RETRY_MAX_S = 3600.0  # doubled after each failure, up to this
-
-
-def read_header(fd: int, nbytes: int) -> bytes:
-    """The header of a staged shard (its 8-byte length and the JSON), read from the segment's fd."""
-    head = os.pread(fd, 8, 0)
-    if len(head) < 8:
-        raise FormatError("staged shard too small to hold a header")
-    (n,) = struct.unpack("<Q", head)
-    if n > MAX_HEADER_BYTES or 8 + n > nbytes:
-        raise FormatError(f"shard header length {n} out of bounds (shard holds {nbytes} bytes)")
-    buf = os.pread(fd, 8 + n, 0)
-    if len(buf) < 8 + n:
-        raise FormatError("staged shard shorter than its header")
-    return buf
 
 
 class MemoryTier:
@@ -121,7 +106,7 @@ class MemoryTier:
         try:
             fd = self.pool.segments.open_owned(name)
             try:
-                head = read_header(fd, rec["nbytes"])
+                head = local.read_header(fd, rec["nbytes"])
             finally:
                 os.close(fd)
             layout = parse_header(head, rec["nbytes"])

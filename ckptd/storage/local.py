@@ -88,8 +88,13 @@ def _read_exactly(read: Callable[[memoryview, int], int], into: memoryview, pos:
         got += n
 
 
+def read_header(source: Any, nbytes: int) -> bytes:
+    """The header bytes of a staged shard of ``nbytes`` (``source`` as :func:`write_shard` takes it): its
+    length first, bounded before the rest is read."""
+    return _header(_reader(source), nbytes)
+
+
 def _header(read: Callable[[memoryview, int], int], nbytes: int) -> bytes:
-    """A staged shard's header bytes (its length first: bounded before the rest is read)."""
     head = bytearray(8)
     _read_exactly(read, memoryview(head), 0, nbytes)
     (n,) = struct.unpack("<Q", head)
