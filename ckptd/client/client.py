@@ -244,7 +244,8 @@ class Client:
         rpc_timeout = self.alloc_timeout + 5.0 if wait else self.timeout
         rep = self._rpc.call(
             "alloc", rpc_timeout=rpc_timeout, job=self.job, rank=rank, world_size=world, step=step, nbytes=nbytes,
-            pid=os.getpid(), wait=wait, timeout=self.alloc_timeout if self.alloc_timeout < 1e9 else 0, warm=warm,
+            pid=os.getpid(), wait=wait, timeout=self.alloc_timeout if self.alloc_timeout < 1e9 else 0,
+            **({"warm": True} if warm else {}),  # only prepare() sends it: a snapshot's alloc reads as before to any daemon
         )  # fmt: skip
         self._leases[rep["segment"]] = rep["lease"]  # the secret that lets this client, and no other, commit or release it
         return rep["segment"]
