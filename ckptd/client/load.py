@@ -26,7 +26,7 @@ before the first step restores an optimizer without state, as ``optim.state_dict
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
@@ -338,9 +338,11 @@ def load_into(
     *,
     strict: bool = True,
     cast: torch.dtype | None = None,
+    also: Callable[[], None] | None = None,
 ) -> tuple[dict[str, Any], list[str], list[str]]:
     """Fill ``target_root`` (``model`` and optionally ``optim`` state dicts in the caller's layout)
-    from the checkpoint, in place; return it with the missing and unexpected keys.
+    from the checkpoint, in place; return it with the missing and unexpected keys. ``also``: more reading
+    (the rank's ``extra``), done with the tensors' so that its errors are agreed on like theirs.
 
     Nothing is read into the target (its tensors are the live parameters and optimizer state) until the
     whole restore is planned and judged: a strict restore that does not match raises with the target
@@ -363,6 +365,8 @@ def load_into(
             _refuse_mismatch(reader.path, missing, unexpected)
         try:
             reader.read_many(loader.pieces)
+            if also is not None:
+                also()
         except Exception as e:  # any error (an EIO from the disk too): the other ranks hear of it rather than wait
             error = e
     if _collective(strict):
@@ -419,13 +423,18 @@ def restore_state(
             target_root: dict[str, Any] = {"model": msd, "optim": osd}
         else:
             target_root = {"model": get_model_state_dict(model)}
-        loaded, missing, unexpected = load_into(reader, target_root, rank, strict=strict, cast=dtype)
+        got: dict[str, Any] = {}
+
+        def read_extra() -> None:  # its tensors too: a corrupt one is every rank's failure (all fall back to disk)
+            saved_rank, tree = reader.tree_for(rank)
+            extra_tree = (tree.get("extra") or {}).get(str(saved_rank))
+            got["extra"] = unflatten(extra_tree, reader.read_full) if extra_tree is not None else {}
+
+        loaded, missing, unexpected = load_into(reader, target_root, rank, strict=strict, cast=dtype, also=read_extra)
         stale = stale_warning(reader.path, reader.manifest)
         if stale:
             warnings.warn(stale, stacklevel=3)
-        saved_rank, tree = reader.tree_for(rank)
-        extra_tree = (tree.get("extra") or {}).get(str(saved_rank))
-        extra = unflatten(extra_tree, reader.read_full) if extra_tree is not None else {}
+        extra = got["extra"]
     # the match was checked above; torch's own strictness would refuse a parameter left without state
     opts = StateDictOptions(strict=False)
     if optim is not None and "optim" in loaded:
