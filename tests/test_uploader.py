@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from _shards import Chunk, shard_bytes
 from doubles import FaultyStore, MemoryStore
@@ -351,6 +352,39 @@ def test_bucket_retention_after_each_upload(tmp_path: Path) -> None:
     # keep=1: the newest step; keep_every=2: every 2nd step forever; the stale partial step 0 went with the first upload
     assert seen == [([1], []), ([2], []), ([2, 3], []), ([2, 4], []), ([2, 4, 5], [])]
     assert [op for op, k in store.calls if k.startswith("j/step-0/") and op != "list"] == ["put", "delete"]
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_a_retention_failure_after_an_upload_never_fails_the_step_it_follows(tmp_path: Path, nodes: int) -> None:
+    """The bucket refuses to delete an old step (a policy without DeleteObject, or retries exhausted) while
+    retention prunes it: the step just uploaded is complete in the bucket, and its waiters must hear so; the
+    retention's failure is reported on its own."""
+    roots = [str(tmp_path / f"node{i}") for i in range(nodes)]
+    store, results = MemoryStore(), Results()
+    upload_step(store, write_step(str(tmp_path / "old"), JOB, 5), JOB, 5)  # complete, older: retention prunes it
+    real_delete = store.delete
+
+    def delete(rels: list[str]) -> None:
+        if any(r.startswith(f"{JOB}/step-5/") for r in rels):
+            raise CheckpointError(f"injected failure: delete {rels[0]}")
+        real_delete(rels)
+
+    store.delete = delete  # type: ignore[method-assign]
+    if nodes == 1:
+        write_step(roots[0], JOB, 10, at=10)
+    else:
+        for rank, root in enumerate(roots):
+            write_rank(root, JOB, 10, rank, 2, at=10, run=5)
+        upload_ranks(store, tmp_dir(roots[1], JOB, 10), JOB, 10, [1])
+    up = make_uploader(store, roots[0], results, keep=1)
+    try:
+        up.submit(JOB, 10, nodes, ranks=None if nodes == 1 else [0])
+        (res,) = results.wait(1)
+    finally:
+        up.close()
+    assert res.error is None and res.complete, res
+    assert res.retention_error is not None and "injected failure: delete" in res.retention_error
+    assert remote_steps(store, JOB)[0] == [5, 10]
 
 
 def test_retention_spares_the_partial_upload_of_a_queued_step(tmp_path: Path) -> None:

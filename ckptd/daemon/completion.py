@@ -131,6 +131,8 @@ class Completion:
     def on_uploaded(self, res: Uploaded) -> None:
         self.counters.uploaded_bytes += res.nbytes
         self.counters.upload_seconds += res.seconds
+        if res.retention_error is not None:
+            self.counters.error(f"bucket retention of job {res.job} after step {res.step}: {res.retention_error}")
         if res.error is not None:
             self.counters.error(f"upload of job {res.job} step {res.step}: {res.error}")
         elif res.complete:

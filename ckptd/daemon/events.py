@@ -70,6 +70,7 @@ class Uploaded:
     complete: bool  # the step is complete in the bucket
     multi_node: bool
     url: str = ""
+    retention_error: str | None = None  # the step is uploaded; pruning older steps of the bucket failed
 
 
 @dataclass(frozen=True)

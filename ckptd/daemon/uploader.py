@@ -195,11 +195,16 @@ class Uploader:
             nbytes = upload_ranks(self.store, d, u.job, u.step, u.ranks, self._progress(u))
             self._wait_complete(u, attempt_of(frag))
             shutil.rmtree(d, ignore_errors=True)  # the bucket holds the step now; this node's part is not a checkpoint
-        settled = self._settled(u.job) if multi else None
-        removed = apply_remote_retention(self.store, u.job, self.retention, busy={u.step} | self.pending(u.job), settled=settled)
-        if removed:
-            log.info("remote retention: removed steps %s of job %s from the bucket", removed, u.job)
-        return Uploaded(u.job, u.step, None, nbytes, time.monotonic() - u.started, True, multi, url)
+        pruned: str | None = None
+        try:  # the step is complete in the bucket: a failure to prune older steps is reported, never the step's
+            settled = self._settled(u.job) if multi else None
+            removed = apply_remote_retention(self.store, u.job, self.retention, busy={u.step} | self.pending(u.job), settled=settled)
+            if removed:
+                log.info("remote retention: removed steps %s of job %s from the bucket", removed, u.job)
+        except Exception as e:
+            log.error("remote retention of job %s after step %s failed: %s", u.job, u.step, e)
+            pruned = f"{e}"
+        return Uploaded(u.job, u.step, None, nbytes, time.monotonic() - u.started, True, multi, url, pruned)
 
     def _settled(self, job: str) -> Callable[[int], bool]:
         """Multi-node: whether a partial step of ``job`` in the bucket can no longer complete. Another node may
