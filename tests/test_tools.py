@@ -65,6 +65,27 @@ def test_verify_sound_and_each_kind_of_damage(ckpt: str) -> None:
     assert r.returncode == 1 and "neither a committed" in r.stderr
 
 
+def test_verify_passes_a_step_whose_empty_chunks_share_a_byte_range(daemon) -> None:  # noqa: ANN001
+    """FSDP2 leaves a rank an empty shard of any parameter whose first dimension is smaller than the world
+    size (a ``Linear(h, 1)`` head on two ranks), and its Adam moments are empty too: several empty chunks
+    at one offset. verify called them damaged ("do not match the shard header"), and a bucket download,
+    which verifies, refused the step: it could never be restored from the bucket."""
+    from ckptd.tools.verify import verify_checkpoint
+
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.ones(3))
+    model.head = torch.nn.Parameter(torch.empty(0))
+    model.gate = torch.nn.Parameter(torch.empty(0, 4))
+    optim = torch.optim.AdamW(model.parameters())
+    (model.w.sum() + model.head.sum() + model.gate.sum()).backward()
+    optim.step()
+    with daemon.client("empty") as c:
+        path = c.snapshot(model, optim, step=1, blocking=True).wait(30)
+    assert verify_checkpoint(path) == []
+    r = _cli("verify", path)
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout + r.stderr
+
+
 def test_stale_step_is_flagged(daemon) -> None:  # noqa: ANN001
     """Same bytes as the step before although the optimizer stepped: verify and restore warn."""
     model, optim = make(lr=0.0)

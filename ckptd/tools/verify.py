@@ -77,8 +77,9 @@ def _verify_file(path: str, meta: dict[str, Any], chunks: list[tuple[str, str, d
         for key, dtype, c in chunks:
             b, e = c["byte_range"]
             if specs is not None:  # else the header's problem is reported; the checksums still tell which data is sound
-                spec = specs.get((b, e))
-                if spec is None or spec.key != key or list(spec.sizes) != list(c["sizes"]) or spec.dtype != dtype:
+                # by name: empty chunks (an FSDP2 rank's empty shard) share one byte range
+                at, spec = specs.get(c["name"], ((-1, -1), None))
+                if spec is None or at != (b, e) or spec.key != key or list(spec.sizes) != list(c["sizes"]) or spec.dtype != dtype:
                     problems.append(f"{path}: tensor {key!r} bytes {c['byte_range']} do not match the shard header")
                     continue
             if _digest_range(fd, b, e) != c["xxh3_64"]:
@@ -88,8 +89,11 @@ def _verify_file(path: str, meta: dict[str, Any], chunks: list[tuple[str, str, d
         os.close(fd)
 
 
-def _check_header(fd: int, path: str, meta: dict[str, Any], size: int) -> tuple[list[str], dict[tuple[int, int], ChunkSpec] | None]:
-    """Size and header problems of an open shard, and its chunks by absolute byte range (``None`` if unreadable)."""
+def _check_header(
+    fd: int, path: str, meta: dict[str, Any], size: int
+) -> tuple[list[str], dict[str, tuple[tuple[int, int], ChunkSpec]] | None]:
+    """Size and header problems of an open shard, and its chunks by name with their absolute byte ranges
+    (``None`` if unreadable)."""
     problems = []
     if size != meta["size"]:
         problems.append(f"{path}: {size} bytes, the manifest says {meta['size']}")
@@ -101,7 +105,7 @@ def _check_header(fd: int, path: str, meta: dict[str, Any], size: int) -> tuple[
         return problems + [f"{path}: {e}"], None
     if xxhash.xxh3_64_hexdigest(layout.header) != meta["header_xxh3_64"]:
         problems.append(f"{path}: header checksum mismatch")
-    return problems, {(layout.data_start + c.begin, layout.data_start + c.end): c for c in layout.chunks}
+    return problems, {c.name: ((layout.data_start + c.begin, layout.data_start + c.end), c) for c in layout.chunks}
 
 
 def stale_warning(step_path: str, manifest: dict[str, Any] | None = None) -> str | None:
