@@ -673,6 +673,24 @@ def test_a_manifest_deleted_by_another_node_meanwhile_is_no_error() -> None:
     assert bucket_steps_by_commit(store, JOB)[0] == [2]
 
 
+def _attempt_step(root: str, step: int, run: int, after: int | None, at: int) -> str:
+    write_rank(root, JOB, step, 0, 1, run=run, after=after, at=at)
+    return finalize_step(root, JOB, step, 1)
+
+
+def test_a_fresh_run_never_overwrites_the_buckets_step_of_that_number(store: MemoryStore, tmp_path: Path) -> None:
+    """A replaced node, or the same command run again (the same default job name), restores nothing and saves
+    step 100, which the bucket holds from the first run: the upload is refused, saying why, and the bucket
+    keeps the first run's step (the local root and a multi-node upload refuse it too). A run that restored
+    an earlier step replaces it."""
+    upload_step(store, _attempt_step(str(tmp_path / "a"), 100, run=11, after=None, at=10), JOB, 100)
+    with pytest.raises(CheckpointError, match="does not replace it"):
+        upload_step(store, _attempt_step(str(tmp_path / "b"), 100, run=22, after=None, at=20), JOB, 100)
+    assert bucket_attempt(store, JOB, 100) == (True, (11, None))
+    upload_step(store, _attempt_step(str(tmp_path / "c"), 100, run=33, after=50, at=30), JOB, 100)
+    assert bucket_attempt(store, JOB, 100) == (True, (33, 50))
+
+
 def test_upload_step_hides_an_older_step_of_the_same_number_first(store: MemoryStore, src: str) -> None:
     _manifest_at(store, 4, 1)  # an older step 4 (abandoned branch) still in the bucket
     path = make_step(src, JOB, 4, world_size=2)

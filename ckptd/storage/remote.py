@@ -66,10 +66,18 @@ def upload_step(store: ObjectStore, local_dir: str, job: str, step: int, progres
         raise CheckpointError(f"{local_dir} has no {MANIFEST}: only complete steps are uploaded")
     with open(os.path.join(local_dir, MANIFEST), "rb") as f:
         manifest = f.read()
-    # a step number saved again (after a rollback) replaces an older step of that number: it must not
-    # look complete while its files are being replaced
-    store.delete([bucket_key(job, step, MANIFEST)])
-    _forget_commit(store, job, step)
+    # a step number saved again (after a rollback) replaces an older step of that number: it must not look
+    # complete while its files are being replaced. The multi-node rule decides whether it may: a run that
+    # restored nothing (a replaced node, the same command run again) never overwrites the bucket's step
+    try:
+        doc = json.loads(manifest)
+    except (ValueError, RecursionError):  # the bytes are uploaded as they are; a download verifies them
+        doc = None
+    if attempt_of(doc) is not None:
+        clear_for_attempt(store, job, step, doc)
+    else:  # written by a ckptd that did not name attempts
+        store.delete([bucket_key(job, step, MANIFEST)])
+        _forget_commit(store, job, step)
     shards = [n for n in names if n.endswith(".safetensors")]
     frags = [n for n in names if fragment_rank(n) is not None]
     total = _upload(store, local_dir, shards + frags, job, step, progress)
