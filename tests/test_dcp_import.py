@@ -136,3 +136,21 @@ def test_a_dcp_metadata_pointing_outside_its_directory_is_refused(short_tmp) -> 
     (d / ".metadata").write_bytes(pickle.dumps({"not": "metadata"}))
     with pytest.raises(FormatError, match="holds a dict, not DCP metadata"):
         load_dcp(str(d))
+
+
+@pytest.mark.parametrize("what", ["symlink", "fifo"])
+def test_a_dcp_data_file_that_is_a_link_or_a_fifo_is_refused(short_tmp, what: str) -> None:  # noqa: ANN001
+    """The data file's name is plain, but the file is a symbolic link to another user's DCP shard (read
+    through it, its tensors came back), or a FIFO (the import hung)."""
+    model, _, _ = _trained(1)
+    victim, d = short_tmp / "victim", short_tmp / "planted"
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(victim), no_dist=True)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(d), no_dist=True)
+    (data,) = [p for p in d.iterdir() if p.suffix == ".distcp"]
+    data.unlink()
+    if what == "symlink":
+        data.symlink_to(next(p for p in victim.iterdir() if p.suffix == ".distcp"))
+    else:
+        os.mkfifo(data)
+    with pytest.raises(FormatError, match="is not a regular file"):
+        load_dcp(str(d))

@@ -180,6 +180,20 @@ def test_export_torch_format_and_errors(ckpt: str, short_tmp) -> None:  # noqa: 
     assert not os.path.exists(out + ".tmp")
 
 
+def test_export_to_torch_of_tensors_off_their_alignment(daemon, short_tmp) -> None:  # noqa: ANN001
+    """A safetensors body is packed: BatchNorm1d(3)'s 12-byte bias puts the int64 counter after it off an
+    8-byte boundary, and the torch export failed with a traceback (storage offset not divisible by 8)."""
+    model = torch.nn.BatchNorm1d(3)
+    model(torch.randn(4, 3))
+    with daemon.client("bn") as c:
+        path = c.snapshot(model, step=1, blocking=True).wait(30)
+    out = str(short_tmp / "bn.pt")
+    r = _cli("export", path, "--out", out, "--format", "torch")
+    assert r.returncode == 0, r.stderr
+    sd = torch.load(out, weights_only=True)
+    assert sd.keys() == model.state_dict().keys() and all(torch.equal(sd[k], v) for k, v in model.state_dict().items())
+
+
 def test_export_reports_progress_up_to_the_total(ckpt: str, short_tmp) -> None:  # noqa: ANN001
     from ckptd.tools.export import export_checkpoint
 

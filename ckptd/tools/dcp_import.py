@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import stat
 from typing import Any
 
 import torch
@@ -92,6 +93,7 @@ def _read_metadata(path: str) -> Any:
     from torch.distributed.checkpoint.metadata import Metadata
 
     md_path = os.path.join(path, ".metadata")
+    _plain_file(md_path)
     try:
         with open(md_path, "rb") as f:
             md = _MetadataUnpickler(f).load()
@@ -105,7 +107,19 @@ def _read_metadata(path: str) -> Any:
         rel = str(getattr(info, "relative_path", ""))
         if not rel or os.path.basename(rel) != rel or rel in (".", ".."):  # data files only in the checkpoint's directory
             raise FormatError(f"{md_path} points outside the checkpoint directory ({rel!r}): refusing to read it")
+        _plain_file(os.path.join(path, rel))
     return md
+
+
+def _plain_file(path: str) -> None:
+    """``path``, if it exists, is a regular file: not a symbolic link (to another user's checkpoint, say) nor a
+    FIFO (a read that never ends)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return  # reported by whoever reads it
+    if not stat.S_ISREG(st.st_mode):
+        raise FormatError(f"{path} is not a regular file (a symbolic link, a FIFO, a device): refusing to read it")
 
 
 def _nest_optimizer(osd: dict[str, Any]) -> dict[str, Any]:

@@ -212,7 +212,8 @@ def _safetensors_to_torch(src: str, dst: str) -> None:
             if name == "__metadata__":
                 continue
             b, e = ent["data_offsets"]
-            sd[name] = data[b:e].view(dtype_from_name(ent["dtype"])).view(ent["shape"]).clone()
+            # cloned first: a safetensors body is packed, so a tensor may start off its dtype's alignment
+            sd[name] = data[b:e].clone().view(dtype_from_name(ent["dtype"])).view(ent["shape"])
         torch.save(sd, dst)
         del sd, data
     finally:
