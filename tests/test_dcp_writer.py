@@ -181,6 +181,23 @@ def test_reader_reads_snapshot_steps_through_the_daemon(daemon) -> None:  # noqa
     assert_same(full_state(m3, o3), wants[1])
 
 
+def test_tensors_inside_a_tuple_are_read_back_not_placeholders(daemon) -> None:  # noqa: ANN001
+    """DCP keeps a tuple whole: the Reader handed back its tensors as the empty meta placeholders it indexes
+    with, silently. Read through the Reader, a snapshot's and a Writer's tuples hold their values."""
+    pair = (torch.arange(3.0), torch.ones(2))
+    with daemon.client("tup") as c:
+        path = c.snapshot(torch.nn.Linear(2, 2), step=1, extra={"pair": pair}, blocking=True).wait(30)
+    target: dict = {"extra": {"0": {"pair": None}}}
+    dcp.load(target, storage_reader=ckptd.dcp.Reader(path), no_dist=True)
+    got = target["extra"]["0"]["pair"]
+    assert isinstance(got, tuple) and all(torch.equal(a, b) for a, b in zip(got, pair)), got
+    writer = ckptd.dcp.Writer("tupw", endpoint=daemon.endpoint)
+    dcp.save({"w": torch.arange(4.0), "pair": pair}, storage_writer=writer, checkpoint_id="5", no_dist=True)
+    target = {"w": torch.zeros(4), "pair": None}
+    dcp.load(target, storage_reader=ckptd.dcp.Reader(job="tupw", endpoint=daemon.endpoint), no_dist=True)
+    assert torch.equal(target["w"], torch.arange(4.0)) and all(torch.equal(a, b) for a, b in zip(target["pair"], pair)), target
+
+
 def test_a_save_after_a_reader_restore_continues_the_run(daemon) -> None:  # noqa: ANN001
     """As after ckptd.restore: a relaunch that loaded step 1 may save step 2 again (the old run's step 2 is replaced)."""
     model, optim = make()

@@ -142,14 +142,24 @@ class Reader(StorageReader):
             placeholders[id(t)] = key
             return t
 
+        def filled(value: Any) -> Any:
+            """A value DCP keeps whole (a tuple, and what it holds), its tensors read: no placeholder is loaded."""
+            if isinstance(value, torch.Tensor) and id(value) in placeholders:
+                return reader.read_full(placeholders[id(value)])
+            if isinstance(value, (tuple, list)):
+                return type(value)(filled(v) for v in value) if not hasattr(value, "_fields") else type(value)(*map(filled, value))
+            if isinstance(value, dict):
+                return {k: filled(v) for k, v in value.items()}
+            return value
+
         # every rank's tree: tensors some ranks hold alone (MoE experts), and each rank's extra (extra.<rank>...)
         for r in reader.manifest["ranks"]:
             flat, _ = flatten_state_dict(unflatten(r["tree"], mark))
             for name, value in flat.items():
                 if isinstance(value, torch.Tensor) and id(value) in placeholders:
                     self._tensor_keys[name] = placeholders[id(value)]
-                else:
-                    self._values.setdefault(name, value)
+                elif name not in self._values:
+                    self._values[name] = filled(value)
         for key in reader.manifest["tensors"]:
             if key not in as_bytes and key not in as_numpy:
                 self._tensor_keys.setdefault(".".join(split_key(key)), key)
