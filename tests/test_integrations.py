@@ -90,6 +90,25 @@ def test_lightning_load_refuses_a_forged_pointer_and_reads_plain_checkpoints(dae
     assert not (short_tmp / "x.ckpt").exists()
 
 
+def test_lightning_refuses_a_full_checkpoint_of_a_step_saved_weights_only(daemon, short_tmp) -> None:  # noqa: ANN001
+    """Two ModelCheckpoint callbacks fire at one global_step, the weights-only one first: the full one (and
+    last.ckpt) became a pointer to the weights-only step, and a resume failed for want of optimizer state.
+    It is refused, saying why; a second save of the same keys (last.ckpt) is a pointer as before."""
+    pytest.importorskip("pytorch_lightning")
+    from ckptd.errors import CheckpointError
+    from ckptd.integrations.lightning import CkptdCheckpointIO
+
+    io = CkptdCheckpointIO("twice", endpoint=daemon.endpoint)
+    weights = {"global_step": 5, "state_dict": {"w": torch.ones(2)}}
+    full = {**weights, "optimizer_states": [{"state": {}, "param_groups": []}], "lr_schedulers": []}
+    io.save_checkpoint(weights, short_tmp / "weights.ckpt")
+    io.save_checkpoint(dict(weights), short_tmp / "weights-last.ckpt")  # the same keys: a pointer
+    assert read_pointer(short_tmp / "weights-last.ckpt") == ("twice", 5)
+    with pytest.raises(CheckpointError, match=r"step 5 was saved already without \['lr_schedulers', 'optimizer_states'\]"):
+        io.save_checkpoint(full, short_tmp / "full.ckpt")
+    assert not (short_tmp / "full.ckpt").exists()
+
+
 # ---------------------------------------------------------------------------- Hugging Face Trainer
 
 

@@ -51,7 +51,8 @@ class CkptdCheckpointIO(CheckpointIO):
         super().__init__()
         self.job, self.endpoint, self.durable = job, endpoint, durable
         self._tiering = (persist_every, persist_interval)
-        self._steps: set[int] = set()  # steps this process saved: a second path for one (last.ckpt) is a pointer only
+        # steps this process saved, with the keys saved: a second path for one (last.ckpt) is a pointer only
+        self._steps: dict[int, frozenset[str]] = {}
 
     @property
     def client(self) -> Any:
@@ -71,9 +72,16 @@ class CkptdCheckpointIO(CheckpointIO):
         client = self.client
         if step not in self._steps:
             handle = commit_staged(stage_state(client, checkpoint, step=step, any_keys=True, solo=True))
-            self._steps.add(step)
+            self._steps[step] = frozenset(checkpoint)
             if self.durable:
                 handle.wait()
+        elif lacking := sorted(set(checkpoint) - self._steps[step]):
+            # a weights-only save came first at this step: a pointer to it would lose the rest on resume
+            raise CheckpointError(
+                f"step {step} was saved already without {lacking} (a save_weights_only checkpoint at the same"
+                f" global_step?): ckptd keeps one checkpoint per step, and {os.fspath(path)} would point to it."
+                " Let the weights-only ModelCheckpoint save at other steps, or save the full state first"
+            )
         write_pointer(path, client.job, step)
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
