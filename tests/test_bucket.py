@@ -412,11 +412,12 @@ def test_download_step_brings_a_step_back_verified(store: MemoryStore, src: str,
     assert sorted(os.listdir(job_dir(dst, JOB))) == ["latest", "step-3"]
 
 
-def test_download_step_of_a_step_complete_locally_reads_nothing(store: MemoryStore, src: str) -> None:
+def test_download_step_of_a_step_complete_locally_reads_only_the_manifest(store: MemoryStore, src: str) -> None:
+    """Its commit time tells whether the bucket's step replaced the local copy; no shard is read."""
     path = uploaded(store, src, JOB, 3)
     store.calls.clear()
     assert download_step(store, src, JOB, 3) == path
-    assert store.calls == []
+    assert store.calls == [("get", bucket_key(JOB, 3, MANIFEST))]
 
 
 def test_download_step_replaces_a_stale_fetch_directory(store: MemoryStore, src: str, dst: str) -> None:
@@ -689,6 +690,28 @@ def test_a_fresh_run_never_overwrites_the_buckets_step_of_that_number(store: Mem
     assert bucket_attempt(store, JOB, 100) == (True, (11, None))
     upload_step(store, _attempt_step(str(tmp_path / "c"), 100, run=33, after=50, at=30), JOB, 100)
     assert bucket_attempt(store, JOB, 100) == (True, (33, 50))
+
+
+def test_a_local_copy_of_a_step_the_bucket_replaced_is_never_restored(store: MemoryStore, tmp_path: Path) -> None:
+    """A node holds a copy of step 6 (downloaded, or its own part's) when other nodes roll back and save step 6
+    again: the bucket's step 6 is the new line's. Asked for the latest or for step 6, the catalog names the
+    bucket's, and the download replaces the stale copy (it used to be restored, silently, as it was)."""
+    from ckptd.daemon.catalog import StepCatalog
+    from ckptd.protocol import Source
+    from ckptd.storage.local import committed_at
+
+    here = str(tmp_path / "here")
+    old = _attempt_step(here, 6, run=11, after=None, at=10)
+    upload_step(store, old, JOB, 6)
+    new = _attempt_step(str(tmp_path / "there"), 6, run=22, after=2, at=20)
+    upload_step(store, new, JOB, 6)  # the rollback re-save replaces the bucket's step 6
+    cat = StepCatalog(here, store)
+    assert cat.latest_anywhere(JOB).source is Source.BUCKET
+    assert cat.find(JOB, 6).source is Source.BUCKET
+    path = download_step(store, here, JOB, 6)
+    assert committed_at(path) == 20 and read_manifest(path)["run"] == 22
+    assert cat.find(JOB, 6) == cat.latest_anywhere(JOB) and cat.find(JOB, 6).source is Source.DISK
+    assert sorted(os.listdir(job_dir(here, JOB))) == ["latest", "step-6"]
 
 
 def test_upload_step_hides_an_older_step_of_the_same_number_first(store: MemoryStore, src: str) -> None:

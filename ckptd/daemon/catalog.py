@@ -22,6 +22,7 @@ and may run on any thread.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,8 @@ from ..storage.local import committed_at, latest_step, steps_by_commit
 from ..storage.remote import bucket_committed_at, bucket_steps_by_commit, remote_steps
 from ..storage.store import ObjectStore
 from .tiering import Tier
+
+log = logging.getLogger("ckptd.daemon")
 
 
 class NoStep(CheckpointError):
@@ -102,7 +105,7 @@ class StepCatalog:
         try:
             complete, _ = bucket_steps_by_commit(self.store, job)
             remote = complete[-1] if complete else None
-            if remote is None or remote == local:
+            if remote is None:
                 return found
             if found is not None and path is not None:
                 if (committed_at(path), local) >= (bucket_committed_at(self.store, job, remote) or 0, remote):
@@ -125,11 +128,24 @@ class StepCatalog:
                 raise NoStep(f"job {job!r} has no committed checkpoint {self.where()}")
             return found
         path = self.complete_path(job, step)
-        if path is not None:
-            return Found(step, Source.DISK, path)  # on disk: the bucket (reachable or not) is not asked
+        if path is not None and not self._replaced_in_bucket(job, step, path):
+            return Found(step, Source.DISK, path)
         if step not in self.bucket_steps(job):
             raise NoStep(f"step {step} of job {job!r} is not a committed checkpoint {self.where()}")
         return Found(step, Source.BUCKET, None)
+
+    def _replaced_in_bucket(self, job: str, step: int, path: str) -> bool:
+        """Whether the bucket holds step ``step`` committed after the local copy at ``path`` (a rollback re-save
+        by other nodes, this node's copy being of the abandoned line). An unreachable bucket: no (the disk
+        answers an explicit step)."""
+        if self.store is None:
+            return False
+        try:
+            complete, _ = bucket_steps_by_commit(self.store, job)  # its listing refreshes the cached commit times
+            return step in complete and (bucket_committed_at(self.store, job, step) or 0) > committed_at(path)
+        except CheckpointError as e:
+            log.warning("the bucket could not be asked about step %s of job %s (%s): reading the local copy", step, job, e)
+            return False
 
     # ------------------------------------------------------------------ what this run completed (main thread)
 

@@ -297,22 +297,30 @@ def retire_step(root: str, job: str, step: int, committed: int) -> threading.Thr
     under the job's lock) and delete it, if it is still the one committed at ``committed`` (a rolled-back
     run's re-save of it is complete in memory, or is a multi-node step whose local copy is only a cache
     of the bucket's; a newer step of that number, in place by then, stays)."""
-    d = step_dir(root, job, step)
 
     def run() -> None:
         try:
-            with job_lock(root, job):
-                if not is_complete(d) or committed_at(d) != committed:
-                    return
-                trash = _to_trash(root, job, step)
-                fsync_dir(job_dir(root, job))
-            shutil.rmtree(trash, ignore_errors=True)
+            trash = retire_now(root, job, step, committed)
+            if trash is not None:
+                shutil.rmtree(trash, ignore_errors=True)
         except OSError as e:  # a later replacement or retention removes it; restores of the number read the newer step
             log.error("could not remove the replaced step %s of job %s: %s", step, job, e)
 
     t = threading.Thread(target=run, name=f"ckptd-retire-{step}", daemon=True)
     t.start()
     return t
+
+
+def retire_now(root: str, job: str, step: int, committed: int) -> str | None:
+    """Under the job's lock: take complete step ``step`` out of the committed namespace if it is still the one
+    committed at ``committed``; returns the directory it now is in, for the caller to delete (``None``: kept)."""
+    d = step_dir(root, job, step)
+    with job_lock(root, job):
+        if not is_complete(d) or committed_at(d) != committed:
+            return None
+        trash = _to_trash(root, job, step)
+        fsync_dir(job_dir(root, job))
+    return trash
 
 
 def read_latest(root: str, job: str) -> int | None:

@@ -38,7 +38,7 @@ from ..layout import (
 )
 from ..validate import confined_name, parse_fragment, parse_manifest
 from .files import create_new, fsync_dir, write_all
-from .local import job_lock, update_latest
+from .local import committed_at, job_lock, retire_now, update_latest
 from .retention import RetentionPolicy, doomed
 from .store import ObjectStore, Progress
 
@@ -269,8 +269,13 @@ def download_step(store: ObjectStore, root: str, job: str, step: int, progress: 
     from ..tools.verify import verify_checkpoint
 
     final = step_dir(root, job, step)
+    stale: int | None = None  # the local copy's commit time, if the bucket's step of that number replaced it
     if is_complete(final):
-        return final
+        theirs = bucket_committed_at(store, job, step)
+        if theirs is None or theirs <= committed_at(final):
+            return final
+        stale = committed_at(final)  # a rollback re-save by other nodes: this copy is of the abandoned line
+    trash: str | None = None
     tmp = fetch_dir(root, job, step)
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -284,6 +289,8 @@ def download_step(store: ObjectStore, root: str, job: str, step: int, progress: 
             raise FormatError(f"step {step} of job {job} in the bucket is corrupt: {problems[0]}{more}")
         fsync_dir(tmp)
         with job_lock(root, job):
+            if stale is not None:
+                trash = retire_now(root, job, step, stale)
             if os.path.isdir(final) and not is_complete(final):  # a leftover without a manifest is no checkpoint
                 shutil.rmtree(final)
             if not is_complete(final):
@@ -292,6 +299,8 @@ def download_step(store: ObjectStore, root: str, job: str, step: int, progress: 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     shutil.rmtree(tmp, ignore_errors=True)  # still there only if another fetch completed the step first
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
     fsync_dir(job_dir(root, job))
     update_latest(root, job, step)  # under the job's lock; moves only if this step was committed after latest's
     return final
