@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Any
 
-from .config import SERVE_KEYS, daemon_config, default_endpoint, parse_size
+from .config import SERVE_KEYS, daemon_config, default_endpoint, parse_size, validate_job
 from .errors import CheckpointError, FormatError
 
 STATUS_TIMEOUT_S = 5.0
@@ -262,6 +262,15 @@ def _ls(args: argparse.Namespace) -> int:
                 memory = {j: info.get("memory_only", []) for j, info in rpc.call("status")["jobs"].items()}
         except CheckpointError as e:
             print(f"ckptd ls: no --root given and {e}", file=sys.stderr)
+            return 1
+    elif not os.path.isdir(root):
+        print(f"ckptd ls: {root} is not a directory (give the daemon's --root)", file=sys.stderr)
+        return 1
+    if args.job:
+        try:
+            validate_job(args.job)
+        except ValueError as e:
+            print(f"ckptd ls: {e}", file=sys.stderr)
             return 1
     print(f"{'job':<20} {'step':>8} {'size':>10} {'ranks':>5}  {'layout':<34} created")
     for j in [args.job] if args.job else sorted(set(list_jobs(root)) | {j for j, steps in memory.items() if steps}):

@@ -119,6 +119,11 @@ def test_ls(daemon, ckpt: str) -> None:  # noqa: ANN001
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("j ")][0].split()
     assert line[1] == "1" and line[3] == "1"  # step 1, one rank
     assert _cli("ls", "--root", daemon.root, "--job", "j").stdout == r.stdout
+    # mistakes: a wrong root printed an empty table and exited 0, as if there were no checkpoints
+    r = _cli("ls", "--root", daemon.root + "-typo")
+    assert r.returncode == 1 and "is not a directory" in r.stderr and r.stdout == ""
+    r = _cli("ls", "--root", daemon.root, "--job", "../etc")
+    assert r.returncode == 1 and "invalid job name" in r.stderr
 
 
 def _big_model() -> torch.nn.Module:
