@@ -83,3 +83,8 @@ def test_hf_export_mistakes_are_refused_and_leave_nothing(daemon, short_tmp) -> 
     r = _cli("export", path, "--out", out, "--format", "hf")
     assert r.returncode == 1 and "already exists" in r.stderr
     assert os.listdir(out) == []  # an existing directory is never written into
+    # a trailing slash names the same directory (it failed, renaming new/.tmp onto new/, and left new/ empty)
+    slash = str(short_tmp / "new") + "/"
+    r = _cli("export", path, "--out", slash, "--format", "hf")
+    assert r.returncode == 0, r.stderr
+    assert "model.safetensors" in os.listdir(slash) and not os.path.exists(str(short_tmp / "new.tmp"))

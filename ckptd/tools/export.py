@@ -81,6 +81,7 @@ def export_checkpoint(
     """
     if fmt not in FORMATS or what not in WHAT:
         raise ValueError(f"format must be one of {FORMATS} and what one of {WHAT}")
+    out = os.path.normpath(out)  # "new/" names the directory "new": its temporary is "new.tmp", beside it
     if fmt == "hf" and what != "model":
         raise ValueError("the hf format holds the model only (what='model')")
     step_dir = resolve_step_dir(path)
