@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from ckptd.errors import CheckpointError
+from ckptd.errors import CheckpointError, FormatError
 from ckptd.layout import MANIFEST
 
 
@@ -60,20 +60,23 @@ class MemoryStore:
         with self._lock:
             self.objects[rel] = bytes(data)
 
-    def get_file(self, rel: str, path: str, progress: Callable[[int], None] | None = None) -> None:
-        data = self.get_bytes(rel)
+    def get_file(self, rel: str, path: str, progress: Callable[[int], None] | None = None, limit: int | None = None) -> None:
+        data = self.get_bytes(rel, limit)
         with open(path + ".part", "wb") as f:
             f.write(data)
         os.replace(path + ".part", path)
         if progress is not None:
             progress(len(data))
 
-    def get_bytes(self, rel: str) -> bytes:
+    def get_bytes(self, rel: str, limit: int | None = None) -> bytes:
         self._log("get", self._check(rel))
         with self._lock:
             if rel not in self.objects:
                 raise FileNotFoundError(f"no such object {self.url(rel)}")
-            return self.objects[rel]
+            data = self.objects[rel]
+        if limit is not None and len(data) > limit:
+            raise FormatError(f"{self.url(rel)} is larger than the {limit} bytes expected; download stopped")
+        return data
 
     def exists(self, rel: str) -> bool:
         with self._lock:

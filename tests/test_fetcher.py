@@ -111,11 +111,11 @@ class GatedStore(MemoryStore):
         self.entered = threading.Event()
         self.gate = threading.Event()
 
-    def get_file(self, rel: str, path: str, progress: Progress | None = None) -> None:
+    def get_file(self, rel: str, path: str, progress: Progress | None = None, limit: int | None = None) -> None:
         self.entered.set()
         if not self.gate.wait(WAIT_S):
             raise CheckpointError(f"gate never opened for {rel}")
-        super().get_file(rel, path, progress)
+        super().get_file(rel, path, progress, limit)
 
 
 # ---------------------------------------------------------------------------- answers and waiters

@@ -113,6 +113,46 @@ def test_corrupt_object_is_caught_by_its_checksum(make_daemon, short_tmp: Path, 
         assert_same(full_state(m2, o2), want1)
 
 
+def test_an_object_bigger_than_its_manifest_says_is_refused_as_it_arrives(
+    make_daemon,
+    short_tmp: Path,
+    s3_bucket: RemoteConfig,
+    s3_server,
+    monkeypatch: pytest.MonkeyPatch,  # noqa: ANN001
+) -> None:
+    """A shard object replaced by a far bigger one (a bad actor with bucket access, a botched copy) must not
+    fill the root's disk before the size check: the download stops at the manifest's size; a manifest
+    past the document limit is never read whole into the daemon's memory."""
+    d = make_daemon("--config", remote_toml(short_tmp / "r.toml", s3_bucket))
+    model, optim = make()
+    with d.client("big") as c:
+        c.snapshot(model, optim, step=1, blocking=True).wait()
+        want1 = full_state(model, optim)
+        train_step(model, optim, 1)
+        c.snapshot(model, optim, step=2, blocking=True).wait()
+    wait_uploaded(d, "big", 2)
+    key = f"{s3_bucket.prefix}/big/step-2/rank-00000.safetensors"
+    s3c = s3_server.client()
+    size = len(s3c.get_object(Bucket=s3_bucket.bucket, Key=key)["Body"].read())
+    s3c.put_object(Bucket=s3_bucket.bucket, Key=key, Body=os.urandom(size + (8 << 20)))
+    d.stop()
+    shutil.rmtree(Path(d.root) / "big")
+    d.start()
+    with d.client("big") as c:
+        url = f"s3://{s3_bucket.bucket}/{key}"
+        with pytest.raises(CheckpointError, match=rf"{url} is larger than the {size} bytes expected"):
+            c.restore(*make(seed=9))
+        assert sorted(os.listdir(Path(d.root) / "big")) == []  # no .fetch directory, no step
+        m1, o1 = make(seed=9)
+        c.restore(m1, o1, step=1)
+        assert_same(full_state(m1, o1), want1)
+    monkeypatch.setattr(remote, "MAX_DOCUMENT_BYTES", 100)
+    with S3Store(s3_bucket) as store:
+        man = f"s3://{s3_bucket.bucket}/{s3_bucket.prefix}/big/step-1/manifest.json"
+        with pytest.raises(CheckpointError, match=rf"{man} is larger than the 100 bytes expected"):
+            remote.download_step(store, str(short_tmp / "other"), "big", 1)
+
+
 def test_unreachable_bucket_keeps_local_durability(make_daemon, short_tmp: Path) -> None:  # noqa: ANN001
     import socket
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from ckptd.errors import CheckpointError
+from ckptd.errors import CheckpointError, FormatError
 from ckptd.storage import s3
 from ckptd.storage.s3 import RemoteConfig, S3Store
 
@@ -135,6 +135,42 @@ def test_missing_object_raises_file_not_found(store: S3Store, tmp_path: Path) ->
     assert os.listdir(tmp_path) == ["dest"]  # the .part file was removed
     with pytest.raises(FileNotFoundError, match="ckpts/nope"):
         store.get_bytes("nope")
+
+
+@pytest.mark.parametrize("size", [100, 3 * PART + 7])  # one GET; ranged parts written at their offsets
+def test_download_past_its_limit_stops_and_leaves_nothing(store: S3Store, tmp_path: Path, size: int) -> None:
+    """Another node (or a bad actor) replaced an object with a bigger one than the manifest lists: the
+    download fails at the write that crosses the limit, names the object, and writes nothing into place."""
+    src = tmp_path / "src"
+    data = _write(src, size)
+    store.put_file("step-1/big", str(src))
+    dest = tmp_path / "dest"
+    url = f"s3://{store.config.bucket}/ckpts/step-1/big"
+    with pytest.raises(FormatError, match=rf"{url} is larger than the {size - 1} bytes expected"):
+        store.get_file("step-1/big", str(dest), limit=size - 1)
+    assert sorted(os.listdir(tmp_path)) == ["src"]  # no dest, no .part
+    with pytest.raises(FormatError, match=rf"{url} is larger than the 10 bytes expected"):
+        store.get_bytes("step-1/big", limit=10)
+    store.get_file("step-1/big", str(dest), limit=size)  # exactly the limit is fine
+    assert dest.read_bytes() == data
+    assert store.get_bytes("step-1/big", limit=size) == data
+
+
+def test_capped_sink_never_writes_past_its_limit(tmp_path: Path) -> None:
+    """Parts of a ranged download arrive in any order: a late part at a far offset is refused before
+    it is written, so the file never grows past the limit (a sparse hole would not fill the disk either)."""
+    with open(tmp_path / "f", "wb") as f:
+        sink = s3._Capped(f, 100, "s3://b/k")
+        assert sink.seekable()
+        sink.seek(50)
+        sink.write(b"x" * 50)
+        sink.seek(90)
+        with pytest.raises(FormatError, match="s3://b/k is larger than the 100 bytes expected"):
+            sink.write(b"y" * 11)
+        sink.seek(4096)
+        with pytest.raises(FormatError):
+            sink.write(b"z")
+    assert (tmp_path / "f").stat().st_size == 100
 
 
 def test_failed_download_removes_part_file(tmp_path: Path) -> None:

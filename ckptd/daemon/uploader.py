@@ -26,6 +26,7 @@ from ..storage.local import read_fragment
 from ..storage.remote import (
     apply_remote_retention,
     clear_for_attempt,
+    get_document,
     rank_files,
     step_url,
     try_complete,
@@ -172,7 +173,7 @@ class Uploader:
         """The bucket holds this local step already: a step of that number committed no earlier (not the
         old line's step a rolled-back run's re-save replaced here, left there by a restart before its upload)."""
         try:  # read now, not from the process's cache: another node's retention may have changed it
-            at = commit_time(self.store.get_bytes(bucket_key(job, step, MANIFEST)))
+            at = commit_time(get_document(self.store, bucket_key(job, step, MANIFEST)))
         except FileNotFoundError:
             return False
         return at >= local_committed_at(step_dir(self.root, job, step))

@@ -21,6 +21,7 @@ import shutil
 from collections.abc import Callable
 from typing import Any
 
+from ..config import MAX_DOCUMENT_BYTES
 from ..errors import CheckpointError, FormatError
 from ..format import Attempt, attempt_of, build_manifest, commit_time
 from ..layout import (
@@ -43,6 +44,12 @@ from .retention import RetentionPolicy, doomed
 from .store import ObjectStore, Progress
 
 log = logging.getLogger("ckptd.daemon")
+
+
+def get_document(store: ObjectStore, key: str) -> bytes:
+    """A manifest or fragment from the bucket, refused past ``MAX_DOCUMENT_BYTES`` as it arrives (another
+    node or a bad actor with bucket access wrote it: it must not take the daemon's memory)."""
+    return store.get_bytes(key, limit=MAX_DOCUMENT_BYTES)
 
 
 def step_url(store: ObjectStore, job: str, step: int) -> str:
@@ -103,7 +110,7 @@ def _bucket_doc(store: ObjectStore, job: str, step: int) -> tuple[bool, Any]:
     """``(complete, manifest)``: whether step ``step`` has a manifest in the bucket, and that manifest
     parsed loosely (``None`` when it is not JSON; it is only asked which attempt wrote it and when)."""
     try:
-        raw = store.get_bytes(bucket_key(job, step, MANIFEST))
+        raw = get_document(store, bucket_key(job, step, MANIFEST))
     except FileNotFoundError:
         return False, None
     try:
@@ -169,7 +176,7 @@ def try_complete(store: ObjectStore, job: str, step: int, world_size: int, attem
     frags = []
     for r in range(world_size):
         key = bucket_key(job, step, fragment_name(r))
-        frag = parse_fragment(store.get_bytes(key), store.url(key))  # another node's: checked like a manifest
+        frag = parse_fragment(get_document(store, key), store.url(key))  # another node's: checked like a manifest
         if shard_name(r) not in names:
             raise CheckpointError(f"step {step} of job {job}: rank {r}'s fragment is in the bucket but its shard is not")
         if attempt is not None and attempt_of(frag) not in (None, attempt):
@@ -242,13 +249,13 @@ def bucket_steps_by_commit(store: ObjectStore, job: str) -> tuple[list[int], lis
 def _fetch_files(store: ObjectStore, job: str, step: int, tmp: str, progress: Progress | None) -> None:
     """Download the step's manifest-listed files into ``tmp``, then its manifest; check every size."""
     where = step_url(store, job, step)
-    raw = store.get_bytes(bucket_key(job, step, MANIFEST))
+    raw = get_document(store, bucket_key(job, step, MANIFEST))
     manifest = parse_manifest(raw, f"{where}/{MANIFEST}")  # every field, names confined, nesting bounded
     if (manifest["job"], manifest["step"]) != (job, step):
         raise FormatError(f"{where}/{MANIFEST} describes job {manifest['job']} step {manifest['step']}")
     for name, ent in sorted(manifest["files"].items()):
         path = os.path.join(tmp, confined_name(name, f"{where}/{MANIFEST}", "files"))
-        store.get_file(bucket_key(job, step, name), path, progress)
+        store.get_file(bucket_key(job, step, name), path, progress, limit=ent["size"])  # no more on disk than the manifest says
         size = os.path.getsize(path)
         if size != ent["size"]:
             raise FormatError(f"{where}/{name} is {size} bytes, the manifest says {ent['size']}")

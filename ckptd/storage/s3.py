@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, FormatError
 from .files import fsync_dir
 
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
@@ -250,11 +250,12 @@ class S3Store:
         with self._translate("upload", key):
             self._wait(self._transfers().upload(io.BytesIO(data), self.config.bucket, key))
 
-    def get_file(self, rel: str, path: str, progress: Callable[[int], None] | None = None) -> None:
+    def get_file(self, rel: str, path: str, progress: Callable[[int], None] | None = None, limit: int | None = None) -> None:
         """Download ``rel`` to ``path`` atomically: into ``path + ".part"``, fsync, rename over ``path``.
 
-        On any failure the ``.part`` file is removed and ``path`` is left as it was. A missing
-        object raises ``FileNotFoundError``.
+        An object that grows past ``limit`` bytes fails with :class:`~ckptd.errors.FormatError` at the
+        write that crosses it, so an oversized object never fills the disk. On any failure the ``.part``
+        file is removed and ``path`` is left as it was. A missing object raises ``FileNotFoundError``.
         """
         key = self.key(rel)
         part = path + ".part"
@@ -262,7 +263,8 @@ class S3Store:
         try:
             with open(part, "wb") as f:
                 with self._translate("download", key, missing_is_error=False):
-                    future = self._transfers().download(self.config.bucket, key, f, subscribers=self._subscribers(progress))
+                    sink = f if limit is None else _Capped(f, limit, self.url(rel))
+                    future = self._transfers().download(self.config.bucket, key, sink, subscribers=self._subscribers(progress))
                     self._wait(future)
                 f.flush()
                 os.fsync(f.fileno())
@@ -274,12 +276,14 @@ class S3Store:
                     os.unlink(part)
         fsync_dir(os.path.dirname(os.path.abspath(path)))
 
-    def get_bytes(self, rel: str) -> bytes:
-        """The content of ``rel``; a missing object raises ``FileNotFoundError``."""
+    def get_bytes(self, rel: str, limit: int | None = None) -> bytes:
+        """The content of ``rel``; a missing object raises ``FileNotFoundError``, one past ``limit``
+        bytes :class:`~ckptd.errors.FormatError` (at the write that crosses it: never held whole)."""
         key = self.key(rel)
         buf = io.BytesIO()
         with self._translate("download", key, missing_is_error=False):
-            self._wait(self._transfers().download(self.config.bucket, key, buf))
+            sink = buf if limit is None else _Capped(buf, limit, self.url(rel))
+            self._wait(self._transfers().download(self.config.bucket, key, sink))
         return buf.getvalue()
 
     def exists(self, rel: str) -> bool:
@@ -389,3 +393,26 @@ class S3Store:
             if not missing_is_error and _error_code(exc) in _MISSING_CODES:
                 raise FileNotFoundError(f"no such object {where} at {self._endpoint()}") from exc
             raise CheckpointError(f"s3 {op} {where} at {self._endpoint()} failed: {exc}") from exc
+
+
+class _Capped:
+    """A seekable file object that refuses to hold more than ``limit`` bytes: s3transfer writes each
+    downloaded part at its offset (parts of a ranged download arrive in any order), so the end of the
+    furthest write is checked, before anything is written."""
+
+    def __init__(self, f: Any, limit: int, where: str) -> None:
+        self._f, self._limit, self._where = f, limit, where
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self._f.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def write(self, data: bytes) -> int:
+        if self._f.tell() + len(data) > self._limit:
+            raise FormatError(f"{self._where} is larger than the {self._limit} bytes expected; download stopped")
+        return self._f.write(data)

@@ -26,11 +26,14 @@ class ObjectStore(Protocol):
 
     def put_bytes(self, rel: str, data: bytes) -> None: ...
 
-    def get_file(self, rel: str, path: str, progress: Progress | None = None) -> None:
-        """Download ``rel`` to ``path`` atomically (a failure leaves ``path`` as it was)."""
+    def get_file(self, rel: str, path: str, progress: Progress | None = None, limit: int | None = None) -> None:
+        """Download ``rel`` to ``path`` atomically (a failure leaves ``path`` as it was); an object past
+        ``limit`` bytes raises :class:`~ckptd.errors.FormatError` before more than ``limit`` are written."""
         ...
 
-    def get_bytes(self, rel: str) -> bytes: ...
+    def get_bytes(self, rel: str, limit: int | None = None) -> bytes:
+        """The object's bytes; past ``limit`` bytes, :class:`~ckptd.errors.FormatError` (never held whole)."""
+        ...
 
     def exists(self, rel: str) -> bool: ...
 
