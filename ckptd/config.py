@@ -41,6 +41,7 @@ HOUSEKEEPING_S = 0.5  # period of reaping dead lessees, lapsed pins, overdue wai
 TRACKS_KEPT = 256  # finished steps remembered per job, so a late wait() gets the truth
 FETCHES_KEPT = 256  # finished fetch answers kept for a client that has not asked yet
 HOT_PIN_MAX_S = 600.0  # a hot restore's pin on a slot lapses after this, whatever its pid
+FETCH_HOLD_S = 3600.0  # a step a restore was pointed at (on disk) stays out of local retention this long
 MAX_WORLD_SIZE = 1 << 20  # ranks of one step (a wire field and a recovered record are refused above it)
 MAX_LOCAL_WORLD_SIZE = 4096  # ranks one daemon serves in one step
 MAX_STEP = (1 << 63) - 1

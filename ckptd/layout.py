@@ -5,7 +5,8 @@ Local root (the daemon's ``--root``)::
 
     <root>/<job>/step-<N>.tmp/      a step being written: rank-RRRRR.safetensors + rank-RRRRR.json
     <root>/<job>/step-<N>.fetch/    a step being downloaded from the bucket
-    <root>/<job>/step-<N>/          a complete step: it holds manifest.json (written last)
+    <root>/<job>/step-<N>/          a complete step: it holds manifest.json (written last); ``.fetched``
+                                    in it marks a step downloaded from the bucket (never uploaded again)
     <root>/<job>/step-<N>.del/      a step retention is deleting (renamed out of the way first)
     <root>/<job>/step-<N>.old/      a complete step being replaced by a newer commit of its number (a rollback)
     <root>/<job>/latest             the step number ``latest`` names: the complete step committed last
@@ -30,6 +31,7 @@ import re
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
+FETCHED = ".fetched"  # in a complete local step: it was downloaded from the bucket, not made on this node
 
 # each name is parsed, then accepted only if it is the canonical spelling of what it parsed to
 # (no "step-01", no trailing newline, ranks past 99999 included)
@@ -94,6 +96,11 @@ def replaced_dir(root: str, job: str, step: int) -> str:
     """Where a complete step waits, intact, while a newer commit of its number takes its place: deleted
     once that one is in place, moved back if it cannot be (never confused with a ``.del`` half-deleted)."""
     return os.path.join(root, job, f"step-{step}.old")
+
+
+def was_fetched(root: str, job: str, step: int) -> bool:
+    """Whether the complete local step ``step`` was downloaded from the bucket (it holds :data:`FETCHED`)."""
+    return os.path.exists(os.path.join(step_dir(root, job, step), FETCHED))
 
 
 def latest_file(root: str, job: str) -> str:

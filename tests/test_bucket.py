@@ -24,6 +24,7 @@ from doubles import FaultyStore, MemoryStore
 
 from ckptd.errors import CheckpointError, FormatError
 from ckptd.layout import (
+    FETCHED,
     MANIFEST,
     bucket_key,
     bucket_prefix,
@@ -402,8 +403,11 @@ def test_download_step_brings_a_step_back_verified(store: MemoryStore, src: str,
     assert path == step_dir(dst, JOB, 3) and is_complete(path)
     names = sorted(os.listdir(original))
     got = sorted(os.listdir(path))
-    # the files the manifest lists, and the manifest: fragments are not needed once a step is complete
-    assert got == sorted([shard_name(0), shard_name(1), MANIFEST])
+    # the files the manifest lists, and the manifest: fragments are not needed once a step is complete;
+    # the empty marker says the step came from the bucket (a restarted daemon never uploads it)
+    assert got == sorted([shard_name(0), shard_name(1), MANIFEST, FETCHED])
+    assert Path(path, FETCHED).read_bytes() == b""
+    got.remove(FETCHED)
     for name in got:
         assert name in names and Path(path, name).read_bytes() == Path(original, name).read_bytes()
     assert sum(moved) == sum(os.path.getsize(os.path.join(path, n)) for n in got if n != MANIFEST)
@@ -428,7 +432,7 @@ def test_download_step_replaces_a_stale_fetch_directory(store: MemoryStore, src:
     Path(stale, "junk").write_bytes(b"x")
     path = download_step(store, dst, JOB, 3)
     assert not os.path.exists(stale)
-    assert sorted(os.listdir(path)) == [MANIFEST, shard_name(0)]
+    assert sorted(os.listdir(path)) == [FETCHED, MANIFEST, shard_name(0)]
     assert verify_checkpoint(path) == []
 
 
@@ -502,6 +506,17 @@ def test_download_step_refuses_a_manifest_naming_a_file_outside_the_step(store: 
     assert ("get", bucket_key(JOB, 3, name)) not in store.calls
     assert_nothing_left(dst, JOB, 3)
     assert sorted(p.name for p in Path(dst).rglob("*")) == [JOB]  # nothing written beside or above the step either
+
+
+def test_download_step_refuses_a_manifest_naming_the_downloaded_marker(store: MemoryStore, src: str, dst: str) -> None:
+    """A manifest listing ``.fetched`` as a data file would make its step look downloaded (never uploaded again)."""
+    original = uploaded(store, src, JOB, 3)
+    manifest = read_manifest(original)
+    manifest["files"][FETCHED] = dict(manifest["files"][shard_name(0)])
+    _set_manifest(store, JOB, 3, manifest)
+    with pytest.raises(FormatError, match=r"manifest\.json lists a file named '\.fetched'"):
+        download_step(store, dst, JOB, 3)
+    assert_nothing_left(dst, JOB, 3)
 
 
 @pytest.mark.parametrize(("job", "step"), [("other", 3), (JOB, 2)], ids=["another-job", "another-step"])

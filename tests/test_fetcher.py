@@ -28,11 +28,13 @@ from ckptd.config import FETCHES_KEPT
 from ckptd.daemon.catalog import StepCatalog
 from ckptd.daemon.events import ErrorReported, Event, EventQueue, Fetched
 from ckptd.daemon.fetcher import Fetcher
+from ckptd.daemon.persister import Persister
 from ckptd.daemon.waiters import Waiter
 from ckptd.errors import CheckpointError, ProtocolError
-from ckptd.layout import MANIFEST, bucket_key, fetch_dir, shard_name, step_dir
-from ckptd.storage.local import finalize_step, latest_step, write_shard
+from ckptd.layout import FETCHED, MANIFEST, bucket_key, fetch_dir, shard_name, step_dir
+from ckptd.storage.local import apply_retention, complete_steps, finalize_step, latest_step, write_shard
 from ckptd.storage.remote import upload_step
+from ckptd.storage.retention import KeepLatest
 from ckptd.storage.store import Progress
 
 JOB = "j"
@@ -82,17 +84,21 @@ class Inbox:
 
 
 @contextmanager
-def running(catalog: StepCatalog) -> Iterator[tuple[Fetcher, Inbox]]:
-    """A fetcher over ``catalog`` posting to a real event queue; everything closed even on failure."""
+def running(catalog: StepCatalog, keep: int | None = None) -> Iterator[tuple[Fetcher, Inbox]]:
+    """A fetcher over ``catalog`` posting to a real event queue; everything closed even on failure. With
+    ``keep``, local retention is the daemon's (:class:`Persister` keeping ``keep`` steps and what the fetcher holds)."""
     ctx = zmq.Context()
     try:
         events = EventQueue(ctx)
         try:
-            fetcher = Fetcher(catalog, events)
+            persister = Persister(catalog.root, events, workers=1, keep=keep or 0, protect=lambda job: fetcher.held(job))
+            fetcher = Fetcher(catalog, events, retain=persister.retain if keep is not None else None)
+            fetcher.persister = persister  # type: ignore[attr-defined]  # the test completes steps through it
             try:
                 yield fetcher, Inbox(events)
             finally:
                 fetcher.shutdown()
+                persister.shutdown()
         finally:
             events.close()
     finally:
@@ -197,11 +203,67 @@ def test_step_only_in_the_bucket_is_downloaded(tmp_path: Path) -> None:
         assert inbox.fetched().answer == done_answer(2, path2, "local")
         assert fid2 != fid
     got = step_dir(root, JOB, 4)
-    assert sorted(os.listdir(got)) == [MANIFEST, shard_name(0)]
+    assert sorted(os.listdir(got)) == [FETCHED, MANIFEST, shard_name(0)]  # marked: a restarted daemon never uploads it
     with open(os.path.join(got, shard_name(0)), "rb") as a, open(os.path.join(src, shard_name(0)), "rb") as b:
         assert a.read() == b.read()
     assert latest_step(root, JOB) == (4, got)
     assert not os.path.exists(fetch_dir(root, JOB, 4))
+
+
+# ---------------------------------------------------------------------------- holds against local retention
+
+
+def test_a_step_downloaded_for_a_rollback_is_held_from_retention_then_pruned(tmp_path: Path) -> None:
+    """A rollback restore of step 3, older than the node's steps 5 and 6 (keep 2): the download used to be
+    doomed by the next retention pass (a trainer of the job completing step 7) while ranks still read it,
+    and a node that only restores never pruned its downloads. Now the step is held while restores read it,
+    and the download's own retention pass prunes what the hold does not cover."""
+    root, other = str(tmp_path / "root"), str(tmp_path / "other")
+    store = MemoryStore()
+    put_in_bucket(store, other, JOB, 3)  # committed first: the oldest
+    for s in (4, 5, 6):
+        write_step(root, JOB, s)
+    with running(StepCatalog(root, store), keep=2) as (fetcher, inbox):
+        fetcher.start(JOB, 3)
+        assert inbox.fetched().answer == done_answer(3, step_dir(root, JOB, 3), "remote")
+        assert complete_steps(root, JOB) == [3, 5, 6]  # the download's retention pass pruned 4, not the held 3
+        write_step(root, JOB, 7)
+        fetcher.persister.retain(JOB)  # type: ignore[attr-defined]  # as after a trainer's step completes
+        assert complete_steps(root, JOB) == [3, 6, 7]
+        assert fetcher.held(JOB) == {3}
+        fetcher._holds = dict.fromkeys(fetcher._holds, 0.0)  # the hold lapsed (FETCH_HOLD_S later)
+        assert fetcher.held(JOB) == set()
+        fetcher.persister.retain(JOB)  # type: ignore[attr-defined]
+        assert complete_steps(root, JOB) == [6, 7]
+
+
+def test_a_local_step_removed_between_choosing_and_holding_it_is_looked_for_again(tmp_path: Path) -> None:
+    """Retention decides under the job's lock; the fetch holds its step under it too. A step retention removed
+    after the catalog chose it (and before the hold) is never handed to a restore: the fetch looks again and
+    reads the bucket's copy."""
+    root, other = str(tmp_path / "root"), str(tmp_path / "other")
+    store = MemoryStore()
+    put_in_bucket(store, other, JOB, 1)
+    path1 = write_step(root, JOB, 1)
+    for s in (2, 3):
+        write_step(root, JOB, s)
+    catalog = StepCatalog(root, store)
+    real = catalog.find
+    calls = []
+
+    def find(job: str, step: int | None = None) -> Any:
+        found = real(job, step)
+        calls.append(found.path)
+        if len(calls) == 1:
+            apply_retention(root, JOB, KeepLatest(2))  # another thread's pass, landing right after the choice
+        return found
+
+    catalog.find = find  # type: ignore[method-assign]
+    with running(catalog) as (fetcher, inbox):
+        fetcher.start(JOB, 1)
+        assert inbox.fetched().answer == done_answer(1, step_dir(root, JOB, 1), "remote")
+    assert calls == [path1, None]  # the local copy, gone; then the bucket's
+    assert os.path.exists(os.path.join(step_dir(root, JOB, 1), FETCHED))
 
 
 def test_progress_names_the_download_in_flight(tmp_path: Path) -> None:

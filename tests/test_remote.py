@@ -250,6 +250,35 @@ def test_restart_uploads_what_a_previous_run_did_not(make_daemon, short_tmp: Pat
     assert st["uploaded_bytes"] == 0
 
 
+def test_a_restarted_daemon_never_uploads_a_step_it_downloaded(make_daemon, short_tmp: Path, s3_bucket: RemoteConfig) -> None:  # noqa: ANN001
+    """A replaced node restores step 1 from the bucket; the bucket then drops step 1 (another node's retention).
+    The daemon restarts: its catch-up used to take the downloaded step for one of its own and upload it again,
+    bringing a deleted step back (and, single-node, pruning other nodes' partial steps after it)."""
+    conf = remote_toml(short_tmp / "r.toml", s3_bucket)
+    d = make_daemon("--config", conf)
+    model, optim = make()
+    with d.client("back") as c:
+        for step in (1, 2):
+            c.snapshot(model, optim, step=step, blocking=True).wait()
+    wait_uploaded(d, "back", 2)
+    d.stop()
+    shutil.rmtree(Path(d.root) / "back")  # the node was replaced
+    d.start()
+    with d.client("back") as c:
+        c.restore(*make(seed=9), step=1)
+        assert c.last_restore["source"] == "bucket"
+    with S3Store(s3_bucket) as store:
+        store.delete(store.list("back/step-1/"))
+        assert _steps(store, "back") == ([2], [])
+    d.stop()
+    d.start()
+    with d.client("back") as c:
+        c.snapshot(model, optim, step=3, blocking=True).wait()  # uploads run in order: after any catch-up
+    wait_uploaded(d, "back", 3)
+    with S3Store(s3_bucket) as store:
+        assert _steps(store, "back") == ([2, 3], [])
+
+
 def test_missing_object_fails_the_restore_and_leaves_no_partial_download(make_daemon, short_tmp: Path, s3_bucket: RemoteConfig) -> None:  # noqa: ANN001
     d = make_daemon("--config", remote_toml(short_tmp / "r.toml", s3_bucket))
     model, optim = make()

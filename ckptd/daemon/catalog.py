@@ -120,8 +120,9 @@ class StepCatalog:
         return Found(remote, Source.BUCKET, None)
 
     def find(self, job: str, step: int | None = None) -> Found:
-        """Step ``step`` of ``job`` (or the latest anywhere), preferring the local copy; raises
-        :class:`NoStep` when neither the root nor the bucket has it. Blocks on the network."""
+        """Step ``step`` of ``job`` (or the latest anywhere); raises :class:`NoStep` when neither the root nor
+        the bucket has it. An explicit step is read from the local copy unless the bucket holds that number
+        committed later (a rollback re-save by other nodes). Blocks on the network."""
         if step is None:
             found = self.latest_anywhere(job)
             if found is None:

@@ -13,15 +13,19 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..config import FETCHES_KEPT
+from ..config import FETCH_HOLD_S, FETCHES_KEPT
 from ..errors import CheckpointError, ProtocolError
+from ..layout import is_complete
 from ..protocol import Source
+from ..storage.local import job_lock
 from ..storage.remote import download_step
-from .catalog import NoStep, StepCatalog
+from .catalog import Found, NoStep, StepCatalog
 from .events import ErrorReported, EventQueue, Fetched, LatestFound
 from .waiters import Waiter, Waiters
 
@@ -29,8 +33,10 @@ log = logging.getLogger("ckptd.daemon")
 
 
 class Fetcher:
-    def __init__(self, catalog: StepCatalog, events: EventQueue) -> None:
-        self.catalog, self._events = catalog, events
+    def __init__(self, catalog: StepCatalog, events: EventQueue, retain: Callable[[str], None] | None = None) -> None:
+        self.catalog, self._events, self._retain = catalog, events, retain
+        self._holds: dict[tuple[str, int], float] = {}  # (job, step) -> monotonic time its hold lapses
+        self._holds_lock = threading.Lock()  # read by persist threads (retention), written by the fetch thread
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-fetch")
         self._lookups = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-lookup")
         self.answers: dict[int, dict[str, Any]] = {}  # fetch id -> its fetch_wait reply (state pending until done)
@@ -105,6 +111,28 @@ class Fetcher:
         forgotten = {"state": "failed", "error": "fetch forgotten"}
         return [(w, self.answers.get(fid, forgotten)) for fid, w in self.waiters.due(now)]
 
+    def held(self, job: str) -> set[int]:
+        """Steps of ``job`` a restore was pointed at within ``FETCH_HOLD_S``: local retention must leave
+        them alone (any thread)."""
+        now = time.monotonic()
+        with self._holds_lock:
+            for key in [k for k, until in self._holds.items() if until <= now]:
+                del self._holds[key]
+            return {step for (j, step) in self._holds if j == job}
+
+    def _find_held(self, job: str, step: int | None) -> Found:
+        """The step to read, held. The hold and the check that a local step is still there happen under the
+        job's lock, where retention decides what to remove: it either saw the hold, or removed the step
+        first and the step is looked for again."""
+        for _ in range(3):
+            found = self.catalog.find(job, step)
+            with job_lock(self.catalog.root, job):
+                with self._holds_lock:
+                    self._holds[(job, found.step)] = time.monotonic() + FETCH_HOLD_S
+                if found.source is Source.BUCKET or (found.path is not None and is_complete(found.path)):
+                    return found
+        raise CheckpointError(f"job {job!r}: the step chosen to restore was removed by retention three times while it was chosen")
+
     def progress(self) -> dict[str, Any] | None:
         cur = self.current
         return None if cur is None else {"job": cur[0], "step": cur[1], "bytes_done": cur[2][0]}
@@ -118,10 +146,11 @@ class Fetcher:
         want = step  # the step being looked for, once chosen
         report = None
         try:
-            found = self.catalog.find(job, step)
+            found = self._find_held(job, step)
             want, path = found.step, found.path
             if found.source is Source.BUCKET:
                 path = self._download(job, found.step)
+                self._prune(job)
             answer = {"state": "done", "step": found.step, "path": path, "source": found.source.to_wire(), "error": None}
         except Exception as e:  # the restore that asked gets it
             answer = {"state": "failed", "step": step, "path": None, "source": None, "error": str(e)}
@@ -129,6 +158,15 @@ class Fetcher:
                 log.error("fetch of job %s step %s failed: %s", job, want, e)
                 report = f"fetch of job {job} step {want}: {e}"
         self._events.post(Fetched(fid, answer, report))
+
+    def _prune(self, job: str) -> None:
+        """Local retention after a download (the step just fetched is held); a failure is logged, the fetch stands."""
+        if self._retain is None:
+            return
+        try:
+            self._retain(job)
+        except OSError as e:
+            log.error("retention of job %s after a download failed: %s", job, e)
 
     def _download(self, job: str, step: int) -> str:
         assert self.catalog.store is not None

@@ -111,8 +111,10 @@ class Persister:
             self._node_reported.discard((job, step))
 
     def retain(self, job: str) -> None:
-        """Keep the newest ``keep`` local steps and those still to be uploaded. Call with the job's lock held."""
-        removed = local.apply_retention(self.root, job, AnyOf((KeepLatest(self.keep), Protect(frozenset(self._protect(job))))))
+        """Keep the newest ``keep`` local steps and those ``protect`` names (still to be uploaded, read by a
+        restore). Any thread: the protected steps are asked under the job's lock, where a fetch holds a step."""
+        with self.job_lock(job):
+            removed = local.apply_retention(self.root, job, AnyOf((KeepLatest(self.keep), Protect(frozenset(self._protect(job))))))
         if removed:
             log.info("retention: removed steps %s of job %s", removed, job)
 

@@ -26,6 +26,7 @@ import zmq
 from .. import __version__, shm
 from ..config import HOUSEKEEPING_S, WAIT_CAP_S, DaemonConfig, default_shm_budget, validate_endpoint
 from ..errors import CheckpointError, ProtocolError
+from ..layout import was_fetched
 from ..protocol import EXTRA_FRAMES, MAX_MESSAGE_BYTES, Source, decode_request, endpoint_answers, reply_error, reply_ok
 from ..storage.local import committed_at
 from ..storage.store import ObjectStore
@@ -99,10 +100,9 @@ class Daemon:
             )  # fmt: skip
         self.persister = Persister(
             self.root, self.events, workers=config.workers, keep=config.keep, write_rate_limit=config.write_rate_limit,
-            protect=self.uploader.pending if self.uploader is not None else (lambda job: set()), initializer=background,
-            open_segment=segments.open_owned,
+            protect=self._protected, initializer=background, open_segment=segments.open_owned,
         )  # fmt: skip
-        self.fetcher = Fetcher(self.catalog, self.events)
+        self.fetcher = Fetcher(self.catalog, self.events, retain=self.persister.retain)
         self.completion = Completion(
             self.root, self.steps, self.catalog, self.persister, self.uploader, self.counters, self.events, self._answer, self.pool
         )
@@ -145,8 +145,8 @@ class Daemon:
         self.fetcher.check_store()  # off the loop: READY must not wait for the network
         recovery.recover(self.pool, self.steps, self.persister, self.uploader, self.root, self.catalog.jobs(), self.completion.persist)
         if self.uploader is not None:
-            for job in self.catalog.jobs():
-                self.uploader.catch_up(job, self.catalog.local_steps(job))
+            for job in self.catalog.jobs():  # steps downloaded from the bucket are not this node's to upload
+                self.uploader.catch_up(job, [s for s in self.catalog.local_steps(job) if not was_fetched(self.root, job, s)])
         self._serve_metrics()
         self._running = True
         if threading.current_thread() is threading.main_thread():
@@ -321,6 +321,10 @@ class Daemon:
             self.counters.error(report)
         for w, fields in replies:
             self._send(w.ident, reply_ok(w.req_id, **fields))
+
+    def _protected(self, job: str) -> set[int]:
+        """Local steps of ``job`` retention must keep: those still to be uploaded, and those restores read (any thread)."""
+        return (self.uploader.pending(job) if self.uploader is not None else set()) | self.fetcher.held(job)
 
     def _grant(self, ident: bytes, msg: dict[str, Any], result: Slot | CheckpointError) -> None:
         """The slot pool granted (or refused) a deferred ``alloc``."""

@@ -25,6 +25,7 @@ from ..config import MAX_DOCUMENT_BYTES
 from ..errors import CheckpointError, FormatError
 from ..format import Attempt, attempt_of, build_manifest, commit_time
 from ..layout import (
+    FETCHED,
     MANIFEST,
     bucket_key,
     bucket_prefix,
@@ -253,12 +254,15 @@ def _fetch_files(store: ObjectStore, job: str, step: int, tmp: str, progress: Pr
     manifest = parse_manifest(raw, f"{where}/{MANIFEST}")  # every field, names confined, nesting bounded
     if (manifest["job"], manifest["step"]) != (job, step):
         raise FormatError(f"{where}/{MANIFEST} describes job {manifest['job']} step {manifest['step']}")
+    if FETCHED in manifest["files"]:
+        raise FormatError(f"{where}/{MANIFEST} lists a file named {FETCHED!r}, the name ckptd marks a downloaded step with")
     for name, ent in sorted(manifest["files"].items()):
         path = os.path.join(tmp, confined_name(name, f"{where}/{MANIFEST}", "files"))
         store.get_file(bucket_key(job, step, name), path, progress, limit=ent["size"])  # no more on disk than the manifest says
         size = os.path.getsize(path)
         if size != ent["size"]:
             raise FormatError(f"{where}/{name} is {size} bytes, the manifest says {ent['size']}")
+    os.close(create_new(os.path.join(tmp, FETCHED)))  # before the manifest: a complete downloaded step is always marked
     fd = create_new(os.path.join(tmp, MANIFEST))
     try:
         write_all(fd, raw)
@@ -269,6 +273,7 @@ def _fetch_files(store: ObjectStore, job: str, step: int, tmp: str, progress: Pr
 
 def download_step(store: ObjectStore, root: str, job: str, step: int, progress: Progress | None = None) -> str:
     """Bring a step from the bucket into ``root`` (``<root>/<job>/step-N``), manifest last; returns it.
+    The step holds :data:`~ckptd.layout.FETCHED`: a restarted daemon never uploads it again.
 
     Each file's size is checked as it arrives, and every chunk's checksum before the step is renamed
     into place: a corrupt object fails the fetch, naming the object and tensor, and leaves nothing.
