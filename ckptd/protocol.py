@@ -60,7 +60,8 @@ Ops (who sends them: the trainer's client, on whichever of its threads needs the
     under the root or in the bucket, downloading it into the root if only the bucket has it, on a
     daemon thread. ``fetch_wait`` ``{fetch, timeout}`` → ``{"state": "pending"|"done"|"failed",
     "step", "path", "source": "local"|"remote", "error"}``, held up to ``timeout`` seconds
-    (``source``: the wire's spelling of :class:`Source` ``disk`` / ``bucket``).
+    (``source``: the wire's spelling of :class:`Source` ``disk`` / ``bucket``). The step is held from
+    local retention until ``fetch_close`` ``{fetch}`` → ``{"released": bool}`` (an hour at most).
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     "hot_close": {"pin": _STR, "segments": (list,)},
     "fetch": {"job": _STR, "step": (int, type(None))},
     "fetch_wait": {"fetch": _INT, "timeout": _NUM},
+    "fetch_close": {"fetch": _INT},
     "promote": {"job": _STR, "step": (int, type(None))},
 }
 # fields a request may leave out, and what they then are

@@ -25,6 +25,7 @@ from _shards import shard_bytes
 from doubles import MemoryStore
 
 from ckptd.config import FETCHES_KEPT
+from ckptd.daemon import fetcher as fetcher_mod
 from ckptd.daemon.catalog import StepCatalog
 from ckptd.daemon.events import ErrorReported, Event, EventQueue, Fetched
 from ckptd.daemon.fetcher import Fetcher
@@ -213,28 +214,51 @@ def test_step_only_in_the_bucket_is_downloaded(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------- holds against local retention
 
 
-def test_a_step_downloaded_for_a_rollback_is_held_from_retention_then_pruned(tmp_path: Path) -> None:
+def test_a_step_downloaded_for_a_rollback_is_held_from_retention_until_closed(tmp_path: Path) -> None:
     """A rollback restore of step 3, older than the node's steps 5 and 6 (keep 2): the download used to be
     doomed by the next retention pass (a trainer of the job completing step 7) while ranks still read it,
-    and a node that only restores never pruned its downloads. Now the step is held while restores read it,
-    and the download's own retention pass prunes what the hold does not cover."""
+    and a node that only restores never pruned its downloads. Now the step is held until the restore
+    closes its fetch, and the download's own retention pass prunes what no hold covers."""
     root, other = str(tmp_path / "root"), str(tmp_path / "other")
     store = MemoryStore()
     put_in_bucket(store, other, JOB, 3)  # committed first: the oldest
     for s in (4, 5, 6):
         write_step(root, JOB, s)
     with running(StepCatalog(root, store), keep=2) as (fetcher, inbox):
-        fetcher.start(JOB, 3)
+        fid = fetcher.start(JOB, 3)
         assert inbox.fetched().answer == done_answer(3, step_dir(root, JOB, 3), "remote")
         assert complete_steps(root, JOB) == [3, 5, 6]  # the download's retention pass pruned 4, not the held 3
         write_step(root, JOB, 7)
         fetcher.persister.retain(JOB)  # type: ignore[attr-defined]  # as after a trainer's step completes
         assert complete_steps(root, JOB) == [3, 6, 7]
         assert fetcher.held(JOB) == {3}
-        fetcher._holds = dict.fromkeys(fetcher._holds, 0.0)  # the hold lapsed (FETCH_HOLD_S later)
+        assert fetcher.release(fid) is True  # fetch_close: the restore is done reading
+        assert fetcher.release(fid) is False
         assert fetcher.held(JOB) == set()
         fetcher.persister.retain(JOB)  # type: ignore[attr-defined]
         assert complete_steps(root, JOB) == [6, 7]
+
+
+def test_holds_lapse_and_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that died mid-restore never closes its fetch: its hold lapses after FETCH_HOLD_S. A client
+    fetching in a loop without closing (a bug, or a local user keeping steps from retention on purpose)
+    holds at most MAX_FETCH_HOLDS fetches; the oldest lapses first. A failed fetch holds nothing."""
+    monkeypatch.setattr(fetcher_mod, "MAX_FETCH_HOLDS", 2)
+    root = str(tmp_path / "root")
+    for s in (1, 2, 3):
+        write_step(root, JOB, s)
+    with running(StepCatalog(root)) as (fetcher, inbox):
+        for s in (1, 2, 3):
+            fetcher.start(JOB, s)
+            assert inbox.fetched().answer["state"] == "done"
+        assert fetcher.held(JOB) == {2, 3}
+        fetcher.start(JOB, 9)
+        assert inbox.fetched().answer["state"] == "failed"
+        assert fetcher.held(JOB) == {2, 3}
+        monkeypatch.setattr(fetcher_mod, "FETCH_HOLD_S", 0.0)
+        fetcher.start(JOB, 1)
+        inbox.fetched()
+        assert fetcher.held(JOB) == {3}  # the new hold lapsed at once; 2 was pushed out by it
 
 
 def test_a_local_step_removed_between_choosing_and_holding_it_is_looked_for_again(tmp_path: Path) -> None:

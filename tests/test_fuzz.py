@@ -346,6 +346,7 @@ def _hostile(rng: random.Random, w: World) -> tuple[str, dict, list[bytes], str]
         "hot_close": {"pin": "0" * 32, "segments": [w.seg_b]},
         "fetch": {"job": "fz", "step": None},
         "fetch_wait": {"fetch": w.fetch if w.fetch is not None else 2**63 - 1, "timeout": 0},
+        "fetch_close": {"fetch": w.fetch if w.fetch is not None else 2**63 - 1},  # any id: ok, released or not
     }
     op = rng.choice(list(base))
     fields = dict(base[op])
@@ -471,7 +472,7 @@ def test_hostile_well_formed_messages_are_answered_and_refused(make_daemon) -> N
     elapsed = time.monotonic() - t0
     assert elapsed < 60, f"{N_HOSTILE} hostile messages took {elapsed:.0f} s"
     # every kind of answer to every op came up
-    for op in ("alloc", "commit", "release", "wait", "latest", "hot_open", "hot_close", "fetch", "fetch_wait"):
+    for op in ("alloc", "commit", "release", "wait", "latest", "hot_open", "hot_close", "fetch", "fetch_wait", "fetch_close"):
         assert seen[op, BAD] > 0 and (seen[op, OK] + seen[op, REFUSED]) > 0, (op, seen)
     assert seen["alloc", REFUSED] > 0 and seen["alloc", OK] > 0 and seen["fetch_wait", OK] > 0, seen
     # B's lease survived everything A sent: still leased, still B's to give back

@@ -15,7 +15,7 @@ from _dist import run_ranks
 
 import ckptd
 from ckptd import shm
-from ckptd.errors import CheckpointError
+from ckptd.errors import CheckpointError, FormatError
 
 
 def _layers(seed: int, n: int = 4) -> torch.nn.Sequential:
@@ -108,6 +108,31 @@ def test_a_refused_strict_restore_leaves_the_model_and_optimizer_as_they_were(da
         assert torch.equal(p, before)
         assert sorted(lo.state[p]) == sorted(state) and all(torch.equal(lo.state[p][k], v) for k, v in state.items())
     assert not torch.equal(live[0].weight, model[0].weight)
+
+
+def test_a_read_that_fails_midway_says_the_model_may_be_partly_overwritten(daemon) -> None:  # noqa: ANN001
+    """A shard whose last tensor is corrupt on disk: the tensors before it were already read into the live
+    model. A single-process restore said only "checksum mismatch", as if nothing had changed; it now says to
+    restore again (still a FormatError: a hot restore falls back to the disk on it)."""
+    model = _layers(0, n=2)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _step(model, optim, 0)
+    with daemon.client("midway") as c:
+        path = c.snapshot(model, optim, step=1, blocking=True).wait(30)
+    shard = next(os.path.join(path, f) for f in sorted(os.listdir(path)) if f.endswith(".safetensors"))
+    with open(shard, "r+b") as f:  # a flipped byte in the last tensor's data
+        f.seek(-8, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-8, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0xFF]))
+    live = _layers(5, n=2)
+    lo = torch.optim.AdamW(live.parameters(), lr=1e-2)
+    with pytest.raises(
+        FormatError,
+        match=r"checksum mismatch in .*rank-00000.safetensors \(tensor .*; "
+        r"this rank's model and optimizer may be partly overwritten: restore again",
+    ):
+        ckptd.restore(live, lo, path=path)
 
 
 def _two_layers(seed: int) -> torch.nn.Sequential:

@@ -269,15 +269,19 @@ def _agree(
     return all_missing, [k for k in unexpected if k in common], _failed(every)
 
 
-def _raise_failure(error: BaseException | None, failed: list[Failure], then: str) -> None:
-    """Raise this rank's error, or (it had none) one naming the ranks that failed and saying ``then``. A
-    FormatError only where every failure was one, on every rank alike: a hot restore then reads the
-    step from disk on every rank together, or on none."""
+def _raise_failure(error: BaseException | None, failed: list[Failure], then: str, *, mine_too: bool = False) -> None:
+    """Raise this rank's error, or (it had none) one naming the ranks that failed and saying ``then``
+    (``mine_too``: this rank's own error says it as well, its type kept). A FormatError only where every
+    failure was one, on every rank alike: a hot restore then reads the step from disk on every rank
+    together, or on none."""
     if error is None and not failed:
         return
     bad_file = all(f for _, _, f in failed)
     if error is not None and (bad_file or not isinstance(error, FormatError)):
-        raise error
+        if not mine_too:
+            raise error
+        said = type(error) if isinstance(error, CheckpointError) else CheckpointError
+        raise said(f"{error}; {then}") from error
     first = failed[0][1] if len(failed[0][1]) <= 300 else failed[0][1][:300] + "..."
     exc = (FormatError if bad_file else CheckpointError)(f"restore failed on rank(s) {[r for r, _, _ in failed][:8]} ({first}); {then}")
     raise exc from error
@@ -371,7 +375,7 @@ def load_into(
             error = e
     if _collective(strict):
         failed = _failed(_gather(error))
-    _raise_failure(error, failed, "this rank's model and optimizer may be partly overwritten: restore again")
+    _raise_failure(error, failed, "this rank's model and optimizer may be partly overwritten: restore again", mine_too=True)
     return out, missing, unexpected
 
 

@@ -42,15 +42,25 @@ def restored(step: int | None, path: str, source: Source) -> dict[str, Any]:
 
 
 def fetch(rpc: Channel, job: str, step: int | None) -> dict[str, Any]:
-    """The daemon's answer to which step to restore (``fetch_wait``'s reply), downloaded into its root
-    if only the bucket had it."""
+    """The daemon's answer to which step to restore (``fetch_wait``'s reply, its ``fetch`` id added),
+    downloaded into its root if only the bucket had it. The step is held from the daemon's local
+    retention until :func:`close_fetch`."""
     fid = rpc.call("fetch", job=job, step=step)["fetch"]
     while True:
         rep = rpc.call("fetch_wait", rpc_timeout=rpc.timeout + FETCH_POLL_S + 5.0, fetch=fid, timeout=FETCH_POLL_S)
         if rep["state"] == "done":
-            return rep
+            return {**rep, "fetch": fid}
         if rep["state"] == "failed":
             raise CheckpointError(rep["error"])
+
+
+def close_fetch(rpc: Channel, fid: int) -> None:
+    """Done reading the step of fetch ``fid``: retention may remove it. Best effort: a daemon older than
+    ``fetch_close`` (or one that restarted) lets its hold lapse on its own."""
+    try:
+        rpc.call("fetch_close", fetch=fid)
+    except CheckpointError as e:
+        log.debug("fetch_close %s: %s", fid, e)
 
 
 def settled(rpc: Channel, job: str, step: int | None, *, persist: bool) -> int | None:
@@ -89,12 +99,16 @@ class OpenStep:
     info: dict[str, Any]  # what :attr:`Client.last_restore` says
     rpc: Channel
     held: dict[str, Any] | None = None  # hot_open's reply, while its segments are pinned
+    fid: int | None = None  # the fetch holding the step on disk, until closed
 
     def close(self) -> None:
         self.reader.close()
         held, self.held = self.held, None
         if held is not None:
             self.rpc.call("hot_close", pin=held["pin"], segments=list(held["segments"].values()))
+        fid, self.fid = self.fid, None
+        if fid is not None:
+            close_fetch(self.rpc, fid)
 
 
 def _hot_reader(held: dict[str, Any]) -> CheckpointReader:
@@ -116,7 +130,12 @@ def open_step(rpc: Channel, job: str, step: int | None, *, hot: bool = True) -> 
                 log.warning("hot read of step %s failed (%s): reading it from disk", held["step"], e)
                 step = settled(rpc, job, held["step"], persist=True)
     rep = fetch(rpc, job, step)
-    return OpenStep(CheckpointReader(rep["path"]), restored(rep["step"], rep["path"], Source.from_wire(rep["source"])), rpc)
+    try:
+        reader = CheckpointReader(rep["path"])
+    except BaseException:
+        close_fetch(rpc, rep["fetch"])
+        raise
+    return OpenStep(reader, restored(rep["step"], rep["path"], Source.from_wire(rep["source"])), rpc, fid=rep["fetch"])
 
 
 def _restore_hot(
@@ -155,5 +174,8 @@ def restore_from_daemon(
         else:
             log.info("restoring from disk: %s", held["reason"])
     rep = fetch(rpc, job, step)
-    extra = restore_state(rep["path"], model, optim, rank, **how)
+    try:
+        extra = restore_state(rep["path"], model, optim, rank, **how)
+    finally:
+        close_fetch(rpc, rep["fetch"])
     return extra, restored(rep["step"], rep["path"], Source.from_wire(rep["source"]))

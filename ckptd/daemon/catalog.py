@@ -28,7 +28,7 @@ from typing import Any
 
 from ..errors import CheckpointError
 from ..format import commit_time
-from ..layout import is_complete, list_jobs, step_dir
+from ..layout import is_complete, list_jobs, step_dir, was_fetched
 from ..protocol import Source
 from ..storage.local import committed_at, latest_step, steps_by_commit
 from ..storage.remote import bucket_committed_at, bucket_steps_by_commit, remote_steps
@@ -82,6 +82,10 @@ class StepCatalog:
     def local_steps(self, job: str) -> list[int]:
         """Complete local steps of ``job``, oldest commit first."""
         return steps_by_commit(self.root, job)
+
+    def made_here(self, job: str) -> list[int]:
+        """Complete local steps of ``job`` this node made (not downloaded from the bucket: never its to upload), oldest commit first."""
+        return [s for s in steps_by_commit(self.root, job) if not was_fetched(self.root, job, s)]
 
     def bucket_steps(self, job: str) -> list[int]:
         """Complete steps of ``job`` in the bucket (network: worker threads only); none without one."""

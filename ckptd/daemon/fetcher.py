@@ -19,7 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..config import FETCH_HOLD_S, FETCHES_KEPT
+from ..config import FETCH_HOLD_S, FETCHES_KEPT, MAX_FETCH_HOLDS
 from ..errors import CheckpointError, ProtocolError
 from ..layout import is_complete
 from ..protocol import Source
@@ -35,7 +35,7 @@ log = logging.getLogger("ckptd.daemon")
 class Fetcher:
     def __init__(self, catalog: StepCatalog, events: EventQueue, retain: Callable[[str], None] | None = None) -> None:
         self.catalog, self._events, self._retain = catalog, events, retain
-        self._holds: dict[tuple[str, int], float] = {}  # (job, step) -> monotonic time its hold lapses
+        self._holds: dict[int, tuple[str, int, float]] = {}  # fetch id -> (job, step, monotonic time its hold lapses)
         self._holds_lock = threading.Lock()  # read by persist threads (retention), written by the fetch thread
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-fetch")
         self._lookups = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-lookup")
@@ -112,15 +112,19 @@ class Fetcher:
         return [(w, self.answers.get(fid, forgotten)) for fid, w in self.waiters.due(now)]
 
     def held(self, job: str) -> set[int]:
-        """Steps of ``job`` a restore was pointed at within ``FETCH_HOLD_S``: local retention must leave
-        them alone (any thread)."""
+        """Steps of ``job`` a restore is reading: local retention must leave them alone (any thread)."""
         now = time.monotonic()
         with self._holds_lock:
-            for key in [k for k, until in self._holds.items() if until <= now]:
-                del self._holds[key]
-            return {step for (j, step) in self._holds if j == job}
+            for fid in [f for f, (_, _, until) in self._holds.items() if until <= now]:
+                del self._holds[fid]
+            return {step for (j, step, _) in self._holds.values() if j == job}
 
-    def _find_held(self, job: str, step: int | None) -> Found:
+    def release(self, fid: int) -> bool:
+        """Main thread (``fetch_close``): the restore of fetch ``fid`` is done reading; whether it held a step."""
+        with self._holds_lock:
+            return self._holds.pop(fid, None) is not None
+
+    def _find_held(self, fid: int, job: str, step: int | None) -> Found:
         """The step to read, held. The hold and the check that a local step is still there happen under the
         job's lock, where retention decides what to remove: it either saw the hold, or removed the step
         first and the step is looked for again."""
@@ -128,7 +132,9 @@ class Fetcher:
             found = self.catalog.find(job, step)
             with job_lock(self.catalog.root, job):
                 with self._holds_lock:
-                    self._holds[(job, found.step)] = time.monotonic() + FETCH_HOLD_S
+                    self._holds[fid] = (job, found.step, time.monotonic() + FETCH_HOLD_S)
+                    while len(self._holds) > MAX_FETCH_HOLDS:  # a client fetching in a loop, never closing
+                        del self._holds[next(iter(self._holds))]
                 if found.source is Source.BUCKET or (found.path is not None and is_complete(found.path)):
                     return found
         raise CheckpointError(f"job {job!r}: the step chosen to restore was removed by retention three times while it was chosen")
@@ -146,13 +152,14 @@ class Fetcher:
         want = step  # the step being looked for, once chosen
         report = None
         try:
-            found = self._find_held(job, step)
+            found = self._find_held(fid, job, step)
             want, path = found.step, found.path
             if found.source is Source.BUCKET:
                 path = self._download(job, found.step)
                 self._prune(job)
             answer = {"state": "done", "step": found.step, "path": path, "source": found.source.to_wire(), "error": None}
         except Exception as e:  # the restore that asked gets it
+            self.release(fid)
             answer = {"state": "failed", "step": step, "path": None, "source": None, "error": str(e)}
             if not isinstance(e, NoStep):
                 log.error("fetch of job %s step %s failed: %s", job, want, e)

@@ -26,7 +26,6 @@ import zmq
 from .. import __version__, shm
 from ..config import HOUSEKEEPING_S, WAIT_CAP_S, DaemonConfig, default_shm_budget, validate_endpoint
 from ..errors import CheckpointError, ProtocolError
-from ..layout import was_fetched
 from ..protocol import EXTRA_FRAMES, MAX_MESSAGE_BYTES, Source, decode_request, endpoint_answers, reply_error, reply_ok
 from ..storage.local import committed_at
 from ..storage.store import ObjectStore
@@ -126,6 +125,7 @@ class Daemon:
             "hot_close": self._op_hot_close,
             "fetch": self._op_fetch,
             "fetch_wait": self._op_fetch_wait,
+            "fetch_close": self._op_fetch_close,
             "promote": self._op_promote,
         }
         self._on_event: dict[type, Callable[[Any], None]] = {
@@ -145,8 +145,8 @@ class Daemon:
         self.fetcher.check_store()  # off the loop: READY must not wait for the network
         recovery.recover(self.pool, self.steps, self.persister, self.uploader, self.root, self.catalog.jobs(), self.completion.persist)
         if self.uploader is not None:
-            for job in self.catalog.jobs():  # steps downloaded from the bucket are not this node's to upload
-                self.uploader.catch_up(job, [s for s in self.catalog.local_steps(job) if not was_fetched(self.root, job, s)])
+            for job in self.catalog.jobs():
+                self.uploader.catch_up(job, self.catalog.made_here(job))
         self._serve_metrics()
         self._running = True
         if threading.current_thread() is threading.main_thread():
@@ -424,6 +424,9 @@ class Daemon:
 
     def _op_fetch_wait(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any] | None:
         return self.fetcher.wait(msg["fetch"], ident, msg["id"], self._deadline(msg["timeout"]))
+
+    def _op_fetch_close(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
+        return {"released": self.fetcher.release(msg["fetch"])}
 
     @staticmethod
     def _deadline(timeout: float) -> float:
