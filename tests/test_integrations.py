@@ -168,6 +168,133 @@ def test_hf_resume_checkpoint_of_a_new_job_is_none_and_a_foreign_step_is_refused
         CkptdCallback("x", save_steps=0)
 
 
+@pytest.fixture
+def hf_args(short_tmp):  # noqa: ANN001, ANN201
+    """The run's ``TrainingArguments`` (output_dir ``short_tmp/o``); made before the Accelerator, as the Trainer's
+    are: making them resets accelerate's process-wide state."""
+    pytest.importorskip("accelerate")
+    from transformers import TrainingArguments
+
+    return TrainingArguments(output_dir=str(short_tmp / "o"), save_strategy="no", report_to=[], use_cpu=True)
+
+
+@pytest.fixture
+def accelerator(hf_args):  # noqa: ANN001, ANN201
+    """A real ``accelerate.Accelerator`` on the CPU; accelerate's process-wide state reset afterwards, and the
+    clients that callbacks of this process made closed."""
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState, GradientState
+
+    from ckptd.dcp import shared
+
+    try:
+        yield accelerate.Accelerator(cpu=True)
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        for c in shared._clients.values():
+            c.close()
+        shared._clients.clear()
+
+
+def _amp_prepared(accelerator, scaler):  # noqa: ANN001, ANN202
+    """Model and optimizer as the Trainer gets them from ``accelerator.prepare``. On a CPU accelerate makes no
+    scaler itself (its fp16 AMP needs a GPU), so a real ``GradScaler("cpu")`` (or ``None``: no AMP) goes where
+    it puts its CUDA one, ``accelerator.scaler``: ``prepare`` hands it to the ``AcceleratedOptimizer`` and
+    ``backward`` scales the loss with it."""
+    from _models import make
+
+    accelerator.scaler = scaler
+    model, optim = accelerator.prepare(*make())
+    assert optim.scaler is scaler
+    return model, optim
+
+
+def _amp_step(accelerator, model, optim, i: int) -> None:  # noqa: ANN001
+    from _models import batch
+
+    optim.zero_grad()
+    accelerator.backward(model(batch(i)).pow(2).mean())
+    optim.step()  # the AcceleratedOptimizer's: scaler.step(optimizer), scaler.update()
+
+
+def _hf_save(job: str, endpoint: str, args, model, optim, step: int) -> None:  # noqa: ANN001
+    """``CkptdCallback.on_step_end`` at ``step`` as the Trainer calls it, ``on_train_end``, and the process's end."""
+    from transformers import TrainerControl, TrainerState
+
+    from ckptd.dcp import shared
+    from ckptd.integrations.hf import CkptdCallback
+
+    cb, state = CkptdCallback(job, save_steps=step, endpoint=endpoint), TrainerState(global_step=step)
+    cb.on_step_end(args, state, TrainerControl(), model=model, optimizer=optim)
+    cb.on_train_end(args, state, TrainerControl())  # the step durable
+    shared._clients.pop((endpoint, job)).close()  # the relaunch is a new process, with a new client
+
+
+def _hf_resume(job: str, endpoint: str, args, model, optim) -> None:  # noqa: ANN001
+    """The restart as the Trainer runs it: ``resume_checkpoint``, the ``TrainerState`` loaded from the directory
+    it wrote, ``on_train_begin`` with the new run's model and optimizer."""
+    from transformers import TrainerControl, TrainerState
+
+    from ckptd.integrations.hf import CkptdCallback
+
+    cb = CkptdCallback(job, endpoint=endpoint)
+    path = cb.resume_checkpoint(args.output_dir)
+    assert path is not None
+    state = TrainerState.load_from_json(os.path.join(path, "trainer_state.json"))
+    cb.on_train_begin(args, state, TrainerControl(), model=model, optimizer=optim)
+
+
+def test_hf_callback_restores_the_amp_grad_scaler(daemon, hf_args, accelerator) -> None:  # noqa: ANN001
+    """fp16 AMP: the loss scale and growth tracker the run reached come back on resume, as from the Trainer's
+    own scaler.pt; a fresh scaler would start again at init_scale (and skip steps while it backs off)."""
+    from _models import full_state
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+    model, optim = _amp_prepared(accelerator, scaler)
+    for i in range(4):  # three steps without overflow double the scale, the fourth counts towards the next
+        _amp_step(accelerator, model, optim, i)
+    saved = scaler.state_dict()
+    assert (saved["scale"], saved["_growth_tracker"]) == (2048.0, 1)
+    _hf_save("hf-amp", daemon.endpoint, hf_args, model, optim, 4)
+    scaler2 = torch.amp.GradScaler("cpu")  # the restarted run's, with accelerate's defaults
+    model2, optim2 = _amp_prepared(accelerator, scaler2)
+    _hf_resume("hf-amp", daemon.endpoint, hf_args, model2, optim2)
+    assert [(k, type(v), v) for k, v in scaler2.state_dict().items()] == [(k, type(v), v) for k, v in saved.items()]
+    # both runs take step 5: the same scale on the loss, the same update, the same scaler state after it
+    _amp_step(accelerator, model, optim, 4)
+    _amp_step(accelerator, model2, optim2, 4)
+    assert scaler2.state_dict() == scaler.state_dict() and scaler.state_dict()["_growth_tracker"] == 2
+    assert_same(full_state(model2, optim2.optimizer), full_state(model, optim.optimizer))
+
+
+def test_hf_callback_resumes_an_amp_step_without_amp(daemon, hf_args, accelerator, caplog) -> None:  # noqa: ANN001
+    """fp16 turned off at the restart: the scaler's state is not needed (the weights are fp32), the step restores."""
+    from _models import full_state
+
+    model, optim = _amp_prepared(accelerator, torch.amp.GradScaler("cpu"))
+    _amp_step(accelerator, model, optim, 0)
+    _hf_save("hf-amp-off", daemon.endpoint, hf_args, model, optim, 1)
+    model2, optim2 = _amp_prepared(accelerator, None)
+    with caplog.at_level("INFO", logger="ckptd.integrations"):
+        _hf_resume("hf-amp-off", daemon.endpoint, hf_args, model2, optim2)
+    assert "has no gradient scaler" in caplog.text
+    assert_same(full_state(model2, optim2.optimizer), full_state(model, optim.optimizer))
+
+
+def test_hf_callback_resumes_with_amp_from_a_step_without_scaler_state(daemon, hf_args, accelerator) -> None:  # noqa: ANN001
+    """fp16 turned on at the restart (or a step saved before ckptd kept the scaler): a fresh scaler, said once."""
+    model, optim = _amp_prepared(accelerator, None)
+    _amp_step(accelerator, model, optim, 0)
+    _hf_save("hf-amp-on", daemon.endpoint, hf_args, model, optim, 1)
+    scaler = torch.amp.GradScaler("cpu")
+    model2, optim2 = _amp_prepared(accelerator, scaler)
+    with pytest.warns(UserWarning, match="no gradient scaler state.*starts afresh") as caught:
+        _hf_resume("hf-amp-on", daemon.endpoint, hf_args, model2, optim2)
+    assert len([w for w in caught if "scaler" in str(w.message)]) == 1
+    assert scaler.state_dict() == torch.amp.GradScaler("cpu").state_dict()
+
+
 # ---------------------------------------------------------------------------- torchtitan
 
 

@@ -9,23 +9,28 @@
 
 Every ``save_steps`` optimizer steps, :meth:`CkptdCallback.on_step_end` takes a ``ckptd.snapshot`` of the model
 and optimizer (on every rank; the default mode: on a GPU the copy overlaps the next forward and
-backward) with the LR scheduler's state, the ``TrainerState`` and the RNG states as ``extra``: step
+backward) with the LR scheduler's state, the ``TrainerState``, the RNG states and, under fp16 AMP, the
+gradient scaler's state (loss scale and growth tracker: the Trainer's own ``scaler.pt``) as ``extra``: step
 ``global_step`` of the job. Nothing is written under ``output_dir`` while training.
 
 Resuming: the Trainer loads ``resume_from_checkpoint`` from a checkpoint directory — at least a model
 weights file and ``trainer_state.json``, from which it fast-forwards the data loader. :meth:`resume_checkpoint`
 writes that directory once, at the restart, for the newest step of the job (``checkpoint-<step>``: the
 model's weights as ``model.safetensors``, ``trainer_state.json`` and a ``ckptd.json`` pointer). Then
-:meth:`on_train_begin` restores the model, the optimizer and the scheduler in place from the ckptd step
-itself (the optimizer never goes through a file), and the RNG states are restored where the Trainer
-restores its own, before the first step's forward.
+:meth:`on_train_begin` restores the model, the optimizer, the scheduler and the gradient scaler in place
+from the ckptd step itself (the optimizer never goes through a file), and the RNG states are restored where
+the Trainer restores its own, before the first step's forward. fp16 turned off at the restart: the step's
+scaler state is not used (logged at INFO). Turned on, from a step without scaler state: the scaler starts
+afresh from its ``init_scale``, with a warning.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
+import warnings
 from typing import Any
 
 import numpy as np
@@ -39,10 +44,35 @@ __all__ = ["CkptdCallback"]
 
 POINTER = "ckptd.json"
 
+log = logging.getLogger("ckptd.integrations")
+
 
 def _inner(obj: Any, attr: str) -> Any:
     """The torch optimizer / scheduler inside accelerate's wrapper."""
     return getattr(obj, attr, obj)
+
+
+def _scaler(optimizer: Any) -> Any:
+    """The AMP gradient scaler accelerate steps the optimizer with (``AcceleratedOptimizer.scaler``: fp16 AMP);
+    ``None`` without one, or when it is disabled (its state is then empty)."""
+    scaler = getattr(optimizer, "scaler", None)
+    if scaler is None or not callable(getattr(scaler, "state_dict", None)):
+        return None
+    enabled = getattr(scaler, "is_enabled", None)
+    return None if callable(enabled) and not enabled() else scaler
+
+
+def _restore_scaler(scaler: Any, saved: dict[str, Any] | None, job: str, step: int) -> None:
+    if scaler is not None and saved is not None:
+        scaler.load_state_dict(saved)
+    elif saved is not None:  # fp16 off now: fp32 weights need no loss scale
+        log.info("job %s step %s was saved under fp16 AMP; this run has no gradient scaler: its state is not used", job, step)
+    elif scaler is not None:
+        warnings.warn(
+            f"job {job} step {step} has no gradient scaler state (saved without fp16 AMP, or by a ckptd that did not keep it):"
+            f" the loss scale starts afresh at {scaler.get_scale()}",
+            stacklevel=2,  # named at on_train_begin
+        )
 
 
 def _rng() -> dict[str, Any]:
@@ -97,6 +127,8 @@ class CkptdCallback(TrainerCallback):
             "scheduler": _inner(lr_scheduler, "scheduler").state_dict() if lr_scheduler is not None else None,
             "rng": _rng(),
         }
+        if (scaler := _scaler(optimizer)) is not None:
+            extra["scaler"] = scaler.state_dict()  # floats and ints (the scale read back from the device)
         self.last = self.client.snapshot(model, _inner(optimizer, "optimizer"), step=state.global_step, extra=extra, blocking=self.blocking)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
@@ -161,6 +193,7 @@ class CkptdCallback(TrainerCallback):
         extra = client.restore(model, _inner(optimizer, "optimizer"), step=step)
         if lr_scheduler is not None and extra.get("scheduler") is not None:
             _inner(lr_scheduler, "scheduler").load_state_dict(extra["scheduler"])
+        _restore_scaler(_scaler(optimizer), extra.get("scaler"), job, step)
         self._rng = extra.get("rng")
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
