@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -17,6 +18,8 @@ from safetensors.torch import load_file
 
 import ckptd
 from ckptd.layout import shard_name, tmp_dir
+from ckptd.tools.verify import verify_checkpoint
+from ckptd.validate import read_manifest
 
 
 def _wait_durable(daemon, job: str, step: int, timeout: float = 60.0) -> str:  # noqa: ANN001
@@ -97,6 +100,74 @@ def test_daemon_killed_mid_persist_finishes_after_restart(make_daemon) -> None: 
     ckptd.restore(m2, o2, path=path)
     assert_same(full_state(m2, o2), want)
     assert "recovered committed shard" in daemon.log.read_text()
+
+
+def test_a_second_daemon_on_the_root_is_refused_while_the_first_still_drains(make_daemon) -> None:  # noqa: ANN001
+    """A daemon told to stop (SIGTERM) finishes its persists first, and its loop no longer answers meanwhile:
+    a restart on the same root (here even on another endpoint) was not refused, adopted the same committed
+    segment and wrote the same shard file; the step ended complete with a half-written shard. Now the root's
+    lock refuses it until the first is done, and the step is sound."""
+    a = make_daemon("--write-rate-limit", "2M")
+    model, optim = make()
+    model.register_buffer("bulk", torch.randn(2 << 20))  # 8 MiB: about 4 s at the capped rate
+    train_step(model, optim, 0)
+    want = full_state(model, optim)
+    with a.client("j") as c:
+        c.snapshot(model, optim, step=1, blocking=True)  # committed: the daemon owns it now
+    shard = os.path.join(tmp_dir(a.root, "j", 1), shard_name(0))
+    deadline = time.monotonic() + 30
+    while not (os.path.exists(shard) and os.path.getsize(shard) > 0) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    a.proc.send_signal(signal.SIGTERM)  # drains: finishes the persist
+    b = make_daemon(sub="b", start=False)
+    b.root = a.root  # the same root, its own endpoint
+    with pytest.raises(RuntimeError, match=r"another ckptd daemon is using the root .*\.ckptd\.lock"):
+        b.start()
+    assert a.proc.wait(60) == 0
+    path = os.path.join(a.root, "j", "step-1")
+    assert verify_checkpoint(path) == []
+    b.start()  # the first is gone: the root is free
+    with b.client("j") as c:
+        m2, o2 = make(seed=3)
+        m2.register_buffer("bulk", torch.zeros(2 << 20))
+        c.restore(m2, o2)
+    assert_same(full_state(m2, o2), want)
+
+
+def _stage_and_commit(d, rank: int, step: int = 1, ws: int = 2) -> None:  # noqa: ANN001
+    """One rank of launch 7 leasing, filling and committing its shard, on the wire (``_rig``'s real shard)."""
+    from _rig import shard, tree
+
+    data = shard(step, rank, ws)
+    with d.rpc() as rpc:
+        rep = rpc.call("alloc", job="j", rank=rank, world_size=ws, step=step, nbytes=len(data), pid=os.getpid())
+        with open(f"/dev/shm/{rep['segment']}", "r+b") as f:
+            f.write(data)
+        rpc.call(
+            "commit", job="j", rank=rank, world_size=ws, local_world_size=ws, step=step, segment=rep["segment"],
+            lease=rep["lease"], nbytes=len(data), replicas={}, run=7, after=None, frames=(tree(rank),),
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("staged", [True, False], ids=["shard-in-shm", "shard-on-disk"])
+def test_a_daemon_restart_between_two_ranks_commits_loses_nothing(make_daemon, staged: bool) -> None:  # noqa: ANN001
+    """Rank 0 of a two-rank launch commits step 1; the daemon restarts; rank 1 (which had not leased yet) commits
+    to the new daemon. Rank 0's shard was discarded (recovered from shared memory, its track took the new
+    commit for another run's) or its durable partial step removed at start-up, and step 1 stayed pending for
+    good. Now the step completes with both ranks."""
+    d = make_daemon("--write-rate-limit", "1") if staged else make_daemon()  # 1 byte/s: rank 0's shard stays staged
+    _stage_and_commit(d, 0)
+    if not staged:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(os.path.join(tmp_dir(d.root, "j", 1), "rank-00000.json")) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    d.kill()
+    d.start(["--keep", "3"])  # at full speed now
+    _stage_and_commit(d, 1)
+    with d.rpc() as rpc:
+        rep = rpc.call("wait", job="j", step=1, timeout=20.0)
+    assert rep["state"] == "durable", rep
+    assert verify_checkpoint(rep["path"]) == [] and read_manifest(rep["path"])["world_size"] == 2
 
 
 def test_daemon_killed_mid_persist_of_a_rolled_back_re_save_keeps_the_old_step(make_daemon) -> None:  # noqa: ANN001

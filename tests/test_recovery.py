@@ -31,13 +31,22 @@ from ckptd.validate import read_manifest
 
 
 def write_fragment(
-    root: str, step: int, rank: int, world_size: int, lws: int | None = None, *, row: int | None = None, at: int | None = None
+    root: str,
+    step: int,
+    rank: int,
+    world_size: int,
+    lws: int | None = None,
+    *,
+    row: int | None = None,
+    at: int | None = None,
+    run: int | None = None,
 ) -> None:
     """Rank ``rank``'s shard and fragment in ``step-N.tmp``, as a persist thread of the previous run wrote them
-    (from a commit record like :func:`_rig.record`'s; ``at``: its ``committed_at``)."""
+    (from a commit record like :func:`_rig.record`'s; ``at``: its ``committed_at``; ``run``: its launch, if named)."""
     data = shard(step, rank, world_size, row=row)
     at = record(step, rank, world_size, len(data), at=at)["committed_at"]
-    local.write_shard(root, JOB, step, rank, world_size, memoryview(data), len(data), json.loads(tree(rank)), 0.0, {}, lws, at)
+    tr = json.loads(tree(rank))
+    local.write_shard(root, JOB, step, rank, world_size, memoryview(data), len(data), tr, 0.0, {}, lws, at, run, None)
 
 
 def complete_step(root: str, step: int, world_size: int) -> str:
@@ -258,6 +267,24 @@ def test_a_partial_step_no_shard_can_complete_is_removed(node: Node) -> None:
     assert partial_dirs(node.root) == []
     assert [s for s in range(6) if os.path.exists(step_dir(node.root, JOB, s))] == []
     assert node.steps.tracks == {} and node.handed == [] and node.uploader.submitted == []
+
+
+def test_a_partial_step_its_run_may_still_complete_is_kept_for_its_other_ranks(node: Node) -> None:
+    """Rank 0 of run 7 committed step 2 and its shard is durable; the daemon restarted before rank 1 committed.
+    Rank 1 may still lease from the new daemon and commit: the step was removed here, and rank 1's commit then
+    began a step that could never complete. Now it is kept as a recovered track of run 7, with rank 0 in it.
+    A partial step whose fragments name no run, or one the job moved past (a later step complete), still goes."""
+    write_fragment(node.root, 2, 0, 2, run=7)
+    write_fragment(node.root, 1, 0, 2, run=7, at=10)  # committed before step 3 below completed: its ranks moved on
+    write_fragment(node.root, 3, 0, 1, at=20)
+    local.finalize_step(node.root, JOB, 3, 1)
+    node.recover()
+
+    assert partial_dirs(node.root) == ["step-2.tmp"]
+    track = node.steps.get((JOB, 2))
+    assert track is not None and track.state is StepState.PENDING and track.recovered
+    assert (track.committed, track.run, track.world_size) == ({0}, 7, 2)
+    assert node.steps.get((JOB, 1)) is None
 
 
 def test_a_partial_step_whose_fragments_cannot_be_merged_is_removed(node: Node) -> None:

@@ -14,6 +14,7 @@ side of the same check is in :mod:`ckptd.client.rpc`.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import stat
@@ -24,6 +25,8 @@ import zmq
 from ..errors import CheckpointError
 
 log = logging.getLogger("ckptd.daemon")
+
+ROOT_LOCK = ".ckptd.lock"  # in the root: flock'ed by the daemon that uses it
 
 
 def describe_owner(uid: int) -> str:
@@ -64,13 +67,25 @@ class Access:
         if self.gid is not None:
             os.chown(path, -1, self.gid)
 
-    def make_root(self, root: str) -> None:
-        """Create the checkpoint root with the right mode; warn if an existing one is open to everyone."""
+    def make_root(self, root: str) -> int:
+        """Create the checkpoint root with the right mode (warn if an existing one is open to everyone) and take
+        its lock: one daemon per root, whatever its endpoint, also while another still drains or recovers
+        (two would persist the same segments into the same files). Returns the lock's fd: held until closed."""
         if not os.path.isdir(root):
             os.makedirs(root)
             self.restrict(root, self.root_mode)
         elif (mode := os.stat(root).st_mode) & 0o007:
             log.warning("checkpoint root %s is accessible to every user on this node (mode %o)", root, mode & 0o7777)
+        fd = os.open(os.path.join(root, ROOT_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise CheckpointError(f"another ckptd daemon is using the root {root} (it holds {ROOT_LOCK}); stop it first") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     def make_socket_dir(self, path: str) -> None:
         """Make the directory of the socket at ``path`` (mode ``dir_mode``) or check an existing one, and

@@ -75,9 +75,16 @@ class Admission:
         if after is not None and after < step:  # a rolled-back run replaces a memory-only step of this number
             self.drop_memory(key, "replaced: a run rolled back to an earlier step saves this number again")
         track = self.steps.get(key)
-        if track is not None and track.state is StepState.PENDING and run is not None and (track.recovered or track.run not in (None, run)):
-            # begun by a run that is gone (_check_run let this one take the job over), or recovered after a
-            # daemon crash (leases do not survive one: its missing ranks can never commit)
+        if (
+            track is not None
+            and track.state is StepState.PENDING
+            and run is not None
+            and track.run != run
+            and (track.recovered or track.run is not None)
+        ):
+            # begun by a run that is gone (_check_run let this one take the job over), or recovered after a daemon
+            # crash from a record of another (or no named) run. The same run's missing ranks may still commit:
+            # those that lease after the restart join the step
             if track.all_committed:
                 raise ProtocolError(
                     f"step {step} of job {job}, saved by a previous run, is still being made durable: restore it, or save it"

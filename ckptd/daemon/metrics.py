@@ -15,8 +15,13 @@ gauges    ``up``, ``uptime_seconds``, ``shm_budget_bytes``, ``shm_bytes``, ``sta
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
+
+from ..errors import CheckpointError
+
+log = logging.getLogger("ckptd.daemon")
 
 _COUNTERS = {
     "persisted_bytes": "bytes written durably to local disk",
@@ -80,10 +85,15 @@ class StatusCollector:
 
 
 def serve(port: int, snapshot: Callable[[], dict[str, Any] | None], addr: str = "127.0.0.1") -> Any:
-    """Start the HTTP endpoint (``/metrics``) on ``addr:port`` in a daemon thread; returns the server."""
+    """Start the HTTP endpoint (``/metrics``) on ``addr:port`` in a daemon thread; returns the server. A port
+    that cannot be bound raises :class:`~ckptd.errors.CheckpointError`."""
     from prometheus_client import CollectorRegistry, start_http_server
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StatusCollector(snapshot))
-    server, _thread = start_http_server(port, addr=addr, registry=registry)
+    try:
+        server, _thread = start_http_server(port, addr=addr, registry=registry)
+    except OSError as e:
+        raise CheckpointError(f"cannot serve metrics on {addr}:{port}: {e.strerror or e}") from None
+    log.info("metrics on http://%s:%d/metrics", addr, port)
     return server

@@ -86,6 +86,10 @@ def adopt_segment(pool: SlotPool, steps: StepTable, root: str, name: str) -> Non
     track = steps.adopt((rec["job"], rec["step"]), rec["world_size"], rec["local_world_size"])
     pool.adopt(name, size, rec)
     track.committed.add(rec["rank"])
+    track.run = track.run if track.run is not None else rec.get("run")  # its ranks still to commit join it
+    at = rec.get("committed_at", 0)  # its first commit's time orders the job's steps
+    if at and (not track.committed_at or at < track.committed_at):
+        track.committed_at = at
     log.info("recovered committed shard %s: job %s step %s rank %s", name, rec["job"], rec["step"], rec["rank"])
 
 
@@ -108,6 +112,13 @@ def finish_partial_step(root: str, job: str, step: int, steps: StepTable, persis
         steps.adopt((job, step), ws, lws).committed |= present
         persister.mark_node_reported(job, step)
         uploader.submit(job, step, ws, sorted(present))
+    elif track is None and ws and (run := local.partial_run(root, job, step, present)) is not None:
+        # every committed shard of it is durable here: the ranks of its run that had not committed yet may
+        # still do so with this daemon; a later step of the job completing or committing abandons it
+        log.info("keeping partial step %s of job %s (ranks %s of %s, run %s) for its other ranks", step, job, sorted(present), ws, run)
+        track = steps.adopt((job, step), ws, lws)
+        track.committed |= present
+        track.run = run
     elif track is None:
         log.info("removing partial step %s of job %s (no staged shard can complete it)", step, job)
         local.remove_partial(root, job, step)

@@ -12,6 +12,7 @@ package imports torch. Which step is complete, and which one a restore reads, is
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import os
@@ -68,7 +69,14 @@ class Daemon:
         self.config = config
         self.access = Access(config.group)
         self.root = os.path.abspath(config.root)
-        self.access.make_root(self.root)
+        self._root_lock = self.access.make_root(self.root)  # one daemon per root: refused here if another holds it
+        try:
+            self._build(config, store)
+        except BaseException:
+            os.close(self._root_lock)
+            raise
+
+    def _build(self, config: DaemonConfig, store: ObjectStore | None) -> None:
         self.endpoint = config.endpoint
         self.started = time.monotonic()
         self.counters = Counters()
@@ -197,16 +205,11 @@ class Daemon:
             log.exception("%s failed; the daemon carries on", getattr(fn, "__name__", fn))
 
     def _serve_metrics(self) -> None:
-        if not self.config.metrics_port:
-            return
-        from . import metrics
+        if self.config.metrics_port:
+            from . import metrics
 
-        self._status_snapshot = build_status(self)
-        try:
+            self._status_snapshot = build_status(self)
             self._metrics = metrics.serve(self.config.metrics_port, lambda: self._status_snapshot)
-        except OSError as e:
-            raise CheckpointError(f"cannot serve metrics on 127.0.0.1:{self.config.metrics_port}: {e.strerror or e}") from None
-        log.info("metrics on http://127.0.0.1:%d/metrics", self.config.metrics_port)
 
     def _check_endpoint(self) -> None:
         """Refuse an endpoint ckptd does not speak, an ipc endpoint whose directory is not the daemon's own,
@@ -261,10 +264,9 @@ class Daemon:
         self.events.close()
         self._ctx.term()
         if self.endpoint.startswith("ipc://"):
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.endpoint[len("ipc://") :])
-            except FileNotFoundError:
-                pass
+        os.close(self._root_lock)  # last: the next daemon on this root starts once this one is done with it
 
     # ------------------------------------------------------------------ requests
 
@@ -404,10 +406,8 @@ class Daemon:
         return {"step": step, "path": path, "source": None if step is None else Source.DISK.to_wire()}
 
     def _on_latest(self, ev: LatestFound) -> None:
-        if "error" in ev.answer:
-            self._send(ev.ident, reply_error(ev.req_id, "refused", ev.answer["error"]))
-        else:
-            self._send(ev.ident, reply_ok(ev.req_id, **ev.answer))
+        err = ev.answer.get("error")
+        self._send(ev.ident, reply_error(ev.req_id, "refused", err) if err is not None else reply_ok(ev.req_id, **ev.answer))
 
     def _op_hot_open(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
         return self.memtier.hot_open(msg["job"], msg["step"], msg["pid"])

@@ -29,7 +29,7 @@ from typing import Any
 import xxhash
 
 from ..errors import CheckpointError, FormatError
-from ..format import MAX_HEADER_BYTES, ShardLayout, build_fragment, build_manifest, commit_time, digest, parse_header
+from ..format import MAX_HEADER_BYTES, ShardLayout, attempt_of, build_fragment, build_manifest, commit_time, digest, parse_header
 from ..layout import (
     MANIFEST,
     complete_steps,
@@ -213,6 +213,25 @@ def fragment_sizes(root: str, job: str, step: int, ranks: set[int]) -> tuple[int
         except (OSError, FormatError):
             continue
     return None, None
+
+
+def partial_run(root: str, job: str, step: int, ranks: set[int]) -> int | None:
+    """The run (launch) that wrote the fragments of partial step ``step`` when it can still complete: every
+    one of ``ranks`` readable and naming that run, and no complete step of the job committed after them (its
+    ranks moved on). ``None`` otherwise."""
+    runs: set[int | None] = set()
+    at = 0
+    for r in ranks:
+        try:
+            frag = read_fragment(root, job, step, r)
+        except (OSError, FormatError):
+            return None
+        runs.add((attempt_of(frag) or (None, None))[0])
+        at = max(at, commit_time(frag))
+    _, last = latest_step(root, job)
+    if len(runs) != 1 or None in runs or (last is not None and committed_at(last) > at):
+        return None
+    return runs.pop()
 
 
 def finalize_step(root: str, job: str, step: int, world_size: int) -> str:
