@@ -45,6 +45,7 @@ _DIR_RE = re.compile(r"ckptd-\d+-[0-9a-f]{16}")
 _FILE_RE = re.compile(r"[0-9a-f]{32}")
 NAME_RE = re.compile(rf"{_DIR_RE.pattern}/{_FILE_RE.pattern}")
 _OPEN = os.O_NOFOLLOW | os.O_CLOEXEC
+_ANY_MODES = frozenset({0o600, 0o640, 0o660})  # a segment's modes under any --group setting: free or leased, committed
 
 
 class Untrusted(CheckpointError):
@@ -75,6 +76,14 @@ class SegmentDir:
         self._marker = os.path.join(root, MARKER)
         self.name = self._reuse() or self._make()
         self.path = os.path.join(SHM_DIR, self.name)
+        self._set_dir_access()  # a reused one as this run's --group setting wants, whatever the previous run's
+
+    def _set_dir_access(self) -> None:
+        if self.gid is not None:
+            os.chown(self.path, -1, self.gid)
+            os.chmod(self.path, 0o710)  # members reach a segment by name, cannot list or create
+        else:
+            os.chmod(self.path, 0o700)
 
     @staticmethod
     def read_marker(root: str) -> str | None:
@@ -110,9 +119,6 @@ class SegmentDir:
                 continue
             except OSError as e:
                 raise CheckpointError(f"cannot create a segment directory in {SHM_DIR}: {e.strerror}") from None
-            if self.gid is not None:
-                os.chown(path, -1, self.gid)
-                os.chmod(path, 0o710)  # members reach a segment by name, cannot list or create
             try:
                 _check_dir(path)
                 write_durable(self._marker, f"{name}\n".encode())
@@ -187,6 +193,21 @@ class SegmentDir:
             os.close(fd)
             raise Untrusted(f"{path} is not a file this daemon made (uid {st.st_uid}, mode {st.st_mode:o})")
         return fd
+
+    def take_over(self, name: str) -> None:
+        """Segment ``name`` a previous run of this daemon left (start-up): accepted under any mode a ckptd
+        configuration writes (``--group`` may have been added or dropped since), then given this run's
+        committed mode and group. Anything else is :class:`Untrusted`."""
+        fd = os.open(self._path(name), os.O_RDONLY | _OPEN)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) not in _ANY_MODES:
+                raise Untrusted(f"{self._path(name)} is not a file this daemon made (uid {st.st_uid}, mode {st.st_mode:o})")
+            os.fchmod(fd, self.sealed_mode)
+            if self.gid is not None:
+                os.fchown(fd, -1, self.gid)
+        finally:
+            os.close(fd)
 
     @property
     def sealed_mode(self) -> int:

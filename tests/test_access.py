@@ -177,3 +177,34 @@ def test_a_group_member_cannot_rewrite_another_jobs_committed_shard(short_tmp: P
             assert rpc.call("latest", job="victim")["step"] == 2
     finally:
         d.cleanup()
+
+
+@pytest.mark.parametrize("change", ["group-added", "group-dropped"])
+def test_a_restart_with_another_group_setting_keeps_the_committed_shard(short_tmp: Path, change: str) -> None:
+    """The daemon is killed with a committed shard not yet durable and restarted with ``--group`` added (or
+    dropped): the previous run's own segment (0600, or 0640) was taken for a stranger's file, never adopted,
+    never unlinked, and the acknowledged step was lost. It is taken over now, with this run's mode and group."""
+    try:
+        gid = grp.getgrnam(GROUP).gr_gid
+    except KeyError:
+        pytest.skip(f"no group {GROUP!r} here")
+    group = ["--group", GROUP]
+    first, second = ([], group) if change == "group-added" else (group, [])
+    d = DaemonProc(short_tmp, [*first, "--write-rate-limit", "1k"])  # 1 kB/s: the shard stays staged
+    try:
+        d.start()
+        m = torch.nn.Linear(64, 64)
+        with d.client() as c:
+            c.snapshot(m, step=1, blocking=True)  # committed: the daemon owns it
+        segs = _segments(d)
+        d.kill()
+        d.start([*second, "--keep", "3"])
+        with d.rpc() as rpc:
+            rep = rpc.call("wait", job="t", step=1, timeout=20.0)
+        assert rep["state"] == "durable", rep
+        seg_dir = os.path.dirname(shm.path_of(segs[0]))
+        assert _mode(seg_dir) == ((0o710, gid) if second else (0o700, _mode(seg_dir)[1]))
+        d.stop()
+        assert not os.path.exists(seg_dir)  # nothing left behind
+    finally:
+        d.cleanup()

@@ -62,7 +62,8 @@ def finished(root: str, rec: dict[str, Any]) -> bool:
 def adopt_segment(pool: SlotPool, steps: StepTable, root: str, name: str) -> None:
     """Adopt one segment if its commit record is sound and its step still needs it; else unlink it."""
     segs = pool.segments
-    size = segs.size_of(name)  # Untrusted unless it is our own regular file
+    segs.take_over(name)  # Untrusted unless it is our own regular file; this run's mode and group from here on
+    size = segs.size_of(name)
     got = segs.read_record(name)
     if got is None:
         segs.unlink(name)  # never committed (or the record is torn: never acknowledged)
