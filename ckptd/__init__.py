@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-from .errors import CheckpointError, DaemonUnavailable, FormatError, ProtocolError, StepDropped  # noqa: E402
+from .errors import CheckpointError, DaemonUnavailable, FormatError, ProtocolError, StepDropped, StepUnknown  # noqa: E402
 
 if TYPE_CHECKING:
     import torch
@@ -39,6 +39,7 @@ __all__ = [
     "FormatError",
     "ProtocolError",
     "StepDropped",
+    "StepUnknown",
     "Restored",
     "SnapshotHandle",
     "latest",

@@ -26,3 +26,8 @@ class UnsupportedState(CheckpointError, TypeError):
 class StepDropped(CheckpointError):
     """A snapshot held in the daemon's memory tier only was dropped before anyone asked for it durable (a
     later step was complete, or shared memory was full), as the job's tiering policy allows."""
+
+
+class StepUnknown(CheckpointError):
+    """The daemon has no record of a snapshot's step and the step is not on disk: the daemon restarted since
+    the step was committed, and retention removed it, the memory tier dropped it, or it was lost."""

@@ -35,7 +35,8 @@ Ops (who sends them: the trainer's client, on whichever of its threads needs the
 ``wait`` ``{job, step, timeout}`` → ``{"state": "pending"|"memory"|"durable"|"failed"|"dropped", "path",
     "error"}``; the reply is held up to ``timeout`` seconds for the step to leave ``pending``. A wait
     for a step held in the memory tier only has it persisted (a wait asks for durability);
-    ``dropped``: a memory-only step the tiering policy dropped before anyone asked.
+    ``dropped``: a memory-only step the tiering policy dropped before anyone asked. ``failed`` with
+    ``"unknown": true``: the daemon has no record of the step and it is not on disk (it restarted since).
     ``persist`` (optional, default true): false answers a memory-only step as it is (``memory``).
 ``promote`` ``{job, step}`` → ``{"step"}``: before a restore, the step to wait for: ``step`` (null: the
     job's newest step every rank committed) if it is still pending or held in the memory tier only;

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -17,6 +18,7 @@ from conftest import REPO, env_for
 from safetensors.torch import load_file
 
 import ckptd
+from ckptd import shm
 from ckptd.layout import shard_name, tmp_dir
 from ckptd.tools.verify import verify_checkpoint
 from ckptd.validate import read_manifest
@@ -168,6 +170,65 @@ def test_a_daemon_restart_between_two_ranks_commits_loses_nothing(make_daemon, s
         rep = rpc.call("wait", job="j", step=1, timeout=20.0)
     assert rep["state"] == "durable", rep
     assert verify_checkpoint(rep["path"]) == [] and read_manifest(rep["path"])["world_size"] == 2
+
+
+def test_client_wait_after_a_daemon_restart_judges_steps_it_no_longer_knows(make_daemon, caplog) -> None:  # noqa: ANN001
+    """Snapshots whose handles were not waited, then a daemon restart (even a clean one): the new daemon has no
+    record of steps retention removed, and Client.wait() raised for them although a later step is durable.
+    They are skipped now, with a warning. A step that is gone with nothing durable after it (the node lost its
+    shared memory before the step was persisted) is still an error: StepUnknown."""
+    d = make_daemon("--keep", "1")
+    model, optim = make()
+    c = d.client("j")
+    try:
+        for s in (1, 2, 3):
+            train_step(model, optim, s)
+            c.snapshot(model, optim, step=s, blocking=True)
+        d.stop()
+        d.start(["--keep", "1"])
+        with caplog.at_level("WARNING", logger="ckptd.client"):
+            assert [os.path.basename(p) for p in c.wait(60)] == ["step-3"]
+        assert "no record of step 1 of job j" in caplog.text and "step 3, snapshot after it, is durable" in caplog.text
+    finally:
+        c.close()
+    lost = make_daemon("--write-rate-limit", "1", sub="lost")  # 1 byte/s: the shard stays staged
+    c = lost.client("j")
+    try:
+        c.snapshot(model, optim, step=1, blocking=True)
+        lost.kill()
+        for seg in lost.segments():  # a reboot: /dev/shm is empty
+            os.unlink(shm.path_of(seg))
+        lost.start(["--keep", "3"])
+        with pytest.raises(ckptd.StepUnknown, match="no record of step 1 of job j and it is not on disk"):
+            c.wait(60)
+    finally:
+        c.close()
+
+
+def test_a_wait_in_progress_when_the_daemon_restarts_gets_the_new_daemons_answer(make_daemon) -> None:  # noqa: ANN001
+    """handle.wait() was waiting when the daemon was killed and restarted: its request died with the old daemon,
+    the client polled on while the new one answered hello, and raised DaemonUnavailable ("is ckptd serve
+    running?") although the new daemon made the step durable at once. An idempotent request is asked again."""
+    d = make_daemon("--write-rate-limit", "1")  # 1 byte/s: the step stays pending until the restart
+    model, optim = make()
+    out: dict = {}
+    with d.client("j", timeout=3.0) as c:
+        h = c.snapshot(model, optim, step=1, blocking=True)
+
+        def wait() -> None:
+            try:
+                out["path"] = h.wait(8.0)
+            except Exception as e:  # the assertion below names it
+                out["error"] = e
+
+        t = threading.Thread(target=wait)
+        t.start()
+        time.sleep(1.0)
+        d.kill()
+        d.start(["--keep", "3"])
+        t.join(60)
+    assert "error" not in out, out
+    assert out["path"].endswith("step-1") and verify_checkpoint(out["path"]) == []
 
 
 def test_daemon_killed_mid_persist_of_a_rolled_back_re_save_keeps_the_old_step(make_daemon) -> None:  # noqa: ANN001

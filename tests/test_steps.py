@@ -227,7 +227,8 @@ def test_forget_finished_keeps_the_newest_finished_steps_per_job() -> None:
     assert table.answer(("j", 1)) == {
         "state": "failed",
         "path": None,
-        "error": "the daemon has no record of step 1 of job j",
+        "error": "the daemon has no record of step 1 of job j and it is not on disk",
+        "unknown": True,
     }  # was durable
 
     table.forget_finished("j")  # idempotent
@@ -267,8 +268,9 @@ def test_answer_for_an_untracked_step_asks_complete_path() -> None:
     paths = CompletePaths({("j", 4): "/root/j/step-4"})
     table = StepTable(paths)
     assert table.answer(("j", 4)) == {"state": "durable", "path": "/root/j/step-4", "error": None}
-    assert table.answer(("j", 5)) == {"state": "failed", "path": None, "error": "the daemon has no record of step 5 of job j"}
-    assert table.answer(("k", 4))["error"] == "the daemon has no record of step 4 of job k"
+    want = {"state": "failed", "path": None, "error": "the daemon has no record of step 5 of job j and it is not on disk", "unknown": True}
+    assert table.answer(("j", 5)) == want
+    assert table.answer(("k", 4))["error"] == "the daemon has no record of step 4 of job k and it is not on disk"
     assert paths.asked == [("j", 4), ("j", 5), ("k", 4)]
     assert table.tracks == {}  # answering tracks nothing
 

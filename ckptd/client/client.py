@@ -27,7 +27,7 @@ from ..config import ALLOC_TIMEOUT_S, CLIENT_TIMEOUT_S, default_endpoint, defaul
 from ..errors import CheckpointError, DaemonUnavailable, ProtocolError
 from ..protocol import MAX_MESSAGE_BYTES
 from .copy import CopyGuard, EarlyCopy, EventGroup, Pairs, SlotMaps, copy_tensors, fill, optimizer_storages
-from .handle import SnapshotHandle, StepDropped
+from .handle import SnapshotHandle, StepDropped, StepUnknown
 from .load import Restored, restore_state
 from .options import dist_rank_world, local_world_size, overlap_setting, tier_settings
 from .restore import Source, restore_from_daemon, restored
@@ -354,7 +354,8 @@ class Client:
         With a memory tier (``persist_every`` > 1 ...), steps it already dropped are skipped; the others
         are persisted now."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        paths = []
+        paths: list[str] = []
+        unknown: list[StepUnknown] = []  # steps the restarted daemon no longer knows: fine if a later one is durable
         while True:
             with self._plock:
                 if not self._pending:
@@ -366,13 +367,20 @@ class Client:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
                 paths.append(h.wait(left))
+                for e in unknown:  # older than a durable step: removed by retention or dropped by the memory tier
+                    log.warning("%s; step %s, snapshot after it, is durable", e, h.step)
+                unknown.clear()
             except StepDropped:  # kept in memory only and dropped, as the job's tiering policy allows: not an error here
                 log.debug("step %s of job %s was dropped from memory, not persisted", h.step, self.job)
+            except StepUnknown as e:
+                unknown.append(e)
             except CheckpointError:
                 if h._failed is not None or h._reported:  # a failed step is reported once; a timeout, or a step
                     self._untrack(h)  # the daemon still holds after persisting it failed, stays pending
                 raise
             self._untrack(h)
+        if unknown:  # no snapshot after it is durable: it may be lost
+            raise unknown[0]
         return paths
 
     def restore(

@@ -10,7 +10,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from ..errors import CheckpointError, StepDropped
+from ..errors import CheckpointError, StepDropped, StepUnknown
 
 if TYPE_CHECKING:
     from .client import Client
@@ -73,6 +73,9 @@ class SnapshotHandle:
             if rep["state"] == "dropped":
                 self._reported = True
                 raise StepDropped(f"step {self.step} of job {self.job} is not durable: {rep['error']}")
+            if rep["state"] == "failed" and rep.get("unknown"):  # the daemon restarted since: Client.wait() judges it
+                self._reported = True
+                raise StepUnknown(f"step {self.step} of job {self.job}: {rep['error']} (the daemon restarted since it was committed)")
             if rep["state"] == "failed" and rep.get("in_memory"):  # persisting failed, the daemon still holds it
                 raise CheckpointError(f"step {self.step} of job {self.job} failed: {rep['error']}")  # a later wait tries again
             if rep["state"] == "failed":

@@ -116,6 +116,9 @@ def _refuse(endpoint: str, problem: str, st: os.stat_result, hint: str | None = 
     raise CheckpointError(f"refusing to connect to {endpoint}: {problem} ({owner}, {mode}), so it may not be your ckptd daemon; {hint}")
 
 
+_RESENDABLE = frozenset({"hello", "status", "latest", "wait", "promote"})  # asked again of a restarted daemon: no harm twice
+
+
 class Channel:
     """``timeout`` bounds each request unless the call gives its own ``rpc_timeout``; a longer wait
     (an ``alloc`` under backpressure) checks every ``timeout`` that the daemon still answers. Each new
@@ -146,13 +149,23 @@ class Channel:
         req_id = next(self._ids)
         s = self._socket(op)
         s.send_multipart([request(op, req_id, **fields), *frames])
-        t0 = time.monotonic()
-        deadline = t0 + timeout
+        t0 = sent = time.monotonic()
+        deadline, resent = t0 + timeout, 0
+        held = fields.get("timeout", 0.0)  # how long the daemon may hold the reply back on purpose (if a number)
+        held = float(held) if isinstance(held, (int, float)) and not isinstance(held, bool) else 0.0
         while True:
             left = deadline - time.monotonic()
             slice_s = min(left, self.timeout)
-            if left > 0 and not s.poll(int(slice_s * 1000) + 1) and slice_s < left and self.alive():
-                continue
+            if left > 0 and not s.poll(int(slice_s * 1000) + 1):
+                lost = op in _RESENDABLE and resent < 3 and time.monotonic() - sent > held + 1.0
+                if (lost or slice_s < left) and self.alive():
+                    if lost:  # the daemon answers, but not this request: it restarted and lost it; ask the new one
+                        self._drop_socket()
+                        s, req_id, resent = self._socket(op), next(self._ids), resent + 1
+                        s.send_multipart([request(op, req_id, **fields), *frames])
+                        sent = time.monotonic()
+                        deadline = max(deadline, sent + held + self.timeout)
+                    continue
             if left <= 0 or not s.poll(0):
                 # a late reply must not be read as the answer to a later request
                 self._drop_socket()

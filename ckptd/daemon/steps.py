@@ -221,7 +221,9 @@ class StepTable:
         path = self._complete_path(*key)
         if path is not None:
             return {"state": StepState.DURABLE.value, "path": path, "error": None}
-        return {"state": StepState.FAILED.value, "path": None, "error": f"the daemon has no record of step {key[1]} of job {key[0]}"}
+        # a step from before a restart that is not on disk: removed by retention, dropped by the memory tier, or lost
+        why = f"the daemon has no record of step {key[1]} of job {key[0]} and it is not on disk"
+        return {"state": StepState.FAILED.value, "path": None, "error": why, "unknown": True}
 
     def wait(self, key: StepKey, ident: bytes, req_id: Any, deadline: float, persist: bool = True) -> dict[str, Any] | None:
         """The ``wait`` reply if the step is not pending (``persist`` false: or sealed); else hold the request
