@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -20,6 +21,7 @@ from safetensors.torch import load_file
 import ckptd
 from ckptd import shm
 from ckptd.layout import shard_name, tmp_dir
+from ckptd.storage import local
 from ckptd.tools.verify import verify_checkpoint
 from ckptd.validate import read_manifest
 
@@ -229,6 +231,49 @@ def test_a_wait_in_progress_when_the_daemon_restarts_gets_the_new_daemons_answer
         t.join(60)
     assert "error" not in out, out
     assert out["path"].endswith("step-1") and verify_checkpoint(out["path"]) == []
+
+
+def test_a_trainer_lets_go_of_the_segments_a_restarted_daemon_unlinked(make_daemon) -> None:  # noqa: ANN001
+    """prepare() mapped the trainer's slots; the daemon restarted and unlinked them (no commit record). The
+    trainer kept those mappings (it evicts only past four), so their shared memory stayed allocated for
+    the run, invisible in /dev/shm and outside the new daemon's budget. They are dropped at the next new slot."""
+    d = make_daemon()
+    model = torch.nn.Linear(256, 256)
+    with d.client("j") as c:
+        c.prepare(model)
+        c.snapshot(model, step=1, blocking=True).wait(30)
+        before = c._maps.names()
+        d.kill()
+        d.start(["--keep", "3"])
+        assert not any(os.path.exists(shm.path_of(n)) for n in before)  # the new daemon unlinked them
+        for s in (2, 3):
+            c.snapshot(model, step=s, blocking=True).wait(30)
+        assert c._maps.names() and all(os.path.exists(shm.path_of(n)) for n in c._maps.names())
+
+
+def test_a_step_committed_after_a_restart_is_newer_than_the_adopted_ones_whatever_the_clock(make_daemon) -> None:  # noqa: ANN001
+    """The clock went back an hour across a crash: a step committed after the restart, while an adopted step
+    was still being persisted, was stamped older than it, so latest stayed on the adopted step and retention
+    (keep 1) removed the newer one. Commit times after a restart are later than every adopted record's."""
+    d = make_daemon("--write-rate-limit", "1k", "--keep", "1")  # 1 kB/s: step 1 stays staged
+    with d.client("j") as c:
+        c.snapshot_state({"model": {"w": torch.randn(1 << 20)}}, step=1)  # 4 MiB
+    (seg,) = d.segments()
+    d.kill()
+    path = shm.path_of(seg) + shm.RECORD_SUFFIX
+    with open(path, "rb") as f:
+        head, _, tree = f.read().partition(b"\n")
+    rec = json.loads(head)
+    rec["committed_at"] += 3600 * 10**9  # stamped by a clock an hour ahead of today's
+    with open(path, "wb") as f:
+        f.write(json.dumps(rec, separators=(",", ":")).encode() + b"\n" + tree)
+    d.start(["--write-rate-limit", "1M", "--keep", "1"])  # step 1 takes seconds to persist; step 2 is small
+    with d.client("j") as c:
+        c.snapshot_state({"model": {"w": torch.randn(4)}}, step=2).wait(60)
+        with d.rpc() as rpc:
+            assert rpc.call("wait", job="j", step=1, timeout=30.0)["state"] == "durable"  # then retention ran
+        assert c.latest() == 2
+    assert local.steps_by_commit(d.root, "j") == [2]
 
 
 def test_daemon_killed_mid_persist_of_a_rolled_back_re_save_keeps_the_old_step(make_daemon) -> None:  # noqa: ANN001

@@ -15,6 +15,7 @@ Who runs what, in a training process:
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections import OrderedDict
@@ -89,6 +90,10 @@ class SlotMaps:
     def mapping(self, name: str) -> shm.Mapping:
         m = self._maps.get(name)
         if m is None:
+            # a new slot: first let go of mappings whose segment is gone (a restarted daemon unlinked the old
+            # one's, or renamed a slot): never used again, their pages would stay allocated outside any budget
+            for old in [n for n in self._maps if not os.path.exists(shm.path_of(n))]:
+                self._unmap(old, self._maps.pop(old))
             m = shm.Mapping(name)
             self._maps[name] = m
             while len(self._maps) > MAPPINGS_KEPT:

@@ -386,9 +386,9 @@ class Daemon:
         """Nanoseconds since the epoch, strictly increasing per job in this run (a clock stepped back
         must not make a later commit look older), and later than ``after`` (the old step a rolled-back
         run's re-save replaces, which another node's clock may have stamped): the order ``latest`` follows."""
-        if job not in self._last_commit_ns:  # after a restart: later than every step on disk, whatever the clock says
-            _, path = self.catalog.latest(job)
-            self._last_commit_ns[job] = committed_at(path) if path is not None else 0
+        if job not in self._last_commit_ns:  # after a restart: later than every step on disk or adopted, whatever the clock says
+            times = [sl.lease.get("committed_at", 0) for sl in self.pool if sl.lease is not None and sl.lease.get("job") == job]
+            self._last_commit_ns[job] = max([committed_at(p) for p in [self.catalog.latest(job)[1]] if p is not None] + times, default=0)
         t = max(time.time_ns(), self._last_commit_ns[job] + 1, after + 1)
         self._last_commit_ns[job] = t
         return t
