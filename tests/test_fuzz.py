@@ -21,6 +21,7 @@ import zmq
 from conftest import REPO, DaemonProc
 
 from ckptd import shm
+from ckptd.daemon.access import ROOT_LOCK
 from ckptd.protocol import request
 
 N_MESSAGES = 3000
@@ -238,7 +239,7 @@ def _escapes(d: DaemonProc) -> list[str]:
 def _end_clean(d: DaemonProc, peer: Peer, shm_dir: str, jobs: frozenset[str] = frozenset()) -> None:
     """The daemon lived through the attack: ``hello`` answers with the same pid, ``status`` works, a stop
     returns 0 and leaves no segment, no segment directory, nothing in its root but the ``jobs`` it was
-    legitimately given, and nothing outside its root."""
+    legitimately given (and its empty lock file), and nothing outside its root."""
     assert d.proc is not None and d.proc.poll() is None, peer._why("the daemon died")
     assert peer.ok("hello")["pid"] == d.proc.pid
     st = peer.ok("status")
@@ -249,7 +250,8 @@ def _end_clean(d: DaemonProc, peer: Peer, shm_dir: str, jobs: frozenset[str] = f
     assert d.segments() == []
     assert not os.path.exists(os.path.join(SHM_DIR, shm_dir))
     assert set(os.listdir(d.base)) == {"root", "daemon.log"}
-    assert set(os.listdir(d.root)) <= jobs, os.listdir(d.root)
+    assert set(os.listdir(d.root)) <= jobs | {ROOT_LOCK}, os.listdir(d.root)
+    assert os.path.getsize(os.path.join(d.root, ROOT_LOCK)) == 0
     assert _escapes(d) == []
 
 
