@@ -100,7 +100,10 @@ def _fingerprint(model: torch.nn.Module, optim: torch.optim.Optimizer | None) ->
         if not all(isinstance(t, torch.Tensor) for t in ts):
             return None
         ts = [local_tensor(t) for t in ts]
-    fp += map(_DATA_PTR, ts)
+    try:
+        fp += map(_DATA_PTR, ts)
+    except RuntimeError:  # a tensor without storage (sparse): no fingerprint; staging names it
+        return None
     fp += map(_NUMEL, ts)
     return fp
 

@@ -26,7 +26,7 @@ import torch
 from ..config import ALLOC_TIMEOUT_S, CLIENT_TIMEOUT_S, default_endpoint, default_job, env_float, validate_job
 from ..errors import CheckpointError, DaemonUnavailable, ProtocolError
 from ..protocol import MAX_MESSAGE_BYTES
-from .copy import CopyGuard, EarlyCopy, EventGroup, Pairs, SlotMaps, copy_tensors, fill, optimizer_storages
+from .copy import CopyGuard, EarlyCopy, EventGroup, Pairs, SlotMaps, copy_tensors, fill, hookable, optimizer_storages, torch_optimizer
 from .handle import SnapshotHandle, StepDropped, StepUnknown
 from .load import Restored, restore_state
 from .options import dist_rank_world, local_world_size, overlap_setting, tier_settings
@@ -130,12 +130,13 @@ class Client:
         values and tensors) is this rank's own state, returned by :meth:`restore`.
         """
         _check_step(step)
-        self._guard.finish()  # the previous copy must end before we reuse the layout or slot
+        optim = torch_optimizer(optim)
+        prior = self._guard.settle()  # the previous copy must end before we reuse the layout or slot; its error goes to the plan
         _check_not_saved(self, step)
         rank, world = dist_rank_world()
-        early = self._early_copy(rank, world, step) if blocking or self.overlap != "always" else None
+        early = self._early_copy(rank, world, step) if prior is None and (blocking or self.overlap != "always") else None
         try:
-            staged = self._stager.run(model, optim, extra, rank, step)
+            staged = self._stager.run(model, optim, extra, rank, step, prior)
         except BaseException:
             if early is not None:
                 early.join()
@@ -148,11 +149,17 @@ class Client:
             segment = self._finish_early(early, staged)
         later: Pairs = ([], [])
         event = None
-        if segment is None:  # no early copy, or it did not hold
-            segment, later, event = self._fill(optim, rank, world, step, staged, blocking or not self._overlaps(staged))
-        commit = self._commit_fields(rank, world, step, segment, staged)
+        if segment is None:  # no early copy, or it did not hold (an optimizer that cannot be hooked: copied now)
+            segment, later, event = self._fill(
+                optim, rank, world, step, staged, blocking or not self._overlaps(staged) or not hookable(optim)
+            )
+        try:
+            commit = self._commit_fields(rank, world, step, segment, staged)
+        except BaseException:
+            self._release(segment)
+            raise
         if not later[0] and event is None:
-            self._commit_now(handle, commit, tree_json or self._trees.encode(staged.tree))
+            self._commit_now(handle, commit, tree_json or staged.tree)
         else:
             if optim is not None:  # no optimizer: nothing left for later but the device-to-host copies' event
                 self._guard.hook(optim)
@@ -192,8 +199,8 @@ class Client:
             run=self._stager.run_id, **self._tiering,
         )  # fmt: skip
 
-    def _commit_now(self, handle: SnapshotHandle, commit: dict[str, Any], tree_json: bytes) -> None:
-        self._commit(handle, commit, tree_json)
+    def _commit_now(self, handle: SnapshotHandle, commit: dict[str, Any], tree: bytes | dict[str, Any]) -> None:
+        self._commit(handle, commit, tree)
         if handle._error is not None:
             handle._reported = True
             raise CheckpointError(f"snapshot of step {commit['step']} failed: {handle._error}") from handle._error
@@ -210,9 +217,9 @@ class Client:
         """
         if slots is None:
             slots = 3 if self._memory_tier() else 2
-        self._guard.finish()
+        prior = self._guard.settle()  # raised by the plan below, with every rank
         rank, world = dist_rank_world()
-        staged = self._stager.run(model, optim, None, rank, None)
+        staged = self._stager.run(model, torch_optimizer(optim), None, rank, None, prior)
         leased: list[str] = []
         short: list[ProtocolError] = []
         try:  # the slots are asked for, made, mapped (and page-locked for CUDA) side by side
@@ -313,8 +320,10 @@ class Client:
             self._guarded = (stage, optimizer_storages(optim))
         return self._guarded[1]
 
-    def _commit(self, handle: SnapshotHandle, commit: dict[str, Any], tree_json: bytes) -> None:
+    def _commit(self, handle: SnapshotHandle, commit: dict[str, Any], tree: bytes | dict[str, Any]) -> None:
+        """Commit the filled slot; any failure is the handle's error and gives the slot back; the handle is marked copied."""
         try:
+            tree_json = tree if isinstance(tree, bytes) else self._trees.encode(tree)  # a value JSON refuses fails here
             if len(tree_json) > MAX_MESSAGE_BYTES:  # the daemon would drop it unanswered
                 raise CheckpointError(
                     f"the state's non-tensor values take {len(tree_json)} bytes as JSON, over the {MAX_MESSAGE_BYTES}-byte"
@@ -345,7 +354,7 @@ class Client:
             self._release(commit["segment"])
             handle._copied.set()
             return
-        self._commit(handle, commit, self._trees.encode(tree))
+        self._commit(handle, commit, tree)
 
     # ------------------------------------------------------------------ wait / restore
 
@@ -410,6 +419,7 @@ class Client:
         """
         self._guard.finish()
         rank, _ = dist_rank_world()
+        optim = torch_optimizer(optim)
         how = {"strict": strict, "dtype": dtype}
         if path is not None:
             extra = restore_state(path, model, optim, rank, **how)

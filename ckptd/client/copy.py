@@ -49,6 +49,25 @@ def storage_of(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+def torch_optimizer(optim: Any) -> Any:
+    """The torch optimizer inside a framework's wrapper (accelerate's ``AcceleratedOptimizer.optimizer``,
+    Lightning's ``LightningOptimizer._optimizer``): the one whose ``step()`` runs the pre-hooks that guard a
+    background copy, and whose state is the same. Anything else is returned as it is."""
+    for _ in range(4):
+        if optim is None or hasattr(optim, "_optimizer_step_pre_hooks"):
+            break
+        inner = getattr(optim, "optimizer", None) or getattr(optim, "_optimizer", None)
+        if inner is None:
+            break
+        optim = inner
+    return optim
+
+
+def hookable(optim: Any) -> bool:
+    """Whether ``optim.step()`` can be made to wait for a background copy (a ``torch.optim.Optimizer``)."""
+    return optim is None or hasattr(optim, "_optimizer_step_pre_hooks")
+
+
 def optimizer_storages(optim: torch.optim.Optimizer) -> set[int]:
     """Storages that only ``optim.step()`` mutates: its parameters and its state tensors."""
     out = set()
@@ -306,14 +325,24 @@ class CopyGuard:
 
     def finish(self) -> None:
         """Wait for the copy in flight, forget it, and raise its error once."""
+        err = self.settle()
+        if err is not None:
+            raise err
+
+    def settle(self) -> CheckpointError | None:
+        """Wait for the copy in flight, forget it, and return its error (once) rather than raise it: a
+        collective snapshot hands it to the plan, so that every rank fails together instead of this one alone."""
         t = self._thread
         if t is None:
-            return
+            return None
         t.join()
         err, step = self._error(), self._step
         self._thread, self._error, self._step = None, lambda: None, None
-        if err is not None:
-            raise CheckpointError(f"background copy of step {step} failed: {err}") from err
+        if err is None:
+            return None
+        out = CheckpointError(f"background copy of step {step} failed: {err}")
+        out.__cause__ = err
+        return out
 
     def hook(self, optim: torch.optim.Optimizer) -> None:
         """Make ``optim.step()`` wait for the copy in flight (once per optimizer)."""

@@ -73,11 +73,26 @@ class Stager:
         self._plan.restored(step)
 
     def run(
-        self, model: torch.nn.Module, optim: torch.optim.Optimizer | None, extra: dict[str, Any] | None, rank: int, step: int | None
+        self,
+        model: torch.nn.Module,
+        optim: torch.optim.Optimizer | None,
+        extra: dict[str, Any] | None,
+        rank: int,
+        step: int | None,
+        prior: BaseException | None = None,
     ) -> Staged:
-        """Capture and plan this snapshot (``step`` ``None``: ``prepare``). Collective: every rank, foreground."""
-        tree, chunks, reused = self.capture.capture(model, optim)
-        return self._staged(tree, chunks, reused, extra, rank, step)
+        """Capture and plan this snapshot (``step`` ``None``: ``prepare``). Collective: every rank, foreground.
+        ``prior``: this rank's error from before (its previous background copy failed), raised here after the
+        plan's collective told every rank, so that none waits for it."""
+        tree: dict[str, Any] = {}
+        chunks: list[LocalChunk] = []
+        reused, error = False, prior
+        if error is None:
+            try:  # a state this rank cannot capture (a sparse tensor) is every rank's failure too
+                tree, chunks, reused = self.capture.capture(model, optim)
+            except (CheckpointError, TypeError, ValueError, RuntimeError) as e:
+                error = e
+        return self._staged(tree, chunks, reused, extra, rank, step, error=error)
 
     def run_state(
         self,
@@ -88,16 +103,18 @@ class Stager:
         *,
         any_keys: bool = False,
         solo: bool = False,
+        prior: BaseException | None = None,
     ) -> Staged:
         """Plan a snapshot of a state dict given as it is (``{"model": ..., "optim": ...}``; ``any_keys``:
         any string keys, ``extra`` if there is one a dict of each rank's, as a DCP state dict). Collective
-        unless ``solo`` (a step this process saves alone, as rank 0 of 1)."""
-        error: Exception | None = None
+        unless ``solo`` (a step this process saves alone, as rank 0 of 1). ``prior``: as for :meth:`run`."""
+        error: BaseException | None = prior
         tree: dict[str, Any] = {}
         chunks: list[LocalChunk] = []
         try:  # this rank's mistake is every rank's: the plan's collective below must still run
-            _check_state_keys(state, any_keys)
-            tree, chunks = flatten(state)
+            if error is None:
+                _check_state_keys(state, any_keys)
+                tree, chunks = flatten(state)
         except (CheckpointError, TypeError, ValueError) as e:
             error = e
         if error is not None:
@@ -116,20 +133,22 @@ class Stager:
         rank: int,
         step: int | None,
         solo: bool = False,
+        error: BaseException | None = None,
     ) -> Staged:
         extra_chunks: list[LocalChunk] = []
         cached: Stage | None = None
         items: list[tuple[ChunkId, int]] = []
-        error: BaseException | None = None
-        try:  # what only this rank can get wrong: every rank hears of it at the collective, none waits
-            if extra is not None:
-                tree, extra_chunks = _with_extra(tree, extra, rank)
-            extra_sig = tuple((c.key, c.tensor.dtype, c.sizes) for c in extra_chunks)
-            st = self.stage
-            cached = st if reused and st is not None and st.chunks is chunks and st.extra_sig == extra_sig else None
-            if cached is None:
-                _check_dtypes(chunks + extra_chunks)
-            items = cached.items if cached is not None else [((c.key, c.offsets, c.sizes), c.nbytes) for c in chunks + extra_chunks]
+        extra_sig: tuple[Any, ...] = ()
+        try:  # what only this rank can get wrong (or got wrong before): every rank hears of it at the collective, none waits
+            if error is None:
+                if extra is not None:
+                    tree, extra_chunks = _with_extra(tree, extra, rank)
+                extra_sig = tuple((c.key, c.tensor.dtype, c.sizes) for c in extra_chunks)
+                st = self.stage
+                cached = st if reused and st is not None and st.chunks is chunks and st.extra_sig == extra_sig else None
+                if cached is None:
+                    _check_dtypes(chunks + extra_chunks)
+                items = cached.items if cached is not None else [((c.key, c.offsets, c.sizes), c.nbytes) for c in chunks + extra_chunks]
         except (CheckpointError, TypeError, ValueError) as e:
             error = e
         try:
@@ -201,6 +220,11 @@ def _with_extra(tree: dict[str, Any], extra: Any, rank: int) -> tuple[dict[str, 
 
 def _check_dtypes(chunks: list[LocalChunk]) -> None:
     for ch in chunks:
+        if ch.tensor.layout is not torch.strided:
+            raise UnsupportedState(
+                f"tensor {ch.key!r} is {str(ch.tensor.layout).removeprefix('torch.')}: ckptd stores dense tensors"
+                " (save t.to_dense() and convert it back after the restore)"
+            )
         if ch.tensor.dtype not in COPYABLE:
             raise UnsupportedState(
                 f"tensor {ch.key!r} has dtype {ch.tensor.dtype}, which ckptd cannot store"

@@ -1,0 +1,149 @@
+"""The trainer's side of a snapshot when something goes wrong around the background copy: a failure on one
+rank, an optimizer inside a framework's wrapper, state ckptd cannot store, a tree JSON refuses. Each test is
+written as the user's situation; each failed on the code before (found by a review of the snapshot path)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+from _dist import run_ranks
+from _models import assert_same, full_state
+
+from ckptd.errors import CheckpointError, UnsupportedState
+
+
+def _copy_fails_once_on_rank_0(rank: int, world: int, endpoint: str) -> dict[str, Any]:
+    """Rank 0's background copy of step 1 fails (its daemon restarted mid-commit, a CUDA error at the event);
+    what does every rank's snapshot of step 2 do?"""
+    import ckptd.client.client as cc
+
+    if rank == 0:
+        real = cc.copy_tensors
+
+        def flaky(*a: Any) -> Any:
+            if threading.current_thread().name == "ckptd-copy-1":
+                raise RuntimeError("injected failure of rank 0's background copy")
+            return real(*a)
+
+        cc.copy_tensors = flaky
+    torch.manual_seed(0)
+    m = torch.nn.Linear(64, 64)
+    o = torch.optim.AdamW(m.parameters())
+    m(torch.randn(2, 64)).sum().backward()
+    o.step()
+    with cc.Client(endpoint=endpoint, job="asym", overlap="always") as c:
+        c.snapshot(m, o, step=1)
+        o.step()
+        t0 = time.monotonic()
+        try:
+            c.snapshot(m, o, step=2)
+            error = None
+        except CheckpointError as e:
+            error = str(e)
+        waited = time.monotonic() - t0
+        m(torch.randn(2, 64)).sum().backward()
+        o.step()
+        c.snapshot(m, o, step=3, blocking=True).wait(60)  # the run goes on, every rank together
+        return {"error": error, "waited": waited, "latest": c.latest()}
+
+
+@pytest.mark.multiproc
+def test_a_background_copy_failure_on_one_rank_fails_the_next_snapshot_on_every_rank_together(
+    daemon,
+    monkeypatch: pytest.MonkeyPatch,  # noqa: ANN001
+) -> None:
+    """The failing rank raised its old error before the plan's collective, while the others waited in it for
+    CKPTD_COLLECTIVE_TIMEOUT (30 minutes by default) and then blamed the user ("only 1 of 2 ranks called it").
+    Now the error goes into the collective: every rank fails step 2 at once, naming rank 0, and step 3 works."""
+    monkeypatch.setenv("CKPTD_COLLECTIVE_TIMEOUT", "60")
+    r0, r1 = run_ranks(2, _copy_fails_once_on_rank_0, daemon.endpoint, timeout=240)
+    assert r0["error"].startswith("background copy of step 1 failed: injected failure"), r0
+    assert "rank(s) [0] could not stage their state" in r1["error"], r1
+    assert "only 1 of 2 ranks" not in r1["error"]
+    assert r0["latest"] == r1["latest"] == 3
+
+
+@pytest.fixture
+def accelerator() -> Any:
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState, GradientState
+
+    try:
+        yield accelerate.Accelerator(cpu=True)
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+
+def test_an_optimizer_from_accelerate_prepare_is_snapshotted_behind_the_next_step(daemon, accelerator) -> None:  # noqa: ANN001
+    """``accelerator.prepare`` returns an ``AcceleratedOptimizer`` (no step pre-hooks of its own): every overlapped
+    snapshot failed with an AttributeError after its slot was filled, and the slot was never given back. The
+    torch optimizer inside is hooked; its step, called by the wrapper, waits for the copy."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(256, 256)
+    model, opt = accelerator.prepare(net, torch.optim.AdamW(net.parameters(), lr=0.1))
+    assert not hasattr(opt, "_optimizer_step_pre_hooks")  # the wrapper, as the Trainer gets it
+
+    def train() -> None:
+        model(torch.randn(8, 256)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    train()
+    with daemon.client("acc", overlap="always") as c:
+        for step in (1, 2, 3):
+            want = full_state(model, opt.optimizer)
+            h = c.snapshot(model, opt, step=step)
+            train()  # the wrapper's step runs the inner optimizer's, which waits for the copy
+            h.wait(60)
+            assert c._leases == {}
+        m2 = torch.nn.Linear(256, 256)
+        o2 = accelerator.prepare(torch.optim.AdamW(m2.parameters(), lr=0.1))
+        c.restore(m2, o2)
+        assert_same(full_state(m2, o2.optimizer), want)
+
+
+@pytest.mark.parametrize(
+    ("where", "layout"),
+    [("buffer", "sparse_coo"), ("extra", "sparse_coo"), ("extra", "sparse_csr")],
+    ids=["buffer", "extra-coo", "extra-csr"],
+)
+def test_a_sparse_tensor_is_refused_naming_it(daemon, where: str, layout: str) -> None:  # noqa: ANN001
+    """A GNN's adjacency matrix as a sparse buffer, or in ``extra``: a bare RuntimeError from deep inside
+    ("Cannot access data pointer of Tensor that doesn't have storage", "copy_() between dense and sparse
+    Tensors is not implemented"). Now UnsupportedState names the tensor and says what to do; nothing leaks."""
+    m = torch.nn.Linear(3, 3)
+    adj = torch.eye(3).to_sparse() if layout == "sparse_coo" else torch.eye(3).to_sparse_csr()
+    extra = None
+    if where == "buffer":
+        m.register_buffer("adj", adj)
+    else:
+        extra = {"adj": adj}
+    key = "model/adj" if where == "buffer" else "extra/0/adj"
+    with daemon.client("sparse") as c:
+        with pytest.raises(UnsupportedState, match=rf"tensor '{key}' is {layout}: ckptd stores dense tensors .*to_dense"):
+            c.snapshot(m, step=1, blocking=True, extra=extra)
+        assert c._leases == {}
+        c.snapshot(torch.nn.Linear(3, 3), step=2, blocking=True).wait(60)  # the client is fine afterwards
+
+
+@pytest.mark.parametrize("overlap", ["auto", "always"])
+def test_a_tree_json_cannot_encode_fails_the_snapshot_and_never_hangs_a_wait(daemon, overlap: str) -> None:  # noqa: ANN001
+    """An optimizer param-group value JSON refuses (an int of 5,000 digits): the background thread died without
+    marking the copy done, so wait() without a timeout never returned and the slot stayed leased; the blocking
+    path raised a plain ValueError. Both are the snapshot's CheckpointError now, and the slot goes back."""
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    opt.param_groups[0]["seed"] = 10**5000
+    with daemon.client("enc", overlap=overlap) as c:
+        with pytest.raises(CheckpointError, match="snapshot of step 1 failed: .*4300 digits"):
+            c.snapshot(model, opt, step=1).wait(60)
+        assert c._leases == {}
+        del opt.param_groups[0]["seed"]
+        assert c.snapshot(model, opt, step=2).wait(60).endswith("step-2")
