@@ -75,8 +75,9 @@ def snapshot(
     return _client().snapshot(model, optim, step=step, extra=extra, blocking=blocking)
 
 
-def prepare(model: torch.nn.Module, optim: torch.optim.Optimizer | None = None, *, slots: int = 2) -> None:
-    """Move the first snapshot's allocation out of the loop; see :meth:`Client.prepare`."""
+def prepare(model: torch.nn.Module, optim: torch.optim.Optimizer | None = None, *, slots: int | None = None) -> None:
+    """Move the first snapshot's allocation out of the loop; see :meth:`Client.prepare` (``slots``: two,
+    three with a memory tier)."""
     _client().prepare(model, optim, slots=slots)
 
 

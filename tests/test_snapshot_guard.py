@@ -147,3 +147,24 @@ def test_a_tree_json_cannot_encode_fails_the_snapshot_and_never_hangs_a_wait(dae
         assert c._leases == {}
         del opt.param_groups[0]["seed"]
         assert c.snapshot(model, opt, step=2).wait(60).endswith("step-2")
+
+
+def test_the_background_copy_leaves_the_thread_count_of_threads_made_later_alone(daemon) -> None:  # noqa: ANN001
+    """The background copy runs on one intra-op thread; setting that changed the default of every thread the
+    process made afterwards (a data-loading or evaluation thread ran on one core from then on)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        model = torch.nn.Linear(64, 64)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model(torch.randn(2, 64)).sum().backward()
+        opt.step()
+        with daemon.client("thr", overlap="always") as c:
+            c.snapshot(model, opt, step=1).wait(60)
+        seen: list[int] = []
+        t = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        assert seen == [2] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -29,7 +29,7 @@ from ..protocol import MAX_MESSAGE_BYTES
 from .copy import CopyGuard, EarlyCopy, EventGroup, Pairs, SlotMaps, copy_tensors, fill, hookable, optimizer_storages, torch_optimizer
 from .handle import SnapshotHandle, StepDropped, StepUnknown
 from .load import Restored, restore_state
-from .options import dist_rank_world, local_world_size, overlap_setting, tier_settings
+from .options import check_not_saved, check_step, dist_rank_world, local_world_size, overlap_setting, tier_settings
 from .restore import Source, restore_from_daemon, restored
 from .rpc import Channel
 from .stage import Staged, Stager, TreeEncoder
@@ -37,19 +37,6 @@ from .stage import Staged, Stager, TreeEncoder
 log = logging.getLogger("ckptd.client")
 
 PENDING_KEPT = 64  # snapshot handles wait() still answers for: the newest ones
-
-
-def _check_step(step: object) -> None:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be a non-negative int, got {step!r}")
-
-
-def _check_not_saved(client: Client, step: int) -> None:
-    if client._after is not None and step in client._saved:
-        raise CheckpointError(
-            f"step {step} of job {client.job} was already saved by this client since it restored step {client._after}:"
-            " saving it again would replace it"
-        )
 
 
 class Client:
@@ -129,10 +116,10 @@ class Client:
         Every rank of a distributed job must call it with the same ``step``. ``extra`` (JSON-able
         values and tensors) is this rank's own state, returned by :meth:`restore`.
         """
-        _check_step(step)
+        check_step(step)
         optim = torch_optimizer(optim)
         prior = self._guard.settle()  # the previous copy must end before we reuse the layout or slot; its error goes to the plan
-        _check_not_saved(self, step)
+        check_not_saved(self, step)
         rank, world = dist_rank_world()
         early = self._early_copy(rank, world, step) if prior is None and (blocking or self.overlap != "always") else None
         try:
@@ -344,6 +331,7 @@ class Client:
     ) -> None:
         # off the main thread: no collectives, only the copy and the socket. One intra-op thread for
         # this thread only, so the copy does not start a second OpenMP team beside the training step's
+        threads = torch.get_num_threads()  # put back after: the setting is also the default of threads made later
         torch.set_num_threads(1)
         try:
             copy_tensors(*later)
@@ -354,6 +342,8 @@ class Client:
             self._release(commit["segment"])
             handle._copied.set()
             return
+        finally:
+            torch.set_num_threads(threads)
         self._commit(handle, commit, tree)
 
     # ------------------------------------------------------------------ wait / restore

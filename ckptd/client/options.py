@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from ..config import env_float, env_int
+from ..errors import CheckpointError
 
 OVERLAP_MODES = ("auto", "always", "never")
 
@@ -56,3 +57,17 @@ def overlap_setting(overlap: str | None) -> str:
     if overlap not in OVERLAP_MODES:
         raise ValueError(f"overlap must be one of {', '.join(OVERLAP_MODES)}, got {overlap!r}")
     return overlap
+
+
+def check_step(step: object) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+
+
+def check_not_saved(client: Any, step: int) -> None:
+    """A client that restored a step refuses to save a number it saved since (that would replace it)."""
+    if client._after is not None and step in client._saved:
+        raise CheckpointError(
+            f"step {step} of job {client.job} was already saved by this client since it restored step {client._after}:"
+            " saving it again would replace it"
+        )

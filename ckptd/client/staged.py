@@ -51,12 +51,11 @@ def stage_state(
     """Copy ``state`` into a slot now (collective: every rank, the same ``step``). ``any_keys``: any
     top-level keys (a DCP state dict), else ``{"model": ..., "optim": ...}``. ``solo``: this process
     saves the step alone, as rank 0 of 1 (a framework that saves a replicated state from rank 0 only)."""
-    from .client import _check_not_saved, _check_step
-    from .options import dist_rank_world
+    from .options import check_not_saved, check_step, dist_rank_world
 
     if step is not None:
-        _check_step(step)
-        _check_not_saved(client, step)
+        check_step(step)
+        check_not_saved(client, step)
     prior = client._guard.settle()  # a snapshot()'s background copy of this client ends first; its error, with every rank
     rank, world = (0, 1) if solo else dist_rank_world()
     staged = client._stager.run_state(state, extra, rank, step, any_keys=any_keys, solo=solo, prior=prior)
@@ -73,8 +72,8 @@ def stage_state(
 def commit_staged(st: StagedState, step: int | None = None) -> SnapshotHandle:
     """Commit what :func:`stage_state` copied as step ``step`` (default: the staged one); any thread.
     Raises :class:`CheckpointError` if the daemon refuses it (the slot is then given back)."""
-    from .client import _check_not_saved, _check_step
     from .handle import SnapshotHandle
+    from .options import check_not_saved, check_step
 
     if st.done:
         raise CheckpointError(f"the state staged in {st.segment} was already committed or released")
@@ -84,8 +83,8 @@ def commit_staged(st: StagedState, step: int | None = None) -> SnapshotHandle:
     if st.step is not None and step != st.step:
         raise CheckpointError(f"the state was staged as step {st.step}, not step {step}")
     try:
-        _check_step(step)
-        _check_not_saved(st.client, step)
+        check_step(step)
+        check_not_saved(st.client, step)
     except (CheckpointError, ValueError):
         st.release()
         raise
