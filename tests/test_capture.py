@@ -57,6 +57,24 @@ def test_changes_that_invalidate() -> None:
     assert not fresh_equal()
     optim.add_param_group({"params": model.extra.parameters()})
     assert not fresh_equal()
+    # the same storage and size under a new shape or strides (found by a review: saved the old view's bytes)
+    model.extra.weight.data = model.extra.weight.data.t()  # square: only the strides tell
+    assert not fresh_equal()
+    model.extra.weight.data = model.extra.weight.data.reshape(4)
+    assert not fresh_equal()
+
+
+def test_a_parameter_rebound_to_a_transposed_view_of_itself_is_saved_as_it_is(daemon) -> None:  # noqa: ANN001
+    """``p.data = p.data.t()`` keeps the storage and the size: the capture cache took the snapshot for unchanged
+    and saved the old view, so a square weight came back untransposed, silently. Strides are in the fingerprint."""
+    m = torch.nn.Linear(4, 4, bias=False)
+    with daemon.client("t") as c:
+        c.snapshot(m, step=1, blocking=True).wait(30)
+        m.weight.data = m.weight.data.t()
+        c.snapshot(m, step=2, blocking=True).wait(30)
+        m2 = torch.nn.Linear(4, 4, bias=False)
+        c.restore(m2, step=2)
+    assert torch.equal(m2.weight, m.weight)
 
 
 def test_snapshots_through_the_cache_restore_exactly(daemon) -> None:  # noqa: ANN001
