@@ -26,6 +26,7 @@ from ckptd.daemon.steps import StepState
 from ckptd.errors import CheckpointError
 from ckptd.layout import fragment_name, fragments_present, is_complete, shard_name, step_dir, tmp_dir
 from ckptd.storage import local
+from ckptd.storage.retention import KeepLatest
 from ckptd.tools.verify import verify_checkpoint
 from ckptd.validate import read_manifest
 
@@ -501,6 +502,31 @@ def test_a_step_whose_rename_cannot_be_synced_is_complete_not_failed(
     assert partial_dirs(node.root) == [] and _trash(node.root) == (["step-5.old"] if replacing else [])
     node.recover()
     assert read_manifest(path)["committed_at"] == NEW_AT and _trash(node.root) == []
+
+
+def test_a_replaced_step_kept_aside_never_comes_back_after_retention_removed_its_replacement(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rollback re-save of step 5 replaced the old line's step 5, whose syncing failed (EIO): the old one
+    stayed aside (``step-5.old``) for recovery. Retention then removed the new step 5, and the next start took
+    the aside one for a replacement that never finished and moved the abandoned line's step back into place.
+    Retention now removes the aside copy with the step."""
+    complete_step(node.root, 5, 1)
+    write_fragment(node.root, 5, 0, 1, at=NEW_AT)
+
+    def fsync_dir(path: str) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(local, "fsync_dir", fsync_dir)
+    local.finalize_step(node.root, JOB, 5, 1)
+    monkeypatch.undo()
+    assert _trash(node.root) == ["step-5.old"]
+    for s in (6, 7):  # the new line goes on
+        write_fragment(node.root, s, 0, 1, at=NEW_AT + s)
+        local.finalize_step(node.root, JOB, s, 1)
+    assert local.apply_retention(node.root, JOB, KeepLatest(2)) == [5]
+    node.recover()
+    assert not os.path.exists(step_dir(node.root, JOB, 5)) and _trash(node.root) == []
 
 
 def test_retiring_a_replaced_step_never_removes_a_newer_step_of_its_number(node: Node) -> None:

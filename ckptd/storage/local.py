@@ -307,6 +307,10 @@ def _to_trash(root: str, job: str, step: int) -> str:
     trash = trash_dir(root, job, step)
     if os.path.exists(trash):
         shutil.rmtree(trash, ignore_errors=True)
+    # an older step of this number kept aside when this one replaced it (its sync failed): it goes first, or
+    # recovery would take it for an unfinished replacement and move the abandoned line's step back
+    if os.path.lexists(aside := replaced_dir(root, job, step)):
+        shutil.rmtree(aside, ignore_errors=True)
     os.rename(step_dir(root, job, step), trash)
     return trash
 
