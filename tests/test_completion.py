@@ -21,7 +21,8 @@ import pytest
 from _poll import until
 from _rig import JOB, FakeUploader, Rig, rank_tensors, shard, tear_down, tree
 
-from ckptd.daemon.events import ShardPersisted
+from ckptd.daemon.admission import Admission
+from ckptd.daemon.events import ShardPersisted, Uploaded
 from ckptd.daemon.slots import SlotState
 from ckptd.daemon.status import Counters
 from ckptd.daemon.steps import StepState
@@ -356,6 +357,24 @@ def test_a_multi_node_step_reports_this_nodes_part_once_with_its_ranks(make_rig:
     assert all(ev.error is None and ev.path is None for ev in evs)
     assert [ev.node_ranks for ev in evs if ev.node_ranks is not None] == [[2, 3]]
     assert rig.uploader.submitted == [(JOB, 20, 4, [2, 3]), (JOB, 21, 4, [2, 3])]
+
+
+def test_a_multi_node_step_that_timed_out_may_be_saved_afresh_by_a_relaunch(make_rig: Callable[..., Rig]) -> None:
+    """A run died after this node's ranks committed step 20 but before another node's did; its upload timed out
+    waiting for them. The relaunch (another run) saves step 20 again: refused for good ("rank 2 already
+    committed step 20"), as the failed track was never marked abandoned. Now it starts the step afresh."""
+    rig = make_rig(uploader=FakeUploader())
+    for r in (2, 3):
+        rig.commit(20, r, 4, shard(20, r, 4), lws=2)
+    rig.pump(2)
+    assert rig.uploader.submitted == [(JOB, 20, 4, [2, 3])]
+    timeout = "step 20 of job j: not every rank's shard of this attempt reached the bucket within 600 s"
+    rig.completion.on_uploaded(Uploaded(JOB, 20, timeout, 0, 600.0, False, True))
+    track = rig.steps.get((JOB, 20))
+    assert track is not None and track.state is StepState.FAILED and track.abandoned
+    admission = Admission(rig.root, rig.steps, rig.pool, rig.completion.settle)
+    fresh = admission.admit(JOB, 20, 2, 4, 2, peer=None, after=19, run=22)
+    assert fresh is not track and fresh.committed == set()
 
 
 def test_a_multi_node_part_already_reported_is_not_reported_again(make_rig: Callable[..., Rig]) -> None:

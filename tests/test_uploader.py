@@ -504,6 +504,30 @@ def test_a_multinode_partial_step_is_settled_once_its_objects_stay_unchanged_for
         up.close()
 
 
+def test_a_new_attempts_part_under_the_names_of_one_given_up_long_ago_is_not_settled(tmp_path: Path) -> None:
+    """Node 1's retention once saw step 4 partial (node 0's part of an attempt that later completed and was
+    pruned). After a rollback, node 0 uploads its part of a new attempt of step 4: the same object names.
+    Settling compared names only, and the old sighting counted: node 1 deleted node 0's in-flight part, and the
+    step could never complete. Objects are told apart by their tags now."""
+    store, now = MemoryStore(), [100.0]
+    up = make_uploader(store, str(tmp_path / "node1"), Results(), commit_timeout=60.0)
+    up.clock = lambda: now[0]
+    node0 = str(tmp_path / "node0")
+    try:
+        write_rank(node0, JOB, 4, 0, 2, at=10, run=11)
+        upload_ranks(store, tmp_dir(node0, JOB, 4), JOB, 4, [0])
+        assert up._settled(JOB)(4) is False  # first seen
+        store.delete(store.list(f"{JOB}/step-4/"))  # the old attempt went on, completed, and was pruned
+        now[0] += 600.0  # ten minutes later a rollback saves step 4 again
+        write_rank(node0, JOB, 4, 0, 2, at=5000, run=22)
+        upload_ranks(store, tmp_dir(node0, JOB, 4), JOB, 4, [0])
+        assert up._settled(JOB)(4) is False  # new objects: the wait starts again
+        now[0] += 61.0
+        assert up._settled(JOB)(4) is True
+    finally:
+        up.close()
+
+
 def test_a_nodes_part_that_may_not_replace_the_buckets_step_is_refused_and_removed(tmp_path: Path) -> None:
     """The bucket holds step 3, complete (launch 11). A node's part of step 3 by launch 22, which restored no
     step (its daemon had forgotten step 3: a restart), must not overwrite it: the upload fails saying why,

@@ -147,8 +147,8 @@ class Completion:
         track = self.steps.get(key)
         if track is None or track.state is not StepState.PENDING:
             return
-        if res.error is not None:
-            self.steps.fail(key, res.error)
+        if res.error is not None:  # abandoned: a relaunch may save the step afresh (its nodes never completed it)
+            self.steps.abandon(key, res.error)
         else:
             self.steps.complete(key, res.url)
             self.counters.steps_committed += 1

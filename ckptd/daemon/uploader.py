@@ -78,7 +78,9 @@ class Uploader:
         self.retention = AnyOf((KeepLatest(keep), self.forever))
         self.commit_timeout = commit_timeout
         self.clock = time.monotonic  # tests move it
-        self._partials: dict[tuple[str, int], tuple[frozenset[str], float]] = {}  # (job, step) -> its objects, since when
+        self._partials: dict[
+            tuple[str, int], tuple[frozenset[tuple[str, str]], float]
+        ] = {}  # (job, step) -> its objects and tags, since when
         self._initializer = initializer
         self._queue: list[Upload] = []
         self._cv = threading.Condition()
@@ -211,10 +213,11 @@ class Uploader:
         """Multi-node: whether a partial step of ``job`` in the bucket can no longer complete. Another node may
         be uploading any of them (after a rollback, numbered below the latest too); one whose objects have not
         changed for ``commit_timeout`` (as this uploader's retention passes saw them) has been given up by
-        every node that waited for it."""
+        every node that waited for it. Objects are told apart by their tags (ETags), not only their names: a new
+        attempt of a step number (after a rollback) writes the same names as the one given up before it."""
 
         def settled(step: int) -> bool:
-            keys, now = frozenset(self.store.list(bucket_prefix(job, step))), self.clock()
+            keys, now = frozenset(self.store.list_tagged(bucket_prefix(job, step)).items()), self.clock()
             seen = self._partials.get((job, step))
             if seen is None or seen[0] != keys:
                 if len(self._partials) > 4096:
