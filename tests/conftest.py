@@ -139,6 +139,25 @@ def env_for(daemon: DaemonProc, job: str) -> dict[str, str]:
     return env
 
 
+@pytest.fixture
+def cpu_accelerator() -> Iterator:
+    """A real ``accelerate.Accelerator`` on the CPU; accelerate's process-wide state reset afterwards, and the
+    clients that integrations of this process made (``ckptd.dcp.shared``) closed."""
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState, GradientState
+
+    from ckptd.dcp import shared
+
+    try:
+        yield accelerate.Accelerator(cpu=True)
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        for c in shared._clients.values():
+            c.close()
+        shared._clients.clear()
+
+
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     """A moto S3 server on loopback for the whole session, with dummy AWS credentials in ``os.environ``.

@@ -179,22 +179,9 @@ def hf_args(short_tmp):  # noqa: ANN001, ANN201
 
 
 @pytest.fixture
-def accelerator(hf_args):  # noqa: ANN001, ANN201
-    """A real ``accelerate.Accelerator`` on the CPU; accelerate's process-wide state reset afterwards, and the
-    clients that callbacks of this process made closed."""
-    accelerate = pytest.importorskip("accelerate")
-    from accelerate.state import AcceleratorState, GradientState
-
-    from ckptd.dcp import shared
-
-    try:
-        yield accelerate.Accelerator(cpu=True)
-    finally:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
-        for c in shared._clients.values():
-            c.close()
-        shared._clients.clear()
+def accelerator(hf_args, cpu_accelerator):  # noqa: ANN001, ANN201
+    """The CPU accelerator, made after the ``TrainingArguments`` (whose making resets accelerate's state)."""
+    return cpu_accelerator
 
 
 def _amp_prepared(accelerator, scaler):  # noqa: ANN001, ANN202

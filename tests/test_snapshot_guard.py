@@ -67,24 +67,13 @@ def test_a_background_copy_failure_on_one_rank_fails_the_next_snapshot_on_every_
     assert r0["latest"] == r1["latest"] == 3
 
 
-@pytest.fixture
-def accelerator() -> Any:
-    accelerate = pytest.importorskip("accelerate")
-    from accelerate.state import AcceleratorState, GradientState
-
-    try:
-        yield accelerate.Accelerator(cpu=True)
-    finally:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
-
-
-def test_an_optimizer_from_accelerate_prepare_is_snapshotted_behind_the_next_step(daemon, accelerator) -> None:  # noqa: ANN001
+def test_an_optimizer_from_accelerate_prepare_is_snapshotted_behind_the_next_step(daemon, cpu_accelerator) -> None:  # noqa: ANN001
     """``accelerator.prepare`` returns an ``AcceleratedOptimizer`` (no step pre-hooks of its own): every overlapped
     snapshot failed with an AttributeError after its slot was filled, and the slot was never given back. The
     torch optimizer inside is hooked; its step, called by the wrapper, waits for the copy."""
     torch.manual_seed(0)
     net = torch.nn.Linear(256, 256)
+    accelerator = cpu_accelerator
     model, opt = accelerator.prepare(net, torch.optim.AdamW(net.parameters(), lr=0.1))
     assert not hasattr(opt, "_optimizer_step_pre_hooks")  # the wrapper, as the Trainer gets it
 
