@@ -62,7 +62,8 @@ Ops (who sends them: the trainer's client, on whichever of its threads needs the
     daemon thread. ``fetch_wait`` ``{fetch, timeout}`` → ``{"state": "pending"|"done"|"failed",
     "step", "path", "source": "local"|"remote", "error"}``, held up to ``timeout`` seconds
     (``source``: the wire's spelling of :class:`Source` ``disk`` / ``bucket``). The step is held from
-    local retention until ``fetch_close`` ``{fetch}`` → ``{"released": bool}`` (an hour at most).
+    local retention until ``fetch_close`` ``{fetch}`` → ``{"released": bool}`` (an hour at most). Only the
+    socket that asked for a fetch may wait for it or close it.
 """
 
 from __future__ import annotations

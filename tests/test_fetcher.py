@@ -239,6 +239,22 @@ def test_a_step_downloaded_for_a_rollback_is_held_from_retention_until_closed(tm
         assert complete_steps(root, JOB) == [6, 7]
 
 
+def test_another_client_can_neither_collect_nor_release_a_fetch(tmp_path: Path) -> None:
+    """Fetch ids are sequential: a local client in bad faith (or a buggy one) guessing another restore's id
+    could take its answer (the restore then failed with "unknown fetch") or release its hold (retention could
+    then remove the step under its ranks). Only the requester's socket may do either."""
+    root = str(tmp_path / "root")
+    path = write_step(root, JOB, 3)
+    with running(StepCatalog(root), keep=1) as (fetcher, inbox):
+        fid = fetcher.start(JOB, 3, owner=b"victim")
+        fetcher.done(inbox.fetched())
+        with pytest.raises(ProtocolError, match=f"unknown fetch {fid}"):
+            fetcher.wait(fid, b"intruder", 1, time.monotonic() + 600)
+        assert fetcher.release(fid, b"intruder") is False and fetcher.held(JOB) == {3}
+        assert fetcher.wait(fid, b"victim", 2, time.monotonic() + 600) == done_answer(3, path, "local")
+        assert fetcher.release(fid, b"victim") is True and fetcher.held(JOB) == set()
+
+
 def test_holds_lapse_and_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A client that died mid-restore never closes its fetch: its hold lapses after FETCH_HOLD_S. A client
     fetching in a loop without closing (a bug, or a local user keeping steps from retention on purpose)

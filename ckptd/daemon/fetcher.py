@@ -35,7 +35,8 @@ log = logging.getLogger("ckptd.daemon")
 class Fetcher:
     def __init__(self, catalog: StepCatalog, events: EventQueue, retain: Callable[[str], None] | None = None) -> None:
         self.catalog, self._events, self._retain = catalog, events, retain
-        self._holds: dict[int, tuple[str, int, float]] = {}  # fetch id -> (job, step, monotonic time its hold lapses)
+        self._holds: dict[int, tuple[str, int, float, bytes | None]] = {}  # fetch id -> (job, step, when it lapses, owner)
+        self._owners: dict[int, bytes | None] = {}  # fetch id -> its requester, while its answer is kept
         self._holds_lock = threading.Lock()  # read by persist threads (retention), written by the fetch thread
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-fetch")
         self._lookups = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-lookup")
@@ -61,13 +62,16 @@ class Fetcher:
 
         self._pool.submit(check)
 
-    def start(self, job: str, step: int | None) -> int:
-        """Main thread: begin a fetch; returns its id."""
+    def start(self, job: str, step: int | None, owner: bytes | None = None) -> int:
+        """Main thread: begin a fetch; returns its id. ``owner``: the requester's socket identity; only it may
+        collect the answer and release the hold (fetch ids are sequential: another client could guess them)."""
         fid = next(self._ids)
         self.answers[fid] = {"state": "pending", "step": None, "path": None, "source": None, "error": None}
+        self._owners[fid] = owner
         for old in [f for f, r in self.answers.items() if r["state"] != "pending"][:-FETCHES_KEPT]:
             del self.answers[old]  # answers nobody asked for: a client that died mid-restore
-        self._pool.submit(self._run, fid, job, step)
+            self._owners.pop(old, None)
+        self._pool.submit(self._run, fid, job, step, owner)
         return fid
 
     def latest(self, job: str, ident: bytes, req_id: Any) -> None:
@@ -89,11 +93,12 @@ class Fetcher:
         """Main thread: the answer if the fetch is done (then forgotten: a client that lost it asks
         for a new fetch), else hold the request until ``deadline``."""
         res = self.answers.get(fid)
-        if res is None:
+        if res is None or self._owners.get(fid) not in (None, ident):
             raise ProtocolError(f"unknown fetch {fid}")
         if res["state"] == "pending":
             self.waiters.add(fid, ident, req_id, deadline)
             return None
+        self._owners.pop(fid, None)
         return dict(self.answers.pop(fid))
 
     def done(self, ev: Fetched) -> list[tuple[Waiter, dict[str, Any]]]:
@@ -104,6 +109,7 @@ class Fetcher:
         waiters = self.waiters.pop(ev.fid)
         if waiters:
             self.answers.pop(ev.fid, None)
+            self._owners.pop(ev.fid, None)
         return [(w, ev.answer) for w in waiters]
 
     def due(self, now: float) -> list[tuple[Waiter, dict[str, Any]]]:
@@ -115,16 +121,21 @@ class Fetcher:
         """Steps of ``job`` a restore is reading: local retention must leave them alone (any thread)."""
         now = time.monotonic()
         with self._holds_lock:
-            for fid in [f for f, (_, _, until) in self._holds.items() if until <= now]:
+            for fid in [f for f, (_, _, until, _) in self._holds.items() if until <= now]:
                 del self._holds[fid]
-            return {step for (j, step, _) in self._holds.values() if j == job}
+            return {step for (j, step, _, _) in self._holds.values() if j == job}
 
-    def release(self, fid: int) -> bool:
-        """Main thread (``fetch_close``): the restore of fetch ``fid`` is done reading; whether it held a step."""
+    def release(self, fid: int, owner: bytes | None = None) -> bool:
+        """Main thread (``fetch_close``): the restore of fetch ``fid`` is done reading; whether it held a step
+        (only the fetch's own requester releases it)."""
         with self._holds_lock:
-            return self._holds.pop(fid, None) is not None
+            hold = self._holds.get(fid)
+            if hold is None or hold[3] not in (None, owner):
+                return False
+            del self._holds[fid]
+            return True
 
-    def _find_held(self, fid: int, job: str, step: int | None) -> Found:
+    def _find_held(self, fid: int, job: str, step: int | None, owner: bytes | None) -> Found:
         """The step to read, held. The hold and the check that a local step is still there happen under the
         job's lock, where retention decides what to remove: it either saw the hold, or removed the step
         first and the step is looked for again."""
@@ -132,7 +143,7 @@ class Fetcher:
             found = self.catalog.find(job, step)
             with job_lock(self.catalog.root, job):
                 with self._holds_lock:
-                    self._holds[fid] = (job, found.step, time.monotonic() + FETCH_HOLD_S)
+                    self._holds[fid] = (job, found.step, time.monotonic() + FETCH_HOLD_S, owner)
                     while len(self._holds) > MAX_FETCH_HOLDS:  # a client fetching in a loop, never closing
                         del self._holds[next(iter(self._holds))]
                 if found.source is Source.BUCKET or (found.path is not None and is_complete(found.path)):
@@ -147,19 +158,19 @@ class Fetcher:
         self._lookups.shutdown(wait=True)
         self._pool.shutdown(wait=True)
 
-    def _run(self, fid: int, job: str, step: int | None) -> None:
+    def _run(self, fid: int, job: str, step: int | None, owner: bytes | None) -> None:
         """Fetch thread: the step a restore reads; a step only the bucket holds is downloaded first."""
         want = step  # the step being looked for, once chosen
         report = None
         try:
-            found = self._find_held(fid, job, step)
+            found = self._find_held(fid, job, step, owner)
             want, path = found.step, found.path
             if found.source is Source.BUCKET:
                 path = self._download(job, found.step)
                 self._prune(job)
             answer = {"state": "done", "step": found.step, "path": path, "source": found.source.to_wire(), "error": None}
         except Exception as e:  # the restore that asked gets it
-            self.release(fid)
+            self.release(fid, owner)
             answer = {"state": "failed", "step": step, "path": None, "source": None, "error": str(e)}
             if not isinstance(e, NoStep):
                 log.error("fetch of job %s step %s failed: %s", job, want, e)

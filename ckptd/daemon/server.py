@@ -420,13 +420,13 @@ class Daemon:
         return {}
 
     def _op_fetch(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
-        return {"fetch": self.fetcher.start(msg["job"], msg["step"])}
+        return {"fetch": self.fetcher.start(msg["job"], msg["step"], ident)}
 
     def _op_fetch_wait(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any] | None:
         return self.fetcher.wait(msg["fetch"], ident, msg["id"], self._deadline(msg["timeout"]))
 
     def _op_fetch_close(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
-        return {"released": self.fetcher.release(msg["fetch"])}
+        return {"released": self.fetcher.release(msg["fetch"], ident)}
 
     @staticmethod
     def _deadline(timeout: float) -> float:
