@@ -86,23 +86,33 @@ def test_upload_retention_and_restore_from_bucket(make_daemon, short_tmp: Path, 
     store.close()
 
 
-def test_corrupt_object_is_caught_by_its_checksum(make_daemon, short_tmp: Path, s3_bucket: RemoteConfig, s3_server) -> None:  # noqa: ANN001
-    d = make_daemon("--config", remote_toml(short_tmp / "r.toml", s3_bucket))
+def _two_steps_uploaded(d, job: str, s3_bucket: RemoteConfig) -> tuple[dict[str, Any], str]:  # noqa: ANN001
+    """Steps 1 and 2 of ``job`` saved and uploaded; returns step 1's state and the key of step 2's shard."""
     model, optim = make()
-    with d.client("bad") as c:
+    with d.client(job) as c:
         c.snapshot(model, optim, step=1, blocking=True).wait()
         want1 = full_state(model, optim)
         train_step(model, optim, 1)
         c.snapshot(model, optim, step=2, blocking=True).wait()
-    wait_uploaded(d, "bad", 2)
-    key = f"{s3_bucket.prefix}/bad/step-2/rank-00000.safetensors"
+    wait_uploaded(d, job, 2)
+    return want1, f"{s3_bucket.prefix}/{job}/step-2/rank-00000.safetensors"
+
+
+def _local_copies_lost(d, job: str) -> None:  # noqa: ANN001
+    """The node is replaced: a restarted daemon with nothing of ``job`` under its root."""
+    d.stop()
+    shutil.rmtree(Path(d.root) / job)
+    d.start()
+
+
+def test_corrupt_object_is_caught_by_its_checksum(make_daemon, short_tmp: Path, s3_bucket: RemoteConfig, s3_server) -> None:  # noqa: ANN001
+    d = make_daemon("--config", remote_toml(short_tmp / "r.toml", s3_bucket))
+    want1, key = _two_steps_uploaded(d, "bad", s3_bucket)
     s3 = s3_server.client()
     data = bytearray(s3.get_object(Bucket=s3_bucket.bucket, Key=key)["Body"].read())
     data[-100] ^= 0xFF  # a flipped bit deep in the tensor data, same size
     s3.put_object(Bucket=s3_bucket.bucket, Key=key, Body=bytes(data))
-    d.stop()
-    shutil.rmtree(Path(d.root) / "bad")
-    d.start()
+    _local_copies_lost(d, "bad")
     with d.client("bad") as c:
         m2, o2 = make(seed=9)
         url = f"s3://{s3_bucket.bucket}/{s3_bucket.prefix}/bad/step-2/rank-00000.safetensors"
@@ -124,20 +134,11 @@ def test_an_object_bigger_than_its_manifest_says_is_refused_as_it_arrives(
     fill the root's disk before the size check: the download stops at the manifest's size; a manifest
     past the document limit is never read whole into the daemon's memory."""
     d = make_daemon("--config", remote_toml(short_tmp / "r.toml", s3_bucket))
-    model, optim = make()
-    with d.client("big") as c:
-        c.snapshot(model, optim, step=1, blocking=True).wait()
-        want1 = full_state(model, optim)
-        train_step(model, optim, 1)
-        c.snapshot(model, optim, step=2, blocking=True).wait()
-    wait_uploaded(d, "big", 2)
-    key = f"{s3_bucket.prefix}/big/step-2/rank-00000.safetensors"
+    want1, key = _two_steps_uploaded(d, "big", s3_bucket)
     s3c = s3_server.client()
     size = len(s3c.get_object(Bucket=s3_bucket.bucket, Key=key)["Body"].read())
     s3c.put_object(Bucket=s3_bucket.bucket, Key=key, Body=os.urandom(size + (8 << 20)))
-    d.stop()
-    shutil.rmtree(Path(d.root) / "big")
-    d.start()
+    _local_copies_lost(d, "big")
     with d.client("big") as c:
         url = f"s3://{s3_bucket.bucket}/{key}"
         with pytest.raises(CheckpointError, match=rf"{url} is larger than the {size} bytes expected"):
