@@ -379,6 +379,7 @@ class Bench:
         self.slot_bytes: int | None = None  # one staging slot, as the daemon made it (from the main daemon's pool)
         self.last_step_dir: str | None = None
         self.lag: dict[str, Any] = {}
+        self.restore_profile: str | None = None
         self.complete = False
         log(f"building the model on {device}")
         self.tr = Trainer(args.params, device, args.batch, seed=0)
@@ -578,6 +579,8 @@ class Bench:
                         self.save()
                 if "restore" in self.args.modes and not self.skip(["restore"]):
                     self.restore(dp.endpoint, "gpu-loop")
+                    if self.args.profile_restore:
+                        self.profile_restore(dp.endpoint, "gpu-loop")
             finally:
                 self.stop(dp)
 
@@ -733,6 +736,37 @@ class Bench:
         for row in self.restores.values():
             if row.median_s is not None:
                 log(f"restore {row.key}: {row.median_s * 1e3:.1f} ms")
+
+    def profile_restore(self, endpoint: str, job: str) -> None:
+        """``--profile-restore``: one more hot restore, after the measured ones, under cProfile; its top entries by
+        cumulative time go into the report (where a restore's time goes: reads, hashing, copies, waits)."""
+        import cProfile
+        import io
+        import pstats
+
+        target = Trainer(self.args.params, self.device, 0, seed=2)
+        try:
+            with ckptd.Client(endpoint=endpoint, job=job) as rc:
+                rc.restore(target.model, target.optim)  # the optimizer's state tensors exist from here, as in the reps
+                target.sync()
+                prof = cProfile.Profile()
+                t0 = time.perf_counter()
+                prof.enable()
+                rc.restore(target.model, target.optim)
+                target.sync()
+                prof.disable()
+                took = time.perf_counter() - t0
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(35)
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(15)
+            self.restore_profile = f"one hot restore, {took * 1e3:.1f} ms under cProfile\n" + out.getvalue()
+        except Exception as e:
+            self.restore_profile = f"failed: {describe(e)}"
+        finally:
+            del target
+            if self.cuda:
+                torch.cuda.empty_cache()
+        log("restore profile: " + self.restore_profile.splitlines()[0])
 
     # ------------------------------------------------------------------ torch DCP
 
@@ -902,6 +936,7 @@ class Bench:
             "modes": [asdict(r) for r in self.rows.values()],
             "restore": restores,
             "lag": self.lag,
+            "restore_profile": self.restore_profile,
             "elapsed_s": time.perf_counter() - self.t_start,
             "unix_time": time.time(),
         }
@@ -977,6 +1012,8 @@ class Bench:
                 out.append(
                     f"| {row['name']} | {row['median_s'] * 1e3:.1f} | {row['gb_per_s']:.2f} | {x} | {samples} | {'; '.join(row['notes'])} |"
                 )
+        if self.restore_profile is not None:
+            out += ["", "### cProfile of one hot restore", "", "```", self.restore_profile.strip(), "```"]
         return "\n".join(out)
 
 
@@ -1051,6 +1088,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lag-rate", type=float, default=None, help="lagging modes: the disk write cap in bytes/s instead of --lag-factor")
     p.add_argument("--floor-reps", type=int, default=5)
     p.add_argument("--restore-reps", type=int, default=3)
+    p.add_argument("--profile-restore", action="store_true", help="cProfile one more hot restore and print its top entries")
     p.add_argument("--dcp-timeout", type=float, default=600.0, help="seconds to wait for one DCP save or staging")
     p.add_argument("--drain-timeout", type=float, default=600.0, help="seconds to wait for the daemon's persists")
     p.add_argument(

@@ -7,6 +7,7 @@
 #   run(command="bash benchmarks/on_device.sh tests", carry=[".whl"])      # tests/test_cuda.py + the GPU copy benchmark
 #   run(command="bash benchmarks/on_device.sh loop", carry=[".whl"])       # benchmarks/gpu_loop.py, every mode it reaches
 #   run(command="bash benchmarks/on_device.sh loop --modes lag-wait,lag-memory,dcp-thread", carry=[".whl"])
+#   run(command="bash benchmarks/on_device.sh all --max-minutes 4 --profile-restore", carry=[".whl"])  # both, one start
 #
 # A phase fits in one call (10 minutes): gpu_loop.py stops starting modes after --max-minutes (8 by default) and
 # names the ones it skipped, for a second call with --modes. Results and logs go to $OUT (they come back with
@@ -46,6 +47,15 @@ if missing:
 import ckptd  # noqa: F401  (from this checkout)
 print("ckptd from", ckptd.__file__)
 EOF
+# the machine: what the figures stand on (cores, memory, /dev/shm and the work disk's size and kind)
+{ nproc; free -g; df -hT /dev/shm "${CKPTD_BENCH_DIR:-${TMPDIR:-/tmp}}" .; nvidia-smi -L || true; } 2>&1 | tee -a "$out/env.txt"
+# gpu_loop.py wants 3.5x the state within half of /dev/shm (the daemon's default budget): a container's
+# default /dev/shm is often far smaller than its memory; as root, grow it (tmpfs takes only what is used)
+shm_gb=$(df -k --output=size /dev/shm | tail -1 | awk '{print int($1 / 1048576)}')
+mem_gb=$(free -g | awk '/^Mem:/ {print $2}')
+if [ "$(id -u)" = 0 ] && [ "$shm_gb" -lt $((mem_gb / 2)) ]; then
+    mount -o remount,size=$((mem_gb * 3 / 4))G /dev/shm && df -h /dev/shm | tee -a "$out/env.txt" || true
+fi
 
 case "$phase" in
 tests)
@@ -60,8 +70,20 @@ loop)
     "$py" benchmarks/gpu_loop.py --json "$out/gpu_loop.json" --plot "$out/gpu_loop.png" "$@" 2>&1 | tee "$out/gpu_loop.log"
     exit "${PIPESTATUS[0]}"
     ;;
+all)
+    # one machine start for both: the tests (capped, so a hang leaves the loop its time), then the loop
+    set +e
+    timeout 240 "$py" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_hot.py -ra 2>&1 | tee "$out/pytest.log"
+    rc=${PIPESTATUS[0]}
+    timeout 90 "$py" benchmarks/gpu_copy.py --json "$out/gpu_copy.json" 2>&1 | tee "$out/gpu_copy.log"
+    "$py" benchmarks/gpu_loop.py --json "$out/gpu_loop.json" --plot "$out/gpu_loop.png" "$@" 2>&1 | tee "$out/gpu_loop.log"
+    loop_rc=${PIPESTATUS[0]}
+    echo "pytest rc=$rc gpu_loop rc=$loop_rc"
+    [ "$rc" = 0 ] && exit "$loop_rc"
+    exit "$rc"
+    ;;
 *)
-    echo "usage: $0 tests | loop [gpu_loop.py arguments]" >&2
+    echo "usage: $0 tests | loop [gpu_loop.py arguments] | all [gpu_loop.py arguments]" >&2
     exit 2
     ;;
 esac
