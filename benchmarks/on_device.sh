@@ -7,6 +7,7 @@
 #   run(command="bash benchmarks/on_device.sh tests", carry=[".whl"])      # tests/test_cuda.py + the GPU copy benchmark
 #   run(command="bash benchmarks/on_device.sh loop", carry=[".whl"])       # benchmarks/gpu_loop.py, every mode it reaches
 #   run(command="bash benchmarks/on_device.sh loop --modes lag-wait,lag-memory,dcp-thread", carry=[".whl"])
+#   run(command="bash benchmarks/on_device.sh paths", carry=[".whl"])     # benchmarks/restore_paths.py
 #   run(command="bash benchmarks/on_device.sh all --max-minutes 4 --profile-restore", carry=[".whl"])  # both, one start
 #
 # A phase fits in one call (10 minutes): gpu_loop.py stops starting modes after --max-minutes (8 by default) and
@@ -70,6 +71,11 @@ loop)
     "$py" benchmarks/gpu_loop.py --json "$out/gpu_loop.json" --plot "$out/gpu_loop.png" "$@" 2>&1 | tee "$out/gpu_loop.log"
     exit "${PIPESTATUS[0]}"
     ;;
+paths)
+    # the host-side pieces of a GPU restore, timed one by one (benchmarks/restore_paths.py)
+    "$py" benchmarks/restore_paths.py --json "$out/restore_paths.json" "$@" 2>&1 | tee "$out/restore_paths.log"
+    exit "${PIPESTATUS[0]}"
+    ;;
 all)
     # one machine start for both: the tests (capped, so a hang leaves the loop its time), then the loop
     set +e
@@ -83,7 +89,7 @@ all)
     exit "$rc"
     ;;
 *)
-    echo "usage: $0 tests | loop [gpu_loop.py arguments] | all [gpu_loop.py arguments]" >&2
+    echo "usage: $0 tests | paths | loop [gpu_loop.py arguments] | all [gpu_loop.py arguments]" >&2
     exit 2
     ;;
 esac

@@ -1,0 +1,202 @@
+"""GPU restore's host-side building blocks, timed one by one on a shared-memory segment of ``--gb``: what a
+hot restore's time is made of, and which way of page-locking, hashing and copying is fastest on this machine.
+
+    python benchmarks/restore_paths.py [--gb 6] [--range-mb 256] [--json out.json]
+
+Needs CUDA (exits 0 with a message without it). The segment is written by this process, then closed and
+mapped again, as a restarted trainer maps the daemon's segment. Measured, each on a fresh mapping:
+
+* ``mmap``: with ``MAP_POPULATE`` (the page tables built up front) and without;
+* ``cudaHostRegister`` of the whole mapping at once (after a populated and after a plain mmap), and of
+  ``--range-mb`` ranges one after the other and from 2, 4 and 8 threads; ``cudaHostUnregister``; ``munmap``;
+* host-to-device copies from the registered mapping into one device buffer: whole, in ranges, and one
+  copy across the boundary of two separately registered ranges (does CUDA take it at full speed?);
+* XXH3-64 of the whole segment in chunks of ``--range-mb``, from 1, 4, 8 and 16 threads;
+* a bounce path: one page-locked buffer per thread, ``memcpy`` from the mapping into it.
+
+Prints a table; writes ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import sys
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ckptd.format import digest  # noqa: E402
+
+RO_PORTABLE = 0x08 | 0x01
+
+
+def t() -> float:
+    return time.perf_counter()
+
+
+def register(ptr: int, n: int, flags: int = RO_PORTABLE) -> float:
+    t0 = t()
+    err = torch.cuda.cudart().cudaHostRegister(ptr, n, flags)
+    took = t() - t0
+    if int(getattr(err, "value", err)) != 0:
+        raise RuntimeError(f"cudaHostRegister({n}) failed: {err}")
+    return took
+
+
+def unregister(ptr: int) -> float:
+    t0 = t()
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+    return t() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--gb", type=float, default=6.0)
+    p.add_argument("--range-mb", type=int, default=256)
+    p.add_argument("--json", default="bench-out/restore_paths.json")
+    a = p.parse_args(argv)
+    warnings.filterwarnings("ignore", category=UserWarning)  # torch.frombuffer of a read-only mapping: only ever read
+    if not torch.cuda.is_available():
+        print("restore_paths: no CUDA device: nothing to measure")
+        return 0
+    rng = a.range_mb << 20
+    n = int(a.gb * 1e9) // rng * rng
+    path = f"/dev/shm/ckptd-restore-paths-{os.getpid()}"
+    res: dict[str, Any] = {"gb": n / 1e9, "range_mb": a.range_mb, "device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+
+    def row(name: str, seconds: float, nbytes: int = n) -> None:
+        res[name] = {"ms": seconds * 1e3, "gb_per_s": nbytes / seconds / 1e9 if seconds else None}
+        print(f"| {name} | {seconds * 1e3:.1f} | {nbytes / seconds / 1e9:.1f} |", flush=True)
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, n)
+        with mmap.mmap(fd, n) as w:
+            block = os.urandom(1 << 20) * 16
+            for off in range(0, n, len(block)):
+                w[off : off + len(block)] = block[: n - off]
+        print(f"segment {n / 1e9:.2f} GB at {path}; ranges of {a.range_mb} MiB\n\n| what | ms | GB/s |\n|---|---:|---:|", flush=True)
+
+        def fresh(populate: bool) -> tuple[mmap.mmap, torch.Tensor, int, float]:
+            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+            t0 = t()
+            mm = mmap.mmap(fd, n, flags=flags, prot=mmap.PROT_READ)
+            took = t() - t0
+            ten = torch.frombuffer(mm, dtype=torch.uint8)
+            return mm, ten, ten.data_ptr(), took
+
+        def close(mm: mmap.mmap, ten: torch.Tensor) -> float:
+            del ten
+            t0 = t()
+            mm.close()
+            return t() - t0
+
+        # 1. mmap, register whole, copy whole, unregister, munmap
+        for populate in (True, False):
+            mm, ten, ptr, took = fresh(populate)
+            row(f"mmap {'MAP_POPULATE' if populate else 'plain'}", took)
+            row(f"cudaHostRegister whole ({'populated' if populate else 'plain'} mmap)", register(ptr, n))
+            for rep in range(2):
+                torch.cuda.synchronize()
+                t0 = t()
+                dev.copy_(ten, non_blocking=True)
+                torch.cuda.synchronize()
+                row(f"H2D whole from registered, rep {rep}", t() - t0)
+            row("cudaHostUnregister whole", unregister(ptr))
+            try:
+                row("munmap", close(mm, ten))
+            except BufferError as e:
+                print(f"munmap: {e}")
+
+        # 2. ranges: sequential and threaded registration; copies in ranges; a copy across two registrations
+        ranges = [(off, rng) for off in range(0, n, rng)]
+        for threads in (1, 2, 4, 8):
+            mm, ten, ptr, _ = fresh(False)
+            t0 = t()
+            if threads == 1:
+                for off, size in ranges:
+                    register(ptr + off, size)
+            else:
+                with ThreadPoolExecutor(threads) as ex:
+                    list(ex.map(lambda r, ptr=ptr: register(ptr + r[0], r[1]), ranges))
+            row(f"cudaHostRegister in ranges, {threads} thread(s)", t() - t0)
+            if threads == 4:
+                torch.cuda.synchronize()
+                t0 = t()
+                for off, size in ranges:
+                    dev[off : off + size].copy_(ten[off : off + size], non_blocking=True)
+                torch.cuda.synchronize()
+                row("H2D in ranges from registered ranges", t() - t0)
+                mid = rng // 2
+                t0 = t()
+                try:
+                    dev[mid : mid + rng].copy_(ten[mid : mid + rng], non_blocking=True)
+                    torch.cuda.synchronize()
+                    row("H2D of one range across two registrations", t() - t0, rng)
+                    ok = torch.equal(dev[mid : mid + rng].cpu(), ten[mid : mid + rng])
+                    res["across_two_registrations_correct"] = ok
+                    print(f"across two registrations: bytes {'equal' if ok else 'DIFFER'}")
+                except Exception as e:
+                    res["across_two_registrations_error"] = f"{type(e).__name__}: {e}"
+                    print(f"across two registrations: {type(e).__name__}: {e}")
+            t0 = t()
+            with ThreadPoolExecutor(max(1, threads)) as ex:
+                list(ex.map(lambda r, ptr=ptr: unregister(ptr + r[0]), ranges))
+            row(f"cudaHostUnregister in ranges, {threads} thread(s)", t() - t0)
+            close(mm, ten)
+
+        # 3. pipelined: register range k+1 (threads) while range k copies
+        mm, ten, ptr, _ = fresh(False)
+        torch.cuda.synchronize()
+        t0 = t()
+        with ThreadPoolExecutor(4) as ex:
+            futs = [ex.submit(register, ptr + off, size) for off, size in ranges]
+            for (off, size), f in zip(ranges, futs):
+                f.result()
+                dev[off : off + size].copy_(ten[off : off + size], non_blocking=True)
+        torch.cuda.synchronize()
+        row("pipelined: register in ranges (4 threads) + copy each once registered", t() - t0)
+        with ThreadPoolExecutor(4) as ex:
+            list(ex.map(lambda r: unregister(ptr + r[0]), ranges))
+        close(mm, ten)
+
+        # 4. hashing
+        mm, ten, ptr, _ = fresh(True)
+        view = memoryview(mm)
+        for threads in (1, 4, 8, 16):
+            t0 = t()
+            with ThreadPoolExecutor(threads) as ex:
+                list(ex.map(lambda r: digest(view[r[0] : r[0] + r[1]]), ranges))
+            row(f"xxh3 of the segment, {threads} thread(s)", t() - t0)
+        # 5. bounce: memcpy into page-locked buffers, one per thread
+        for threads in (4, 8):
+            t0 = t()
+            bufs = [torch.empty(rng, dtype=torch.uint8, pin_memory=True) for _ in range(threads)]
+            row(f"page-locked buffers: {threads} x {a.range_mb} MiB allocated", t() - t0, threads * rng)
+            t0 = t()
+            with ThreadPoolExecutor(threads) as ex:
+                list(ex.map(lambda i, b=bufs, k=threads: [b[i].copy_(ten[o : o + rng]) for o, _ in ranges[i::k]], range(threads)))
+            row(f"memcpy mapping -> page-locked, {threads} threads", t() - t0)
+            bufs.clear()
+        view.release()
+        close(mm, ten)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
+    with open(a.json, "w") as f:
+        json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
