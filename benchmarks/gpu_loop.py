@@ -43,7 +43,8 @@ step every ``--every`` steps. What each figure means:
   warm-up at the loop's cadence first, so every staging slot is made, mapped and page-locked.
 * **ckptd blocking**: ``snapshot(blocking=True)``: returns when every byte is in the daemon's memory.
 * **ckptd memory tier**: a snapshot every step (``Client(persist_every=K)``, ``--persist-every``), one in K
-  persisted; its overhead is per step.
+  due for disk, and a daemon with ``--lagging memory`` (a step due while the disk is busy stays in memory);
+  its overhead is per step.
 * **persisting lags**: the default mode against a daemon whose disk writes are throttled
   (``--write-rate-limit``, one persist worker) so that one persist takes ``--lag-factor`` checkpoint
   intervals, shared memory for three slots. ``--lagging wait``: every snapshot is queued for disk, and
@@ -60,7 +61,8 @@ step every ``--every`` steps. What each figure means:
 * **restore** of the newest step into a fresh model + AdamW on the device, from the daemon's memory
   (``restore()``, hot), from disk (``hot=False``) with the step's files evicted from the page cache, and
   from disk with them in the page cache; against the H2D floors: the whole state copied from one pinned and
-  from one pageable host buffer into the device tensors (on CPU both are plain copies). GB/s, and the ratio
+  from one pageable host buffer into the device tensors (on CPU both are plain copies), and the disk's floor:
+  the step's shard files, evicted, read whole in 16 MiB reads. GB/s, and the ratio
   of each time to the pinned floor's.
 
 Prints markdown tables; writes ``--json`` (rewritten after every mode, so a run cut short keeps what it
@@ -102,6 +104,7 @@ from _harness import (  # noqa: E402
     views_into,
     write_json,
 )  # fmt: skip
+from hot_restore import read_files  # noqa: E402
 
 import ckptd  # noqa: E402
 
@@ -315,7 +318,7 @@ def mode_names(args: argparse.Namespace, cuda: bool) -> dict[str, str]:
         else "copy floor: whole state into one preallocated buffer (cpu)",
         "default": "ckptd snapshot() default (copy guarded until optimizer.step), warm pool",
         "blocking": "ckptd snapshot(blocking=True), warm pool",
-        "memtier": f"ckptd default, memory tier: a snapshot every step, 1 in {k} persisted (per step)",
+        "memtier": f"ckptd default, memory tier: a snapshot every step, 1 in {k} persisted, --lagging memory (per step)",
         "lag-wait": "ckptd default, disk throttled, --lagging wait (backpressure), pool from prepare() only (cold)",
         "lag-memory": "ckptd default, disk throttled, --lagging memory, warm pool",
         "dcp-thread": "dcp.async_save, thread mode (default stager)",
@@ -341,6 +344,7 @@ SHORT = {
     "memory": "ckptd.restore, hot (daemon memory)",
     "disk_cold": "ckptd.restore, disk (cache evicted)",
     "disk_warm": "ckptd.restore, disk (page cache)",
+    "disk_read": "disk floor: files read (evicted)",
 }
 
 
@@ -598,7 +602,7 @@ class Bench:
         if r is None or self.skip(["memtier"]):
             return
         with self.section(["memtier"]):
-            dp = self.daemon("memtier", KEEP)
+            dp = self.daemon("memtier", [*KEEP, "--lagging", "memory"])  # a snapshot every step outruns any disk
             try:
                 k = self.args.persist_every
                 with ckptd.Client(endpoint=dp.endpoint, job="gpu-loop-mem", persist_every=k) as c:
@@ -690,6 +694,7 @@ class Bench:
             "memory": "ckptd.restore from the daemon's memory (hot)",
             "disk_cold": "ckptd.restore(hot=False): from disk, files evicted from the page cache",
             "disk_warm": "ckptd.restore(hot=False): from disk, files in the page cache",
+            "disk_read": "disk floor: the step's shard files, evicted from the page cache, read in 16 MiB reads (no hash, no copy)",
         }
         self.restores = {k: RestoreRow(k, n, SHORT[k]) for k, n in names.items()}
         log("restore: building a fresh model on the device")
@@ -710,6 +715,14 @@ class Bench:
                                 target.sync()
                                 t0 = time.perf_counter()
                                 copy_in(tensors, srcs, cuda)
+                                row.samples_s.append(time.perf_counter() - t0)
+                                continue
+                            if key == "disk_read":
+                                if self.last_step_dir is None or not os.path.isdir(self.last_step_dir):
+                                    raise RuntimeError(f"no step directory to read ({self.last_step_dir})")
+                                evict(self.last_step_dir)
+                                t0 = time.perf_counter()
+                                read_files(self.last_step_dir)
                                 row.samples_s.append(time.perf_counter() - t0)
                                 continue
                             if key == "disk_cold":

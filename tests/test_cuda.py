@@ -106,3 +106,37 @@ def test_cuda_restore_of_a_corrupt_shard_fails_naming_it(daemon) -> None:  # noq
     m2, o2 = _cuda_model()
     with pytest.raises(ckptd.FormatError, match="checksum mismatch"):
         ckptd.restore(m2, o2, path=path)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_hot_restore_verifies_every_chunk_and_falls_back_to_disk_on_a_corrupt_segment(daemon) -> None:  # noqa: ANN001
+    # the hot path into a GPU hashes on worker threads while the copies run: a flipped byte in the daemon's
+    # segment must still be caught (the restore then reads the intact disk copy), never loaded silently
+    import os
+
+    from ckptd import shm
+
+    want, path = _saved(daemon, "gh")
+    shard = next(f for f in sorted(os.listdir(path)) if f.endswith(".safetensors"))
+    size = os.path.getsize(os.path.join(path, shard))
+    flipped = 0
+    for name in shm.segments_of(daemon.root):
+        seg = shm.path_of(name)
+        with open(seg, "rb") as f:
+            if f.read(64) != open(os.path.join(path, shard), "rb").read(64):
+                continue  # not the slot that holds this shard
+        os.chmod(seg, 0o600)
+        with open(seg, "r+b") as f:
+            f.seek(size - 8)
+            b = f.read(1)
+            f.seek(size - 8)
+            f.write(bytes([b[0] ^ 0xFF]))
+        flipped += 1
+    assert flipped, "the daemon should still hold the step in a slot"
+    with daemon.client("gh") as c:
+        m2, o2 = _cuda_model()
+        c.restore(m2, o2)
+        assert c.last_restore["source"] == "disk"
+    torch.cuda.synchronize()
+    assert_same({k: v.cpu() for k, v in full_state(m2, o2).items()}, want)

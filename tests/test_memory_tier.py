@@ -364,6 +364,35 @@ def test_when_persisting_is_slower_than_snapshots_memory_stays_in_budget_and_the
     assert complete_steps(d.root, "slow")[-1] == snapshots
 
 
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_snapshot_every_step_with_room_to_spare_reuses_stale_steps_slots_and_never_waits_for_a_new_segment(
+    make_daemon, blocking: bool
+) -> None:  # noqa: ANN001
+    # the budget would allow ten more segments, and the disk cannot keep up: a snapshot that finds none of its
+    # slots free (the step before it not sealed yet, so the one before that not dropped yet) must take a stale
+    # memory-only step's slots. Before, it waited while a new segment was made: 3.6 s for 6 GB on an H100 host.
+    d = make_daemon("--lagging", "memory", "--write-rate-limit", "8M", "--shm-budget", str(14 * SHARD), "--workers", "1")
+    model, optim = _big()
+    _step(model, optim, 0)
+    with d.client("every") as c:
+        c.prepare(model, optim)  # three slots: one persisting, the newest held, one being filled
+        segments = set(shm.segments_of(d.root))
+        assert len(segments) == 3
+        for step in range(1, 13):
+            _step(model, optim, step)
+            c.snapshot(model, optim, step=step, blocking=blocking)
+            assert set(shm.segments_of(d.root)) == segments, f"step {step}: a segment was made on a snapshot's path"
+        want = full_state(model, optim)
+        c.wait(120)
+        st = c.status()
+        assert st["memory_steps_dropped"] > 0 and st["errors"] == 0, st["last_error"]
+        assert st["deferred_allocs"] == 0
+        m2, o2 = _big()
+        c.restore(m2, o2)
+        assert c.last_restore["step"] == 12
+    assert_same(full_state(m2, o2), want)
+
+
 def test_lagging_wait_puts_every_step_on_disk_with_backpressure(make_daemon) -> None:  # noqa: ANN001
     d = make_daemon("--write-rate-limit", "40M", "--shm-budget", str(int(2.4 * SHARD)), "--workers", "1")
     model, optim = _big()

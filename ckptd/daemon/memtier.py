@@ -81,7 +81,7 @@ class MemoryTier:
         # seal thread: fragments of steps being sealed, per attempt (job, step, attempt)
         self._frags: dict[tuple[str, int, int], dict[int, dict[str, Any]]] = {}
         self._last_check = 0.0
-        pool.reclaim = self.reclaim
+        pool.reclaim, pool.reuse = self.reclaim, self.drop_stale
 
     # ------------------------------------------------------------------ committing
 
@@ -230,6 +230,15 @@ class MemoryTier:
             if self.drop((job, s), f"dropped from memory: shared memory was full and {who} needed room"):
                 return True
         return False
+
+    def drop_stale(self, job: str, step: int | None) -> bool:
+        """A snapshot of ``step`` found none of its rank's slots free: drop ``job``'s oldest memory-only step
+        that a newer memory-only step has made stale (it would be dropped once ``step`` completes anyway), so
+        that its slots are reused rather than a new segment made while the snapshot waits. Never the newest;
+        not one a hot restore is reading. True if slots were freed."""
+        held = [s for s, _ in self.steps.of_job(job, StepState.MEMORY) if s != step]
+        who = "a snapshot" if step is None else f"step {step}"
+        return any(self.drop((job, s), f"dropped from memory: a newer step is complete and {who} reused its memory") for s in held[:-1])
 
     def promote(self, key: StepKey) -> bool:
         """Persist memory-only step ``key`` after all; False if it is not one (any more)."""

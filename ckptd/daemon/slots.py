@@ -8,7 +8,9 @@ dropped or persisted. Leasing prefers the rank's own previous slot (the trainer
 keeps a warm mapping of it), then creates a segment if the budget allows, evicting free slots least
 recently used first, else reuses the smallest free slot that fits; when nothing fits the request is
 deferred (backpressure) and granted as soon as a slot frees up, unless ``reclaim`` can drop a
-memory-tier step of the job to make room. In the daemon a new segment is made off
+memory-tier step of the job to make room. A memory-tier step that a newer one of its job made stale
+gives its slots back before a segment is made (``reuse``): a snapshot every step never waits for one.
+In the daemon a new segment is made off
 the loop (:mod:`.growth`): the request that needs it waits for it like a deferred one. Hot restores pin
 the slots they read.
 
@@ -96,6 +98,9 @@ class SlotPool:
         self._on_grant = on_grant or (lambda ident, msg, result: None)
         self._clock, self._alive, self._grow = clock, alive, grow
         self.reclaim = reclaim or (lambda job, step: False)
+        # drop a memory-only step of the job that a newer one made stale, so that its slots are leased rather than
+        # a new segment made on the request's path; True if it freed slots (set by the memory tier)
+        self.reuse: Callable[[str, int | None], bool] = lambda job, step: False
         self.slots: dict[str, Slot] = {}
         self.deferred: list[tuple[bytes, dict[str, Any]]] = []  # (ident, alloc request) waiting for memory
         self.growing: dict[int, int] = {}  # grow token -> bytes being made off the loop (counted in the budget)
@@ -137,6 +142,8 @@ class SlotPool:
         free = [s for s in self.slots.values() if s.state is SlotState.FREE and not s.pins and s.size >= need]
         # the rank's own slot first: the trainer already holds a warm mapping of it
         slot = min((s for s in free if s.owner == owner), key=lambda s: s.size, default=None)
+        if slot is None and "_growing" not in msg and not msg.get("warm") and self.reuse(msg["job"], msg["step"]):
+            return self.lease(msg)  # an older memory-only step's slots (mapped and page-locked by the trainer), not a new segment
         used = self.bytes_held()
         rounded = max(shm.ALIGN, -(-need // shm.ALIGN) * shm.ALIGN)
         if slot is None and (used + rounded > self.budget or "_growing" in msg):
