@@ -1162,6 +1162,7 @@ def main(argv: list[str] | None = None) -> int:
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     bench = Bench(args, device)
+    stopped = False
     try:
         why = shm_check(args, bench.nbytes)
         if why is not None:
@@ -1182,6 +1183,12 @@ def main(argv: list[str] | None = None) -> int:
         bench.baseline()
         bench.mach["loadavg_end"] = os.getloadavg()
         bench.complete = True
+    except SystemExit:  # a SIGTERM (the device's time limit): report what was measured, mark the rest
+        stopped = True
+        log("stopped by SIGTERM: reporting what was measured")
+        for r in bench.rows.values():
+            if r.error is None and r.loop_s is None:
+                r.error = "skipped: the run was stopped (SIGTERM) before this mode ended"
     finally:
         bench.cleanup()
         bench.save()
@@ -1192,7 +1199,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json(args.json, data)
     made = plot(args.plot, data)
     log(f"wrote {args.json}" + (f" and {made}" if made else ""))
-    return 0
+    return 143 if stopped else 0
 
 
 if __name__ == "__main__":

@@ -82,7 +82,9 @@ all)
     timeout 240 "$py" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_hot.py -ra 2>&1 | tee "$out/pytest.log"
     rc=${PIPESTATUS[0]}
     timeout 90 "$py" benchmarks/gpu_copy.py --json "$out/gpu_copy.json" 2>&1 | tee "$out/gpu_copy.log"
-    "$py" benchmarks/gpu_loop.py --json "$out/gpu_loop.json" --plot "$out/gpu_loop.png" "$@" 2>&1 | tee "$out/gpu_loop.log"
+    # LOOP_TIMEOUT: seconds before the loop is sent SIGTERM, after which it still prints and plots what it measured
+    timeout -s TERM "${LOOP_TIMEOUT:-0}" "$py" benchmarks/gpu_loop.py --json "$out/gpu_loop.json" --plot "$out/gpu_loop.png" "$@" 2>&1 |
+        tee "$out/gpu_loop.log"
     loop_rc=${PIPESTATUS[0]}
     echo "pytest rc=$rc gpu_loop rc=$loop_rc"
     [ "$rc" = 0 ] && exit "$loop_rc"
