@@ -329,6 +329,11 @@ def _step(model: torch.nn.Module, optim: torch.optim.Optimizer, i: int) -> None:
     optim.zero_grad()
 
 
+def _snap(c: Any, model: torch.nn.Module, optim: torch.optim.Optimizer, step: int) -> None:
+    _step(model, optim, step)
+    c.snapshot(model, optim, step=step, blocking=True)
+
+
 SHARD = 25_300_000  # about: 2.1 M fp32 params, Adam's two moments, the header
 
 
@@ -400,14 +405,37 @@ def test_lagging_wait_puts_every_step_on_disk_with_backpressure(make_daemon) -> 
     with d.client("w") as c:
         c.prepare(model, optim)
         for step in range(1, 5):
-            _step(model, optim, step)
-            c.snapshot(model, optim, step=step, blocking=True)
+            _snap(c, model, optim, step)
             st = c.status()
             assert st["shm_bytes"] <= st["shm_budget"]
         assert len(c.wait(120)) == 4
         st = c.status()
         assert st["memory_steps_dropped"] == 0 and st["memory_steps"] == 0 and st["steps_committed"] == 4
     assert complete_steps(d.root, "w") == [2, 3, 4]  # the newest three (keep = 3)
+
+
+def test_when_the_disk_lags_under_lagging_wait_a_spare_slot_is_made_before_the_next_snapshot_asks(make_daemon) -> None:  # noqa: ANN001
+    # prepare() made two slots; the disk (8 MB/s: 3 s per step) lags behind back-to-back snapshots. The rank
+    # takes its last free slot while step 1 is still being written: a third segment is made for it right
+    # then, off the loop, so step 3 finds it instead of waiting while it is made (3.4 s for 6 GB on one H100)
+    d = make_daemon("--write-rate-limit", "8M", "--shm-budget", str(int(3.4 * SHARD)), "--workers", "1")
+    model, optim = _big()
+    _step(model, optim, 0)
+    with d.client("spare") as c:
+        c.prepare(model, optim)
+        assert len(shm.segments_of(d.root)) == 2
+        for step in (1, 2):
+            _snap(c, model, optim, step)
+        # step 1 is still being written (3 s), step 2 queued: a free slot now can only be the spare, made
+        until(lambda: c.status()["slots"].get("free"), what="a spare segment made for the rank")
+        assert len(shm.segments_of(d.root)) == 3
+        waited = c.status()["allocs_waited"]
+        _snap(c, model, optim, 3)
+        st = c.status()
+        assert st["allocs_waited"] == waited, f"step 3 should have found a slot at once; daemon log:\n{d.log.read_text()[-4000:]}"
+        assert st["shm_bytes"] <= st["shm_budget"] and len(shm.segments_of(d.root)) == 3
+        assert len(c.wait(120)) == 3  # lagging="wait": every step reaches disk
+    assert complete_steps(d.root, "spare") == [1, 2, 3]
 
 
 def test_a_garbage_shard_in_the_memory_tier_fails_its_step_and_frees_its_slot(daemon) -> None:  # noqa: ANN001
@@ -691,6 +719,51 @@ def test_a_seal_of_an_earlier_attempt_never_completes_a_later_attempt_of_the_ste
     assert last.manifest is not None and {r["rank"] for r in last.manifest["ranks"]} == {0, 1}
     tier.on_sealed(last)
     assert steps.get(("j", 5)).state is StepState.MEMORY
+
+
+def test_a_snapshot_short_of_a_slot_while_the_step_before_it_is_sealed_waits_for_the_seal_not_for_a_new_segment(tier_parts) -> None:  # noqa: ANN001
+    # a snapshot every step: step 1 is complete in memory, step 2 committed and being sealed. Step 3's alloc finds
+    # no free slot, and the budget has room for another; sealing step 2 will drop step 1 within milliseconds, so
+    # step 3 waits for that and gets step 1's slot. Before, a new segment was made while it waited (seconds per GB).
+    import time
+
+    from _rig import record, shard, tree
+
+    tier, steps, pool, events = (tier_parts[k] for k in ("tier", "steps", "pool", "events"))
+    tier._after_complete = lambda job, step: tier.completed(job, step, steps.get((job, step)))
+    grants: list[Any] = []
+    pool._on_grant = lambda ident, msg, result: grants.append((ident, result))
+
+    def alloc(step: int, nbytes: int) -> Any:
+        return pool.request(b"me", {"job": "j", "rank": 0, "world_size": 1, "step": step, "nbytes": nbytes, "pid": os.getpid()})
+
+    def commit(slot: Any, step: int) -> Any:
+        data = shard(step, 0, 1)
+        with open(shm.path_of(slot.name), "r+b") as f:
+            f.write(data)
+        pool.commit(slot, {**record(step, 0, 1, len(data)), "tree": tree(0)})
+        track = steps.check_commit(("j", step), 0, 1, 1)
+        steps.record_commit(("j", step), track, 0, 1)
+        track.tier = Tier.MEMORY.value
+        tier.seal(slot)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            got = list(events.drain())
+            if got:
+                return got[0]
+            events.wake.poll(500)
+        raise AssertionError("no ShardSealed within 30 s")
+
+    n = len(shard(1, 0, 1))
+    first = alloc(1, n)
+    tier.on_sealed(commit(first, 1))
+    assert steps.get(("j", 1)).state is StepState.MEMORY
+    sealed2 = commit(alloc(2, n), 2)  # sealed, not yet handled by the loop
+    assert len(list(pool)) == 2 and alloc(3, n) is None, "step 3 should wait for step 2's seal"
+    assert len(list(pool)) == 2 and pool.allocs_waited == 1 and not grants
+    tier.on_sealed(sealed2)  # step 2 complete: step 1 dropped, its slot goes to step 3
+    assert steps.get(("j", 2)).state is StepState.MEMORY and steps.get(("j", 1)).state is not StepState.MEMORY
+    assert [(ident, slot.name) for ident, slot in grants] == [(b"me", first.name)] and len(list(pool)) == 2
 
 
 def test_a_failed_later_step_never_counts_as_complete_for_the_memory_only_step_before_it(tmp_path) -> None:  # noqa: ANN001

@@ -8,6 +8,7 @@ chunk's checksum on the bytes it copies. :mod:`.load` puts a model and optimizer
 
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 import os
@@ -25,6 +26,9 @@ from ..layout import MANIFEST, is_complete
 from ..storage.local import latest_step
 from ..validate import read_manifest, validate_manifest
 
+log = logging.getLogger("ckptd.client")
+
+UNMAP_AWAY = 1 << 30  # page-locked mappings of at least this many bytes in all are unmapped on a thread
 HASH_WORKERS = min(8, os.cpu_count() or 1)  # checksum threads of a hot restore into a GPU (XXH3 of 6 GB: 0.88 s on one, 0.16 s on 8)
 
 # one saved chunk a region needs: (tensor key, the manifest's chunk entry, the copy into the region, its GPU or None)
@@ -89,13 +93,17 @@ class CheckpointReader:
         self._uploads.clear()
         maps = [mm for mm, _ in self._maps.values()]
         self._maps.clear()
-        if any(self._registered.values()):
-            # page-locked mappings: unregistering and unmapping 6 GB took 0.19 s on an H100 host, and nothing
-            # reads them any more: a thread lets them go while the restore returns
-            registered = dict(self._registered)
-            threading.Thread(target=_release, args=(registered, maps), name="ckptd-unmap", daemon=True).start()
-            maps = []
-        self._registered.clear()
+        if self._registered:
+            from . import cuda
+
+            cuda.unregister(self._registered)  # here, on the trainer's device (a new thread would open a context on GPU 0)
+            if sum(len(mm) for mm in maps) >= UNMAP_AWAY:
+                # unmapping 6 GB took 0.11-0.15 s on an H100 host, and nothing reads these pages any more
+                try:
+                    threading.Thread(target=_unmap, args=(maps,), name="ckptd-unmap", daemon=True).start()
+                    maps = []
+                except RuntimeError as e:  # no thread to be had: unmapped here
+                    log.debug("unmapping on this thread: %s", e)
         for mm in maps:
             mm.close()
         self._scratch = torch.empty(0, dtype=torch.uint8)
@@ -250,16 +258,26 @@ class CheckpointReader:
         checksum mismatch raises once the copies are enqueued (the destination may then hold those bytes)."""
         up = self._upload(device)
         views = {name: self._mapped(name, populate=False) for name in {p[1]["file"] for p in group}}
+        failed: BaseException | None = None
         with ThreadPoolExecutor(min(HASH_WORKERS, len(group)), thread_name_prefix="ckptd-verify") as pool:
             checks = [pool.submit(self._check, key, c, views[c["file"]][c["byte_range"][0] : c["byte_range"][1]]) for key, c, _, _ in group]
-            for view in views.values():
-                up.host_source(view[:0])  # registers the whole mapping (or notes that it cannot be)
-            for key, c, put, _ in group:
-                raw = self._raw(c, device)
-                with up.stream_for(raw):
-                    put(self._typed(key, c, raw))
-        for f in checks:  # every check has ended (the pool's exit waits for them): the first mismatch is raised
-            f.result()
+            try:
+                for view in views.values():
+                    up.host_source(view[:0])  # registers the whole mapping (or notes that it cannot be)
+                for key, c, put, _ in group:
+                    raw = self._raw(c, device)
+                    with up.stream_for(raw):
+                        put(self._typed(key, c, raw))
+            except Exception as e:
+                failed = e
+        # every check has ended (the pool's exit waits for them): a mismatch comes first, even before a copy's
+        # failure (its FormatError sends a hot restore to the disk's intact copy)
+        for f in checks:
+            e = f.exception()
+            if e is not None:
+                raise e from failed
+        if failed is not None:
+            raise failed
 
     def _read_ahead(self, group: list[Piece], device: torch.device | None) -> None:
         from .readahead import ReadAhead
@@ -327,15 +345,10 @@ class CheckpointReader:
         return src, ranks[src]
 
 
-def _release(registered: dict[int, bool], maps: list[mmap.mmap]) -> None:
-    """Unregister then unmap a closed reader's page-locked mappings (its thread; copies from them ended)."""
-    from . import cuda
-
-    try:
-        cuda.unregister(registered)
-    finally:
-        for mm in maps:
-            mm.close()
+def _unmap(maps: list[mmap.mmap]) -> None:
+    """Unmap a closed reader's mappings, unregistered already (its own thread: no CUDA call here)."""
+    for mm in maps:
+        mm.close()
 
 
 def resolve_step_dir(path: str) -> str:

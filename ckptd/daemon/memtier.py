@@ -81,7 +81,8 @@ class MemoryTier:
         # seal thread: fragments of steps being sealed, per attempt (job, step, attempt)
         self._frags: dict[tuple[str, int, int], dict[int, dict[str, Any]]] = {}
         self._last_check = 0.0
-        pool.reclaim, pool.reuse = self.reclaim, self.drop_stale
+        pool.reclaim, pool.soon = self.reclaim, self.sealing
+        pool.want_spare = lambda job: tiering.policy_of(job).lagging == "wait"
 
     # ------------------------------------------------------------------ committing
 
@@ -134,6 +135,8 @@ class MemoryTier:
         track, slot = self.steps.get(key), self.pool.get(ev.segment)
         if track is None or track.attempt != ev.attempt:  # an earlier attempt's, replaced since: nothing of this one
             self._forget_attempt(ev.job, ev.step, ev.attempt)
+            if self.pool.deferred:  # a request that waited for this seal (sealing()) asks again
+                self.pool.retry_deferred()
             return
         track.inflight -= 1
         if track.tier == Tier.DISK.value:
@@ -231,14 +234,14 @@ class MemoryTier:
                 return True
         return False
 
-    def drop_stale(self, job: str, step: int | None) -> bool:
-        """A snapshot of ``step`` found none of its rank's slots free: drop ``job``'s oldest memory-only step
-        that a newer memory-only step has made stale (it would be dropped once ``step`` completes anyway), so
-        that its slots are reused rather than a new segment made while the snapshot waits. Never the newest;
-        not one a hot restore is reading. True if slots were freed."""
-        held = [s for s, _ in self.steps.of_job(job, StepState.MEMORY) if s != step]
-        who = "a snapshot" if step is None else f"step {step}"
-        return any(self.drop((job, s), f"dropped from memory: a newer step is complete and {who} reused its memory") for s in held[:-1])
+    def sealing(self, job: str, step: int | None) -> bool:
+        """A memory-tier step of ``job`` (not ``step``) has every rank committed and is being sealed while a
+        memory-only step of the job exists: once sealed (milliseconds) it completes and that older step is
+        dropped, its slots freed. A snapshot short of a slot waits for this rather than for a new segment."""
+        if not self.steps.of_job(job, StepState.MEMORY):
+            return False
+        pending = self.steps.of_job(job, StepState.PENDING)
+        return any(s != step and t.tier == Tier.MEMORY.value and t.all_committed and t.inflight > 0 for s, t in pending)
 
     def promote(self, key: StepKey) -> bool:
         """Persist memory-only step ``key`` after all; False if it is not one (any more)."""

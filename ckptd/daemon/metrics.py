@@ -6,7 +6,7 @@ it needs no lock and cannot slow the loop down. Names (all prefixed ``ckptd_``):
 
 counters  ``persisted_bytes_total``, ``persist_seconds_total``, ``steps_committed_total``,
           ``uploaded_bytes_total``, ``upload_seconds_total``, ``steps_uploaded_total``, ``errors_total``,
-          ``memory_steps_total``, ``memory_steps_dropped_total``
+          ``memory_steps_total``, ``memory_steps_dropped_total``, ``allocs_waited_total``
 gauges    ``up``, ``uptime_seconds``, ``shm_budget_bytes``, ``shm_bytes``, ``staged_bytes``,
           ``slots{state}``, ``deferred_allocs``, ``upload_backlog_steps``, ``upload_in_progress_bytes``,
           ``upload_in_progress_total_bytes``, and per job: ``latest_step{job}``,
@@ -33,6 +33,7 @@ _COUNTERS = {
     "errors": "errors reported in ckptd status' last_error",
     "memory_steps": "steps complete in the memory tier only (some persisted later)",
     "memory_steps_dropped": "memory-only steps dropped without being persisted",
+    "allocs_waited": "snapshot allocations that waited for memory or for a segment to be made",
 }
 _GAUGES = {
     "uptime_s": ("uptime_seconds", "seconds since the daemon started"),

@@ -8,8 +8,9 @@ dropped or persisted. Leasing prefers the rank's own previous slot (the trainer
 keeps a warm mapping of it), then creates a segment if the budget allows, evicting free slots least
 recently used first, else reuses the smallest free slot that fits; when nothing fits the request is
 deferred (backpressure) and granted as soon as a slot frees up, unless ``reclaim`` can drop a
-memory-tier step of the job to make room. A memory-tier step that a newer one of its job made stale
-gives its slots back before a segment is made (``reuse``): a snapshot every step never waits for one.
+memory-tier step of the job to make room. A request that a seal under way will serve in milliseconds
+(``soon``: the step it completes makes an older memory-only step stale) waits for it rather than for a
+new segment; one whose rank took its last free slot while the disk lags gets a spare made off the loop.
 In the daemon a new segment is made off
 the loop (:mod:`.growth`): the request that needs it waits for it like a deferred one. Hot restores pin
 the slots they read.
@@ -98,12 +99,17 @@ class SlotPool:
         self._on_grant = on_grant or (lambda ident, msg, result: None)
         self._clock, self._alive, self._grow = clock, alive, grow
         self.reclaim = reclaim or (lambda job, step: False)
-        # drop a memory-only step of the job that a newer one made stale, so that its slots are leased rather than
-        # a new segment made on the request's path; True if it freed slots (set by the memory tier)
-        self.reuse: Callable[[str, int | None], bool] = lambda job, step: False
+        # True if a seal under way will complete a memory-tier step of the job and so drop an older one, freeing its
+        # slots in milliseconds: a request short of a slot waits for that, not for a new segment (set by the memory tier)
+        self.soon: Callable[[str, int | None], bool] = lambda job, step: False
         self.slots: dict[str, Slot] = {}
         self.deferred: list[tuple[bytes, dict[str, Any]]] = []  # (ident, alloc request) waiting for memory
         self.growing: dict[int, int] = {}  # grow token -> bytes being made off the loop (counted in the budget)
+        self.spares: dict[int, tuple[str, int]] = {}  # grow token -> (job, rank) a spare is made for, on no request's path
+        self.allocs_waited = 0  # snapshot allocations that had to wait (for memory, or for a segment to be made)
+        # True if a job queues every due step for disk (lagging="wait", set by the memory tier): when its disk lags,
+        # a rank that takes its last free slot gets a spare made off the loop, not on its next snapshot's path
+        self.want_spare: Callable[[str], bool] = lambda job: False
 
     def __iter__(self) -> Iterator[Slot]:
         return iter(list(self.slots.values()))
@@ -126,6 +132,10 @@ class SlotPool:
             if msg.get("timeout"):
                 msg["_deadline"] = self._clock() + msg["timeout"]
             self.deferred.append((ident, msg))
+            if not msg.get("warm"):
+                self.allocs_waited += 1
+        elif not msg.get("warm"):
+            self._spare(slot.owner, slot.size)
         return slot
 
     def _short(self, nbytes: int, waited: float | None = None) -> str:
@@ -142,8 +152,8 @@ class SlotPool:
         free = [s for s in self.slots.values() if s.state is SlotState.FREE and not s.pins and s.size >= need]
         # the rank's own slot first: the trainer already holds a warm mapping of it
         slot = min((s for s in free if s.owner == owner), key=lambda s: s.size, default=None)
-        if slot is None and "_growing" not in msg and not msg.get("warm") and self.reuse(msg["job"], msg["step"]):
-            return self.lease(msg)  # an older memory-only step's slots (mapped and page-locked by the trainer), not a new segment
+        if slot is None and "_growing" not in msg and not msg.get("warm") and msg.get("wait", True) and self.soon(msg["job"], msg["step"]):
+            return None  # deferred: a seal under way makes a memory-only step stale and frees its slots in milliseconds
         used = self.bytes_held()
         rounded = max(shm.ALIGN, -(-need // shm.ALIGN) * shm.ALIGN)
         if slot is None and (used + rounded > self.budget or "_growing" in msg):
@@ -164,6 +174,24 @@ class SlotPool:
         slot.holds, slot.token, slot.leased_at = None, secrets.token_hex(16), slot.used_at
         slot.lease = {k: msg[k] for k in LEASE_FIELDS}
         return slot
+
+    def _spare(self, owner: tuple[str, int] | None, size: int) -> None:
+        """``owner`` (job, rank) just took its last free slot while a slot of its job is still being persisted
+        (the disk lags): with a grower, room in the budget and a job whose due steps all go to disk, make it a
+        spare segment off the loop, so that its next snapshot finds a slot instead of waiting while one is made."""
+        if self._grow is None or owner is None or owner in self.spares.values() or not self.want_spare(owner[0]):
+            return
+        slots = self.slots.values()
+        if any(s.state is SlotState.FREE and s.owner == owner for s in slots):
+            return
+        if not any(s.state is SlotState.COMMITTED and (s.lease or {}).get("job") == owner[0] for s in slots):
+            return
+        rounded = max(shm.ALIGN, -(-size // shm.ALIGN) * shm.ALIGN)
+        if self.bytes_held() + rounded > self.budget:
+            return
+        token = secrets.randbits(62)
+        self.growing[token], self.spares[token] = rounded, owner
+        self._grow(size, token)
 
     def _writable(self, slot: Slot, job: str) -> bool:
         """A free slot about to be leased to ``job``, made writable for its lessee (``--group``: committed
@@ -267,9 +295,10 @@ class SlotPool:
         """A segment asked of the grower is made (``name``: it goes to the request that asked for it) or
         failed (``error``: that request is refused); then every deferred request is tried again."""
         self.growing.pop(token, None)
+        spare_for = self.spares.pop(token, None)  # a spare: its rank's, free until that rank's next snapshot
         asked = [d for d in self.deferred if d[1].get("_growing") == token]
         if name is not None:
-            owner = (asked[0][1]["job"], asked[0][1]["rank"]) if asked else None
+            owner = (asked[0][1]["job"], asked[0][1]["rank"]) if asked else spare_for
             self.slots[name] = Slot(name, size, owner=owner, used_at=self._clock())
         else:
             log.error("cannot make a staging segment of %d bytes: %s", size, error)
@@ -407,6 +436,7 @@ class SlotPool:
             "staged_bytes": sum((s.lease or {}).get("nbytes", 0) for s in self.slots.values() if s.state is SlotState.COMMITTED),
             "slots": states,
             "deferred_allocs": len(self.deferred),
+            "allocs_waited": self.allocs_waited,
             "hot_pins": {s.name: sorted(pid for pid, _ in s.pins.values()) for s in self.slots.values() if s.pins},
         }
 
