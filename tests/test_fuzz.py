@@ -14,6 +14,7 @@ import random
 import re
 import secrets
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -154,6 +155,9 @@ class Peer:
         self.s.setsockopt(zmq.LINGER, 0)
         self.s.connect(daemon.endpoint)
         self.ids = itertools.count(1000)
+        # a failed test's Peer, collected in its traceback's reference cycle, must not hang the garbage collector
+        # (zmq's Context.__del__ would term() while the socket is still open)
+        self._finalizer = weakref.finalize(self, _close_peer, self.s, self.ctx)
 
     def _why(self, what: str) -> str:
         log = self.daemon.log.read_text(errors="replace")[-3000:] if self.daemon.log.exists() else ""
@@ -196,8 +200,12 @@ class Peer:
         assert not self.s.poll(int(wait_s * 1000)), self._why(f"an answer nobody asked for: {self.s.recv()[:300]!r}")
 
     def close(self) -> None:
-        self.s.close(0)
-        self.ctx.term()
+        self._finalizer()
+
+
+def _close_peer(s: zmq.Socket, ctx: zmq.Context) -> None:
+    s.close(0)
+    ctx.term()
 
 
 def _short(fields: dict) -> str:

@@ -400,3 +400,23 @@ def test_a_thread_per_request_does_not_exhaust_the_socket_limit(daemon: DaemonPr
             t.join()
         assert len(ch._sockets) <= 2
         assert ch.call("hello")["ok"]
+
+
+def test_a_channel_dropped_in_a_reference_cycle_without_close_does_not_hang_the_garbage_collector(daemon) -> None:  # noqa: ANN001
+    # the user's mistake: a client never closed, held by a reference cycle (an exception's frames). Collected
+    # together, zmq's Context.__del__ used to term() the context while the cycle's sockets were still open, and the
+    # trainer hung inside the garbage collector (seen once in CI). In a child process, so a hang is a timeout here.
+    code = (
+        "import gc, sys, threading\n"
+        "from ckptd.client.rpc import Channel\n"
+        "for _ in range(20):\n"
+        "    ch = Channel(sys.argv[1], 5.0)\n"
+        "    ch.call('hello')\n"
+        "    t = threading.Thread(target=ch.call, args=('hello',)); t.start(); t.join()\n"
+        "    loop = [ch]; loop.append(loop); ch.loop = loop\n"
+        "    del ch, loop, t\n"
+        "    gc.collect()\n"
+        "print('collected')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code, daemon.endpoint], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "collected" in r.stdout, r.stderr[-2000:]

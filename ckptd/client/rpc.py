@@ -18,6 +18,7 @@ import os
 import stat
 import threading
 import time
+import weakref
 from typing import Any, NoReturn
 
 import zmq
@@ -119,6 +120,15 @@ def _refuse(endpoint: str, problem: str, st: os.stat_result, hint: str | None = 
 _RESENDABLE = frozenset({"hello", "status", "latest", "wait", "promote"})  # asked again of a restarted daemon: no harm twice
 
 
+def _close(ctx: zmq.Context, sockets: list[tuple[threading.Thread, zmq.Socket]], lock: threading.Lock) -> None:
+    """Close every thread's socket, then the context (a :class:`Channel`'s close, or its finalizer)."""
+    with lock:
+        for _, s in sockets:
+            s.close(0)
+        sockets.clear()
+    ctx.term()
+
+
 class Channel:
     """``timeout`` bounds each request unless the call gives its own ``rpc_timeout``; a longer wait
     (an ``alloc`` under backpressure) checks every ``timeout`` that the daemon still answers. Each new
@@ -132,6 +142,10 @@ class Channel:
         self._sock_lock = threading.Lock()
         self._ids = itertools.count(1)
         self.closed = False
+        # a channel never closed and collected in a reference cycle (a client dropped with an exception's frames):
+        # zmq's own Context.__del__ would term() the context while the cycle's sockets, already unreachable to it,
+        # are open, and hang the trainer in the garbage collector; this closes them first
+        self._finalizer = weakref.finalize(self, _close, self._ctx, self._sockets, self._sock_lock)
 
     def call(self, op: str, rpc_timeout: float | None = None, frames: tuple[bytes, ...] = (), **fields: Any) -> dict[str, Any]:
         """Send one request and wait for its reply; raise :class:`ProtocolError` on an error reply and
@@ -216,7 +230,7 @@ class Channel:
         if s is not None:
             self._tls.sock = None
             with self._sock_lock:
-                self._sockets = [(t, x) for t, x in self._sockets if x is not s]
+                self._sockets[:] = [(t, x) for t, x in self._sockets if x is not s]  # in place: the finalizer holds this list
             s.close(0)
 
     def close(self) -> None:
@@ -224,11 +238,7 @@ class Channel:
         if self.closed:
             return
         self.closed = True
-        with self._sock_lock:
-            for _, s in self._sockets:
-                s.close(0)
-            self._sockets.clear()
-        self._ctx.term()
+        self._finalizer()
 
     def __enter__(self) -> Channel:
         return self
