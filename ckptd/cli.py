@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -23,6 +24,23 @@ def _size(text: str) -> int:
         return parse_size(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive_size(text: str) -> int:
+    n = _size(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"a size > 0, got {text!r}")
+    return n
+
+
+def _seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = math.nan
+    if not 0 < v < math.inf:
+        raise argparse.ArgumentTypeError(f"a number of seconds > 0, got {text!r}")
+    return v
 
 
 def _gb(n: float) -> str:
@@ -124,7 +142,7 @@ def _parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="ask a running daemon for its state: jobs, memory, throughput, uploads, last error")
     st.add_argument("--endpoint", default=None)
     st.add_argument("--json", action="store_true", help="print the raw status as JSON")
-    st.add_argument("--watch", type=float, default=None, metavar="SECONDS", help="refresh every SECONDS (upload progress); Ctrl-C stops")
+    st.add_argument("--watch", type=_seconds, default=None, metavar="SECONDS", help="refresh every SECONDS (upload progress); Ctrl-C stops")
 
     v = sub.add_parser("verify", help="re-read a checkpoint: checksums, headers, coverage, manifest (exit 1 if unsound)")
     v.add_argument("ckpt", help="a step directory, or a job directory (its newest step)")
@@ -134,7 +152,7 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--out", required=True, help="the file to write (hf: the directory to make)")
     ex.add_argument("--format", choices=("safetensors", "torch", "hf"), default="safetensors")
     ex.add_argument("--what", choices=("model", "optim", "all"), default="model")
-    ex.add_argument("--max-shard-size", type=_size, default=None, help="hf: the largest weights file (default 5GB)")
+    ex.add_argument("--max-shard-size", type=_positive_size, default=None, help="hf: the largest weights file (default 5GB)")
     ex.add_argument("--config-from", default=None, help="hf: copy config.json (and tokenizer files) from this model directory")
 
     im = sub.add_parser("import", help="turn a torch.distributed.checkpoint (DCP) directory into a step of a job, through the daemon")
@@ -170,10 +188,12 @@ def _serve(args: argparse.Namespace) -> int:
     # whatever the daemon creates without an explicit mode (temporary files, directories) is private from
     # birth: 077, or 027 when a group shares the checkpoints
     os.umask(0o077 if cfg.group is None else 0o027)
+    import zmq
+
     try:
         Daemon(cfg).serve()
-    except CheckpointError as e:
-        print(f"ckptd: {e}", file=sys.stderr)
+    except (CheckpointError, OSError, zmq.ZMQError) as e:  # a root it cannot make or write, an endpoint it cannot bind
+        print(f"ckptd serve: {e}", file=sys.stderr)
         return 1
     return 0
 
@@ -226,7 +246,7 @@ def _export(args: argparse.Namespace) -> int:
     from .tools.export import export_checkpoint
 
     try:
-        hf = {"max_shard_size": args.max_shard_size} if args.max_shard_size else {}
+        hf = {"max_shard_size": args.max_shard_size} if args.max_shard_size is not None else {}
         stats = export_checkpoint(args.ckpt, args.out, fmt=args.format, what=args.what, config_from=args.config_from, **hf)
     except (CheckpointError, OSError, ValueError) as e:
         print(f"ckptd export: {e}", file=sys.stderr)
@@ -265,6 +285,9 @@ def _ls(args: argparse.Namespace) -> int:
             return 1
     elif not os.path.isdir(root):
         print(f"ckptd ls: {root} is not a directory (give the daemon's --root)", file=sys.stderr)
+        return 1
+    if not os.access(root, os.R_OK | os.X_OK):
+        print(f"ckptd ls: cannot read {root} as this user (the daemon's root is private to it and its --group)", file=sys.stderr)
         return 1
     if args.job:
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import re
 import sys
@@ -245,6 +246,8 @@ class DaemonConfig:
     lagging: str = "wait"  # a snapshot due for disk while the disk is busy: "wait" (queued for disk) or "memory" (kept in memory)
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
 SERVE_KEYS = (
     "root", "endpoint", "shm_budget", "keep", "workers", "write_rate_limit", "nice", "log_level", "group", "metrics_port", "idle_priority",
     "lease_timeout", "persist_every", "persist_interval", "lagging",
@@ -339,8 +342,15 @@ def daemon_config(flags: dict[str, Any] | None = None, config_file: str | None =
         ("keep", 1), ("workers", 1), ("shm_budget", 1), ("write_rate_limit", 0), ("metrics_port", 0), ("lease_timeout", 1),
         ("persist_every", 1), ("persist_interval", 0),
     ):  # fmt: skip
+        if cfg.get(key) is not None and not math.isfinite(cfg[key]):  # NaN compares false with every bound
+            raise ValueError(f"{key} must be a finite number, got {cfg[key]!r}")
         if cfg.get(key) is not None and cfg[key] < least:
             raise ValueError(f"{key} must be >= {least}")
+    if cfg.get("group") == "":
+        cfg["group"] = None  # no group, as an empty CKPTD_GROUP means (not a group-readable umask with no group)
+    cfg["log_level"] = str(cfg.get("log_level", "INFO")).upper()
+    if cfg["log_level"] not in LOG_LEVELS:
+        raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {cfg['log_level']!r}")
     if cfg.get("lagging") not in (None, "memory", "wait"):
         raise ValueError(f"lagging must be 'memory' or 'wait', got {cfg['lagging']!r}")
     if not 0 <= cfg["metrics_port"] <= 65535:

@@ -575,3 +575,28 @@ def test_environment_sizes_and_booleans_are_spelled_as_on_the_command_line(monke
     monkeypatch.setenv("CKPTD_LEASE_TIMEOUT", "0")
     with pytest.raises(ValueError, match="lease_timeout must be >= 1"):
         daemon_config({"root": "/r"})
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"log_level": "bogus"}, "log_level must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL, got 'BOGUS'"),
+        ({"lease_timeout": float("nan")}, "lease_timeout must be a finite number, got nan"),
+        ({"persist_interval": float("inf")}, "persist_interval must be a finite number, got inf"),
+        ({"write_rate_limit": float("nan")}, "write_rate_limit must be a finite number, got nan"),
+    ],
+)
+def test_a_setting_no_logger_or_clock_can_use_is_refused_by_name(tmp_path: Path, flags: dict[str, Any], message: str) -> None:
+    # the user's mistakes: a log level the logging module does not know (a traceback at start before), a NaN
+    # lease timeout (every comparison false: leases never expired) or an infinite interval
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        daemon_config({"root": str(tmp_path), **flags})
+
+
+def test_an_empty_group_means_no_group_and_a_private_umask(tmp_path: Path) -> None:
+    # `group = ""` in the file (or --group "") was taken as a group: the daemon's umask became 027 with no group
+    # set, so its primary group could read every checkpoint; it means no group, as an empty CKPTD_GROUP does
+    cfg_file = tmp_path / "ckptd.toml"
+    cfg_file.write_text(f'root = "{tmp_path}"\ngroup = ""\nlog_level = "debug"\n')
+    cfg = daemon_config({}, str(cfg_file))
+    assert cfg.group is None and cfg.log_level == "DEBUG"

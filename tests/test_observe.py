@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import subprocess
@@ -14,6 +15,7 @@ from _models import make, train_step
 from conftest import REPO
 from test_remote import remote_toml, wait_uploaded
 
+from ckptd import shm
 from ckptd.storage.s3 import RemoteConfig
 
 
@@ -85,7 +87,42 @@ def test_status_without_bucket_and_metrics_port_in_use(make_daemon, short_tmp: P
         other.start(wait=False)
         assert other.proc.wait(30) == 1
     assert "cannot serve metrics on 127.0.0.1:" in other.log.read_text()
+    _left_nothing(other)
     r = _cli("status", "--endpoint", d.endpoint)
     assert "bucket      none (local disk only)" in r.stdout and "last error  none" in r.stdout
     r = _cli("status", "--endpoint", f"ipc://{short_tmp}/nobody.sock")
     assert r.returncode == 1 and "ckptd:" in r.stderr
+
+
+def _left_nothing(d) -> None:  # noqa: ANN001
+    """A daemon whose start failed left neither its socket file nor a segment directory in /dev/shm."""
+    assert not os.path.exists(d.endpoint[len("ipc://") :]), "the failed start left its socket file"
+    marker = shm.SegmentDir.read_marker(d.root)
+    assert marker is None or not os.path.exists(os.path.join(shm.SHM_DIR, marker)), "the failed start left its /dev/shm directory"
+
+
+def test_a_start_that_cannot_listen_or_make_its_root_says_why_and_leaves_nothing(make_daemon, short_tmp: Path) -> None:  # noqa: ANN001
+    # the operator's mistakes: a TCP port another program holds, a root path that is a file. Before, a raw
+    # ZMQError or FileExistsError traceback, and the port case left its /dev/shm directory behind
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        root = short_tmp / "tcp-root"
+        r = _cli("serve", "--root", str(root), "--endpoint", f"tcp://127.0.0.1:{port}")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f"ckptd serve: cannot listen on tcp://127.0.0.1:{port}:" in r.stderr
+    marker = shm.SegmentDir.read_marker(str(root))
+    assert marker is None or not os.path.exists(os.path.join(shm.SHM_DIR, marker))
+    a_file = short_tmp / "not-a-dir"
+    a_file.write_text("x")
+    r = _cli("serve", "--root", str(a_file), "--endpoint", f"ipc://{short_tmp}/f.sock")
+    assert r.returncode == 1 and "Traceback" not in r.stderr and r.stderr.startswith("ckptd serve: "), r.stderr
+    assert str(a_file) in r.stderr
+
+
+def test_cli_numbers_that_cannot_work_are_refused_by_argparse(short_tmp: Path) -> None:
+    r = _cli("status", "--endpoint", f"ipc://{short_tmp}/none.sock", "--watch", "-1")
+    assert r.returncode == 2 and "a number of seconds > 0, got '-1'" in r.stderr and "Traceback" not in r.stderr
+    r = _cli("export", str(short_tmp), "--out", str(short_tmp / "out"), "--format", "hf", "--max-shard-size", "0")
+    assert r.returncode == 2 and "a size > 0, got '0'" in r.stderr

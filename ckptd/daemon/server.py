@@ -25,9 +25,9 @@ from typing import Any
 import zmq
 
 from .. import __version__, shm
-from ..config import HOUSEKEEPING_S, WAIT_CAP_S, DaemonConfig, default_shm_budget, validate_endpoint
+from ..config import HOUSEKEEPING_S, WAIT_CAP_S, DaemonConfig, default_shm_budget
 from ..errors import CheckpointError, ProtocolError
-from ..protocol import EXTRA_FRAMES, MAX_MESSAGE_BYTES, Source, decode_request, endpoint_answers, reply_error, reply_ok
+from ..protocol import EXTRA_FRAMES, Source, decode_request, reply_error, reply_ok
 from ..storage.local import committed_at
 from ..storage.store import ObjectStore
 from . import recovery
@@ -35,6 +35,7 @@ from .access import Access, peer_pid
 from .admission import Admission
 from .catalog import StepCatalog
 from .completion import Completion
+from .endpoint import bind, check_endpoint, ipc_path
 from .events import ErrorReported, EventQueue, Fetched, LatestFound, ShardPersisted, ShardSealed, SlotCreated, Uploaded
 from .fetcher import Fetcher
 from .growth import Grower
@@ -82,6 +83,7 @@ class Daemon:
         self.counters = Counters()
         self._ctx = zmq.Context()
         self._check_endpoint()  # before anything is created in /dev/shm: a refused start leaves nothing behind
+        self._sock: zmq.Socket | None = None
         self._running = False
         self._metrics: Any = None
         self._status_snapshot: dict[str, Any] | None = None
@@ -149,13 +151,17 @@ class Daemon:
     # ------------------------------------------------------------------ lifecycle
 
     def serve(self) -> None:
-        self._bind()
-        self.fetcher.check_store()  # off the loop: READY must not wait for the network
-        recovery.recover(self.pool, self.steps, self.persister, self.uploader, self.root, self.catalog.jobs(), self.completion.persist)
-        if self.uploader is not None:
-            for job in self.catalog.jobs():
-                self.uploader.catch_up(job, self.catalog.made_here(job))
-        self._serve_metrics()
+        try:  # a start that fails (a port taken, a root it cannot write) is shut down: nothing is left behind
+            self._sock = bind(self.access, self._ctx, self.endpoint)
+            self.fetcher.check_store()  # off the loop: READY must not wait for the network
+            recovery.recover(self.pool, self.steps, self.persister, self.uploader, self.root, self.catalog.jobs(), self.completion.persist)
+            if self.uploader is not None:
+                for job in self.catalog.jobs():
+                    self.uploader.catch_up(job, self.catalog.made_here(job))
+            self._serve_metrics()
+        except BaseException:
+            self._shutdown()
+            raise
         self._running = True
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -212,32 +218,11 @@ class Daemon:
             self._metrics = metrics.serve(self.config.metrics_port, lambda: self._status_snapshot)
 
     def _check_endpoint(self) -> None:
-        """Refuse an endpoint ckptd does not speak, an ipc endpoint whose directory is not the daemon's own,
-        or one a live daemon serves."""
-        path = self.endpoint[len("ipc://") :]
         try:
-            if not validate_endpoint(self.endpoint).startswith("ipc://"):
-                return
-            self.access.make_socket_dir(path)
-            if os.path.exists(path) and endpoint_answers(self._ctx, self.endpoint, 0.5):
-                raise CheckpointError(f"another daemon is already serving {self.endpoint}")
+            check_endpoint(self.access, self._ctx, self.endpoint)
         except BaseException:
             self._ctx.term()
             raise
-
-    def _bind(self) -> None:
-        if self.endpoint.startswith("ipc://"):
-            path = self.endpoint[len("ipc://") :]
-            self.access.make_socket_dir(path)  # checked again: this is the moment it counts
-            if os.path.lexists(path):
-                os.unlink(path)  # a dead daemon's stale socket (a live one was refused at start)
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        with self.access.file_umask():
-            self._sock.bind(self.endpoint)
-        if self.endpoint.startswith("ipc://"):
-            self.access.restrict(self.endpoint[len("ipc://") :], self.access.file_mode)
 
     def _shutdown(self) -> None:
         notify("STOPPING=1")
@@ -260,12 +245,14 @@ class Daemon:
         if self.catalog.store is not None:
             self.catalog.store.close()
         self.pool.close()
-        self._sock.close(0)
+        path = ipc_path(self.endpoint)
+        if self._sock is not None:  # bound: the socket file is this daemon's
+            self._sock.close(0)
+            if path is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
         self.events.close()
         self._ctx.term()
-        if self.endpoint.startswith("ipc://"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.endpoint[len("ipc://") :])
         os.close(self._root_lock)  # last: the next daemon on this root starts once this one is done with it
 
     # ------------------------------------------------------------------ requests

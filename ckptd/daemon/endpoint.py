@@ -1,0 +1,54 @@
+"""The daemon's socket: the endpoint checked before anything is created, then bound.
+
+An ``ipc://`` endpoint's directory must be the daemon's own (:meth:`.access.Access.make_socket_dir`), and a
+live daemon already serving it refuses the start; a dead daemon's socket file is replaced. The bound socket
+file gets the daemon's file mode (``--group``: the group may connect). Main thread only.
+"""
+
+from __future__ import annotations
+
+import os
+
+import zmq
+
+from ..config import validate_endpoint
+from ..errors import CheckpointError
+from ..protocol import MAX_MESSAGE_BYTES, endpoint_answers
+from .access import Access
+
+
+def ipc_path(endpoint: str) -> str | None:
+    return endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else None
+
+
+def check_endpoint(access: Access, ctx: zmq.Context, endpoint: str) -> None:
+    """Refuse an endpoint ckptd does not speak, an ipc endpoint whose directory is not the daemon's own,
+    or one a live daemon serves."""
+    if not validate_endpoint(endpoint).startswith("ipc://"):
+        return
+    path = endpoint[len("ipc://") :]
+    access.make_socket_dir(path)
+    if os.path.exists(path) and endpoint_answers(ctx, endpoint, 0.5):
+        raise CheckpointError(f"another daemon is already serving {endpoint}")
+
+
+def bind(access: Access, ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    """The daemon's ROUTER socket, bound; a failure (a port taken, a host that does not resolve) is a
+    :class:`CheckpointError` naming the endpoint."""
+    path = ipc_path(endpoint)
+    if path is not None:
+        access.make_socket_dir(path)  # checked again: this is the moment it counts
+        if os.path.lexists(path):
+            os.unlink(path)  # a dead daemon's stale socket (a live one was refused at start)
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    try:
+        with access.file_umask():
+            sock.bind(endpoint)
+    except zmq.ZMQError as e:
+        sock.close(0)
+        raise CheckpointError(f"cannot listen on {endpoint}: {e}") from None
+    if path is not None:
+        access.restrict(path, access.file_mode)
+    return sock
