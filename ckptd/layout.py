@@ -116,11 +116,21 @@ def is_complete(step_path: str) -> bool:
 
 
 def list_jobs(root: str) -> list[str]:
-    """Job directories under ``root``, sorted."""
+    """Job directories under ``root``, sorted: directories whose name a job may have (a file system's
+    ``lost+found`` at the root of a data disk is none)."""
+    from .config import validate_job
+
+    def is_job(name: str) -> bool:
+        try:
+            return bool(validate_job(name))
+        except ValueError:
+            return False
+
     try:
-        return sorted(n for n in os.listdir(root) if os.path.isdir(os.path.join(root, n)) and not n.startswith("."))
+        names = os.listdir(root)
     except FileNotFoundError:
         return []
+    return sorted(n for n in names if is_job(n) and os.path.isdir(os.path.join(root, n)))
 
 
 def complete_steps(root: str, job: str) -> list[int]:

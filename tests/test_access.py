@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DaemonProc
+from conftest import REPO, DaemonProc
 
 from ckptd import shm
 
@@ -208,3 +208,26 @@ def test_a_restart_with_another_group_setting_keeps_the_committed_shard(short_tm
         assert not os.path.exists(seg_dir)  # nothing left behind
     finally:
         d.cleanup()
+
+
+_STATUS_AS = """
+import grp, os, pwd, socket, sys
+from ckptd.client.rpc import Channel
+from ckptd.errors import DaemonUnavailable
+os.setgroups([]); os.setgid(int(sys.argv[2])); os.setuid(int(sys.argv[2]))  # imports first: the stdlib is root's here
+try:
+    Channel(sys.argv[1], 5.0).call("status")
+    print("answered")
+except DaemonUnavailable as e:
+    print(e)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as other users")
+def test_a_user_the_daemon_does_not_let_in_is_told_so_not_that_no_daemon_runs(make_daemon) -> None:  # noqa: ANN001
+    # another user's `ckptd status` against a private daemon: before, a 10 s wait and "is `ckptd serve` running?"
+    d = make_daemon()
+    os.chmod(os.path.dirname(d.endpoint[len("ipc://") :]), 0o755)  # the directory is reachable, the 0600 socket is not
+    r = subprocess.run([sys.executable, "-c", _STATUS_AS, d.endpoint, str(NOBODY)], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert "does not let this user in: permission denied" in r.stdout, r.stdout

@@ -225,3 +225,12 @@ def test_a_step_directory_spelled_with_leading_zeros_is_not_a_step(tmp_path: Pat
 @pytest.mark.parametrize("key", ["j/step-1/manifest.json\n", "j/step-01/x", "j/step-1/a\nb"])
 def test_bucket_keys_that_are_not_canonical_are_not_a_steps_files(key: str) -> None:
     assert parse_bucket_key("j", key) is None
+
+
+def test_jobs_are_directories_a_job_may_be_named_after(tmp_path: Path) -> None:
+    # a root at the top of a data disk holds lost+found: `ckptd status` and `ls` listed it as a job
+    for name in ("train-a", "lost+found", ".hidden", "b.2"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "a-file").write_text("x")
+    assert layout.list_jobs(str(tmp_path)) == ["b.2", "train-a"]
+    assert layout.list_jobs(str(tmp_path / "missing")) == []

@@ -81,6 +81,12 @@ def _listening(endpoint: str, path: str, op: str | None) -> None:
             f"no ckptd daemon at {endpoint}{where}: {path} exists but nobody listens on it (a daemon that stopped or was killed);"
             " is `ckptd serve` running?"
         ) from None
+    except PermissionError:
+        where = f" (op {op})" if op else ""
+        raise DaemonUnavailable(
+            f"the ckptd daemon at {endpoint}{where} does not let this user in: permission denied on {path}"
+            " (the daemon's socket is its own user's, and its --group's when it has one)"
+        ) from None
     except OSError:
         return  # anything else (a timeout under load): let the request itself find out
     finally:
