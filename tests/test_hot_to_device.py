@@ -30,8 +30,12 @@ class CopiesOnCpu:
     def __init__(self) -> None:
         self.registered: list[int] = []
 
-    def host_source(self, view: torch.Tensor) -> torch.Tensor:
+    def register(self, view: torch.Tensor) -> bool:
         self.registered.append(view.untyped_storage().data_ptr())
+        return True
+
+    def host_source(self, view: torch.Tensor) -> torch.Tensor:
+        self.register(view)
         return view
 
     @contextlib.contextmanager

@@ -3,11 +3,13 @@ this node, dropped or persisted as the policy says, never lost when the trainer 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -329,6 +331,16 @@ def _step(model: torch.nn.Module, optim: torch.optim.Optimizer, i: int) -> None:
     optim.zero_grad()
 
 
+@contextlib.contextmanager
+def _prepared(d: Any, job: str) -> Iterator[tuple[Any, torch.nn.Module, torch.optim.Optimizer]]:
+    """A client of ``d`` for ``job`` with ``_big()`` trained one step and its slots prepared."""
+    model, optim = _big()
+    _step(model, optim, 0)
+    with d.client(job) as c:
+        c.prepare(model, optim)
+        yield c, model, optim
+
+
 def _snap(c: Any, model: torch.nn.Module, optim: torch.optim.Optimizer, step: int) -> None:
     _step(model, optim, step)
     c.snapshot(model, optim, step=step, blocking=True)
@@ -400,10 +412,7 @@ def test_a_snapshot_every_step_with_room_to_spare_reuses_stale_steps_slots_and_n
 
 def test_lagging_wait_puts_every_step_on_disk_with_backpressure(make_daemon) -> None:  # noqa: ANN001
     d = make_daemon("--write-rate-limit", "40M", "--shm-budget", str(int(2.4 * SHARD)), "--workers", "1")
-    model, optim = _big()
-    _step(model, optim, 0)
-    with d.client("w") as c:
-        c.prepare(model, optim)
+    with _prepared(d, "w") as (c, model, optim):
         for step in range(1, 5):
             _snap(c, model, optim, step)
             st = c.status()
@@ -419,10 +428,7 @@ def test_when_the_disk_lags_under_lagging_wait_a_spare_slot_is_made_before_the_n
     # takes its last free slot while step 1 is still being written: a third segment is made for it right
     # then, off the loop, so step 3 finds it instead of waiting while it is made (3.4 s for 6 GB on one H100)
     d = make_daemon("--write-rate-limit", "8M", "--shm-budget", str(int(3.4 * SHARD)), "--workers", "1")
-    model, optim = _big()
-    _step(model, optim, 0)
-    with d.client("spare") as c:
-        c.prepare(model, optim)
+    with _prepared(d, "spare") as (c, model, optim):
         assert len(shm.segments_of(d.root)) == 2
         for step in (1, 2):
             _snap(c, model, optim, step)

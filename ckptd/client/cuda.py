@@ -139,14 +139,18 @@ class Uploads:
         event.record(self.stream)
         return event
 
-    def host_source(self, view: torch.Tensor) -> torch.Tensor:
-        """``view`` (of a read-only mapping) if its mapping is page-locked, else its bytes in a page-locked buffer."""
+    def register(self, view: torch.Tensor) -> bool:
+        """Page-lock the whole read-only mapping ``view`` lies in, once per reader; False if the driver refused."""
         storage = view.untyped_storage()
         base = storage.data_ptr()
         if base not in self._registered:
             with torch.cuda.device(self.device):
                 self._registered[base] = pin(base, storage.nbytes(), REGISTER_READ_ONLY | REGISTER_PORTABLE)
-        if self._registered[base]:
+        return self._registered[base]
+
+    def host_source(self, view: torch.Tensor) -> torch.Tensor:
+        """``view`` (of a read-only mapping) if its mapping is page-locked, else its bytes in a page-locked buffer."""
+        if self.register(view):
             return view
         buf = self.staging(view.numel())
         buf.copy_(view)

@@ -263,7 +263,7 @@ class CheckpointReader:
             checks = [pool.submit(self._check, key, c, views[c["file"]][c["byte_range"][0] : c["byte_range"][1]]) for key, c, _, _ in group]
             try:
                 for view in views.values():
-                    up.host_source(view[:0])  # registers the whole mapping (or notes that it cannot be)
+                    up.register(view)  # the whole mapping, before any copy (where refused, chunks go through staging)
                 for key, c, put, _ in group:
                     raw = self._raw(c, device)
                     with up.stream_for(raw):
