@@ -176,16 +176,16 @@ class SlotPool:
         return slot
 
     def _spare(self, owner: tuple[str, int] | None, size: int) -> None:
-        """``owner`` (job, rank) just took its last free slot while a slot of its job is still being persisted
-        (the disk lags): with a grower, room in the budget and a job whose due steps all go to disk, make it a
+        """``owner`` (job, rank) just took its last free slot while one of its own is still being persisted
+        (its disk lags): with a grower, room in the budget and a job whose due steps all go to disk, make it a
         spare segment off the loop, so that its next snapshot finds a slot instead of waiting while one is made."""
         if self._grow is None or owner is None or owner in self.spares.values() or not self.want_spare(owner[0]):
             return
         slots = self.slots.values()
         if any(s.state is SlotState.FREE and s.owner == owner for s in slots):
             return
-        if not any(s.state is SlotState.COMMITTED and (s.lease or {}).get("job") == owner[0] for s in slots):
-            return
+        if not any(s.state is SlotState.COMMITTED and s.owner == owner for s in slots):
+            return  # the rank's own last step is on disk already: its disk keeps up (another rank's persist is not this one's lag)
         rounded = max(shm.ALIGN, -(-size // shm.ALIGN) * shm.ALIGN)
         if self.bytes_held() + rounded > self.budget:
             return
