@@ -123,3 +123,37 @@ def test_a_corrupt_chunk_is_reported_even_when_a_later_copy_fails(step) -> None:
     with reader, pytest.raises(FormatError, match="model/t5") as got:
         reader.read_many(pieces)
     assert "a copy that failed" in str(got.value.__cause__)
+
+
+def _views_into(exc: BaseException | None, lo: int, hi: int) -> list[str]:
+    """Locals in ``exc``'s tracebacks (and those chained to it) that are tensors inside [lo, hi)."""
+    found, todo, seen = [], [exc], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        tb = e.__traceback__
+        while tb is not None:
+            for name, v in tb.tb_frame.f_locals.items():
+                if isinstance(v, torch.Tensor) and lo <= v.data_ptr() < hi:
+                    found.append(f"{tb.tb_frame.f_code.co_name}:{name}")
+            tb = tb.tb_next
+        todo += [e.__cause__, e.__context__]
+    return found
+
+
+def test_a_failed_hot_read_leaves_no_view_of_the_unmapped_segment_in_its_traceback(step) -> None:  # noqa: ANN001
+    # a user's error reporter that prints frame locals (pytest's long tracebacks, sentry) would read the
+    # unmapped pages and crash the process: the reader clears those frames before unmapping
+    path, full = step
+    _flip(path, "model/t5")  # a worker thread's checksum failure, chained to a copy's
+    reader, _ = _reader(path)
+    _, pieces = _pieces(reader, full, failing="model/t30")
+    base = reader._mapped(shard_name(0), populate=False)
+    lo, hi = base.data_ptr(), base.data_ptr() + base.numel()
+    del base
+    with pytest.raises(FormatError) as got, reader:
+        reader.read_many(pieces)
+    assert not reader._maps
+    assert got.value.__cause__ is not None and not _views_into(got.value, lo, hi)

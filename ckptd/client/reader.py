@@ -12,7 +12,9 @@ import logging
 import math
 import mmap
 import os
+import sys
 import threading
+import traceback
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -83,7 +85,10 @@ class CheckpointReader:
 
     def close(self) -> None:
         """Wait for the device copies in flight, then let go of every registration, mapping, buffer and
-        descriptor (views handed out by :meth:`saved_chunk` are invalid from here on)."""
+        descriptor (views handed out by :meth:`saved_chunk` are invalid from here on). Closed while an
+        exception propagates (a failed hot read), it first clears the locals of that exception's finished
+        frames and of those chained to it: they may hold views of the mappings, and reading one later (an
+        error reporter printing locals) would read unmapped memory and crash the process."""
         errors: list[Exception] = []
         for up in self._uploads.values():
             try:
@@ -93,6 +98,8 @@ class CheckpointReader:
         self._uploads.clear()
         maps = [mm for mm, _ in self._maps.values()]
         self._maps.clear()
+        if maps:  # an error leaving a hot read: its frames' locals may hold views of what is unmapped next
+            _forget_locals(sys.exc_info()[1])
         if self._registered:
             from . import cuda
 
@@ -343,6 +350,20 @@ class CheckpointReader:
         if src not in ranks:
             raise FormatError(f"{self.path}: manifest lists no rank trees")
         return src, ranks[src]
+
+
+def _forget_locals(exc: BaseException | None) -> None:
+    """Clear the locals of every finished frame in the tracebacks of ``exc``, its cause, its context and the
+    members of an exception group, recursively (frames still running are left as they are)."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        todo += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
 
 
 def _unmap(maps: list[mmap.mmap]) -> None:
