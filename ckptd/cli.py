@@ -200,11 +200,12 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     from .client.rpc import Channel
+    from .protocol import reply_fields
 
     try:
         with Channel(args.endpoint or default_endpoint(), STATUS_TIMEOUT_S) as rpc:
             while True:
-                st = rpc.call("status")
+                st = reply_fields(rpc.call("status"))
                 out = json.dumps(st, indent=2) if args.json else format_status(st)
                 if args.watch and sys.stdout.isatty():
                     sys.stdout.write("\x1b[H\x1b[2J")  # redraw in place

@@ -285,6 +285,14 @@ def reply_ok(req_id: Any, **fields: Any) -> bytes:
     return encode({"v": PROTOCOL_VERSION, "id": req_id, "ok": True, **fields})
 
 
+REPLY_ENVELOPE = frozenset({"v", "id", "ok"})
+
+
+def reply_fields(reply: dict[str, Any]) -> dict[str, Any]:
+    """A reply without its envelope: what the op answered (``ckptd status --json`` prints it)."""
+    return {k: v for k, v in reply.items() if k not in REPLY_ENVELOPE}
+
+
 def reply_error(req_id: Any, code: str, error: str) -> bytes:
     return encode({"v": PROTOCOL_VERSION, "id": req_id if _is_int(req_id) else None, "ok": False, "code": code, "error": error})
 

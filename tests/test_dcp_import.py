@@ -154,3 +154,14 @@ def test_a_dcp_data_file_that_is_a_link_or_a_fifo_is_refused(short_tmp, what: st
         os.mkfifo(data)
     with pytest.raises(FormatError, match="is not a regular file"):
         load_dcp(str(d))
+
+
+def test_import_with_no_daemon_says_so_before_reading_the_checkpoint(short_tmp, monkeypatch) -> None:  # noqa: ANN001
+    # a large DCP checkpoint takes minutes to read: a wrong --endpoint must not cost them first
+    import ckptd.tools.dcp_import as imp
+
+    read: list[str] = []
+    monkeypatch.setattr(imp, "load_dcp", lambda path: read.append(path))
+    with pytest.raises(CheckpointError, match="daemon"):
+        import_dcp(str(short_tmp), job="j", step=1, endpoint=f"ipc://{short_tmp}/nobody.sock")
+    assert read == []

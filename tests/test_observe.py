@@ -63,6 +63,7 @@ def test_status_and_metrics(make_daemon, short_tmp: Path, s3_bucket: RemoteConfi
     st = __import__("json").loads(r.stdout)
     assert st["jobs"]["obs"] == {"in_flight": [], "latest": 2, "uploaded": 2, "in_memory": 2}
     assert st["persist_bytes_per_s"] > 0 and st["upload_bytes_per_s"] > 0
+    assert not {"v", "id", "ok"} & st.keys()  # the wire's envelope is not the daemon's state
 
     deadline = time.monotonic() + 10  # the snapshot behind the metrics refreshes every 0.5 s
     while True:

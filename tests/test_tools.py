@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -183,6 +184,21 @@ def test_export_torch_format_and_errors(ckpt: str, short_tmp) -> None:  # noqa: 
     r = _cli("export", str(short_tmp / "nothing"), "--out", out)
     assert r.returncode == 1 and "neither a committed" in r.stderr
     assert not os.path.exists(out + ".tmp")
+
+
+def test_export_refuses_to_replace_what_is_not_a_regular_file(ckpt: str, short_tmp) -> None:  # noqa: ANN001
+    # the export renames its temporary over --out: as root, "--out /dev/null" replaced the device node
+    fifo = str(short_tmp / "pipe")
+    os.mkfifo(fifo)
+    (short_tmp / "adir").mkdir()
+    for out, why in (("/dev/null", "not a regular file"), (fifo, "not a regular file"), (str(short_tmp / "adir"), "a directory")):
+        r = _cli("export", ckpt, "--out", out)
+        assert r.returncode == 1 and f"{out} is {why}" in r.stderr, r.stderr
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and stat.S_ISCHR(os.stat("/dev/null").st_mode)
+    assert os.listdir(short_tmp / "adir") == [] and not os.path.exists(fifo + ".tmp")
+    link = short_tmp / "link.safetensors"
+    link.symlink_to(short_tmp / "target.safetensors")  # dangling: the export replaces the link
+    assert _cli("export", ckpt, "--out", str(link)).returncode == 0 and link.is_file() and not link.is_symlink()
 
 
 def test_export_to_torch_of_tensors_off_their_alignment(daemon, short_tmp) -> None:  # noqa: ANN001

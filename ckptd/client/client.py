@@ -25,7 +25,7 @@ import torch
 
 from ..config import ALLOC_TIMEOUT_S, CLIENT_TIMEOUT_S, default_endpoint, default_job, env_float, validate_job
 from ..errors import CheckpointError, DaemonUnavailable, ProtocolError
-from ..protocol import MAX_MESSAGE_BYTES
+from ..protocol import MAX_MESSAGE_BYTES, reply_fields
 from .copy import CopyGuard, EarlyCopy, EventGroup, Pairs, SlotMaps, copy_tensors, fill, hookable, optimizer_storages, torch_optimizer
 from .handle import SnapshotHandle, StepDropped, StepUnknown
 from .load import Restored, restore_state
@@ -94,7 +94,8 @@ class Client:
         return self._rpc.call("hello")
 
     def status(self) -> dict[str, Any]:
-        return self._rpc.call("status")
+        """The daemon's state, as ``ckptd status --json`` prints it."""
+        return reply_fields(self._rpc.call("status"))
 
     def latest(self) -> int | None:
         """The newest committed step of this job, or ``None``."""

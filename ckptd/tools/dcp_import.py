@@ -162,6 +162,7 @@ def import_dcp(path: str, *, job: str, step: int, endpoint: str | None = None) -
     at ``endpoint``; return the step's directory once it is durable."""
     from ..client import Client
 
-    state, extra = ckptd_state(load_dcp(path))
     with Client(endpoint=endpoint, job=job) as c:
+        c.hello()  # a daemon that is not there is said before the checkpoint is read, not after
+        state, extra = ckptd_state(load_dcp(path))
         return c.snapshot_state(state, step=step, extra=extra).wait()

@@ -15,6 +15,7 @@ import json
 import math
 import mmap
 import os
+import stat
 import shutil
 import struct
 import sys
@@ -37,6 +38,21 @@ HF_SIDE_FILES = (
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
     "special_tokens_map.json", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
 )  # fmt: skip
+
+
+def _check_replaceable(out: str) -> None:
+    """The export replaces ``out`` by a rename: only a regular file (or a link to one, or nothing) may stand
+    there. A directory, a device (``--out /dev/null`` run as root would replace the device node), a FIFO or
+    a socket is refused before anything is read."""
+    try:
+        st = os.stat(out)
+    except FileNotFoundError:
+        return  # nothing there, or a dangling link (replaced)
+    except OSError as e:
+        raise CheckpointError(f"cannot export to {out}: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+        raise CheckpointError(f"{out} is {what}: the export writes a new file there (give a file's path)")
 
 
 def output_name(key: str, what: str) -> str | None:
@@ -84,6 +100,8 @@ def export_checkpoint(
     out = os.path.normpath(out)  # "new/" names the directory "new": its temporary is "new.tmp", beside it
     if fmt == "hf" and what != "model":
         raise ValueError("the hf format holds the model only (what='model')")
+    if fmt != "hf":
+        _check_replaceable(out)
     step_dir = resolve_step_dir(path)
     with CheckpointReader(step_dir) as reader:
         tensors = reader.manifest["tensors"]
