@@ -391,3 +391,61 @@ def test_an_alloc_that_may_not_wait_is_refused_at_once_and_one_past_its_timeout_
     assert pool.deferred == [] and [(i, "after waiting 5 s" in str(r)) for i, _, r in env["grants"]] == [(b"s", True)]
     pool.free(held)  # the memory frees up: nobody is granted a slot they no longer wait for
     assert len(env["grants"]) == 1 and pool.summary()["slots"] == {"free": 1}
+
+
+def test_a_spare_being_made_never_costs_another_jobs_snapshot_its_memory_only_step(env: dict[str, Any]) -> None:
+    # job "a" (its disk lagging) takes its last free slot and a spare is made for it; meanwhile job "b", whose
+    # memory-tier step holds a slot, snapshots into a budget only the spare fills: "b" waits for the spare's
+    # room instead of having its memory-only step dropped for a guess at a future need (seen in review)
+    A = shm.ALIGN
+    pool, asked = _growing_pool(env, 4 * A)
+    reclaimed: list[tuple[str, Any]] = []
+    pool.reclaim = lambda job, step: reclaimed.append((job, step)) or False
+    pool.want_spare = lambda job: job == "a"
+    for token, (job, rank) in ((1, ("a", 0)), (2, ("a", 0)), (3, ("b", 0))):
+        pool.created(token, *pool.segments.create(A))
+        slot = pool.slots[list(pool.slots)[-1]]
+        slot.owner = (job, rank)
+    a_prev, a_last, b_held = (pool.slots[n] for n in list(pool.slots))
+    a_prev.state = SlotState.COMMITTED  # a's previous step is still being written
+    b_held.state = SlotState.HELD  # b's newest step lives in memory only
+    got = pool.request(b"a", _req(rank=0, nbytes=A, job="a", step=2))
+    assert got is a_last and len(asked) == 1 and pool.spares, "a took its last free slot: a spare is made"
+    assert pool.bytes_held() == 4 * A
+    assert pool.request(b"b", _req(rank=0, nbytes=A, job="b", step=7)) is None  # waits...
+    assert reclaimed == [] and b_held.state is SlotState.HELD  # ...and drops nothing
+    with pytest.raises(CheckpointError, match="no room"):  # an early copy, which may not wait, is refused as before
+        pool.request(b"e", {**_req(rank=1, nbytes=A, job="b", step=7), "wait": False})
+    name, size = pool.segments.create(A)
+    pool.created(asked[0][1], name, size)  # the spare lands: it goes to the snapshot that waits
+    assert [(i, r.name) for i, _, r in env["grants"]] == [(b"b", name)] and pool.get(name).owner == ("b", 0)
+    assert pool.bytes_held() == 4 * A and not pool.deferred
+
+
+def test_the_grower_answers_every_request_after_shutdown_or_out_of_memory(env: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    # a request retried by the shutdown's last drain asked a stopped thread pool (RuntimeError: the other waiting
+    # requests were dropped unanswered); a MemoryError while zero-filling posted nothing (its token held for good)
+    import zmq
+
+    from ckptd.daemon.events import EventQueue, SlotCreated
+    from ckptd.daemon.growth import Grower
+
+    ctx = zmq.Context()
+    events = EventQueue(ctx)
+    segments = shm.SegmentDir(env["root"])
+    grower = Grower(segments, events)
+    try:
+
+        def no_memory(need: int) -> tuple[str, int]:
+            raise MemoryError
+
+        monkeypatch.setattr(segments, "create", no_memory)
+        grower.submit(shm.ALIGN, 11)
+        grower.shutdown()
+        grower.submit(shm.ALIGN, 12)
+        got = {ev.token: ev for ev in events.drain() if isinstance(ev, SlotCreated)}
+        assert got.keys() == {11, 12} and got[11].name is None and got[11].error == "MemoryError"
+        assert got[12].name is None and "shutting down" in got[12].error
+    finally:
+        events.close()
+        ctx.term()

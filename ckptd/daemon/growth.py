@@ -13,7 +13,6 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 
 from .. import shm
-from ..errors import CheckpointError
 from .events import EventQueue, SlotCreated
 
 log = logging.getLogger("ckptd.daemon")
@@ -28,17 +27,22 @@ class Grower:
         self._closed = False
 
     def submit(self, need: int, token: int) -> None:
-        """Make a segment of at least ``need`` bytes; ``token`` names the request in the event."""
+        """Make a segment of at least ``need`` bytes; ``token`` names the request in the event. Asked after
+        :meth:`shutdown` (a request retried by the shutdown's last drain), the event reports a failure."""
+        if self._closed:
+            self._events.post(SlotCreated(token, None, need, "the daemon is shutting down"))
+            return
         self._pool.submit(self._make, need, token)
 
     def _make(self, need: int, token: int) -> None:
         try:
             name, size = self._segments.create(need)
-        except (CheckpointError, OSError) as e:
-            self._events.post(SlotCreated(token, None, need, str(e)))
+        except Exception as e:  # every request gets its event (a MemoryError too), or its token would be held for good
+            self._events.post(SlotCreated(token, None, need, str(e) or type(e).__name__))
             return
         self._events.post(SlotCreated(token, name, size))
 
     def shutdown(self) -> None:
         """Wait for segments being made (the loop's last drain adopts or unlinks them)."""
+        self._closed = True
         self._pool.shutdown(wait=True)

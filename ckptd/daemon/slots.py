@@ -166,8 +166,12 @@ class SlotPool:
             slot = self._create(need, rounded, used, msg)
             if slot is None:
                 # a memory-tier step is dropped only for a snapshot: prepare() warming the pool is refused instead,
-                # never paid for with a job's newest state (a restarted trainer prepares before it restores)
-                if "_growing" not in msg and not msg.get("warm") and self.reclaim(msg["job"], msg["step"]):
+                # never paid for with a job's newest state (a restarted trainer prepares before it restores); and not
+                # while spares being made hold the room: the request waits, and a spare that lands goes to it
+                spares = sum(self.growing.get(t, 0) for t in self.spares)
+                if "_growing" in msg or msg.get("warm") or self.bytes_held() - spares + rounded <= self.budget:
+                    return None
+                if self.reclaim(msg["job"], msg["step"]):
                     return self.lease(msg)  # a memory-tier step made room
                 return None
         slot.state, slot.owner, slot.pid, slot.used_at = SlotState.LEASED, owner, msg["pid"] or None, self._clock()
@@ -315,8 +319,8 @@ class SlotPool:
             except CheckpointError as e:
                 self._on_grant(ident, msg, e)
                 continue
-            except OSError as e:  # /dev/shm itself failing: refuse this one, keep the others waiting
-                log.error("deferred allocation failed: %s", e)
+            except Exception as e:  # /dev/shm itself failing, or a bug: refuse this one, keep the others waiting
+                log.error("deferred allocation failed: %s", e, exc_info=not isinstance(e, OSError))
                 self._on_grant(ident, msg, CheckpointError(f"cannot allocate shared memory: {e}"))
                 continue
             if slot is None:
