@@ -293,3 +293,61 @@ def test_own_daemon_passes_the_check(daemon: DaemonProc, monkeypatch: pytest.Mon
         assert ch.call("hello")["pid"] == daemon.proc.pid  # type: ignore[union-attr]
         assert ch.alive()
     check_socket("tcp://127.0.0.1:1")  # tcp: trusted networks only, nothing to check
+
+
+def test_a_daemon_shutting_down_leaves_the_socket_file_a_newer_daemon_bound(short_tmp: Path) -> None:
+    # daemon A stops answering while it drains its queues at shutdown; daemon B, started on the same endpoint,
+    # finds no answer and replaces A's socket file with its own. A's exit then removed B's file, and no client
+    # could reach B again. A removes the file only if it is still the one it bound.
+    import zmq
+
+    from ckptd.daemon.access import Access
+    from ckptd.daemon.endpoint import bind, identity, unlink_own
+
+    endpoint = f"ipc://{short_tmp}/run/d.sock"
+    path = endpoint[len("ipc://") :]
+    ctx = zmq.Context()
+    try:
+        a = bind(Access(), ctx, endpoint)
+        a_id = identity(endpoint)
+        b = bind(Access(), ctx, endpoint)  # B replaces the file of a daemon that does not answer
+        a.close(0)
+        unlink_own(endpoint, a_id)  # A's shutdown
+        assert os.path.exists(path), "A's shutdown removed the socket file B serves"
+        b_id = identity(endpoint)
+        b.close(0)
+        unlink_own(endpoint, b_id)
+        assert not os.path.exists(path)
+    finally:
+        ctx.term()
+
+
+def test_a_socket_whose_mode_cannot_be_set_is_closed_and_removed(short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a bound socket left open when chmod/chown failed hung the context's term() at shutdown, with the file left
+    import threading
+
+    import zmq
+
+    from ckptd.daemon.access import Access
+    from ckptd.daemon.endpoint import bind
+
+    endpoint = f"ipc://{short_tmp}/run/d.sock"
+    access = Access()
+
+    restrict, sock_path = access.restrict, endpoint[len("ipc://") :]
+
+    def refuse(path: str, mode: int) -> None:  # the socket file's chmod/chown fails (its directory's does not)
+        if path == sock_path:
+            raise PermissionError(1, "Operation not permitted", path)
+        restrict(path, mode)
+
+    monkeypatch.setattr(access, "restrict", refuse)
+    ctx = zmq.Context()
+    with pytest.raises(PermissionError) as got:  # kept, as the daemon's start keeps it while it shuts down
+        bind(access, ctx, endpoint)
+    assert not os.path.exists(sock_path), "the failed bind left its socket file"
+    t = threading.Thread(target=ctx.term, daemon=True)
+    t.start()
+    t.join(5.0)
+    assert not t.is_alive(), "the context's term() hung on a socket bind() left open"
+    del got

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -443,24 +444,33 @@ def test_catch_up_queues_newest_and_forever_steps_and_skips_those_in_the_bucket(
 # ---------------------------------------------------------------------------- close
 
 
-def test_close_finishes_the_upload_in_progress_and_the_queue(tmp_path: Path) -> None:
+@pytest.mark.parametrize("finish_queue", [True, False])
+def test_close_finishes_the_upload_in_progress_and_the_queue_unless_told_not_to(tmp_path: Path, finish_queue: bool) -> None:
+    # finish_queue=False: a daemon whose start failed after its catch-up queued uploads (its metrics port taken)
+    # must not upload a whole backlog, possibly for hours, before it exits; the next start's catch-up queues them
     root = str(tmp_path / "root")
     for job in ("a", "b", "c"):
         write_step(root, job, 1)
     store, results = GatedStore(), Results()
     up = make_uploader(store, root, results)
-    closer = threading.Thread(target=up.close, daemon=True)
+    closer = threading.Thread(target=up.close, kwargs={"finish_queue": finish_queue}, daemon=True)
     try:
         hold_first_upload(up, store, "a", 1)
         up.submit("b", 1, 1)
         up.submit("c", 1, 1)
         closer.start()  # close while "a" is uploading and "b", "c" are queued
+        deadline = time.monotonic() + WAIT_S
+        while not finish_queue and up.backlog() and time.monotonic() < deadline:  # dropped while "a" still uploads
+            time.sleep(0.01)
         store.gate.set()
         closer.join(WAIT_S)
         assert not closer.is_alive(), "close() did not return"
     finally:
         store.gate.set()
         up.close()
+    if not finish_queue:
+        assert results.steps() == [("a", 1)] and remote_steps(store, "b") == ([], [])
+        return
     assert results.steps() == [("a", 1), ("b", 1), ("c", 1)]
     assert all(r.error is None and r.complete for r in results.items)
     assert remote_steps(store, "b") == ([1], []) and remote_steps(store, "c") == ([1], [])

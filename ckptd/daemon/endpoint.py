@@ -7,6 +7,7 @@ file gets the daemon's file mode (``--group``: the group may connect). Main thre
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import zmq
@@ -50,5 +51,34 @@ def bind(access: Access, ctx: zmq.Context, endpoint: str) -> zmq.Socket:
         sock.close(0)
         raise CheckpointError(f"cannot listen on {endpoint}: {e}") from None
     if path is not None:
-        access.restrict(path, access.file_mode)
+        try:
+            access.restrict(path, access.file_mode)
+        except BaseException:  # an open socket left behind would hang the context's term() at shutdown
+            sock.close(0)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            raise
     return sock
+
+
+def identity(endpoint: str) -> tuple[int, int] | None:
+    """The bound socket file's (device, inode): what :func:`unlink_own` checks before removing it."""
+    path = ipc_path(endpoint)
+    if path is None:
+        return None
+    st = os.lstat(path)
+    return st.st_dev, st.st_ino
+
+
+def unlink_own(endpoint: str, ident: tuple[int, int] | None) -> None:
+    """Remove the socket file at shutdown only if it is still the one this daemon bound: a daemon started on
+    the same endpoint while this one shut down (no answer from it, so its file was replaced) keeps its own."""
+    path = ipc_path(endpoint)
+    if path is None or ident is None:
+        return
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if (st.st_dev, st.st_ino) == ident:
+        os.unlink(path)

@@ -12,7 +12,6 @@ package imports torch. Which step is complete, and which one a restore reads, is
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import logging
 import os
@@ -35,7 +34,7 @@ from .access import Access, peer_pid
 from .admission import Admission
 from .catalog import StepCatalog
 from .completion import Completion
-from .endpoint import bind, check_endpoint, ipc_path
+from .endpoint import bind, check_endpoint, identity, unlink_own
 from .events import ErrorReported, EventQueue, Fetched, LatestFound, ShardPersisted, ShardSealed, SlotCreated, Uploaded
 from .fetcher import Fetcher
 from .growth import Grower
@@ -84,6 +83,7 @@ class Daemon:
         self._ctx = zmq.Context()
         self._check_endpoint()  # before anything is created in /dev/shm: a refused start leaves nothing behind
         self._sock: zmq.Socket | None = None
+        self._sock_id: tuple[int, int] | None = None  # the bound socket file (device, inode)
         self._running = False
         self._metrics: Any = None
         self._status_snapshot: dict[str, Any] | None = None
@@ -153,14 +153,15 @@ class Daemon:
     def serve(self) -> None:
         try:  # a start that fails (a port taken, a root it cannot write) is shut down: nothing is left behind
             self._sock = bind(self.access, self._ctx, self.endpoint)
+            self._sock_id = identity(self.endpoint)
+            self._serve_metrics()  # before recovery: a port taken fails the start before any work is queued
             self.fetcher.check_store()  # off the loop: READY must not wait for the network
             recovery.recover(self.pool, self.steps, self.persister, self.uploader, self.root, self.catalog.jobs(), self.completion.persist)
             if self.uploader is not None:
                 for job in self.catalog.jobs():
                     self.uploader.catch_up(job, self.catalog.made_here(job))
-            self._serve_metrics()
         except BaseException:
-            self._shutdown()
+            self._shutdown(started=False)
             raise
         self._running = True
         if threading.current_thread() is threading.main_thread():
@@ -224,7 +225,9 @@ class Daemon:
             self._ctx.term()
             raise
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, started: bool = True) -> None:
+        """Persist what is staged, finish uploads (a start that failed leaves its queued catch-up to the next
+        start), then let go of everything; the root's lock last."""
         notify("STOPPING=1")
         self.memtier.shutdown()
         self._drain()  # steps sealed into memory meanwhile
@@ -236,7 +239,7 @@ class Daemon:
         self.memtier.keep_for_restart()
         if self.uploader is not None:
             log.info("shutting down: finishing %d queued upload(s)", len(self.uploader.backlog()) + (self.uploader.current is not None))
-            self.uploader.close()
+            self.uploader.close(finish_queue=started)
             self._drain()
         self.fetcher.shutdown()
         if self._metrics is not None:
@@ -245,12 +248,9 @@ class Daemon:
         if self.catalog.store is not None:
             self.catalog.store.close()
         self.pool.close()
-        path = ipc_path(self.endpoint)
-        if self._sock is not None:  # bound: the socket file is this daemon's
+        if self._sock is not None:  # bound: the socket file is this daemon's, unless another daemon replaced it since
             self._sock.close(0)
-            if path is not None:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
+            unlink_own(self.endpoint, self._sock_id)
         self.events.close()
         self._ctx.term()
         os.close(self._root_lock)  # last: the next daemon on this root starts once this one is done with it

@@ -114,9 +114,12 @@ class Uploader:
         with self._cv:
             return [(u.job, u.step) for u in self._queue]
 
-    def close(self) -> None:
-        """Finish the upload in progress and the queue, then stop."""
+    def close(self, finish_queue: bool = True) -> None:
+        """Finish the upload in progress and (``finish_queue``) the queue, then stop. A start that failed
+        drops the queue: the next start's catch-up queues the same steps again."""
         with self._cv:
+            if not finish_queue:
+                self._queue.clear()
             self._closing = True
             self._cv.notify()
         self._thread.join()
