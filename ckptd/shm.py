@@ -339,6 +339,15 @@ def purge(root: str) -> list[str]:
     return gone
 
 
+def dont_fork(mm: mmap.mmap) -> None:
+    """Keep a mapping of a segment out of forked children (a DataLoader's workers, forked after a snapshot
+    or a restore): a child that inherited it would keep the segment's pages allocated after the daemon
+    unlinked it, outside any budget, for as long as the child lives. No child reads these pages."""
+    advice = getattr(mmap, "MADV_DONTFORK", None)
+    if advice is not None and len(mm):
+        mm.madvise(advice)
+
+
 class Mapping:
     """A long-lived shared mapping of one segment with a ``uint8`` tensor over it.
 
@@ -362,6 +371,7 @@ class Mapping:
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
             populate = getattr(mmap, "MAP_POPULATE", 0) if writable else 0
             self._mm = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | populate, prot=prot)
+            dont_fork(self._mm)
         finally:
             os.close(fd)
         self.view = memoryview(self._mm)

@@ -289,3 +289,29 @@ def test_prepare_on_a_budget_too_small_for_its_slots_takes_those_that_fit_and_sa
         assert "prepare(): 1 of 2 slots fit now" in caplog.text and "raise --shm-budget" in caplog.text
         assert c.status()["slots"] == {"free": 1} and c.status()["deferred_allocs"] == 0
         assert c.snapshot(model, optim, step=1, blocking=True).wait(30).endswith("step-1")
+
+
+def test_a_forked_child_does_not_inherit_the_trainers_slot_mappings(daemon) -> None:  # noqa: ANN001
+    # DataLoader workers are forked from the trainer: a child holding a mapping of a slot would keep its pages
+    # allocated after the daemon unlinked the segment, outside the daemon's budget, for as long as it lives
+    from ckptd import shm
+
+    model, optim = make()
+    train_step(model, optim, 0)
+    with daemon.client("fork") as c:
+        c.prepare(model, optim)
+        c.snapshot(model, optim, step=1).wait(30)
+        names = c._maps.names()
+        assert names
+
+        def mapped() -> set[str]:
+            with open("/proc/self/maps") as f:
+                lines = [line.rstrip() for line in f]
+            return {n for n in names if any(line.endswith(shm.path_of(n)) for line in lines)}
+
+        assert mapped(), "the trainer maps its slots"
+        pid = os.fork()
+        if pid == 0:  # the child: only os-level calls, then out
+            os._exit(0 if not mapped() else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "the forked child inherited a slot mapping"

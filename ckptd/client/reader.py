@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .. import shm
 from ..errors import CheckpointError, FormatError
 from ..format import digest, dtype_from_name
 from ..layout import MANIFEST, is_complete
@@ -151,6 +152,7 @@ class CheckpointReader:
             size = os.fstat(fd).st_size
             flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
             mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
+            shm.dont_fork(mm)
             with warnings.catch_warnings():  # torch warns that the buffer is read-only: it is only ever a copy's source
                 warnings.simplefilter("ignore", UserWarning)
                 got = self._maps[name] = (mm, torch.frombuffer(mm, dtype=torch.uint8))

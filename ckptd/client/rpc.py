@@ -152,6 +152,9 @@ class Channel:
         # zmq's own Context.__del__ would term() the context while the cycle's sockets, already unreachable to it,
         # are open, and hang the trainer in the garbage collector; this closes them first
         self._finalizer = weakref.finalize(self, _close, self._ctx, self._sockets, self._sock_lock)
+        # not at interpreter exit: a daemon thread of the trainer may still be inside call(), and closing its socket
+        # from the exiting thread would pull it from under that thread's poll (zmq sockets are not thread-safe)
+        self._finalizer.atexit = False
 
     def call(self, op: str, rpc_timeout: float | None = None, frames: tuple[bytes, ...] = (), **fields: Any) -> dict[str, Any]:
         """Send one request and wait for its reply; raise :class:`ProtocolError` on an error reply and
