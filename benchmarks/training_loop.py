@@ -187,9 +187,9 @@ def main(argv: list[str] | None = None) -> int:
             # starts at the default mode, so a timed first round alone had put default above blocking
             for r in range(args.rounds + 1):
                 round_base, _ = run_loop(model, optim, x, args.steps, args.every, None)
-                for n in round_order(r):
+                for k, n in enumerate(round_order(r)):  # step numbers rise through the run: a job's steps never go back
                     mode, blocking, c = ckptd_modes[n]
-                    got = measure(model, optim, x, args, c, blocking, 100_000 * r + 10_000 * n, c is c1)
+                    got = measure(model, optim, x, args, c, blocking, 100_000 * r + 10_000 * k, c is c1)
                     if r:
                         runs[mode].append(got._replace(base_s=round_base))
             paired = [(d.loop_s - b.loop_s) / n_ckpt for d, b in zip(runs["ckptd default"], runs["ckptd blocking"])]

@@ -15,8 +15,8 @@ import json
 import math
 import mmap
 import os
-import stat
 import shutil
+import stat
 import struct
 import sys
 from collections.abc import Callable
