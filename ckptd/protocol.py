@@ -21,6 +21,9 @@ Ops (who sends them: the trainer's client, on whichever of its threads needs the
     Over ``ipc://`` the holder's pid is the one the kernel reports for the socket's peer
     (``SO_PEERCRED``, in the daemon's PID namespace), not the ``pid`` field; over ``tcp://`` the field.
     Over ``ipc://`` only that process may commit or release the lease, whatever token another names.
+    The reply carries ``"spare": true`` when the daemon is making a spare slot for the rank (its disk
+    lags); the trainer may then lease that slot with ``{warm, spare}`` true, off its snapshots' path, to
+    map it ahead, and release it.
 ``commit`` ``{job, rank, world_size, local_world_size, step, segment, lease, nbytes, replicas}`` plus a
     second frame, the rank's non-tensor tree as JSON: the slot holds a complete shard (``replicas``:
     chunk id → sample digest of every chunk other ranks hold too; ``local_world_size``: how many of
@@ -122,7 +125,8 @@ OPTIONAL: dict[str, dict[str, tuple[tuple[type, ...], Any]]] = {
     # wait false: refused at once when memory is short, never deferred (prepare() takes the slots that fit);
     # timeout: a deferred alloc is refused after this many seconds (0: it waits as long as its process lives);
     # warm: prepare() filling the pool before any snapshot: never makes room by dropping a memory-tier step
-    "alloc": {"wait": ((bool,), True), "timeout": ((int, float), 0), "warm": ((bool,), False)},
+    # spare (with warm): the trainer warming the spare slot made for its rank, which the alloc's reply announced
+    "alloc": {"wait": ((bool,), True), "timeout": ((int, float), 0), "warm": ((bool,), False), "spare": ((bool,), False)},
     "promote": {"persist": ((bool,), True)},
     "commit": {
         "after": ((int, type(None)), None),

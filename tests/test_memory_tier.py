@@ -435,10 +435,13 @@ def test_when_the_disk_lags_under_lagging_wait_a_spare_slot_is_made_before_the_n
         # step 1 is still being written (3 s), step 2 queued: a free slot now can only be the spare, made
         until(lambda: c.status()["slots"].get("free"), what="a spare segment made for the rank")
         assert len(shm.segments_of(d.root)) == 3
-        waited = c.status()["allocs_waited"]
+        # the alloc's reply announced the spare: the client leased it on a thread, mapped it and gave it back
+        until(lambda: c._spare.warmed == 1 and c.status()["slots"].get("free"), what="the spare mapped ahead by the client")
+        waited, made = c.status()["allocs_waited"], c._maps.made_on_path
         _snap(c, model, optim, 3)
         st = c.status()
         assert st["allocs_waited"] == waited, f"step 3 should have found a slot at once; daemon log:\n{d.log.read_text()[-4000:]}"
+        assert c._maps.made_on_path == made, "step 3 mapped a slot on its path: the spare was not mapped ahead"
         assert st["shm_bytes"] <= st["shm_budget"] and len(shm.segments_of(d.root)) == 3
         assert len(c.wait(120)) == 3  # lagging="wait": every step reaches disk
     assert complete_steps(d.root, "spare") == [1, 2, 3]

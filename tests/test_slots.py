@@ -449,3 +449,67 @@ def test_the_grower_answers_every_request_after_shutdown_or_out_of_memory(env: d
     finally:
         events.close()
         ctx.term()
+
+
+def _lagging_rank(env: dict[str, Any], budget: int) -> tuple[SlotPool, list[tuple[int, int]], Any]:
+    """A pool where rank 0 of job "a" just took its last free slot while its previous step is being written:
+    a spare is being made for it (``asked[0]``). Returns the pool, the grower's requests and the leased slot."""
+    A = shm.ALIGN
+    pool, asked = _growing_pool(env, budget)
+    pool.want_spare = lambda job: job == "a"
+    for token in (1, 2):
+        pool.created(token, *pool.segments.create(A))
+        pool.slots[list(pool.slots)[-1]].owner = ("a", 0)
+    prev, last = pool.slots.values()
+    prev.state = SlotState.COMMITTED
+    leased = pool.request(b"a", _req(rank=0, nbytes=A, job="a", step=2))
+    assert leased is last and len(asked) == 1
+    return pool, asked, leased
+
+
+def _warm(rank: int = 0, job: str = "a") -> dict[str, Any]:
+    return {**_req(rank=rank, nbytes=shm.ALIGN, job=job, step=0), "warm": True, "wait": False, "spare": True, "timeout": 15.0}
+
+
+def test_a_trainer_warming_its_spare_waits_while_it_is_made_and_no_one_else_gets_it(env: dict[str, Any]) -> None:
+    pool, asked, _ = _lagging_rank(env, 4 * shm.ALIGN)
+    assert pool.spare_coming(("a", 0)) and not pool.spare_coming(("a", 1))
+    with pytest.raises(CheckpointError, match="no spare slot is being made for rank 1 of job a"):
+        pool.request(b"x", _warm(rank=1))  # another rank's spare is not this one's to take
+    with pytest.raises(CheckpointError, match="no spare slot is being made for rank 0 of job b"):
+        pool.request(b"y", _warm(job="b"))
+    assert pool.request(b"w", _warm()) is None and pool.allocs_waited == 0  # deferred until made; not a snapshot's wait
+    name, size = pool.segments.create(shm.ALIGN)
+    pool.created(asked[0][1], name, size)
+    assert [(i, r.name) for i, _, r in env["grants"]] == [(b"w", name)]
+    spare = pool.get(name)
+    assert spare.state is SlotState.LEASED and not spare.spare
+    pool.free(spare)  # the trainer mapped it and gave it back: its rank's, an ordinary free slot now
+    assert spare.owner == ("a", 0) and not pool.spare_coming(("a", 0))
+    with pytest.raises(CheckpointError, match="no spare slot is being made"):
+        pool.request(b"w2", _warm())
+
+
+def test_a_spare_goes_to_a_waiting_snapshot_before_the_trainer_warming_it(env: dict[str, Any]) -> None:
+    A = shm.ALIGN
+    pool, asked, _ = _lagging_rank(env, 3 * A)
+    assert pool.request(b"w", _warm()) is None  # the trainer asks for its spare first...
+    assert pool.request(b"b", _req(rank=0, nbytes=A, job="b", step=7)) is None  # ...then a snapshot waits for memory
+    with pytest.raises(CheckpointError, match="left to a snapshot that waits"):
+        pool.request(b"w2", _warm())
+    name, size = pool.segments.create(A)
+    pool.created(asked[0][1], name, size)
+    got = {i: r for i, _, r in env["grants"]}
+    assert got[b"b"].name == name and isinstance(got[b"w"], CheckpointError), env["grants"]
+    assert not pool.deferred
+
+
+def test_a_trainer_warming_a_spare_that_takes_too_long_is_refused_not_granted_later(env: dict[str, Any]) -> None:
+    # its client gives up after its own timeout: a grant after that would lease the spare to nobody
+    pool, asked, _ = _lagging_rank(env, 4 * shm.ALIGN)
+    assert pool.request(b"w", _warm()) is None
+    env["clock"].now += 16
+    pool.reap(env["clock"]())
+    assert [(i, "after waiting 15 s" in str(r)) for i, _, r in env["grants"]] == [(b"w", True)] and not pool.deferred
+    pool.created(asked[0][1], *pool.segments.create(shm.ALIGN))  # made later: a free spare of its rank, leased to no one
+    assert len(env["grants"]) == 1 and pool.summary()["slots"] == {"committed": 1, "leased": 1, "free": 1}

@@ -32,6 +32,7 @@ from .load import Restored, restore_state
 from .options import check_not_saved, check_step, dist_rank_world, local_world_size, overlap_setting, tier_settings
 from .restore import Source, restore_from_daemon, restored
 from .rpc import Channel
+from .spare import SpareWarmer
 from .stage import Staged, Stager, TreeEncoder
 
 log = logging.getLogger("ckptd.client")
@@ -78,6 +79,7 @@ class Client:
         self._rpc = Channel(self.endpoint, self.timeout)
         self._stager = Stager(self.job)
         self._maps = SlotMaps()
+        self._spare = SpareWarmer(self._maps, lambda r, w, n: self._alloc(r, w, 0, n, wait=False, warm=True, spare=True), self._release)
         self._leases: dict[str, str] = {}  # segment -> the lease token the daemon gave this client for it
         self._trees = TreeEncoder()
         self._guard = CopyGuard()
@@ -153,6 +155,7 @@ class Client:
                 self._guard.hook(optim)
             self._guard.start(step, lambda: self._background(handle, later, commit, staged.tree, event), handle._unreported)
         self._track(handle)
+        self._spare.start(torch.cuda.current_device() if staged.any_cuda else None)  # a spare announced: mapped ahead
         return handle
 
     def _overlaps(self, staged: Staged) -> bool:
@@ -233,16 +236,21 @@ class Client:
         policy = {**self._rpc.call("hello").get("tiering", {}), **{k: v for k, v in self._tiering.items() if v is not None}}
         return policy.get("persist_every", 1) > 1 or policy.get("persist_interval", 0) > 0 or policy.get("lagging") == "memory"
 
-    def _alloc(self, rank: int, world: int, step: int | None, nbytes: int, *, wait: bool = True, warm: bool = False) -> str:
-        """A slot leased for ``nbytes``; the daemon refuses one it cannot grant within the alloc timeout (or at
-        once, ``wait`` false) rather than grant it later to a client that gave up. ``warm``: for prepare()."""
+    def _alloc(
+        self, rank: int, world: int, step: int | None, nbytes: int, *, wait: bool = True, warm: bool = False, spare: bool = False
+    ) -> str:
+        """A slot leased for ``nbytes``; the daemon refuses one it cannot grant within the alloc timeout (or at once,
+        ``wait`` false) rather than grant it later to a client that gave up. ``warm``: prepare(); ``spare``: :mod:`.spare`."""
         rpc_timeout = self.alloc_timeout + 5.0 if wait else self.timeout
+        held = self.timeout / 2 if spare else (self.alloc_timeout if self.alloc_timeout < 1e9 else 0)
+        flags = {k: True for k, on in (("warm", warm), ("spare", spare)) if on}  # only when true: as before to any daemon
         rep = self._rpc.call(
             "alloc", rpc_timeout=rpc_timeout, job=self.job, rank=rank, world_size=world, step=step, nbytes=nbytes,
-            pid=os.getpid(), wait=wait, timeout=self.alloc_timeout if self.alloc_timeout < 1e9 else 0,
-            **({"warm": True} if warm else {}),  # only prepare() sends it: a snapshot's alloc reads as before to any daemon
+            pid=os.getpid(), wait=wait, timeout=held, **flags,
         )  # fmt: skip
         self._leases[rep["segment"]] = rep["lease"]  # the secret that lets this client, and no other, commit or release it
+        if rep.get("spare"):
+            self._spare.due(rank, world, nbytes)
         return rep["segment"]
 
     def _release(self, segment: str) -> None:
@@ -430,6 +438,7 @@ class Client:
         except CheckpointError as e:
             warnings.warn(str(e), stacklevel=2)
         self._guard.unhook()
+        self._spare.join(self.timeout + 5.0)
         self._maps.close()
         self._rpc.close()
         self._closed = True

@@ -102,33 +102,42 @@ class SlotMaps:
         self._maps: OrderedDict[str, shm.Mapping] = OrderedDict()
         self._views: dict[str, tuple[ShardLayout, list[torch.Tensor]]] = {}
         self.pinned: set[str] = set()  # mappings page-locked for device copies
+        self.made_on_path = 0  # slots first mapped by a snapshot (not by prepare() or a spare's warming)
+        self._lock = threading.Lock()  # the training thread and a spare's warming both add mappings
 
     def names(self) -> set[str]:
         return set(self._maps)
 
     def mapping(self, name: str) -> shm.Mapping:
-        m = self._maps.get(name)
-        if m is None:
-            # a new slot: first let go of mappings whose segment is gone (a restarted daemon unlinked the old
-            # one's, or renamed a slot): never used again, their pages would stay allocated outside any budget
-            for old in [n for n in self._maps if not os.path.exists(shm.path_of(n))]:
-                self._unmap(old, self._maps.pop(old))
-            m = shm.Mapping(name)
-            self._maps[name] = m
-            while len(self._maps) > MAPPINGS_KEPT:
-                self._unmap(*self._maps.popitem(last=False))
-        self._maps.move_to_end(name)
-        return m
+        with self._lock:
+            m = self._maps.get(name)
+            if m is None:
+                # a new slot: first let go of mappings whose segment is gone (a restarted daemon unlinked the old
+                # one's, or renamed a slot): never used again, their pages would stay allocated outside any budget
+                for old in [n for n in self._maps if not os.path.exists(shm.path_of(n))]:
+                    self._unmap(old, self._maps.pop(old))
+                m = shm.Mapping(name)
+                self.made_on_path += 1
+                self._maps[name] = m
+                while len(self._maps) > MAPPINGS_KEPT:
+                    self._unmap(*self._maps.popitem(last=False))
+            self._maps.move_to_end(name)
+            return m
 
-    def warm(self, names: list[str], pin: bool) -> None:
-        """Map the segments ``names`` side by side (and page-lock them for the current GPU, ``pin``):
-        ``prepare()`` takes the one-time cost of each slot at once, off the training loop. Segments
-        already mapped are kept as they are; at most :data:`MAPPINGS_KEPT` are warmed."""
-        for name in names:
-            if name in self._maps:
-                self._maps.move_to_end(name)
-        fresh = [n for n in names[-MAPPINGS_KEPT:] if n not in self._maps]
-        device = torch.cuda.current_device() if pin else None  # a new thread's device is 0: register on this one's
+    def warm(self, names: list[str], pin: bool, device: int | None = None) -> None:
+        """Map the segments ``names`` side by side (and page-lock them for GPU ``device``, by default the
+        current one, ``pin``): ``prepare()`` takes the one-time cost of each slot at once, off the
+        training loop (and :mod:`.spare` that of a spare slot). Segments already mapped are kept as they
+        are; at most :data:`MAPPINGS_KEPT` are warmed."""
+        with self._lock:
+            for name in names:
+                if name in self._maps:
+                    self._maps.move_to_end(name)
+            fresh = [n for n in names[-MAPPINGS_KEPT:] if n not in self._maps]
+        if not pin:
+            device = None
+        elif device is None:
+            device = torch.cuda.current_device()  # a new thread's device is 0: register on this one's
 
         def one(name: str) -> tuple[shm.Mapping, bool]:
             m = shm.Mapping(name)
@@ -142,17 +151,25 @@ class SlotMaps:
         with ThreadPoolExecutor(max(1, len(fresh))) as pool:
             futures = [(name, pool.submit(one, name)) for name in fresh]
         errors = []
-        for name, f in futures:  # every mapping made is kept (and so closed later), whichever failed
-            try:
-                m, pinned = f.result()
-            except Exception as e:
-                errors.append(e)
-                continue
-            self._maps[name] = m
-            if pinned:
-                self.pinned.add(name)
-        while len(self._maps) > MAPPINGS_KEPT:
-            self._unmap(*self._maps.popitem(last=False))
+        with self._lock:
+            for name, f in futures:  # every mapping made is kept (and so closed later), whichever failed
+                try:
+                    m, pinned = f.result()
+                except Exception as e:
+                    errors.append(e)
+                    continue
+                if name in self._maps:  # mapped meanwhile by the other thread: that one is kept
+                    if pinned and m.tensor is not None:
+                        from . import cuda
+
+                        cuda.unpin(m.tensor.data_ptr())
+                    m.close()
+                    continue
+                self._maps[name] = m
+                if pinned:
+                    self.pinned.add(name)
+            while len(self._maps) > MAPPINGS_KEPT:
+                self._unmap(*self._maps.popitem(last=False))
         if errors:
             raise errors[0]
 
@@ -192,9 +209,10 @@ class SlotMaps:
         m.close()
 
     def close(self) -> None:
-        for name, m in list(self._maps.items()):
-            self._unmap(name, m)
-        self._maps.clear()
+        with self._lock:
+            for name, m in list(self._maps.items()):
+                self._unmap(name, m)
+            self._maps.clear()
 
 
 def copy_cuda(

@@ -320,7 +320,12 @@ class Daemon:
         if isinstance(result, CheckpointError):
             self._send(ident, reply_error(msg["id"], "refused", str(result)))
         else:
-            self._send(ident, reply_ok(msg["id"], segment=result.name, size=result.size, lease=result.token))
+            self._send(ident, reply_ok(msg["id"], **self._leased(result, msg)))
+
+    def _leased(self, slot: Slot, msg: dict[str, Any]) -> dict[str, Any]:
+        """An ``alloc``'s answer; ``spare``: a spare slot is being made for this rank, which it may warm."""
+        spare = not msg.get("warm") and self.pool.spare_coming(slot.owner)
+        return {"segment": slot.name, "size": slot.size, "lease": slot.token, **({"spare": True} if spare else {})}
 
     def _op_hello(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
         tiering = dataclasses.asdict(self.tiering.policy)  # prepare() sizes the slot pool by it
@@ -331,7 +336,7 @@ class Daemon:
 
     def _op_alloc(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any] | None:
         slot = self.pool.request(ident, msg)
-        return None if slot is None else {"segment": slot.name, "size": slot.size, "lease": slot.token}  # None: deferred
+        return None if slot is None else self._leased(slot, msg)  # None: deferred
 
     def _op_release(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
         self.pool.free(self.pool.leased(msg["segment"], msg["lease"], msg["peer"]))

@@ -23,60 +23,17 @@ from __future__ import annotations
 
 import hmac
 import logging
-import os
 import secrets
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
 from .. import shm
 from ..config import HOT_PIN_MAX_S, LEASE_TIMEOUT_S, MAX_DEFERRED_ALLOCS, MAX_PINS_PER_READER, MAX_PINS_UNNAMED
 from ..errors import CheckpointError, ProtocolError
+from .slot import LEASE_FIELDS, Grant, Slot, SlotState, pid_alive
 
 log = logging.getLogger("ckptd.daemon")
-
-LEASE_FIELDS = ("job", "rank", "world_size", "step")
-
-
-class SlotState(StrEnum):
-    FREE = "free"
-    LEASED = "leased"
-    COMMITTED = "committed"
-    HELD = "held"
-
-
-@dataclass
-class Slot:
-    name: str
-    size: int
-    state: SlotState = SlotState.FREE
-    owner: tuple[str, int] | None = None  # (job, rank) that used it last: reused first by them
-    pid: int | None = None  # the lessee's process
-    token: str | None = None  # leased: the secret only the lessee got; it must name it to commit or release
-    leased_at: float = 0.0
-    lease: dict[str, Any] | None = None  # leased: the lease's fields; committed: the commit record
-    tree_bytes: int = 0  # committed: the tree the daemon holds in memory (counted in the budget)
-    used_at: float = 0.0
-    holds: tuple[str, int, int] | None = None  # (job, step, rank) a free slot still holds, persisted
-    exposed: bool = False  # its name went to a hot restore's reader: renamed before it is leased again
-    pins: dict[str, tuple[int, float]] = field(default_factory=dict)  # pin token -> (reader pid, deadline)
-
-
-Grant = Callable[[bytes, Any, "Slot | CheckpointError"], None]  # (ident, request, slot or refusal)
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except (OverflowError, ValueError, OSError):
-        return False  # not a pid at all
-    return True
 
 
 class SlotPool:
@@ -148,6 +105,8 @@ class SlotPool:
 
     def lease(self, msg: dict[str, Any]) -> Slot | None:
         """Lease a slot of at least ``msg["nbytes"]`` to ``(job, rank)``, or ``None`` if none fits the budget."""
+        if msg.get("spare"):
+            return self._lease_spare(msg)
         owner, need = (msg["job"], msg["rank"]), msg["nbytes"]
         free = [s for s in self.slots.values() if s.state is SlotState.FREE and not s.pins and s.size >= need]
         # the rank's own slot first: the trainer already holds a warm mapping of it
@@ -174,10 +133,35 @@ class SlotPool:
                 if self.reclaim(msg["job"], msg["step"]):
                     return self.lease(msg)  # a memory-tier step made room
                 return None
+        return self._take(slot, owner, msg)
+
+    def _take(self, slot: Slot, owner: tuple[str, int], msg: dict[str, Any]) -> Slot:
         slot.state, slot.owner, slot.pid, slot.used_at = SlotState.LEASED, owner, msg["pid"] or None, self._clock()
-        slot.holds, slot.token, slot.leased_at = None, secrets.token_hex(16), slot.used_at
+        slot.holds, slot.token, slot.leased_at, slot.spare = None, secrets.token_hex(16), slot.used_at, False
         slot.lease = {k: msg[k] for k in LEASE_FIELDS}
         return slot
+
+    def _lease_spare(self, msg: dict[str, Any]) -> Slot | None:
+        """A trainer warming the spare made for its rank (mapping it off its snapshots' path): that slot, or
+        ``None`` while it is being made; refused when none is coming, or while a snapshot waits for memory
+        (a spare is a guess: a request that exists comes first)."""
+        owner = (msg["job"], msg["rank"])
+        if any(not m.get("spare") for _, m in self.deferred):
+            raise CheckpointError("the spare slot is left to a snapshot that waits for memory")
+        for slot in self.slots.values():
+            if slot.spare and slot.owner == owner and slot.state is SlotState.FREE and not slot.pins and slot.size >= msg["nbytes"]:
+                if not self._writable(slot, owner[0]):
+                    raise CheckpointError("the spare slot could not be made writable")
+                return self._take(slot, owner, msg)
+        token = next((t for t, o in self.spares.items() if o == owner), None)
+        if token is None:
+            raise CheckpointError(f"no spare slot is being made for rank {owner[1]} of job {owner[0]}")
+        msg["_growing"] = token  # deferred until it is made
+        return None
+
+    def spare_coming(self, owner: tuple[str, int] | None) -> bool:
+        """Whether a spare slot is being made for ``owner``, or was made and not leased since."""
+        return owner in self.spares.values() or any(s.spare and s.owner == owner and s.state is SlotState.FREE for s in self.slots.values())
 
     def _spare(self, owner: tuple[str, int] | None, size: int) -> None:
         """``owner`` (job, rank) just took its last free slot while one of its own is still being persisted
@@ -303,7 +287,7 @@ class SlotPool:
         asked = [d for d in self.deferred if d[1].get("_growing") == token]
         if name is not None:
             owner = (asked[0][1]["job"], asked[0][1]["rank"]) if asked else spare_for
-            self.slots[name] = Slot(name, size, owner=owner, used_at=self._clock())
+            self.slots[name] = Slot(name, size, owner=owner, used_at=self._clock(), spare=spare_for is not None)
         else:
             log.error("cannot make a staging segment of %d bytes: %s", size, error)
             for ident, msg in asked:
@@ -313,6 +297,7 @@ class SlotPool:
 
     def retry_deferred(self) -> None:
         waiting, self.deferred = self.deferred, []
+        waiting.sort(key=lambda d: bool(d[1].get("spare")))  # snapshots first: a trainer warming a spare comes last
         for ident, msg in waiting:
             try:
                 slot = self.lease(msg)
@@ -393,7 +378,10 @@ class SlotPool:
         deadline, drop deferred requests of dead processes."""
         # first: a freed slot must not go to the dead (pid 0: unknown, kept), nor to a client that gave up
         self.deferred = [(i, m) for i, m in self.deferred if not m["pid"] or self._alive(m["pid"])]
-        for ident, msg in [d for d in self.deferred if d[1].get("_deadline", now + 1) < now and "_growing" not in d[1]]:
+        # a request waiting for its own segment is not timed out (that segment is coming), one warming a spare is
+        for ident, msg in [
+            d for d in self.deferred if d[1].get("_deadline", now + 1) < now and ("_growing" not in d[1] or d[1].get("spare"))
+        ]:
             self.deferred.remove((ident, msg))
             self._on_grant(ident, msg, CheckpointError(self._short(msg["nbytes"], msg["timeout"])))
         lapsed = False
