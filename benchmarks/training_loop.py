@@ -182,9 +182,8 @@ def main(argv: list[str] | None = None) -> int:
             ckptd_modes = [("ckptd default", False, c0), ("ckptd blocking", True, c0), (memory_mode, False, c1), (OVERLAP_MODE, False, c2)]
             runs: dict[str, list[Run]] = {m: [] for m, _, _ in ckptd_modes}
             # the modes interleaved, each round against its own baseline, in the order of round_order(). Round 0 is untimed:
-            # a client's first snapshots pay one-time costs, and the first loop measured after the set-up ran slow
-            # whatever its mode (0.45-0.69 s per checkpoint against 0.03-0.23 s later, 2026-11-24); the rotation
-            # starts at the default mode, so a timed first round alone had put default above blocking
+            # a client's first snapshots pay one-time costs, and the first loop measured after the set-up (the default
+            # mode's) cost 0.45-0.69 s per checkpoint against 0.03-0.23 s in later rounds (three runs, 2026-11-24)
             for r in range(args.rounds + 1):
                 round_base, _ = run_loop(model, optim, x, args.steps, args.every, None)
                 for k, n in enumerate(round_order(r)):  # step numbers rise through the run: a job's steps never go back
