@@ -339,6 +339,23 @@ def purge(root: str) -> list[str]:
     return gone
 
 
+MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in for writing
+
+
+def populate_write(addr: int, size: int) -> bool:
+    """Fault ``size`` bytes of a writable mapping at ``addr`` in, as ``MAP_POPULATE`` would, but through a
+    ctypes call, which releases the GIL (``mmap.mmap`` with ``MAP_POPULATE`` holds it on Python 3.11: a
+    spare warmed on a thread would stall the training thread) and runs no torch or OpenMP code on that
+    thread. False where the kernel lacks the advice (the pages then fault on their first copy)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(size), MADV_POPULATE_WRITE) == 0
+    except (OSError, AttributeError):
+        return False
+
+
 def dont_fork(mm: mmap.mmap) -> None:
     """Keep a mapping of a segment out of forked children (a DataLoader's workers, forked after a snapshot
     or a restore): a child that inherited it would keep the segment's pages allocated after the daemon
@@ -355,11 +372,11 @@ class Mapping:
     minor fault per page on its first copy (4x slower than a warm mapping).
     """
 
-    def __init__(self, name: str, *, writable: bool = True, fd: int | None = None) -> None:
-        """Map segment ``name``: read-write and populated for a trainer; read-only and lazily
-        faulted for the daemon, which passes the ``fd`` it checked (``MAP_POPULATE`` holds the GIL
-        for the whole call, which would stall the daemon's request loop; faults taken inside
-        ``os.write`` and the hashing do not)."""
+    def __init__(self, name: str, *, writable: bool = True, fd: int | None = None, populate: bool = True) -> None:
+        """Map segment ``name``: read-write and populated for a trainer (not ``populate``: the caller
+        faults the pages in itself); read-only and lazily faulted for the daemon, which passes the ``fd``
+        it checked (``MAP_POPULATE`` holds the GIL for the whole call, which would stall the daemon's
+        request loop; faults taken inside ``os.write`` and the hashing do not)."""
         self.name = name
         if fd is None:
             fd = os.open(path_of(name), (os.O_RDWR if writable else os.O_RDONLY) | _OPEN)
@@ -369,8 +386,8 @@ class Mapping:
                 raise CheckpointError(f"segment {name!r} is not a regular file")
             self.size = st.st_size
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-            populate = getattr(mmap, "MAP_POPULATE", 0) if writable else 0
-            self._mm = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | populate, prot=prot)
+            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if writable and populate else 0)
+            self._mm = mmap.mmap(fd, self.size, flags=flags, prot=prot)
             dont_fork(self._mm)
         finally:
             os.close(fd)

@@ -157,3 +157,26 @@ def test_a_failed_hot_read_leaves_no_view_of_the_unmapped_segment_in_its_traceba
         reader.read_many(pieces)
     assert not reader._maps
     assert got.value.__cause__ is not None and not _views_into(got.value, lo, hi)
+
+
+def test_a_hot_read_inside_a_users_except_block_leaves_the_users_exception_alone(step) -> None:  # noqa: ANN001
+    # only the exception that leaves the reader has its frames cleared: a restore run while the trainer handles
+    # an error of its own must not wipe the locals its error reporter shows
+    path, full = step
+    reader, _ = _reader(path)
+    out, pieces = _pieces(reader, full)
+
+    def users_code() -> None:
+        shown = "kept"  # noqa: F841 (a local the user's error reporter prints)
+        raise ValueError("the trainer's own error")
+
+    try:
+        users_code()
+    except ValueError as e:
+        with reader:
+            reader.read_many(pieces)
+        tb = e.__traceback__
+        while tb.tb_next is not None:
+            tb = tb.tb_next
+        assert tb.tb_frame.f_locals.get("shown") == "kept"
+    assert all(torch.equal(out[k], full[k]) for k in full)

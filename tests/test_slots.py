@@ -473,7 +473,8 @@ def _warm(rank: int = 0, job: str = "a") -> dict[str, Any]:
 
 def test_a_trainer_warming_its_spare_waits_while_it_is_made_and_no_one_else_gets_it(env: dict[str, Any]) -> None:
     pool, asked, _ = _lagging_rank(env, 4 * shm.ALIGN)
-    assert pool.spare_coming(("a", 0)) and not pool.spare_coming(("a", 1))
+    assert pool.spare_coming(("a", 0), shm.ALIGN) and not pool.spare_coming(("a", 1), shm.ALIGN)
+    assert not pool.spare_coming(("a", 0), 2 * shm.ALIGN)  # too small for the shard: not announced
     with pytest.raises(CheckpointError, match="no spare slot is being made for rank 1 of job a"):
         pool.request(b"x", _warm(rank=1))  # another rank's spare is not this one's to take
     with pytest.raises(CheckpointError, match="no spare slot is being made for rank 0 of job b"):
@@ -483,9 +484,10 @@ def test_a_trainer_warming_its_spare_waits_while_it_is_made_and_no_one_else_gets
     pool.created(asked[0][1], name, size)
     assert [(i, r.name) for i, _, r in env["grants"]] == [(b"w", name)]
     spare = pool.get(name)
-    assert spare.state is SlotState.LEASED and not spare.spare
+    assert spare.state is SlotState.LEASED and spare.spare  # a spare still while its trainer maps it
+    assert not pool.spare_coming(("a", 0), shm.ALIGN)
     pool.free(spare)  # the trainer mapped it and gave it back: its rank's, an ordinary free slot now
-    assert spare.owner == ("a", 0) and not pool.spare_coming(("a", 0))
+    assert spare.owner == ("a", 0) and not spare.spare and not pool.spare_coming(("a", 0), shm.ALIGN)
     with pytest.raises(CheckpointError, match="no spare slot is being made"):
         pool.request(b"w2", _warm())
 
@@ -513,3 +515,47 @@ def test_a_trainer_warming_a_spare_that_takes_too_long_is_refused_not_granted_la
     assert [(i, "after waiting 15 s" in str(r)) for i, _, r in env["grants"]] == [(b"w", True)] and not pool.deferred
     pool.created(asked[0][1], *pool.segments.create(shm.ALIGN))  # made later: a free spare of its rank, leased to no one
     assert len(env["grants"]) == 1 and pool.summary()["slots"] == {"committed": 1, "leased": 1, "free": 1}
+
+
+def test_a_snapshot_short_of_memory_while_a_trainer_maps_its_spare_waits_for_it_and_drops_nothing(env: dict[str, Any]) -> None:
+    # the spare landed and its trainer leased it to map it ahead (0.9 s for 6 GB): a snapshot of another job that
+    # needs the room waits for its release, as it waits for a spare being made, instead of dropping a memory-only step
+    A = shm.ALIGN
+    pool, asked, _ = _lagging_rank(env, 3 * A)
+    reclaimed: list[Any] = []
+    pool.reclaim = lambda job, step: reclaimed.append(job) or False
+    assert pool.request(b"w", _warm()) is None
+    name, size = pool.segments.create(A)
+    pool.created(asked[0][1], name, size)
+    assert [i for i, _, _ in env["grants"]] == [b"w"]
+    assert pool.request(b"b", _req(rank=0, nbytes=A, job="b", step=7)) is None and reclaimed == []
+    pool.free(pool.leased(name, pool.get(name).token))  # the trainer mapped it and gives it back
+    assert [(i, r.name) for i, _, r in env["grants"]][1:] == [(b"b", name)] and not pool.deferred
+
+
+def test_no_spare_is_started_while_a_snapshot_waits_for_memory(env: dict[str, Any]) -> None:
+    A = shm.ALIGN
+    pool, asked = _growing_pool(env, 3 * A)
+    pool.want_spare = lambda job: True
+    for token, owner in ((1, ("a", 0)), (2, ("a", 0))):
+        pool.created(token, *pool.segments.create(A))
+        pool.slots[list(pool.slots)[-1]].owner = owner
+    prev, last = pool.slots.values()
+    prev.state = SlotState.COMMITTED
+    pool.deferred.append((b"b", _req(rank=0, nbytes=2 * A, job="b", step=7)))  # waits for more than is free
+    assert pool.request(b"a", _req(rank=0, nbytes=A, job="a", step=2)) is last
+    assert asked == [] and not pool.spares, "a spare started while a snapshot waits for the room"
+
+
+def test_a_spares_warming_that_ends_after_its_client_closed_keeps_no_mapping(env: dict[str, Any]) -> None:
+    # the warmer thread can outlive close()'s wait (the daemon slow to make the spare): what it maps then is
+    # dropped at once, never left in a closed client's table (pinned, for a GPU, forever)
+    from ckptd.client.copy import SlotMaps
+
+    name, _ = shm.SegmentDir(env["root"]).create(shm.ALIGN)
+    maps = SlotMaps()
+    maps.warm([name], pin=False)
+    assert maps.names() == {name} and maps.made_on_path == 0  # mapped ahead, not on a snapshot's path
+    maps.close()
+    maps.warm([name], pin=False)
+    assert maps.names() == set()

@@ -438,9 +438,9 @@ class Client:
         except CheckpointError as e:
             warnings.warn(str(e), stacklevel=2)
         self._guard.unhook()
-        self._spare.join(self.timeout + 5.0)
+        if self._spare.close(self.timeout + 5.0):  # else a warming still waits on the daemon: the channel closes once
+            self._rpc.close()  # collected, after it ends (the mappings go now: a warming ending later drops its own)
         self._maps.close()
-        self._rpc.close()
         self._closed = True
 
     def __enter__(self) -> Client:

@@ -15,6 +15,8 @@ Who runs what, in a training process:
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import threading
 import weakref
@@ -31,6 +33,7 @@ from ..format import ShardLayout, dtype_from_name
 from .capture import local_tensor
 from .stage import Stage, Staged
 
+log = logging.getLogger("ckptd.client")
 MAPPINGS_KEPT = 4  # warm mappings per client: the slots a rank alternates between
 EARLY_COPY_MIN_TENSORS = 1000  # below this the capture check costs little next to the copy
 
@@ -104,9 +107,11 @@ class SlotMaps:
         self.pinned: set[str] = set()  # mappings page-locked for device copies
         self.made_on_path = 0  # slots first mapped by a snapshot (not by prepare() or a spare's warming)
         self._lock = threading.Lock()  # the training thread and a spare's warming both add mappings
+        self.closed = False
 
     def names(self) -> set[str]:
-        return set(self._maps)
+        with self._lock:
+            return set(self._maps)
 
     def mapping(self, name: str) -> shm.Mapping:
         with self._lock:
@@ -127,43 +132,44 @@ class SlotMaps:
     def warm(self, names: list[str], pin: bool, device: int | None = None) -> None:
         """Map the segments ``names`` side by side (and page-lock them for GPU ``device``, by default the
         current one, ``pin``): ``prepare()`` takes the one-time cost of each slot at once, off the
-        training loop (and :mod:`.spare` that of a spare slot). Segments already mapped are kept as they
-        are; at most :data:`MAPPINGS_KEPT` are warmed."""
+        training loop (and :mod:`.spare` that of a spare slot, on a thread of its own). Segments already
+        mapped are kept as they are; at most :data:`MAPPINGS_KEPT` are warmed. The pages are faulted in
+        outside the GIL (:func:`.shm.populate_write`)."""
         with self._lock:
             for name in names:
                 if name in self._maps:
                     self._maps.move_to_end(name)
             fresh = [n for n in names[-MAPPINGS_KEPT:] if n not in self._maps]
-        if not pin:
-            device = None
-        elif device is None:
-            device = torch.cuda.current_device()  # a new thread's device is 0: register on this one's
+        if pin:
+            device = torch.cuda.current_device() if device is None else device  # a new thread's device is 0
+
+        def on_device() -> Any:  # (un)pinning on the trainer's GPU, from any thread
+            return torch.cuda.device(device) if pin else contextlib.nullcontext()
 
         def one(name: str) -> tuple[shm.Mapping, bool]:
-            m = shm.Mapping(name)
-            if device is None or m.tensor is None:
+            m = shm.Mapping(name, populate=False)
+            assert m.tensor is not None
+            if not shm.populate_write(m.tensor.data_ptr(), m.size):
+                log.debug("slot %s mapped without its pages (no MADV_POPULATE_WRITE): they fault on its first copy", name)
+            if not pin:
                 return m, False
             from . import cuda
 
-            with torch.cuda.device(device):
+            with on_device():
                 return m, cuda.pin(m.tensor.data_ptr(), m.size)
 
         with ThreadPoolExecutor(max(1, len(fresh))) as pool:
             futures = [(name, pool.submit(one, name)) for name in fresh]
         errors = []
-        with self._lock:
+        with self._lock, on_device():
             for name, f in futures:  # every mapping made is kept (and so closed later), whichever failed
                 try:
                     m, pinned = f.result()
                 except Exception as e:
                     errors.append(e)
                     continue
-                if name in self._maps:  # mapped meanwhile by the other thread: that one is kept
-                    if pinned and m.tensor is not None:
-                        from . import cuda
-
-                        cuda.unpin(m.tensor.data_ptr())
-                    m.close()
+                if name in self._maps or self.closed:  # mapped meanwhile by the other thread, or the client closed
+                    self._drop(m, pinned)
                     continue
                 self._maps[name] = m
                 if pinned:
@@ -200,16 +206,20 @@ class SlotMaps:
 
     def _unmap(self, name: str, m: shm.Mapping) -> None:
         self._views.pop(name, None)  # its views pin the mapping
-        if name in self.pinned:
+        self._drop(m, name in self.pinned)
+        self.pinned.discard(name)
+
+    @staticmethod
+    def _drop(m: shm.Mapping, pinned: bool) -> None:
+        if pinned and m.tensor is not None:
             from . import cuda
 
-            if m.tensor is not None:
-                cuda.unpin(m.tensor.data_ptr())
-            self.pinned.discard(name)
+            cuda.unpin(m.tensor.data_ptr())
         m.close()
 
     def close(self) -> None:
         with self._lock:
+            self.closed = True  # a warming that ends later drops what it mapped
             for name, m in list(self._maps.items()):
                 self._unmap(name, m)
             self._maps.clear()

@@ -12,7 +12,6 @@ import logging
 import math
 import mmap
 import os
-import sys
 import threading
 import traceback
 import warnings
@@ -86,10 +85,10 @@ class CheckpointReader:
 
     def close(self) -> None:
         """Wait for the device copies in flight, then let go of every registration, mapping, buffer and
-        descriptor (views handed out by :meth:`saved_chunk` are invalid from here on). Closed while an
-        exception propagates (a failed hot read), it first clears the locals of that exception's finished
-        frames and of those chained to it: they may hold views of the mappings, and reading one later (an
-        error reporter printing locals) would read unmapped memory and crash the process."""
+        descriptor (views handed out by :meth:`saved_chunk` are invalid from here on). Left by an exception
+        (``with``: a failed hot read), the reader first clears the locals of that exception's finished frames
+        and of those chained to it: they may hold views of the mappings, and reading one later (an error
+        reporter printing locals) would read unmapped memory and crash the process."""
         errors: list[Exception] = []
         for up in self._uploads.values():
             try:
@@ -99,8 +98,6 @@ class CheckpointReader:
         self._uploads.clear()
         maps = [mm for mm, _ in self._maps.values()]
         self._maps.clear()
-        if maps:  # an error leaving a hot read: its frames' locals may hold views of what is unmapped next
-            _forget_locals(sys.exc_info()[1])
         if self._registered:
             from . import cuda
 
@@ -124,7 +121,9 @@ class CheckpointReader:
     def __enter__(self) -> CheckpointReader:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if exc is not None and self._maps:  # a failed hot read: its frames' locals may hold views of what close() unmaps
+            _forget_locals(exc)
         self.close()
 
     def _fd(self, name: str) -> int:

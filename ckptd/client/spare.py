@@ -28,6 +28,7 @@ class SpareWarmer:
         self._maps, self._lease, self._release = maps, lease, release
         self._due: tuple[int, int, int] | None = None
         self._thread: threading.Thread | None = None
+        self._cancel = threading.Event()  # the client closes: a lease granted from now on is given back unmapped
         self.warmed = 0  # spares mapped ahead of the snapshot that uses them
 
     def due(self, rank: int, world: int, nbytes: int) -> None:
@@ -37,7 +38,7 @@ class SpareWarmer:
     def start(self, device: int | None) -> None:
         """Warm the announced spare on a thread (page-locked for GPU ``device``, or not: ``None``)."""
         due, self._due = self._due, None
-        if due is None or (self._thread is not None and self._thread.is_alive()):
+        if due is None or self._cancel.is_set() or (self._thread is not None and self._thread.is_alive()):
             return
         self._thread = threading.Thread(target=self._run, args=(*due, device), name="ckptd-warm-spare", daemon=True)
         self._thread.start()
@@ -49,14 +50,18 @@ class SpareWarmer:
             log.debug("no spare slot to warm: %s", e)
             return
         try:
-            self._maps.warm([segment], pin=device is not None, device=device)
-            self.warmed += 1
+            if not self._cancel.is_set():
+                self._maps.warm([segment], pin=device is not None, device=device)
+                self.warmed += 1
         except Exception as e:
             log.warning("could not map spare slot %s ahead: %s", segment, e)
         finally:
             self._release(segment)
 
-    def join(self, timeout: float) -> None:
-        """Wait for a warming in progress (before the client closes the mappings and sockets it uses)."""
+    def close(self, timeout: float) -> bool:
+        """Stop warming: a warming in progress gives its lease back without mapping it. Waits up to ``timeout``
+        for it to end; False if it is still talking to the daemon (its socket must not be closed under it)."""
+        self._cancel.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        return self._thread is None or not self._thread.is_alive()

@@ -324,7 +324,7 @@ class Daemon:
 
     def _leased(self, slot: Slot, msg: dict[str, Any]) -> dict[str, Any]:
         """An ``alloc``'s answer; ``spare``: a spare slot is being made for this rank, which it may warm."""
-        spare = not msg.get("warm") and self.pool.spare_coming(slot.owner)
+        spare = not msg.get("warm") and self.pool.spare_coming(slot.owner, msg["nbytes"])
         return {"segment": slot.name, "size": slot.size, "lease": slot.token, **({"spare": True} if spare else {})}
 
     def _op_hello(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:

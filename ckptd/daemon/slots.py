@@ -127,7 +127,7 @@ class SlotPool:
                 # a memory-tier step is dropped only for a snapshot: prepare() warming the pool is refused instead,
                 # never paid for with a job's newest state (a restarted trainer prepares before it restores); and not
                 # while spares being made hold the room: the request waits, and a spare that lands goes to it
-                spares = sum(self.growing.get(t, 0) for t in self.spares)
+                spares = sum(self.growing.get(t, 0) for t in self.spares) + self._warming()
                 if "_growing" in msg or msg.get("warm") or self.bytes_held() - spares + rounded <= self.budget:
                     return None
                 if self.reclaim(msg["job"], msg["step"]):
@@ -152,16 +152,24 @@ class SlotPool:
             if slot.spare and slot.owner == owner and slot.state is SlotState.FREE and not slot.pins and slot.size >= msg["nbytes"]:
                 if not self._writable(slot, owner[0]):
                     raise CheckpointError("the spare slot could not be made writable")
-                return self._take(slot, owner, msg)
+                self._take(slot, owner, msg).spare = True  # still a spare while its trainer maps it: see _warming
+                return slot
         token = next((t for t, o in self.spares.items() if o == owner), None)
         if token is None:
             raise CheckpointError(f"no spare slot is being made for rank {owner[1]} of job {owner[0]}")
         msg["_growing"] = token  # deferred until it is made
         return None
 
-    def spare_coming(self, owner: tuple[str, int] | None) -> bool:
-        """Whether a spare slot is being made for ``owner``, or was made and not leased since."""
-        return owner in self.spares.values() or any(s.spare and s.owner == owner and s.state is SlotState.FREE for s in self.slots.values())
+    def spare_coming(self, owner: tuple[str, int] | None, nbytes: int) -> bool:
+        """Whether a spare slot of ``nbytes`` or more is being made for ``owner``, or was made and is free to take."""
+        if any(o == owner and self.growing.get(t, 0) >= nbytes for t, o in self.spares.items()):
+            return True
+        made = (s for s in self.slots.values() if s.spare and s.owner == owner and s.state is SlotState.FREE)
+        return any(not s.pins and s.size >= nbytes for s in made)
+
+    def _warming(self) -> int:
+        """Bytes of spares leased by their trainers to be mapped ahead: they count as room a snapshot can wait for."""
+        return sum(s.size for s in self.slots.values() if s.spare and s.state is SlotState.LEASED)
 
     def _spare(self, owner: tuple[str, int] | None, size: int) -> None:
         """``owner`` (job, rank) just took its last free slot while one of its own is still being persisted
@@ -169,6 +177,8 @@ class SlotPool:
         spare segment off the loop, so that its next snapshot finds a slot instead of waiting while one is made."""
         if self._grow is None or owner is None or owner in self.spares.values() or not self.want_spare(owner[0]):
             return
+        if any(not m.get("spare") for _, m in self.deferred):
+            return  # a snapshot waits for memory: a guess must not take the room it waits for
         slots = self.slots.values()
         if any(s.state is SlotState.FREE and s.owner == owner for s in slots):
             return
@@ -277,7 +287,7 @@ class SlotPool:
 
     def _reset(self, slot: Slot) -> None:
         slot.state, slot.pid, slot.lease, slot.used_at = SlotState.FREE, None, None, self._clock()
-        slot.token, slot.tree_bytes = None, 0
+        slot.token, slot.tree_bytes, slot.spare = None, 0, False
 
     def created(self, token: int, name: str | None, size: int, error: str | None = None) -> None:
         """A segment asked of the grower is made (``name``: it goes to the request that asked for it) or
