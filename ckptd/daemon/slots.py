@@ -4,16 +4,15 @@ A slot is ``free`` (reusable; it may still hold a persisted shard that a hot res
 ``leased`` to a trainer rank that is filling it, ``committed``: it holds a rank's complete shard
 that a persist thread is writing to disk (or a seal thread is reading the header of), or ``held``:
 it holds the only copy of a memory-tier step's shard (:mod:`.memtier`), kept until that step is
-dropped or persisted. Leasing prefers the rank's own previous slot (the trainer
-keeps a warm mapping of it), then creates a segment if the budget allows, evicting free slots least
-recently used first, else reuses the smallest free slot that fits; when nothing fits the request is
-deferred (backpressure) and granted as soon as a slot frees up, unless ``reclaim`` can drop a
-memory-tier step of the job to make room. A request that a seal under way will serve in milliseconds
-(``soon``: the step it completes makes an older memory-only step stale) waits for it rather than for a
-new segment; one whose rank took its last free slot while the disk lags gets a spare made off the loop.
-In the daemon a new segment is made off
-the loop (:mod:`.growth`): the request that needs it waits for it like a deferred one. Hot restores pin
-the slots they read.
+dropped or persisted. Leasing prefers the rank's own previous slot (the trainer keeps a warm mapping of
+it), then creates a segment if the budget allows, evicting free slots least recently used first, else
+reuses the smallest free slot that fits; when nothing fits the request is deferred (backpressure) and
+granted as soon as a slot frees up, unless ``reclaim`` can drop a memory-tier step of the job to make
+room. A request that a seal under way will serve in milliseconds (``soon``: the step it completes makes
+an older memory-only step stale) waits for it rather than for a new segment; one whose rank took its
+last free slot while the disk lags gets a spare made off the loop, which its trainer may map ahead. In
+the daemon a new segment is made off the loop (:mod:`.growth`): the request that needs it waits for it
+like a deferred one. Hot restores pin the slots they read.
 
 Main thread only (the daemon's loop). Grants of deferred requests go out through ``on_grant``, so the
 pool needs no socket: a test passes a list's ``append``.
@@ -127,8 +126,7 @@ class SlotPool:
                 # a memory-tier step is dropped only for a snapshot: prepare() warming the pool is refused instead,
                 # never paid for with a job's newest state (a restarted trainer prepares before it restores); and not
                 # while spares being made hold the room: the request waits, and a spare that lands goes to it
-                spares = sum(self.growing.get(t, 0) for t in self.spares) + self._warming()
-                if "_growing" in msg or msg.get("warm") or self.bytes_held() - spares + rounded <= self.budget:
+                if "_growing" in msg or msg.get("warm") or self.bytes_held() - self._spare_room() + rounded <= self.budget:
                     return None
                 if self.reclaim(msg["job"], msg["step"]):
                     return self.lease(msg)  # a memory-tier step made room
@@ -146,14 +144,14 @@ class SlotPool:
         ``None`` while it is being made; refused when none is coming, or while a snapshot waits for memory
         (a spare is a guess: a request that exists comes first)."""
         owner = (msg["job"], msg["rank"])
-        if any(not m.get("spare") for _, m in self.deferred):
+        if self._snapshot_waits():
             raise CheckpointError("the spare slot is left to a snapshot that waits for memory")
-        for slot in self.slots.values():
-            if slot.spare and slot.owner == owner and slot.state is SlotState.FREE and not slot.pins and slot.size >= msg["nbytes"]:
-                if not self._writable(slot, owner[0]):
-                    raise CheckpointError("the spare slot could not be made writable")
-                self._take(slot, owner, msg).spare = True  # still a spare while its trainer maps it: see _warming
-                return slot
+        slot = self._free_spare(owner, msg["nbytes"])
+        if slot is not None:
+            if not self._writable(slot, owner[0]):
+                raise CheckpointError("the spare slot could not be made writable")
+            self._take(slot, owner, msg).spare = True  # still a spare while its trainer maps it: see _spare_room
+            return slot
         token = next((t for t, o in self.spares.items() if o == owner), None)
         if token is None:
             raise CheckpointError(f"no spare slot is being made for rank {owner[1]} of job {owner[0]}")
@@ -162,14 +160,19 @@ class SlotPool:
 
     def spare_coming(self, owner: tuple[str, int] | None, nbytes: int) -> bool:
         """Whether a spare slot of ``nbytes`` or more is being made for ``owner``, or was made and is free to take."""
-        if any(o == owner and self.growing.get(t, 0) >= nbytes for t, o in self.spares.items()):
-            return True
-        made = (s for s in self.slots.values() if s.spare and s.owner == owner and s.state is SlotState.FREE)
-        return any(not s.pins and s.size >= nbytes for s in made)
+        coming = any(o == owner and self.growing.get(t, 0) >= nbytes for t, o in self.spares.items())
+        return coming or self._free_spare(owner, nbytes) is not None
 
-    def _warming(self) -> int:
-        """Bytes of spares leased by their trainers to be mapped ahead: they count as room a snapshot can wait for."""
-        return sum(s.size for s in self.slots.values() if s.spare and s.state is SlotState.LEASED)
+    def _free_spare(self, owner: tuple[str, int] | None, nbytes: int) -> Slot | None:  # made, not leased since
+        free = (s for s in self.slots.values() if s.spare and s.owner == owner and s.state is SlotState.FREE)
+        return next((s for s in free if not s.pins and s.size >= nbytes), None)
+
+    def _spare_room(self) -> int:  # bytes of spares being made, or leased to be mapped ahead: room a snapshot may wait for
+        leased = sum(s.size for s in self.slots.values() if s.spare and s.state is SlotState.LEASED)
+        return leased + sum(self.growing.get(t, 0) for t in self.spares)
+
+    def _snapshot_waits(self) -> bool:  # a request other than a spare's warming waits for memory
+        return any(not m.get("spare") for _, m in self.deferred)
 
     def _spare(self, owner: tuple[str, int] | None, size: int) -> None:
         """``owner`` (job, rank) just took its last free slot while one of its own is still being persisted
@@ -177,8 +180,8 @@ class SlotPool:
         spare segment off the loop, so that its next snapshot finds a slot instead of waiting while one is made."""
         if self._grow is None or owner is None or owner in self.spares.values() or not self.want_spare(owner[0]):
             return
-        if any(not m.get("spare") for _, m in self.deferred):
-            return  # a snapshot waits for memory: a guess must not take the room it waits for
+        if self._snapshot_waits():
+            return  # a guess must not take the room a snapshot waits for
         slots = self.slots.values()
         if any(s.state is SlotState.FREE and s.owner == owner for s in slots):
             return
