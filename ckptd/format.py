@@ -22,7 +22,9 @@ the daemon accepted the step's last commit; 0 in checkpoints written before it e
 steps for ``latest``), ``tensors`` (state key → ``{"dtype", "shape", "chunks":
 [{"file", "name", "offsets", "sizes", "byte_range", "xxh3_64"}]}``, ``byte_range`` absolute in the
 file) and ``ranks`` (one ``{"rank", "file", "tree"}`` per saving rank: the non-tensor state as a
-tagged JSON tree, see :mod:`ckptd.state`). Checksums are XXH3-64 as 16 lowercase hex digits.
+tagged JSON tree, see :mod:`ckptd.state`); ``run`` and ``after`` name the attempt that saved it (see
+:func:`attempt_of`), and a multi-node step's manifest in the bucket has ``attempt_objects: true``: its
+files lie in that attempt's folder (:func:`objects_folder`). Checksums are XXH3-64 as 16 lowercase hex digits.
 Readers trust none of it: :mod:`ckptd.validate` checks every field, file names and nesting depth included.
 
 Fragment (``rank-RRRRR.json``, one per rank beside its shard until the step completes): a JSON object
@@ -45,7 +47,7 @@ import xxhash
 
 from .coverage import check_coverage
 from .errors import CheckpointError, FormatError
-from .layout import shard_name
+from .layout import attempt_folder, shard_name
 
 if TYPE_CHECKING:
     import torch
@@ -397,3 +399,12 @@ def attempt_of(doc: Any) -> Attempt | None:
         return None
     after = doc.get("after")
     return run, after if type(after) is int else None
+
+
+def objects_folder(doc: Any) -> str:
+    """Where a bucket manifest's files lie under its step's prefix: the folder of its attempt when it says
+    so (``attempt_objects``: a multi-node step completed by a ckptd since 2026-11-25), else the prefix itself."""
+    attempt = attempt_of(doc)
+    if attempt is None or doc.get("attempt_objects") is not True:
+        return ""
+    return attempt_folder(*attempt)

@@ -13,8 +13,13 @@ Local root (the daemon's ``--root``)::
 
 Bucket (keys relative to the store's prefix)::
 
-    <job>/step-<N>/rank-RRRRR.safetensors, <job>/step-<N>/rank-RRRRR.json
-    <job>/step-<N>/manifest.json    written last: the step is complete in the bucket iff it exists
+    <job>/step-<N>/rank-RRRRR.safetensors, <job>/step-<N>/rank-RRRRR.json     a one-node step's files
+    <job>/step-<N>/run-<R>-after-<A>/rank-RRRRR.safetensors, .../rank-RRRRR.json
+                                    a multi-node step's files, in the folder of the attempt that saved
+                                    them (launch R, which had restored step A, or ``none``): two attempts
+                                    of one step number never write the same object
+    <job>/step-<N>/manifest.json    written last: the step is complete in the bucket iff it exists; a
+                                    multi-node step's names its attempt and ``attempt_objects``
 
 Vocabulary used across the package: a rank *commits* its shard to the daemon (the ``commit`` op, the
 commit record in shared memory); a step is *complete* once its manifest exists; the daemon reports a
@@ -185,6 +190,12 @@ def bucket_prefix(job: str, step: int) -> str:
 
 def bucket_key(job: str, step: int, name: str) -> str:
     return bucket_prefix(job, step) + name
+
+
+def attempt_folder(run: int, after: int | None) -> str:
+    """The folder (ends with ``/``) under a multi-node step's prefix that holds one attempt's shards and
+    fragments: launch ``run``, which had restored step ``after`` (``None``: it restored nothing)."""
+    return f"run-{run}-after-{'none' if after is None else after}/"
 
 
 def parse_bucket_key(job: str, key: str) -> tuple[int, str] | None:

@@ -304,6 +304,8 @@ def validate_manifest(obj: Any, path: str, *, memory: bool = False) -> dict[str,
     Not checked here: that the chunks cover their tensors (``check_coverage``) and what the files hold (``verify``).
     """
     _envelope(obj, path, "ckptd-manifest")
+    if "attempt_objects" in obj and (obj["attempt_objects"] is not True or "run" not in obj):
+        _fail(path, "attempt_objects", f"is {_short.repr(obj['attempt_objects'])}: only true, beside the attempt's run")
     files = _files(obj.get("files"), path, obj["world_size"], memory)
     for key, ent in _object(obj.get("tensors"), path, "tensors").items():
         _tensor(key, ent, path, files, memory)

@@ -40,7 +40,7 @@ from ckptd.storage.local import finalize_step, read_latest, write_shard
 from ckptd.storage.remote import (
     apply_remote_retention,
     bucket_attempt,
-    clear_for_attempt,
+    check_replaces,
     download_step,
     remote_steps,
     try_complete,
@@ -279,13 +279,13 @@ def _frag(root: str, step: int, rank: int) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("new_run", [22, 11], ids=["another-launch", "the-same-launch"])
-def test_a_rollback_resave_across_nodes_replaces_the_bucket_step_and_never_mixes_attempts(
+def test_a_rollback_resave_across_nodes_replaces_the_bucket_step_once_complete_and_never_mixes_attempts(
     store: MemoryStore, tmp_path: Path, dst: str, new_run: int
 ) -> None:
     """Launch 11 completed step 6 over two nodes; then a launch (another, or 11 itself) restored step 2 and
-    saves step 6 again. Its files overwrite the old ones, so the old manifest goes first; until every node
-    has uploaded the new attempt's ranks, the old attempt's fragments still in the bucket are never merged
-    with the new ones."""
+    saves step 6 again. Its files go into its own attempt's folder, so the old step stays complete (and
+    restorable, bitwise) until every node has uploaded the new attempt's ranks; then the new manifest takes
+    its place, and the old attempt's fragments are never merged with the new ones."""
     old, new = (11, None), (new_run, 2)
     old_a, old_b, new_a, new_b = (str(tmp_path / n) for n in ("old_a", "old_b", "new_a", "new_b"))
     for root, ranks, (run, after), base, at in (
@@ -293,23 +293,23 @@ def test_a_rollback_resave_across_nodes_replaces_the_bucket_step_and_never_mixes
     ):  # fmt: skip
         for rank in ranks:
             write_rank(root, JOB, 6, rank, 3, rank_chunks(base, rank, 3), local_world_size=len(ranks), run=run, after=after, at=at)
-    upload_ranks(store, tmp_dir(old_a, JOB, 6), JOB, 6, [0, 1])
-    upload_ranks(store, tmp_dir(old_b, JOB, 6), JOB, 6, [2])
+    upload_ranks(store, tmp_dir(old_a, JOB, 6), JOB, 6, [0, 1], attempt=old)
+    upload_ranks(store, tmp_dir(old_b, JOB, 6), JOB, 6, [2], attempt=old)
     assert try_complete(store, JOB, 6, 3, old) is True
     assert bucket_attempt(store, JOB, 6) == (True, old)
-    assert clear_for_attempt(store, JOB, 6, _frag(old_b, 6, 2)) is False  # its own attempt's step (an upload again): kept
+    assert check_replaces(store, JOB, 6, _frag(old_b, 6, 2)) is False  # its own attempt's step (an upload again)
 
-    assert clear_for_attempt(store, JOB, 6, _frag(new_a, 6, 0)) is True  # node a first: the old step stops looking complete
-    assert remote_steps(store, JOB) == ([], [6])
-    upload_ranks(store, tmp_dir(new_a, JOB, 6), JOB, 6, [0, 1])
-    assert try_complete(store, JOB, 6, 3, new) is False  # rank 2's fragment there is the old attempt's
-    assert try_complete(store, JOB, 6, 3, old) is False  # ... and ranks 0 and 1 are no longer the old attempt's
-    assert not store.exists(bucket_key(JOB, 6, MANIFEST))
-    assert clear_for_attempt(store, JOB, 6, _frag(new_b, 6, 2)) is False  # node b: nothing left to clear
-    upload_ranks(store, tmp_dir(new_b, JOB, 6), JOB, 6, [2])
+    assert check_replaces(store, JOB, 6, _frag(new_a, 6, 0)) is True  # node a: the new attempt will replace it
+    upload_ranks(store, tmp_dir(new_a, JOB, 6), JOB, 6, [0, 1], attempt=new)
+    assert try_complete(store, JOB, 6, 3, new) is False  # rank 2 of the new attempt is not there yet
+    assert bucket_attempt(store, JOB, 6) == (True, old)  # meanwhile the old step stays whole and restorable
+    assert verify_checkpoint(download_step(store, str(tmp_path / "meanwhile"), JOB, 6)) == []
+    upload_ranks(store, tmp_dir(new_b, JOB, 6), JOB, 6, [2], attempt=new)
     assert try_complete(store, JOB, 6, 3, new) is True
     assert bucket_attempt(store, JOB, 6) == (True, new)
-    assert try_complete(store, JOB, 6, 3, old) is False  # the new attempt's manifest is not the old one's completion
+    with pytest.raises(CheckpointError, match=r"saved by another attempt .* \(11, None\) \(restored no step, committed earlier\) does not"):
+        try_complete(store, JOB, 6, 3, old)  # a node of the old attempt still waiting: the new step is not its completion
+    assert bucket_attempt(store, JOB, 6) == (True, new)
     path = download_step(store, dst, JOB, 6)
     assert verify_checkpoint(path) == []
     from safetensors.torch import load_file
@@ -335,12 +335,96 @@ def test_a_complete_bucket_step_is_replaced_only_by_a_newer_rollback_attempt(
     old, other = str(tmp_path / "old"), str(tmp_path / "other")
     write_rank(old, JOB, 6, 0, 2, local_world_size=2, run=11, at=1_000)
     write_rank(old, JOB, 6, 1, 2, local_world_size=2, run=11, at=1_000)
-    upload_ranks(store, tmp_dir(old, JOB, 6), JOB, 6, [0, 1])
+    upload_ranks(store, tmp_dir(old, JOB, 6), JOB, 6, [0, 1], attempt=(11, None))
     assert try_complete(store, JOB, 6, 2, (11, None)) is True
     write_rank(other, JOB, 6, 0, 2, local_world_size=1, run=22, after=after, at=at)
     with pytest.raises(CheckpointError, match=rf"step 6 of job j is complete in the bucket, .*\(22, {after}\) \({why}\) does not replace"):
-        clear_for_attempt(store, JOB, 6, _frag(other, 6, 0))
+        check_replaces(store, JOB, 6, _frag(other, 6, 0))
     assert bucket_attempt(store, JOB, 6) == (True, (11, None))
+
+
+def test_a_dead_attempts_part_uploaded_late_never_overwrites_the_new_complete_step(store: MemoryStore, tmp_path: Path, dst: str) -> None:
+    """Launch 11 (which restored nothing) saved step 6 on two nodes and died: node a's daemon had checked the
+    bucket (no step 6 yet) and was still uploading its part. The relaunch, 22, restored step 2, saved step 6
+    again and completed it in the bucket. Then node a's late upload lands. Both attempts used the same object
+    names once, and the late shard replaced the new step's: every restore failed its checksums. In the
+    attempt's own folder it touches nothing of the new step, and the dead attempt can never complete it."""
+    dead, new = (11, None), (22, 2)
+    dead_a, new_a, new_b = (str(tmp_path / n) for n in ("dead_a", "new_a", "new_b"))
+    for rank in (0, 1):
+        write_rank(dead_a, JOB, 6, rank, 3, rank_chunks(6, rank, 3), local_world_size=2, run=11, at=1_000)
+        write_rank(new_a, JOB, 6, rank, 3, rank_chunks(106, rank, 3), local_world_size=2, run=22, after=2, at=2_000)
+    write_rank(new_b, JOB, 6, 2, 3, rank_chunks(106, 2, 3), local_world_size=1, run=22, after=2, at=2_001)
+    assert check_replaces(store, JOB, 6, _frag(dead_a, 6, 0)) is False  # the dead attempt's node: nothing there yet
+    upload_ranks(store, tmp_dir(new_a, JOB, 6), JOB, 6, [0, 1], attempt=new)
+    upload_ranks(store, tmp_dir(new_b, JOB, 6), JOB, 6, [2], attempt=new)
+    assert try_complete(store, JOB, 6, 3, new) is True
+    new_objects = {k: v for k, v in store.objects.items() if k != bucket_key(JOB, 6, MANIFEST)}
+
+    upload_ranks(store, tmp_dir(dead_a, JOB, 6), JOB, 6, [0, 1], attempt=dead)  # the late upload
+    assert {k: store.objects[k] for k in new_objects} == new_objects  # not one byte of the new step changed
+    assert try_complete(store, JOB, 6, 3, dead) is False  # its rank 2 never comes: node b's upload is refused now
+    with pytest.raises(CheckpointError, match=r"\(11, None\) \(restored no step, committed earlier\) does not replace"):
+        check_replaces(store, JOB, 6, _frag(dead_a, 6, 0))
+    assert bucket_attempt(store, JOB, 6) == (True, new)
+    path = download_step(store, dst, JOB, 6)
+    assert verify_checkpoint(path) == []
+    from safetensors.torch import load_file
+
+    got = torch.cat([load_file(os.path.join(path, shard_name(r)))["model/w"] for r in range(3)])
+    assert torch.equal(got, torch.cat([rank_chunks(106, r, 3)[0][1] for r in range(3)]))
+
+
+def test_a_multinode_steps_objects_lie_in_its_attempts_folder(store: MemoryStore, tmp_path: Path) -> None:
+    for rank in (0, 1):
+        write_rank(str(tmp_path), JOB, 6, rank, 2, local_world_size=2, run=7, after=3, at=10)
+    upload_ranks(store, tmp_dir(str(tmp_path), JOB, 6), JOB, 6, [0, 1], attempt=(7, 3))
+    assert try_complete(store, JOB, 6, 2, (7, 3)) is True
+    folder = f"{JOB}/step-6/run-7-after-3/"
+    assert sorted(store.objects) == [bucket_key(JOB, 6, MANIFEST)] + sorted(
+        folder + n for n in [*map(shard_name, (0, 1)), *map(fragment_name, (0, 1))]
+    )
+    manifest = json.loads(store.objects[bucket_key(JOB, 6, MANIFEST)])
+    assert (manifest["run"], manifest["after"], manifest["attempt_objects"]) == (7, 3, True)
+    assert sorted(manifest["files"]) == [shard_name(0), shard_name(1)]  # the names a local step's files have
+
+
+@pytest.mark.parametrize(
+    ("change", "msg"),
+    [
+        ({"attempt_objects": "../../other-job/step-6/run-7-after-3/"}, r"attempt_objects is '\.\./"),
+        ({"attempt_objects": 1}, r"attempt_objects is 1: only true"),
+        ({"attempt_objects": True, "run": None}, r"run"),
+    ],
+    ids=["a-path", "not-true", "no-run"],
+)
+def test_a_manifest_pointing_its_files_elsewhere_is_refused(
+    store: MemoryStore, tmp_path: Path, dst: str, change: dict[str, Any], msg: str
+) -> None:
+    """Whoever can write the bucket's manifest (another node, a bad actor) chooses only whether the files lie
+    in the folder its run and step name, never a path of its own."""
+    for rank in (0, 1):
+        write_rank(str(tmp_path), JOB, 6, rank, 2, local_world_size=2, run=7, after=3, at=10)
+    upload_ranks(store, tmp_dir(str(tmp_path), JOB, 6), JOB, 6, [0, 1], attempt=(7, 3))
+    assert try_complete(store, JOB, 6, 2, (7, 3)) is True
+    manifest = json.loads(store.objects[bucket_key(JOB, 6, MANIFEST)])
+    manifest.update(change)
+    if manifest["run"] is None:
+        del manifest["run"]
+    store.objects[bucket_key(JOB, 6, MANIFEST)] = json.dumps(manifest).encode()
+    with pytest.raises(FormatError, match=msg):
+        download_step(store, dst, JOB, 6)
+    assert_nothing_left(dst, JOB, 6)
+
+
+def test_try_complete_refuses_a_fragment_in_another_attempts_folder(store: MemoryStore, tmp_path: Path) -> None:
+    """A fragment copied into attempt (7, 3)'s folder but naming attempt (8, 3) is never merged as (7, 3)'s."""
+    for rank in (0, 1):
+        write_rank(str(tmp_path), JOB, 6, rank, 2, local_world_size=2, run=8 if rank else 7, after=3, at=10)
+    upload_ranks(store, tmp_dir(str(tmp_path), JOB, 6), JOB, 6, [0, 1], attempt=(7, 3))
+    with pytest.raises(CheckpointError, match=r"run-7-after-3/rank-00001.json names attempt \(8, 3\), not its folder's \(7, 3\)"):
+        try_complete(store, JOB, 6, 2, (7, 3))
+    assert not store.exists(bucket_key(JOB, 6, MANIFEST))
 
 
 def test_fragments_of_two_attempts_are_never_merged_into_one_manifest(tmp_path: Path) -> None:
@@ -619,7 +703,8 @@ def test_remote_retention_of_a_multinode_job_removes_the_partial_steps_it_is_tol
     uploaded(store, src, JOB, 5)
     asked: list[int] = []
 
-    def settled(step: int) -> bool:
+    def settled(step: int, keys: frozenset[tuple[str, str]]) -> bool:
+        assert {k for k, _ in keys} == set(step_keys(store, JOB, step))  # every object of the partial step, with its tag
         asked.append(step)
         return step in (3, 7)
 

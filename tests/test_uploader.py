@@ -12,6 +12,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +24,19 @@ from doubles import FaultyStore, MemoryStore
 from ckptd.daemon.events import Uploaded
 from ckptd.daemon.uploader import Uploader
 from ckptd.errors import CheckpointError
-from ckptd.layout import MANIFEST, bucket_key, parse_bucket_key, step_dir, tmp_dir
+from ckptd.layout import MANIFEST, bucket_key, bucket_prefix, parse_bucket_key, step_dir, tmp_dir
 from ckptd.storage.local import finalize_step, write_shard
-from ckptd.storage.remote import bucket_committed_at, download_step, rank_files, remote_steps, upload_ranks, upload_step
+from ckptd.storage.remote import (
+    apply_remote_retention,
+    bucket_committed_at,
+    download_step,
+    rank_files,
+    remote_steps,
+    try_complete,
+    upload_ranks,
+    upload_step,
+)
+from ckptd.storage.retention import KeepLatest
 from ckptd.storage.store import Progress
 
 JOB = "j"
@@ -35,14 +46,16 @@ WAIT_S = 30.0  # generous: only a broken uploader waits this long
 # ---------------------------------------------------------------------------- helpers
 
 
-def write_rank(root: str, job: str, step: int, rank: int, world_size: int, at: int = 0, run: int | None = None) -> None:
+def write_rank(
+    root: str, job: str, step: int, rank: int, world_size: int, at: int = 0, run: int | None = None, after: int | None = None
+) -> None:
     """Rank ``rank``'s shard of a step into ``step-N.tmp`` (row ``rank`` of ``model/w``; rank 0 also holds
-    ``model/b``), committed at ``at`` by launch ``run`` (which restored no step)."""
+    ``model/b``), committed at ``at`` by launch ``run``, which had restored step ``after``."""
     chunks: list[Chunk] = [("model/w", torch.full((1, 4), float(100 * step + rank), dtype=torch.float32), (world_size, 4), (rank, 0))]
     if rank == 0:
         chunks.append(("model/b", torch.arange(3, dtype=torch.int16) + step, (3,), (0,)))
     buf = shard_bytes(chunks)
-    write_shard(root, job, step, rank, world_size, memoryview(buf), len(buf), {"step": step}, committed_at=at, run=run)
+    write_shard(root, job, step, rank, world_size, memoryview(buf), len(buf), {"step": step}, committed_at=at, run=run, after=after)
 
 
 def write_step(root: str, job: str, step: int, at: int = 0) -> str:
@@ -376,7 +389,7 @@ def test_a_retention_failure_after_an_upload_never_fails_the_step_it_follows(tmp
     else:
         for rank, root in enumerate(roots):
             write_rank(root, JOB, 10, rank, 2, at=10, run=5)
-        upload_ranks(store, tmp_dir(roots[1], JOB, 10), JOB, 10, [1])
+        upload_ranks(store, tmp_dir(roots[1], JOB, 10), JOB, 10, [1], attempt=(5, None))
     up = make_uploader(store, roots[0], results, keep=1)
     try:
         up.submit(JOB, 10, nodes, ranks=None if nodes == 1 else [0])
@@ -493,6 +506,11 @@ def test_catch_up_sends_a_step_that_replaced_the_bucket_s_older_step_of_its_numb
     assert bucket_committed_at(store, JOB, 4) == 2_000
 
 
+def seen(up: Uploader, store: MemoryStore, step: int) -> bool:
+    """What the uploader's retention pass asks of a partial step of ``JOB``: every object under its prefix."""
+    return up._settled(JOB)(step, frozenset(store.list_tagged(bucket_prefix(JOB, step)).items()))
+
+
 def test_a_multinode_partial_step_is_settled_once_its_objects_stay_unchanged_for_commit_timeout(tmp_path: Path) -> None:
     """Retention's test for a multi-node job's partial steps: objects unchanged since this uploader first saw
     them, for longer than any node waits for the others (commit_timeout)."""
@@ -501,7 +519,7 @@ def test_a_multinode_partial_step_is_settled_once_its_objects_stay_unchanged_for
     up.clock = lambda: now[0]
     try:
         store.put_bytes(bucket_key(JOB, 4, "rank-00000.safetensors"), b"x")
-        settled = up._settled(JOB)
+        settled = partial(seen, up, store)
         assert settled(4) is False  # first seen now
         now[0] += 59.0
         assert settled(4) is False
@@ -526,14 +544,67 @@ def test_a_new_attempts_part_under_the_names_of_one_given_up_long_ago_is_not_set
     try:
         write_rank(node0, JOB, 4, 0, 2, at=10, run=11)
         upload_ranks(store, tmp_dir(node0, JOB, 4), JOB, 4, [0])
-        assert up._settled(JOB)(4) is False  # first seen
+        assert seen(up, store, 4) is False  # first seen
         store.delete(store.list(f"{JOB}/step-4/"))  # the old attempt went on, completed, and was pruned
         now[0] += 600.0  # ten minutes later a rollback saves step 4 again
         write_rank(node0, JOB, 4, 0, 2, at=5000, run=22)
         upload_ranks(store, tmp_dir(node0, JOB, 4), JOB, 4, [0])
-        assert up._settled(JOB)(4) is False  # new objects: the wait starts again
+        assert seen(up, store, 4) is False  # new objects: the wait starts again
         now[0] += 61.0
-        assert up._settled(JOB)(4) is True
+        assert seen(up, store, 4) is True
+    finally:
+        up.close()
+
+
+def complete_in_bucket(store: MemoryStore, tmp_path: Path, step: int, attempt: tuple[int, int | None], at: int) -> None:
+    """Step ``step`` of JOB over two nodes (one rank each), saved by ``attempt`` and complete in the bucket."""
+    for rank in (0, 1):
+        root = str(tmp_path / f"{attempt[0]}-node{rank}")
+        write_rank(root, JOB, step, rank, 2, at=at, run=attempt[0], after=attempt[1])
+        upload_ranks(store, tmp_dir(root, JOB, step), JOB, step, [rank], attempt=attempt)
+    assert try_complete(store, JOB, step, 2, attempt) is True
+
+
+def test_another_attempts_objects_under_a_complete_step_go_once_settled_never_the_steps_own(tmp_path: Path) -> None:
+    """Step 4 is complete in the bucket, saved by launch 22 (which had restored step 2); beside it lies the part
+    of launch 11, a dead attempt uploaded late, in its own folder. Retention removes that folder once it has
+    stayed unchanged for commit_timeout (every node waiting for it has given up), and never the step's files."""
+    store, now = MemoryStore(), [100.0]
+    complete_in_bucket(store, tmp_path, 4, (22, 2), at=2_000)
+    own = dict(store.objects)
+    dead = str(tmp_path / "dead")
+    write_rank(dead, JOB, 4, 0, 2, at=1_000, run=11)
+    upload_ranks(store, tmp_dir(dead, JOB, 4), JOB, 4, [0], attempt=(11, None))
+    up = make_uploader(store, str(tmp_path / "node2"), Results(), commit_timeout=60.0)
+    up.clock = lambda: now[0]
+    try:
+        for dt in (0.0, 59.0):  # first seen, then not yet settled
+            now[0] += dt
+            assert apply_remote_retention(store, JOB, KeepLatest(0), settled=up._settled(JOB)) == []
+            assert store.objects.keys() - own.keys() == {bucket_key(JOB, 4, f"run-11-after-none/{n}") for n in rank_files([0])}
+        now[0] += 2.0
+        assert apply_remote_retention(store, JOB, KeepLatest(0), settled=up._settled(JOB)) == []
+        assert store.objects == own
+    finally:
+        up.close()
+
+
+def test_a_complete_step_retention_removes_leaves_another_attempts_part_on_its_way_up(tmp_path: Path) -> None:
+    """Retention prunes step 4 (launch 22's), while a rollback, launch 33 (it restored step 3), is uploading its
+    step 4 into its own folder: only launch 22's files go; launch 33's part stays, a partial step now, and is
+    removed only once settled."""
+    store = MemoryStore()
+    complete_in_bucket(store, tmp_path, 4, (22, 2), at=2_000)
+    complete_in_bucket(store, tmp_path, 5, (22, 2), at=3_000)
+    node = str(tmp_path / "rollback")
+    write_rank(node, JOB, 4, 0, 2, at=4_000, run=33, after=3)
+    upload_ranks(store, tmp_dir(node, JOB, 4), JOB, 4, [0], attempt=(33, 3))
+    in_flight = {k: v for k, v in store.objects.items() if "/run-33-after-3/" in k}
+    up = make_uploader(store, str(tmp_path / "node2"), Results(), commit_timeout=60.0)
+    try:
+        assert apply_remote_retention(store, JOB, KeepLatest(1), settled=up._settled(JOB)) == [4]
+        assert {k: v for k, v in store.objects.items() if k.startswith(f"{JOB}/step-4/")} == in_flight
+        assert remote_steps(store, JOB) == ([5], [4])
     finally:
         up.close()
 

@@ -22,9 +22,9 @@ a chimera of two runs. Main thread only (the daemon's loop), with the step table
   (:func:`ckptd.storage.local.finalize_step`: a newer commit of a complete number), so a crash in
   between leaves the old one. Anything else is refused: a fresh run never overwrites a complete
   checkpoint by accident. A multi-node step is complete in the bucket, not here: one this daemon
-  remembers complete is replaced the same way, and in the bucket the new attempt's files take the place
-  of the old step's (:func:`ckptd.storage.remote.clear_for_attempt`), which is gone from the bucket until
-  every node has uploaded them (its objects are overwritten).
+  remembers complete is replaced the same way, and in the bucket the new attempt's manifest takes the
+  place of the old step's once every node has uploaded its ranks into the attempt's own folder
+  (:func:`ckptd.storage.remote.check_replaces`, :func:`ckptd.storage.remote.try_complete`).
 """
 
 from __future__ import annotations

@@ -20,12 +20,13 @@ from typing import Any
 
 from ..errors import CheckpointError
 from ..format import Attempt, attempt_of, commit_time
-from ..layout import MANIFEST, bucket_key, bucket_prefix, step_dir, tmp_dir
+from ..layout import MANIFEST, bucket_key, step_dir, tmp_dir
 from ..storage.local import committed_at as local_committed_at
 from ..storage.local import read_fragment
 from ..storage.remote import (
+    Settled,
     apply_remote_retention,
-    clear_for_attempt,
+    check_replaces,
     get_document,
     rank_files,
     step_url,
@@ -197,8 +198,8 @@ class Uploader:
             d = tmp_dir(self.root, u.job, u.step)
             u.bytes_total = sum(os.path.getsize(os.path.join(d, n)) for n in rank_files(u.ranks))
             frag = read_fragment(self.root, u.job, u.step, u.ranks[0])
-            self._make_room(u, frag, d)
-            nbytes = upload_ranks(self.store, d, u.job, u.step, u.ranks, self._progress(u))
+            self._check_replaces(u, frag, d)
+            nbytes = upload_ranks(self.store, d, u.job, u.step, u.ranks, self._progress(u), attempt_of(frag))
             self._wait_complete(u, attempt_of(frag))
             shutil.rmtree(d, ignore_errors=True)  # the bucket holds the step now; this node's part is not a checkpoint
         pruned: str | None = None
@@ -212,15 +213,16 @@ class Uploader:
             pruned = f"{e}"
         return Uploaded(u.job, u.step, None, nbytes, time.monotonic() - u.started, True, multi, url, pruned)
 
-    def _settled(self, job: str) -> Callable[[int], bool]:
-        """Multi-node: whether a partial step of ``job`` in the bucket can no longer complete. Another node may
-        be uploading any of them (after a rollback, numbered below the latest too); one whose objects have not
-        changed for ``commit_timeout`` (as this uploader's retention passes saw them) has been given up by
-        every node that waited for it. Objects are told apart by their tags (ETags), not only their names: a new
-        attempt of a step number (after a rollback) writes the same names as the one given up before it."""
+    def _settled(self, job: str) -> Settled:
+        """Multi-node: whether objects of a step of ``job`` in the bucket (a partial step's, or another attempt's
+        under a complete step) can no longer become part of a complete step. Another node may be uploading any
+        of them (after a rollback, numbered below the latest too); objects that have not changed for
+        ``commit_timeout`` (as this uploader's retention passes saw them) have been given up by every node that
+        waited for them. Objects are told apart by their tags (ETags), not only their names: an attempt that
+        uploads again after a restart writes the same names."""
 
-        def settled(step: int) -> bool:
-            keys, now = frozenset(self.store.list_tagged(bucket_prefix(job, step)).items()), self.clock()
+        def settled(step: int, keys: frozenset[tuple[str, str]]) -> bool:
+            now = self.clock()
             seen = self._partials.get((job, step))
             if seen is None or seen[0] != keys:
                 if len(self._partials) > 4096:
@@ -231,19 +233,19 @@ class Uploader:
 
         return settled
 
-    def _make_room(self, u: Upload, frag: dict[str, Any], d: str) -> None:
-        """Multi-node: before this node's ranks go up, take a step of that number another attempt completed out
-        of the bucket if this attempt replaces it (a rollback); else this node's part can never complete: it is
+    def _check_replaces(self, u: Upload, frag: dict[str, Any], d: str) -> None:
+        """Multi-node: before this node's ranks go up, check that this attempt may replace a step of that number
+        another attempt completed in the bucket (a rollback); else this node's part can never complete: it is
         removed here, and the upload fails saying why."""
         try:
-            cleared = clear_for_attempt(self.store, u.job, u.step, frag)
+            replaces = check_replaces(self.store, u.job, u.step, frag)
         except CheckpointError:
             shutil.rmtree(d, ignore_errors=True)
             raise
-        if cleared:
+        if replaces:
             log.warning(
                 "step %s of job %s in the bucket was saved by an earlier attempt: this one %s (a run rolled back to step %s)"
-                " replaces it; it is complete again once every node has uploaded its ranks",
+                " replaces it once every node has uploaded its ranks; the old step stays complete until then",
                 u.step, u.job, attempt_of(frag), frag.get("after"),
             )  # fmt: skip
 

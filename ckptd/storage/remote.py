@@ -4,9 +4,14 @@ a step comes back, and which steps the bucket keeps (keys in :mod:`ckptd.layout`
 Single node: once a step is complete on local disk, its files are uploaded data first, fragments
 next, manifest last, so a reader never sees a manifest whose data is missing. Multi-node (ranks spread
 over several daemons, each with its own root): each daemon uploads the shards and fragments of its own
-ranks once they are durable locally; whichever daemon then finds every rank's fragment in the bucket
-merges them into the manifest (the same checks as a local step: coverage, replicas) and writes it.
-Both may do so at once: they write the same manifest. The trainers' process groups play no part.
+ranks once they are durable locally, into the folder of the attempt that saved them; whichever daemon
+then finds every rank's fragment of that attempt in the bucket merges them into the manifest (the same
+checks as a local step: coverage, replicas) and writes it. Both may do so at once: they write the same
+manifest. The trainers' process groups play no part. Two attempts of one step number (a rollback, a
+dead run's part uploaded late) never write the same object, so a step of that number already in the
+bucket stays complete until the attempt replacing it is, and no late upload can overwrite a complete
+step's shard; retention removes another attempt's objects once they have stayed unchanged for
+``commit_timeout``.
 
 Everything here blocks on the network: the daemon calls it from its upload and fetch threads only,
 through the :class:`~ckptd.storage.store.ObjectStore` protocol.
@@ -23,10 +28,11 @@ from typing import Any
 
 from ..config import MAX_DOCUMENT_BYTES
 from ..errors import CheckpointError, FormatError
-from ..format import Attempt, attempt_of, build_manifest, commit_time
+from ..format import Attempt, attempt_of, build_manifest, commit_time, objects_folder
 from ..layout import (
     FETCHED,
     MANIFEST,
+    attempt_folder,
     bucket_key,
     bucket_prefix,
     fetch_dir,
@@ -58,10 +64,10 @@ def step_url(store: ObjectStore, job: str, step: int) -> str:
     return store.url(bucket_prefix(job, step)[:-1])
 
 
-def _upload(store: ObjectStore, local_dir: str, names: list[str], job: str, step: int, progress: Progress | None) -> int:
+def _upload(store: ObjectStore, local_dir: str, names: list[str], job: str, step: int, progress: Progress | None, folder: str = "") -> int:
     total = 0
     for name in names:
-        store.put_file(bucket_key(job, step, name), os.path.join(local_dir, name), progress)
+        store.put_file(bucket_key(job, step, folder + name), os.path.join(local_dir, name), progress)
         total += os.path.getsize(os.path.join(local_dir, name))
     return total
 
@@ -81,10 +87,8 @@ def upload_step(store: ObjectStore, local_dir: str, job: str, step: int, progres
         doc = json.loads(manifest)
     except (ValueError, RecursionError):  # the bytes are uploaded as they are; a download verifies them
         doc = None
-    if attempt_of(doc) is not None:
-        clear_for_attempt(store, job, step, doc)
-    else:  # written by a ckptd that did not name attempts
-        store.delete([bucket_key(job, step, MANIFEST)])
+    if attempt_of(doc) is None or check_replaces(store, job, step, doc):  # a one-node step's files keep their names:
+        store.delete([bucket_key(job, step, MANIFEST)])  # the step they replace stops looking complete first
         _forget_commit(store, job, step)
     shards = [n for n in names if n.endswith(".safetensors")]
     frags = [n for n in names if fragment_rank(n) is not None]
@@ -102,9 +106,20 @@ def rank_files(ranks: list[int]) -> list[str]:
     return [shard_name(r) for r in sorted(ranks)] + [fragment_name(r) for r in sorted(ranks)]
 
 
-def upload_ranks(store: ObjectStore, local_dir: str, job: str, step: int, ranks: list[int], progress: Progress | None = None) -> int:
-    """Multi-node: upload this node's ranks of a step (each shard before its fragment). Returns bytes sent."""
-    return _upload(store, local_dir, rank_files(ranks), job, step, progress)
+def upload_ranks(
+    store: ObjectStore,
+    local_dir: str,
+    job: str,
+    step: int,
+    ranks: list[int],
+    progress: Progress | None = None,
+    attempt: Attempt | None = None,
+) -> int:
+    """Multi-node: upload this node's ranks of a step (every shard before any fragment) into the folder of
+    ``attempt``, the one their fragments name (``None``: fragments of a ckptd that named none go under the
+    step's prefix itself). Returns bytes sent."""
+    folder = "" if attempt is None else attempt_folder(*attempt)
+    return _upload(store, local_dir, rank_files(ranks), job, step, progress, folder)
 
 
 def _bucket_doc(store: ObjectStore, job: str, step: int) -> tuple[bool, Any]:
@@ -126,82 +141,106 @@ def bucket_attempt(store: ObjectStore, job: str, step: int) -> tuple[bool, Attem
     return complete, attempt_of(doc)
 
 
-def clear_for_attempt(store: ObjectStore, job: str, step: int, frag: dict[str, Any]) -> bool:
-    """Multi-node, before this node uploads its ranks of a step (``frag``: one of their fragments): make
-    room in the bucket. Nothing to do when no manifest of that number is there, or it is this attempt's
-    own (an upload again after a restart). Another attempt's manifest is deleted, since its objects are
-    about to be overwritten and it must stop looking complete first, only if this attempt replaces it:
-    saved by a launch that restored an earlier step (a rollback) and committed after it. Else
-    ``CheckpointError``: a run that restored nothing, or a dead attempt's part uploaded late, never
-    overwrites a complete step. True if a manifest was deleted."""
+def _refusal(job: str, step: int, ours: Attempt, at: int, doc: Any) -> str | None:
+    """Why attempt ``ours`` (committed at ``at``) may not replace the bucket's complete step ``step`` of
+    another attempt (manifest ``doc``), or ``None`` if it may: only a launch that restored an earlier step
+    (a rollback) and committed after it replaces a step. A run that restored nothing (a replaced node,
+    the same command run again) or a dead attempt's part uploaded late never does."""
+    after, theirs = ours[1], commit_time(doc)
+    if after is not None and after < step and theirs < at:
+        return None
+    how = "restored no step" if after is None else f"restored step {after}"
+    return (
+        f"step {step} of job {job} is complete in the bucket, saved by another attempt (launch, restored step)"
+        f" {attempt_of(doc)}; this node's part of attempt {ours} ({how}, committed {'earlier' if theirs >= at else 'later'})"
+        " does not replace it: only a run that restored an earlier step replaces a step, with a newer commit"
+    )
+
+
+def check_replaces(store: ObjectStore, job: str, step: int, frag: dict[str, Any]) -> bool:
+    """Before this node uploads its part of a step (``frag``: one of its fragments, or a one-node step's
+    manifest): whether the bucket holds another attempt's complete step of that number, which this attempt
+    replaces once it is complete itself (its manifest takes the old one's key). False when none is there,
+    it is this attempt's own (an upload again after a restart), or either names no attempt (an older
+    ckptd's). ``CheckpointError`` when this attempt may not replace it (:func:`_refusal`): this node's
+    part could never complete."""
     ours = attempt_of(frag)
     complete, doc = _bucket_doc(store, job, step)
-    if not complete or ours is None:  # ours None: a fragment of a ckptd that did not name attempts
+    if not complete or ours is None or attempt_of(doc) in (None, ours):
         return False
-    theirs = attempt_of(doc)
-    if theirs == ours:
-        return False
-    after, at = ours[1], frag.get("committed_at") or 0
-    if after is None or after >= step or commit_time(doc) >= at:
-        how = "restored no step" if after is None else f"restored step {after}"
-        raise CheckpointError(
-            f"step {step} of job {job} is complete in the bucket, saved by another attempt (launch, restored step) {theirs};"
-            f" this node's part of attempt {ours} ({how}, committed {'earlier' if commit_time(doc) >= at else 'later'})"
-            " does not replace it: only a run that restored an earlier step replaces a step, with a newer commit"
-        )
-    store.delete([bucket_key(job, step, MANIFEST)])
-    _forget_commit(store, job, step)
+    why = _refusal(job, step, ours, frag.get("committed_at") or 0, doc)
+    if why is not None:
+        raise CheckpointError(why)
     return True
 
 
-def try_complete(store: ObjectStore, job: str, step: int, world_size: int, attempt: Attempt | None = None) -> bool:
-    """Multi-node: write the step's manifest if every rank's fragment is in the bucket.
+def _own_fragments(
+    store: ObjectStore, job: str, step: int, names: set[str], world_size: int, attempt: Attempt | None
+) -> list[dict[str, Any]] | None:
+    """Every rank's fragment of ``attempt`` in the bucket (its folder; the step's prefix for ``None``),
+    checked like a manifest, or ``None`` while some rank's is missing."""
+    folder = "" if attempt is None else attempt_folder(*attempt)
+    if any(folder + fragment_name(r) not in names for r in range(world_size)):
+        return None
+    frags = []
+    for r in range(world_size):
+        key = bucket_key(job, step, folder + fragment_name(r))
+        frag = parse_fragment(get_document(store, key), store.url(key))  # another node's: checked like a manifest
+        if folder + shard_name(r) not in names:
+            raise CheckpointError(f"step {step} of job {job}: rank {r}'s fragment is in the bucket but its shard is not")
+        if attempt is not None and attempt_of(frag) != attempt:
+            raise CheckpointError(
+                f"step {step} of job {job}: {store.url(key)} names attempt {attempt_of(frag)}, not its folder's {attempt}"
+            )
+        frags.append(frag)
+    return frags
 
-    True when the step is (now, or already) complete in the bucket. ``attempt``: whose step this is;
-    another attempt's fragments (the step before a rollback) are never merged with its own, and another
-    attempt's manifest is not its completion (a fragment or manifest naming no attempt, an older
-    ckptd's, counts as any). Raises ``CheckpointError`` when the fragments do not make a whole
-    checkpoint (coverage, differing replicas, mismatched steps).
+
+def try_complete(store: ObjectStore, job: str, step: int, world_size: int, attempt: Attempt | None = None) -> bool:
+    """Multi-node: write the step's manifest if every rank's fragment of ``attempt`` is in the bucket.
+
+    True when the step is (now, or already) complete in the bucket. ``attempt``: whose step this is; only
+    its own folder's fragments are merged, and another attempt's manifest is not its completion (a
+    fragment or manifest naming no attempt, an older ckptd's, counts as any): it is replaced if this
+    attempt may (:func:`_refusal`), else ``CheckpointError``. Raises ``CheckpointError`` too when the
+    fragments do not make a whole checkpoint (coverage, differing replicas, mismatched steps).
     """
     prefix = bucket_prefix(job, step)
     names = {k[len(prefix) :] for k in store.list(prefix)}
-    if MANIFEST in names:
-        complete, theirs = bucket_attempt(store, job, step)
-        done = complete and (attempt is None or theirs in (None, attempt))
-        if done:  # this process may have cached the commit time of the step this attempt replaced
-            _forget_commit(store, job, step)
-        return done
-    present = {r for n in names if (r := fragment_rank(n)) is not None}
-    if not set(range(world_size)) <= present:
+    complete, doc = _bucket_doc(store, job, step) if MANIFEST in names else (False, None)
+    if complete and (attempt is None or attempt_of(doc) in (None, attempt)):
+        _forget_commit(store, job, step)  # this process may have cached the commit time of the step this attempt replaced
+        return True
+    frags = _own_fragments(store, job, step, names, world_size, attempt)
+    if frags is None:
         return False
-    frags = []
-    for r in range(world_size):
-        key = bucket_key(job, step, fragment_name(r))
-        frag = parse_fragment(get_document(store, key), store.url(key))  # another node's: checked like a manifest
-        if shard_name(r) not in names:
-            raise CheckpointError(f"step {step} of job {job}: rank {r}'s fragment is in the bucket but its shard is not")
-        if attempt is not None and attempt_of(frag) not in (None, attempt):
-            return False  # the step before a rollback's, on a node still uploading this attempt's ranks
-        frags.append(frag)
     manifest = build_manifest(job, step, world_size, frags)
+    if attempt is not None:
+        manifest["attempt_objects"] = True
+        if complete and (why := _refusal(job, step, attempt, manifest["committed_at"], doc)) is not None:
+            raise CheckpointError(why)
     store.put_bytes(bucket_key(job, step, MANIFEST), json.dumps(manifest, separators=(",", ":")).encode())
     _forget_commit(store, job, step)
     log.info("step %s of job %s is complete in the bucket: wrote its manifest (attempt %s)", step, job, attempt_of(manifest))
     return True
 
 
-def _listing(store: ObjectStore, job: str) -> tuple[dict[int, str], list[int]]:
-    """The steps of ``job`` in the bucket: the complete ones with their manifest's tag (one listing), and
-    the partial ones, sorted."""
-    tags: dict[int, str] = {}
-    seen = set()
+def _objects(store: ObjectStore, job: str) -> dict[int, dict[str, str]]:
+    """Every object of ``job`` in the bucket, in one listing: step -> {name under the step's prefix: tag}."""
+    out: dict[int, dict[str, str]] = {}
     for key, tag in store.list_tagged(f"{job}/").items():
         parsed = parse_bucket_key(job, key)
         if parsed is not None:
-            seen.add(parsed[0])
-            if parsed[1] == MANIFEST:
-                tags[parsed[0]] = tag
-    return tags, sorted(seen - tags.keys())
+            out.setdefault(parsed[0], {})[parsed[1]] = tag
+    return out
+
+
+def _listing(store: ObjectStore, job: str) -> tuple[dict[int, str], list[int]]:
+    """The steps of ``job`` in the bucket: the complete ones with their manifest's tag (one listing), and
+    the partial ones, sorted."""
+    objects = _objects(store, job)
+    tags = {s: names[MANIFEST] for s, names in objects.items() if MANIFEST in names}
+    return tags, sorted(objects.keys() - tags.keys())
 
 
 def remote_steps(store: ObjectStore, job: str) -> tuple[list[int], list[int]]:
@@ -210,9 +249,10 @@ def remote_steps(store: ObjectStore, job: str) -> tuple[list[int], list[int]]:
     return sorted(tags), partial
 
 
-# (bucket url, job, step) -> (the manifest's tag when read, its committed_at); a manifest changes only when a
-# rollback re-save replaces its step, maybe by other nodes' daemons: the tag of a listing tells
-_commit_cache: dict[tuple[str, str, int], tuple[str | None, int]] = {}
+# (bucket url, job, step) -> (the manifest's tag when read, its committed_at, the folder of its files); a
+# manifest changes only when a rollback re-save replaces its step, maybe by other nodes' daemons: the tag
+# of a listing tells
+_commit_cache: dict[tuple[str, str, int], tuple[str | None, int, str]] = {}
 
 
 def _forget_commit(store: ObjectStore, job: str, step: int) -> None:
@@ -220,12 +260,11 @@ def _forget_commit(store: ObjectStore, job: str, step: int) -> None:
     _commit_cache.pop((store.url(), job, step), None)
 
 
-def bucket_committed_at(store: ObjectStore, job: str, step: int, tag: str | None = None) -> int | None:
-    """When step ``step`` (complete in the bucket) was committed: its manifest's ``committed_at``, 0 if
-    absent (older ckptd) or unreadable, ``None`` if the manifest is gone (another node's retention).
-    Read once per version of the manifest: ``tag``, the manifest's tag in a listing just made, tells a
-    replaced manifest from the one read before; without it the value read before stands (this process
-    forgets it when it deletes or uploads the step)."""
+def _manifest_facts(store: ObjectStore, job: str, step: int, tag: str | None = None) -> tuple[int, str] | None:
+    """``(committed_at, folder of its files)`` of the bucket's manifest of step ``step``, ``None`` if it is
+    gone (another node's retention). Read once per version of the manifest: ``tag``, the manifest's tag in
+    a listing just made, tells a replaced manifest from the one read before; without it the value read
+    before stands (this process forgets it when it deletes or uploads the step)."""
     key = (store.url(), job, step)
     cached = _commit_cache.get(key)
     if cached is None or (tag is not None and cached[0] != tag):
@@ -235,8 +274,15 @@ def bucket_committed_at(store: ObjectStore, job: str, step: int, tag: str | None
             return None
         if len(_commit_cache) > 65536:
             _commit_cache.clear()
-        cached = _commit_cache[key] = (tag, commit_time(doc))
-    return cached[1]
+        cached = _commit_cache[key] = (tag, commit_time(doc), objects_folder(doc))
+    return cached[1], cached[2]
+
+
+def bucket_committed_at(store: ObjectStore, job: str, step: int, tag: str | None = None) -> int | None:
+    """When step ``step`` (complete in the bucket) was committed: its manifest's ``committed_at``, 0 if
+    absent (older ckptd) or unreadable, ``None`` if the manifest is gone (see :func:`_manifest_facts`)."""
+    facts = _manifest_facts(store, job, step, tag)
+    return None if facts is None else facts[0]
 
 
 def bucket_steps_by_commit(store: ObjectStore, job: str) -> tuple[list[int], list[int]]:
@@ -256,9 +302,10 @@ def _fetch_files(store: ObjectStore, job: str, step: int, tmp: str, progress: Pr
         raise FormatError(f"{where}/{MANIFEST} describes job {manifest['job']} step {manifest['step']}")
     if FETCHED in manifest["files"]:
         raise FormatError(f"{where}/{MANIFEST} lists a file named {FETCHED!r}, the name ckptd marks a downloaded step with")
+    folder = objects_folder(manifest)  # a multi-node step's files lie in the folder of the attempt that saved it
     for name, ent in sorted(manifest["files"].items()):
         path = os.path.join(tmp, confined_name(name, f"{where}/{MANIFEST}", "files"))
-        store.get_file(bucket_key(job, step, name), path, progress, limit=ent["size"])  # no more on disk than the manifest says
+        store.get_file(bucket_key(job, step, folder + name), path, progress, limit=ent["size"])  # no more on disk than the manifest says
         size = os.path.getsize(path)
         if size != ent["size"]:
             raise FormatError(f"{where}/{name} is {size} bytes, the manifest says {ent['size']}")
@@ -318,13 +365,37 @@ def download_step(store: ObjectStore, root: str, job: str, step: int, progress: 
     return final
 
 
-def _delete_step(store: ObjectStore, job: str, step: int) -> None:
+Settled = Callable[[int, frozenset[tuple[str, str]]], bool]
+"""Multi-node retention's question: have these objects of a step (keys with their tags) been given up by
+every node (unchanged for ``commit_timeout``)? See :meth:`ckptd.daemon.uploader.Uploader._settled`."""
+
+
+def _own(folder: str, name: str) -> bool:
+    """Whether ``name``, under the prefix of a complete step whose files lie in ``folder``, is its manifest
+    or one of its files (``folder`` empty: a file directly under the prefix)."""
+    return name == MANIFEST or (name.startswith(folder) if folder else "/" not in name)
+
+
+def _delete_step(store: ObjectStore, job: str, step: int, folder: str | None = None) -> None:
+    """Remove a step from the bucket, its manifest first (a half-deleted step never looks complete).
+    ``folder``: a complete multi-node step's; only its own files go with it, as another attempt's part
+    of that number may be on its way up (retention's settling removes those)."""
     _forget_commit(store, job, step)
-    keys = store.list(bucket_prefix(job, step))
+    prefix = bucket_prefix(job, step)
+    keys = [k for k in store.list(prefix) if folder is None or _own(folder, k[len(prefix) :])]
     man = bucket_key(job, step, MANIFEST)
     if man in keys:
-        store.delete([man])  # first: a half-deleted step never looks complete
+        store.delete([man])
     store.delete([k for k in keys if k != man])
+
+
+def _remove_strays(store: ObjectStore, job: str, objects: dict[str, str], step: int, folder: str, settled: Settled) -> None:
+    """Multi-node: another attempt's objects under complete step ``step`` (the step it replaced, a dead
+    attempt's part uploaded late, a newer attempt still on its way up) go once ``settled`` says so."""
+    strays = {bucket_key(job, step, n): tag for n, tag in objects.items() if not _own(folder, n)}
+    if strays and settled(step, frozenset(strays.items())):
+        log.info("remote retention: removing %d objects of another attempt of step %s of job %s", len(strays), step, job)
+        store.delete(sorted(strays))
 
 
 def apply_remote_retention(
@@ -332,16 +403,32 @@ def apply_remote_retention(
     job: str,
     policy: RetentionPolicy,
     busy: frozenset[int] | set[int] = frozenset(),
-    settled: Callable[[int], bool] | None = None,
+    settled: Settled | None = None,
 ) -> list[int]:
     """Remove the complete steps ``policy`` does not keep (given them in commit order; never the latest),
     and partial uploads that can no longer complete, except ``busy`` ones: those ``settled`` says so of (a
     multi-node job: another node may still be uploading any partial step, even one numbered below the
-    latest after a rollback), else those below the latest complete step. Returns the steps removed."""
-    complete, partial = bucket_steps_by_commit(store, job)
+    latest after a rollback), else those below the latest complete step. A multi-node job's objects of
+    another attempt under a complete step go by ``settled`` too. Returns the steps removed."""
+    objects = _objects(store, job)
+    tags = {s: names[MANIFEST] for s, names in objects.items() if MANIFEST in names}
+    facts = {s: f for s, tag in tags.items() if (f := _manifest_facts(store, job, s, tag)) is not None}
+    complete = sorted(facts, key=lambda s: (facts[s][0], s))
     latest = complete[-1] if complete else -1
-    stale = [s for s in partial if s not in busy and (settled(s) if settled is not None else s < latest)]
-    gone = [s for s in doomed(policy, complete) if s != latest] + stale
-    for s in sorted(gone):
+
+    def gone(s: int) -> bool:  # a partial step that can no longer complete
+        if s in busy:
+            return False
+        return settled(s, frozenset((bucket_key(job, s, n), t) for n, t in objects[s].items())) if settled is not None else s < latest
+
+    stale = [s for s in sorted(objects.keys() - tags.keys()) if gone(s)]
+    dropped = [s for s in doomed(policy, complete) if s != latest]
+    for s in dropped:
+        _delete_step(store, job, s, None if settled is None else facts[s][1])
+    for s in stale:
         _delete_step(store, job, s)
-    return sorted(gone)
+    if settled is not None:
+        for s in complete:
+            if s not in busy and s not in dropped:
+                _remove_strays(store, job, objects[s], s, facts[s][1], settled)
+    return sorted(dropped + stale)
