@@ -390,3 +390,31 @@ def test_a_clock_stepped_back_across_a_restart_does_not_order_new_steps_first(ma
         assert c.snapshot(model, optim, step=2, blocking=True).wait(60).endswith("step-2")
         assert c.latest() == 2
     assert complete_steps(d.root, "clk") == [2]
+
+
+def test_a_relaunch_resuming_a_step_another_nodes_clock_stamped_ahead_orders_its_new_steps_after_it(make_daemon) -> None:  # noqa: ANN001
+    """The daemon keeps running across the relaunch (so it remembers the job's last commit time), and the step
+    the relaunch restores was stamped 10 minutes ahead by another node's clock (a multi-node step downloaded
+    from the bucket; that node has left the job since). The relaunch's next step must come later in commit
+    order than the one it resumed from, or latest stays on the old step and retention (keep 1) deletes the
+    step just committed."""
+    d = make_daemon("--keep", "1")
+    model, optim = make()
+    with d.client("skew") as c:
+        c.snapshot(model, optim, step=1, blocking=True).wait(60)
+        train_step(model, optim, 2)
+        path = c.snapshot(model, optim, step=2, blocking=True).wait(60)
+    manifest_path = os.path.join(path, "manifest.json")
+    manifest = json.loads(open(manifest_path).read())
+    manifest["committed_at"] = time.time_ns() + 600 * 10**9
+    with open(manifest_path + ".new", "w") as f:
+        json.dump(manifest, f)
+    os.replace(manifest_path + ".new", manifest_path)
+    relaunched, optim2 = make()
+    with d.client("skew") as c:
+        c.restore(relaunched, optim2)
+        assert c.last_restore is not None and c.last_restore["step"] == 2
+        train_step(relaunched, optim2, 3)
+        assert c.snapshot(relaunched, optim2, step=3, blocking=True).wait(60).endswith("step-3")
+        assert c.latest() == 3
+    assert complete_steps(d.root, "skew") == [3]

@@ -26,6 +26,7 @@ import zmq
 from .. import __version__, shm
 from ..config import HOUSEKEEPING_S, WAIT_CAP_S, DaemonConfig, default_shm_budget
 from ..errors import CheckpointError, ProtocolError
+from ..layout import step_dir
 from ..protocol import EXTRA_FRAMES, Source, decode_request, reply_error, reply_ok
 from ..storage.local import committed_at
 from ..storage.store import ObjectStore
@@ -359,7 +360,8 @@ class Daemon:
         self.tiering.set_job(job, msg["persist_every"], msg["persist_interval"])
         self.memtier.decide(job, track, lws < ws)
         record = {k: msg[k] for k in ("job", "rank", "world_size", "local_world_size", "step", "nbytes", "replicas")}
-        record["committed_at"] = self._commit_time(job, track.replaces_at)
+        restored = 0 if msg["after"] is None else committed_at(step_dir(self.root, job, msg["after"]))  # maybe another node's clock
+        record["committed_at"] = self._commit_time(job, max(track.replaces_at, restored))
         # into the fragment: the attempt (launch, restored step), never merged with another attempt's fragments
         record["run"], record["after"] = msg["run"], msg["after"]
         tree = msg["frames"][0]
@@ -376,8 +378,9 @@ class Daemon:
 
     def _commit_time(self, job: str, after: int = 0) -> int:
         """Nanoseconds since the epoch, strictly increasing per job in this run (a clock stepped back
-        must not make a later commit look older), and later than ``after`` (the old step a rolled-back
-        run's re-save replaces, which another node's clock may have stamped): the order ``latest`` follows."""
+        must not make a later commit look older), and later than ``after`` (the step the client restored
+        and the old step a rolled-back run's re-save replaces, which another node's clock may have stamped,
+        one that ran ahead and has left the job since): the order ``latest`` follows."""
         if job not in self._last_commit_ns:  # after a restart: later than every step on disk or adopted, whatever the clock says
             times = [sl.lease.get("committed_at", 0) for sl in self.pool if sl.lease is not None and sl.lease.get("job") == job]
             self._last_commit_ns[job] = max([committed_at(p) for p in [self.catalog.latest(job)[1]] if p is not None] + times, default=0)
