@@ -60,6 +60,15 @@ class MemoryStore:
         with self._lock:
             self.objects[rel] = bytes(data)
 
+    def put_bytes_if(self, rel: str, data: bytes, tag: str | None) -> bool:
+        self._log("put", self._check(rel))
+        with self._lock:
+            now = self.objects.get(rel)
+            if (now is None) != (tag is None) or (now is not None and hashlib.md5(now).hexdigest() != tag):
+                return False
+            self.objects[rel] = bytes(data)
+        return True
+
     def get_file(self, rel: str, path: str, progress: Callable[[int], None] | None = None, limit: int | None = None) -> None:
         data = self.get_bytes(rel, limit)
         with open(path + ".part", "wb") as f:

@@ -822,3 +822,138 @@ def test_upload_step_hides_an_older_step_of_the_same_number_first(store: MemoryS
     upload_step(store, path, JOB, 4)
     assert store.calls[0] == ("delete", bucket_key(JOB, 4, MANIFEST))  # never complete while its files are replaced
     assert store.objects[bucket_key(JOB, 4, MANIFEST)] == Path(path, MANIFEST).read_bytes()
+
+
+# ---------------------------------------------------------------------------- older steps and races between nodes
+
+
+def _older_multinode_step6(store: MemoryStore, root: str) -> None:
+    """Step 6 completed across nodes by a ckptd that named no attempts: files and manifest directly under the step."""
+    for rank in (0, 1):
+        write_rank(root, JOB, 6, rank, 2, rank_chunks(6, rank, 2), local_world_size=2, at=1_000)
+    upload_ranks(store, tmp_dir(root, JOB, 6), JOB, 6, [0, 1])
+    assert try_complete(store, JOB, 6, 2, None) is True
+    assert bucket_attempt(store, JOB, 6) == (True, None)
+
+
+def test_a_rollback_resave_over_an_older_ckptds_multinode_step_replaces_it_and_retention_keeps_it(tmp_path: Path, dst: str) -> None:
+    """A manifest naming no attempt is another attempt's, not this one's completion: the rollback's nodes must
+    not report step 6 uploaded while the bucket still holds the abandoned line's, and retention must not then
+    take the re-save's folder for another attempt's leftovers."""
+    store = MemoryStore()
+    _older_multinode_step6(store, str(tmp_path / "old"))
+    new_root, new = str(tmp_path / "new"), (22, 2)
+    for rank in (0, 1):
+        write_rank(new_root, JOB, 6, rank, 2, rank_chunks(106, rank, 2), local_world_size=2, run=22, after=2, at=2_000)
+    assert check_replaces(store, JOB, 6, _frag(new_root, 6, 0)) is True
+    upload_ranks(store, tmp_dir(new_root, JOB, 6), JOB, 6, [0, 1], attempt=new)
+    assert try_complete(store, JOB, 6, 2, new) is True
+    assert bucket_attempt(store, JOB, 6) == (True, new)
+    apply_remote_retention(store, JOB, KeepLatest(5), settled=lambda s, k: True)  # commit_timeout later
+    assert all("/run-22-after-2/" in k for k in step_keys(store, JOB, 6) if not k.endswith(MANIFEST))
+    path = download_step(store, dst, JOB, 6)
+    assert verify_checkpoint(path) == [] and read_manifest(path)["run"] == 22
+
+
+def test_a_fresh_run_never_replaces_an_older_ckptds_step_in_the_bucket(store: MemoryStore, tmp_path: Path) -> None:
+    """One node: the bucket's step 6 names no attempt (an older ckptd's). A run that restored nothing (a
+    replaced node) saving step 6 again is refused before it sends a byte; a rollback takes the old manifest
+    down first, so an upload failing midway leaves the step missing, never complete over mixed shards."""
+    old = str(tmp_path / "old")
+    for rank in (0, 1):
+        write_rank(old, JOB, 6, rank, 2, rank_chunks(6, rank, 2), at=1_000)
+    upload_step(store, finalize_step(old, JOB, 6, 2), JOB, 6)
+    before = dict(store.objects)
+    fresh, rollback = str(tmp_path / "fresh"), str(tmp_path / "rollback")
+    for rank in (0, 1):
+        write_rank(fresh, JOB, 6, rank, 2, rank_chunks(106, rank, 2), run=33, after=None, at=2_000)
+        write_rank(rollback, JOB, 6, rank, 2, rank_chunks(206, rank, 2), run=44, after=2, at=3_000)
+    with pytest.raises(CheckpointError, match=r"restored no step, committed later\) does not replace it"):
+        upload_step(store, finalize_step(fresh, JOB, 6, 2), JOB, 6)
+    assert store.objects == before
+    with pytest.raises(CheckpointError, match=r"injected"):
+        upload_step(FaultyStore(store, put_file=[1]), finalize_step(rollback, JOB, 6, 2), JOB, 6)
+    assert remote_steps(store, JOB) == ([], [6])
+
+
+def test_a_dead_attempt_completing_late_never_overwrites_the_manifest_a_rollback_wrote_meanwhile(tmp_path: Path) -> None:
+    """The dead attempt's late node lists step 6 (no manifest) and reads its fragments; meanwhile another node
+    completes the rollback attempt. The dead attempt's manifest must not land over it unseen (a conditional
+    write), or retention would later delete the rollback's folder as another attempt's."""
+    store = MemoryStore()
+    dead, new = (11, None), (22, 2)
+    dead_r, new_r = str(tmp_path / "dead"), str(tmp_path / "new")
+    for rank in (0, 1):
+        write_rank(dead_r, JOB, 6, rank, 2, rank_chunks(6, rank, 2), local_world_size=2, run=11, at=1_000)
+        write_rank(new_r, JOB, 6, rank, 2, rank_chunks(106, rank, 2), local_world_size=2, run=22, after=2, at=2_000)
+    upload_ranks(store, tmp_dir(dead_r, JOB, 6), JOB, 6, [0, 1], attempt=dead)
+    upload_ranks(store, tmp_dir(new_r, JOB, 6), JOB, 6, [0, 1], attempt=new)
+    real, fired = store.get_bytes, [False]
+
+    def get_bytes(rel: str, limit: int | None = None) -> bytes:
+        if rel.endswith("run-11-after-none/rank-00000.json") and not fired[0]:
+            fired[0] = True
+            assert try_complete(store, JOB, 6, 2, new) is True  # another node completes the rollback meanwhile
+        return real(rel, limit)
+
+    store.get_bytes = get_bytes  # type: ignore[method-assign]
+    assert try_complete(store, JOB, 6, 2, dead) is False  # lost the race: it looks again at its next poll
+    store.get_bytes = real  # type: ignore[method-assign]
+    assert fired[0] and bucket_attempt(store, JOB, 6) == (True, new)
+    with pytest.raises(CheckpointError, match=r"\(11, None\) \(restored no step, committed earlier\) does not replace"):
+        try_complete(store, JOB, 6, 2, dead)  # its next poll: the rollback's step is not its to replace
+    apply_remote_retention(store, JOB, KeepLatest(5), settled=lambda s, k: True)
+    assert bucket_attempt(store, JOB, 6) == (True, new)
+    assert not any("/run-11-after-none/" in k for k in store.objects)
+
+
+def test_retention_never_drops_a_step_whose_manifest_a_rollback_replaced_after_the_listing(tmp_path: Path) -> None:
+    store = MemoryStore()
+    a, new = (11, None), (22, 2)
+    ra, rn = str(tmp_path / "a"), str(tmp_path / "n")
+    for step in (6, 7):
+        for rank in (0, 1):
+            write_rank(ra, JOB, step, rank, 2, rank_chunks(step, rank, 2), local_world_size=2, run=11, at=1_000 + step)
+        upload_ranks(store, tmp_dir(ra, JOB, step), JOB, step, [0, 1], attempt=a)
+        assert try_complete(store, JOB, step, 2, a)
+    for rank in (0, 1):
+        write_rank(rn, JOB, 6, rank, 2, rank_chunks(106, rank, 2), local_world_size=2, run=22, after=2, at=3_000)
+    upload_ranks(store, tmp_dir(rn, JOB, 6), JOB, 6, [0, 1], attempt=new)
+    real = store.list_tagged
+
+    def listing(prefix: str = "") -> dict[str, str]:
+        if prefix == bucket_prefix(JOB, 6):  # the drop's own look: the re-save completed just before
+            store.list_tagged = real  # type: ignore[method-assign]
+            assert try_complete(store, JOB, 6, 2, new)
+        return real(prefix)
+
+    store.list_tagged = listing  # type: ignore[method-assign]
+    assert apply_remote_retention(store, JOB, KeepLatest(1), settled=lambda s, k: False) == []
+    assert bucket_attempt(store, JOB, 6) == (True, new)
+
+
+def test_retention_removes_exactly_the_settled_objects_of_a_partial_step(tmp_path: Path) -> None:
+    """A rollback attempt's node uploads its part of step 5 while retention removes a dead attempt's settled
+    leftovers there: the fresh part stays (it arrived after the listing the leftovers were judged on)."""
+    store = MemoryStore()
+    ra, rd, rc = (str(tmp_path / n) for n in ("a", "dead", "c"))
+    for rank in (0, 1):
+        write_rank(ra, JOB, 7, rank, 2, rank_chunks(7, rank, 2), local_world_size=2, run=11, at=1_007)
+        write_rank(rd, JOB, 5, rank, 2, rank_chunks(5, rank, 2), local_world_size=2, run=11, at=1_005)
+        write_rank(rc, JOB, 5, rank, 2, rank_chunks(105, rank, 2), local_world_size=2, run=22, after=2, at=2_005)
+    upload_ranks(store, tmp_dir(ra, JOB, 7), JOB, 7, [0, 1], attempt=(11, None))
+    assert try_complete(store, JOB, 7, 2, (11, None))
+    upload_ranks(store, tmp_dir(rd, JOB, 5), JOB, 5, [1], attempt=(11, None))  # a dead attempt's half of step 5
+    given_up = frozenset(store.list_tagged(bucket_prefix(JOB, 5)).items())
+    real, fired = store.get_bytes, [False]
+
+    def get_bytes(rel: str, limit: int | None = None) -> bytes:
+        if rel == bucket_key(JOB, 7, MANIFEST) and not fired[0]:
+            fired[0] = True  # meanwhile a rollback attempt's node uploads its part of step 5
+            upload_ranks(store, tmp_dir(rc, JOB, 5), JOB, 5, [0], attempt=(22, 2))
+        return real(rel, limit)
+
+    store.get_bytes = get_bytes  # type: ignore[method-assign]
+    assert apply_remote_retention(store, JOB, KeepLatest(5), settled=lambda s, keys: keys == given_up) == [5]
+    assert fired[0]
+    assert sorted(step_keys(store, JOB, 5)) == sorted(bucket_key(JOB, 5, f"run-22-after-2/{n}") for n in (shard_name(0), fragment_name(0)))

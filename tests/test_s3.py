@@ -106,6 +106,20 @@ def test_list_tagged_tells_a_rewritten_object_from_the_one_listed_before(store: 
     assert again["j/step-2/manifest.json"] == first["j/step-2/manifest.json"]
 
 
+def test_a_conditional_write_lands_only_on_the_object_as_it_was_listed(store: S3Store) -> None:
+    """How a multi-node step's manifest is written: never over one another node wrote since this one looked."""
+    key = "j/step-6/manifest.json"
+    assert store.put_bytes_if(key, b'{"run": 11}', None) is True  # absent, as listed
+    assert store.put_bytes_if(key, b'{"run": 22}', None) is False  # another writer came first
+    assert store.get_bytes(key) == b'{"run": 11}'
+    tag = store.list_tagged("j/")[key]
+    store.put_bytes(key, b'{"run": 33}')  # rewritten since the listing
+    assert store.put_bytes_if(key, b'{"run": 44}', tag) is False
+    assert store.get_bytes(key) == b'{"run": 33}'
+    assert store.put_bytes_if(key, b'{"run": 55}', store.list_tagged("j/")[key]) is True
+    assert store.get_bytes(key) == b'{"run": 55}'
+
+
 def test_progress_sums_to_size(store: S3Store, tmp_path: Path) -> None:
     size = 11 * MiB + 17
     _write(tmp_path / "src", size)

@@ -161,12 +161,13 @@ def check_replaces(store: ObjectStore, job: str, step: int, frag: dict[str, Any]
     """Before this node uploads its part of a step (``frag``: one of its fragments, or a one-node step's
     manifest): whether the bucket holds another attempt's complete step of that number, which this attempt
     replaces once it is complete itself (its manifest takes the old one's key). False when none is there,
-    it is this attempt's own (an upload again after a restart), or either names no attempt (an older
-    ckptd's). ``CheckpointError`` when this attempt may not replace it (:func:`_refusal`): this node's
-    part could never complete."""
+    it is this attempt's own (an upload again after a restart), or this part names no attempt (an older
+    ckptd's). A step whose manifest names no attempt (an older ckptd's, or unreadable) is another's.
+    ``CheckpointError`` when this attempt may not replace it (:func:`_refusal`): this node's part could
+    never complete."""
     ours = attempt_of(frag)
     complete, doc = _bucket_doc(store, job, step)
-    if not complete or ours is None or attempt_of(doc) in (None, ours):
+    if not complete or ours is None or attempt_of(doc) == ours:
         return False
     why = _refusal(job, step, ours, frag.get("committed_at") or 0, doc)
     if why is not None:
@@ -200,15 +201,19 @@ def try_complete(store: ObjectStore, job: str, step: int, world_size: int, attem
     """Multi-node: write the step's manifest if every rank's fragment of ``attempt`` is in the bucket.
 
     True when the step is (now, or already) complete in the bucket. ``attempt``: whose step this is; only
-    its own folder's fragments are merged, and another attempt's manifest is not its completion (a
-    fragment or manifest naming no attempt, an older ckptd's, counts as any): it is replaced if this
-    attempt may (:func:`_refusal`), else ``CheckpointError``. Raises ``CheckpointError`` too when the
-    fragments do not make a whole checkpoint (coverage, differing replicas, mismatched steps).
+    its own folder's fragments are merged, and another attempt's manifest (one naming none included) is
+    not its completion: it is replaced if this attempt may (:func:`_refusal`), else ``CheckpointError``.
+    The manifest is written only if it is still as listed (a conditional PUT): another attempt that
+    completes the step number meanwhile is judged at the next poll, never overwritten unseen. Raises
+    ``CheckpointError`` too when the fragments do not make a whole checkpoint (coverage, differing
+    replicas, mismatched steps). ``attempt`` None: fragments of an older ckptd, any manifest completes it.
     """
     prefix = bucket_prefix(job, step)
-    names = {k[len(prefix) :] for k in store.list(prefix)}
-    complete, doc = _bucket_doc(store, job, step) if MANIFEST in names else (False, None)
-    if complete and (attempt is None or attempt_of(doc) in (None, attempt)):
+    listed = store.list_tagged(prefix)
+    names = {k[len(prefix) :] for k in listed}
+    tag = listed.get(bucket_key(job, step, MANIFEST))
+    complete, doc = _bucket_doc(store, job, step) if tag is not None else (False, None)
+    if complete and (attempt is None or attempt_of(doc) == attempt):
         _forget_commit(store, job, step)  # this process may have cached the commit time of the step this attempt replaced
         return True
     frags = _own_fragments(store, job, step, names, world_size, attempt)
@@ -219,7 +224,8 @@ def try_complete(store: ObjectStore, job: str, step: int, world_size: int, attem
         manifest["attempt_objects"] = True
         if complete and (why := _refusal(job, step, attempt, manifest["committed_at"], doc)) is not None:
             raise CheckpointError(why)
-    store.put_bytes(bucket_key(job, step, MANIFEST), json.dumps(manifest, separators=(",", ":")).encode())
+    if not store.put_bytes_if(bucket_key(job, step, MANIFEST), json.dumps(manifest, separators=(",", ":")).encode(), tag):
+        return False  # another writer came first: the next poll reads what it wrote
     _forget_commit(store, job, step)
     log.info("step %s of job %s is complete in the bucket: wrote its manifest (attempt %s)", step, job, attempt_of(manifest))
     return True
@@ -376,17 +382,20 @@ def _own(folder: str, name: str) -> bool:
     return name == MANIFEST or (name.startswith(folder) if folder else "/" not in name)
 
 
-def _delete_step(store: ObjectStore, job: str, step: int, folder: str | None = None) -> None:
-    """Remove a step from the bucket, its manifest first (a half-deleted step never looks complete).
-    ``folder``: a complete multi-node step's; only its own files go with it, as another attempt's part
-    of that number may be on its way up (retention's settling removes those)."""
+def _drop_complete(store: ObjectStore, job: str, step: int, tag: str, folder: str | None) -> bool:
+    """Remove complete step ``step`` whose manifest had ``tag`` in retention's listing, its manifest first (a
+    half-deleted step never looks complete). False, touching nothing, if the manifest changed since (a
+    rollback re-save completed that number: the newest commit). ``folder``: a multi-node step's; only its
+    own files go with it, as another attempt's part of that number may be on its way up."""
     _forget_commit(store, job, step)
     prefix = bucket_prefix(job, step)
-    keys = [k for k in store.list(prefix) if folder is None or _own(folder, k[len(prefix) :])]
+    listed = store.list_tagged(prefix)
     man = bucket_key(job, step, MANIFEST)
-    if man in keys:
-        store.delete([man])
-    store.delete([k for k in keys if k != man])
+    if listed.get(man) != tag:
+        return False
+    store.delete([man])
+    store.delete([k for k in listed if k != man and (folder is None or _own(folder, k[len(prefix) :]))])
+    return True
 
 
 def _remove_strays(store: ObjectStore, job: str, objects: dict[str, str], step: int, folder: str, settled: Settled) -> None:
@@ -422,13 +431,13 @@ def apply_remote_retention(
         return settled(s, frozenset((bucket_key(job, s, n), t) for n, t in objects[s].items())) if settled is not None else s < latest
 
     stale = [s for s in sorted(objects.keys() - tags.keys()) if gone(s)]
-    dropped = [s for s in doomed(policy, complete) if s != latest]
-    for s in dropped:
-        _delete_step(store, job, s, None if settled is None else facts[s][1])
-    for s in stale:
-        _delete_step(store, job, s)
+    doomed_now = [s for s in doomed(policy, complete) if s != latest]
+    dropped = [s for s in doomed_now if _drop_complete(store, job, s, tags[s], None if settled is None else facts[s][1])]
+    for s in stale:  # exactly the objects judged: one that arrived since the listing is a new upload's
+        _forget_commit(store, job, s)
+        store.delete(sorted(bucket_key(job, s, n) for n in objects[s]))
     if settled is not None:
         for s in complete:
-            if s not in busy and s not in dropped:
+            if s not in busy and s not in doomed_now:
                 _remove_strays(store, job, objects[s], s, facts[s][1], settled)
     return sorted(dropped + stale)

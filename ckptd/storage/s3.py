@@ -250,6 +250,20 @@ class S3Store:
         with self._translate("upload", key):
             self._wait(self._transfers().upload(io.BytesIO(data), self.config.bucket, key))
 
+    def put_bytes_if(self, rel: str, data: bytes, tag: str | None) -> bool:
+        """A small object (a manifest), written only if ``rel`` is still absent (``tag`` None) or holds ``tag``:
+        one ``PutObject`` with ``If-None-Match: *`` or ``If-Match``; False when the condition failed."""
+        key = self.key(rel)
+        cond = {"IfNoneMatch": "*"} if tag is None else {"IfMatch": tag}
+        with self._translate("upload", key):
+            try:
+                self.client.put_object(Bucket=self.config.bucket, Key=key, Body=data, **cond)
+            except _boto_errors() as exc:
+                if _error_code(exc) in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
+                    return False  # another writer came first; ConditionalRequestConflict: one is writing it now
+                raise
+        return True
+
     def get_file(self, rel: str, path: str, progress: Callable[[int], None] | None = None, limit: int | None = None) -> None:
         """Download ``rel`` to ``path`` atomically: into ``path + ".part"``, fsync, rename over ``path``.
 

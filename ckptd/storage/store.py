@@ -26,6 +26,12 @@ class ObjectStore(Protocol):
 
     def put_bytes(self, rel: str, data: bytes) -> None: ...
 
+    def put_bytes_if(self, rel: str, data: bytes, tag: str | None) -> bool:
+        """Write ``data`` to ``rel`` only if the object is as a listing showed it: absent (``tag`` None) or
+        with the tag ``tag``; False when another writer came first (S3's conditional PUT: ``If-None-Match``
+        / ``If-Match``). A store that ignores those headers writes unconditionally."""
+        ...
+
     def get_file(self, rel: str, path: str, progress: Progress | None = None, limit: int | None = None) -> None:
         """Download ``rel`` to ``path`` atomically (a failure leaves ``path`` as it was); an object past
         ``limit`` bytes raises :class:`~ckptd.errors.FormatError` before more than ``limit`` are written."""
