@@ -32,6 +32,7 @@ class MemoryStore:
     def __init__(self, name: str = "bucket") -> None:
         self.name = name
         self.objects: dict[str, bytes] = {}
+        self.writes: dict[str, int] = {}  # key -> how many times it was written (S3's LastModified, in the tag)
         self.calls: list[tuple[str, str]] = []  # (operation, key), in order
         self.closed = False
         self._lock = threading.Lock()
@@ -59,14 +60,16 @@ class MemoryStore:
         self._log("put", self._check(rel))
         with self._lock:
             self.objects[rel] = bytes(data)
+            self.writes[rel] = self.writes.get(rel, 0) + 1
 
     def put_bytes_if(self, rel: str, data: bytes, tag: str | None) -> bool:
         self._log("put", self._check(rel))
         with self._lock:
             now = self.objects.get(rel)
-            if (now is None) != (tag is None) or (now is not None and hashlib.md5(now).hexdigest() != tag):
+            if (now is None) != (tag is None) or (now is not None and tag is not None and self._tag(rel) != tag):
                 return False
             self.objects[rel] = bytes(data)
+            self.writes[rel] = self.writes.get(rel, 0) + 1
         return True
 
     def get_file(self, rel: str, path: str, progress: Callable[[int], None] | None = None, limit: int | None = None) -> None:
@@ -97,10 +100,14 @@ class MemoryStore:
             return sorted(k for k in self.objects if k.startswith(rel_prefix))
 
     def list_tagged(self, rel_prefix: str = "") -> dict[str, str]:
-        """As S3 lists them: each key with the MD5 of its bytes (a single PUT's ETag)."""
+        """As S3Store lists them: each key with the MD5 of its bytes (a single PUT's ETag) and when it was
+        written (here: how many times), so that bytes written again read as a change."""
         self._log("list", rel_prefix)
         with self._lock:
-            return {k: hashlib.md5(v).hexdigest() for k, v in self.objects.items() if k.startswith(rel_prefix)}
+            return {k: self._tag(k) for k in self.objects if k.startswith(rel_prefix)}
+
+    def _tag(self, rel: str) -> str:
+        return f"{hashlib.md5(self.objects[rel]).hexdigest()}@{self.writes.get(rel, 0)}"
 
     def delete(self, rels: list[str]) -> None:
         with self._lock:

@@ -104,6 +104,9 @@ def test_list_tagged_tells_a_rewritten_object_from_the_one_listed_before(store: 
     again = store.list_tagged("j/")
     assert again["j/step-1/manifest.json"] != first["j/step-1/manifest.json"]
     assert again["j/step-2/manifest.json"] == first["j/step-2/manifest.json"]
+    time.sleep(1.1)  # S3's LastModified has a resolution of one second
+    store.put_bytes("j/step-2/manifest.json", b'{"committed_at": 2}')  # the same bytes again (a re-upload)
+    assert store.list_tagged("j/")["j/step-2/manifest.json"] != first["j/step-2/manifest.json"]
 
 
 def test_a_conditional_write_lands_only_on_the_object_as_it_was_listed(store: S3Store) -> None:

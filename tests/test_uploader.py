@@ -609,6 +609,28 @@ def test_a_complete_step_retention_removes_leaves_another_attempts_part_on_its_w
         up.close()
 
 
+def test_a_part_uploaded_again_with_the_same_bytes_after_a_restart_is_not_settled(tmp_path: Path) -> None:
+    """Node 0's daemon uploaded its part of step 4, died, and uploads the same bytes again after its restart
+    (then waits commit_timeout for node 1's part). The ETags are the same: only the write time tells node 2's
+    retention that the part changed, so it does not delete it from under the waiting node."""
+    store, now = MemoryStore(), [100.0]
+    up = make_uploader(store, str(tmp_path / "node2"), Results(), commit_timeout=60.0)
+    up.clock = lambda: now[0]
+    node0 = str(tmp_path / "node0")
+    try:
+        write_rank(node0, JOB, 4, 0, 2, at=10, run=11)
+        upload_ranks(store, tmp_dir(node0, JOB, 4), JOB, 4, [0], attempt=(11, None))
+        assert seen(up, store, 4) is False  # first seen
+        now[0] += 50.0
+        upload_ranks(store, tmp_dir(node0, JOB, 4), JOB, 4, [0], attempt=(11, None))  # after the restart
+        now[0] += 11.0
+        assert seen(up, store, 4) is False  # written again: the wait starts again
+        now[0] += 60.0
+        assert seen(up, store, 4) is True
+    finally:
+        up.close()
+
+
 def test_a_nodes_part_that_may_not_replace_the_buckets_step_is_refused_and_removed(tmp_path: Path) -> None:
     """The bucket holds step 3, complete (launch 11). A node's part of step 3 by launch 22, which restored no
     step (its daemon had forgotten step 3: a restart), must not overwrite it: the upload fails saying why,

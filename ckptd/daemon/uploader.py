@@ -218,8 +218,8 @@ class Uploader:
         under a complete step) can no longer become part of a complete step. Another node may be uploading any
         of them (after a rollback, numbered below the latest too); objects that have not changed for
         ``commit_timeout`` (as this uploader's retention passes saw them) have been given up by every node that
-        waited for them. Objects are told apart by their tags (ETags), not only their names: an attempt that
-        uploads again after a restart writes the same names."""
+        waited for them. Objects are told apart by their tags (ETag and LastModified), not only their names: an
+        attempt that uploads again after a restart writes the same names and bytes."""
 
         def settled(step: int, keys: frozenset[tuple[str, str]]) -> bool:
             now = self.clock()

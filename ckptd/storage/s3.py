@@ -162,6 +162,15 @@ def _boto_errors() -> tuple[type[BaseException], ...]:
     )
 
 
+_TAG_SEP = "@"  # never in an ETag (a quoted hex digest, maybe with -<parts>)
+
+
+def _tag(obj: dict[str, Any]) -> str:
+    """A listed object's tag: its ETag (what ``If-Match`` compares) and its LastModified."""
+    when = obj.get("LastModified")
+    return f"{obj.get('ETag', '')}{_TAG_SEP}{when.isoformat() if hasattr(when, 'isoformat') else when}"
+
+
 def _error_code(exc: BaseException) -> str:
     response = getattr(exc, "response", None)
     if isinstance(response, dict):
@@ -254,7 +263,7 @@ class S3Store:
         """A small object (a manifest), written only if ``rel`` is still absent (``tag`` None) or holds ``tag``:
         one ``PutObject`` with ``If-None-Match: *`` or ``If-Match``; False when the condition failed."""
         key = self.key(rel)
-        cond = {"IfNoneMatch": "*"} if tag is None else {"IfMatch": tag}
+        cond = {"IfNoneMatch": "*"} if tag is None else {"IfMatch": tag.rpartition(_TAG_SEP)[0]}
         with self._translate("upload", key):
             try:
                 self.client.put_object(Bucket=self.config.bucket, Key=key, Body=data, **cond)
@@ -319,7 +328,9 @@ class S3Store:
         return sorted(self.list_tagged(rel_prefix))
 
     def list_tagged(self, rel_prefix: str = "") -> dict[str, str]:
-        """Every key that starts with ``rel_prefix`` (as :meth:`list`), relative, with its ETag."""
+        """Every key that starts with ``rel_prefix`` (as :meth:`list`), relative, with its tag: ETag and
+        LastModified (the same bytes written again, say by a node re-uploading its part after a restart,
+        keep their ETag: only the time tells)."""
         _check_rel("key prefix", rel_prefix, prefix_of_keys=True)
         root = f"{self.config.prefix}/" if self.config.prefix else ""
         tags: dict[str, str] = {}
@@ -327,7 +338,7 @@ class S3Store:
             paginator = self.client.get_paginator("list_objects_v2")
             pages = paginator.paginate(Bucket=self.config.bucket, Prefix=root + rel_prefix, PaginationConfig={"PageSize": _LIST_PAGE})
             for page in pages:
-                tags.update((obj["Key"][len(root) :], str(obj.get("ETag", ""))) for obj in page.get("Contents", ()))
+                tags.update((obj["Key"][len(root) :], _tag(obj)) for obj in page.get("Contents", ()))
         return tags
 
     def delete(self, rels: builtins.list[str]) -> None:
