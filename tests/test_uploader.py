@@ -506,6 +506,14 @@ def test_catch_up_sends_a_step_that_replaced_the_bucket_s_older_step_of_its_numb
     assert bucket_committed_at(store, JOB, 4) == 2_000
 
 
+def clocked_uploader(store: MemoryStore, root: str) -> tuple[Uploader, list[float]]:
+    """An uploader (commit_timeout 60 s) whose clock the test moves: ``now[0]``, from 100."""
+    now = [100.0]
+    up = make_uploader(store, root, Results(), commit_timeout=60.0)
+    up.clock = lambda: now[0]
+    return up, now
+
+
 def seen(up: Uploader, store: MemoryStore, step: int) -> bool:
     """What the uploader's retention pass asks of a partial step of ``JOB``: every object under its prefix."""
     return up._settled(JOB)(step, frozenset(store.list_tagged(bucket_prefix(JOB, step)).items()))
@@ -537,9 +545,8 @@ def test_a_new_attempts_part_under_the_names_of_one_given_up_long_ago_is_not_set
     pruned). After a rollback, node 0 uploads its part of a new attempt of step 4: the same object names.
     Settling compared names only, and the old sighting counted: node 1 deleted node 0's in-flight part, and the
     step could never complete. Objects are told apart by their tags now."""
-    store, now = MemoryStore(), [100.0]
-    up = make_uploader(store, str(tmp_path / "node1"), Results(), commit_timeout=60.0)
-    up.clock = lambda: now[0]
+    store = MemoryStore()
+    up, now = clocked_uploader(store, str(tmp_path / "node1"))
     node0 = str(tmp_path / "node0")
     try:
         write_rank(node0, JOB, 4, 0, 2, at=10, run=11)
@@ -613,9 +620,8 @@ def test_a_part_uploaded_again_with_the_same_bytes_after_a_restart_is_not_settle
     """Node 0's daemon uploaded its part of step 4, died, and uploads the same bytes again after its restart
     (then waits commit_timeout for node 1's part). The ETags are the same: only the write time tells node 2's
     retention that the part changed, so it does not delete it from under the waiting node."""
-    store, now = MemoryStore(), [100.0]
-    up = make_uploader(store, str(tmp_path / "node2"), Results(), commit_timeout=60.0)
-    up.clock = lambda: now[0]
+    store = MemoryStore()
+    up, now = clocked_uploader(store, str(tmp_path / "node2"))
     node0 = str(tmp_path / "node0")
     try:
         write_rank(node0, JOB, 4, 0, 2, at=10, run=11)
