@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .storage.s3 import RemoteConfig
+    from .storage.s3config import RemoteConfig
 
 # ---------------------------------------------------------------------------- defaults
 
@@ -277,7 +277,7 @@ def _from_env() -> dict[str, Any]:
 
 
 def _remote_table(table: object, where: str) -> dict[str, Any]:
-    from .storage.s3 import RemoteConfig
+    from .storage.s3config import RemoteConfig
 
     if not isinstance(table, dict):
         raise ValueError(f"{where}: [remote] must be a table")

@@ -38,7 +38,7 @@ _MAX_RUN = (1 << 63) - 1  # a launch id (protocol.MAX_ID)
 
 MAX_NAME_BYTES = 255  # a file name, as Linux file systems allow
 MAX_DOCUMENT_DEPTH = MAX_TREE_DEPTH + 3  # a rank's tree sits three levels down in a manifest: object, ranks list, entry
-_I64 = (1 << 63) - 1  # sizes, offsets and byte positions: torch and the file system count in int64
+I64_MAX = _I64 = (1 << 63) - 1  # sizes, offsets, byte positions and commit times: torch and the file system count in int64
 _HEX16 = re.compile(r"[0-9a-f]{16}")
 _TAG = "__ckptd__"  # ckptd.state.TAG (that module imports torch, which the daemon never loads)
 _KNOWN_TAGS = ("tensor", "tuple", "dict", "float", "odict", "ndarray", "npscalar", "bytes")

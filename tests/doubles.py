@@ -109,6 +109,14 @@ class MemoryStore:
     def _tag(self, rel: str) -> str:
         return f"{hashlib.md5(self.objects[rel]).hexdigest()}@{self.writes.get(rel, 0)}"
 
+    def delete_if(self, rel: str, tag: str) -> bool:
+        with self._lock:
+            self.calls.append(("delete", rel))
+            if rel not in self.objects or self._tag(rel) != tag:
+                return False
+            del self.objects[rel]
+        return True
+
     def delete(self, rels: list[str]) -> None:
         with self._lock:
             for rel in rels:

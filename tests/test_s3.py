@@ -123,6 +123,68 @@ def test_a_conditional_write_lands_only_on_the_object_as_it_was_listed(store: S3
     assert store.get_bytes(key) == b'{"run": 55}'
 
 
+def test_a_conditional_write_or_delete_of_an_object_gone_since_the_listing_is_a_lost_race_not_an_error(store: S3Store) -> None:
+    """Another node's retention removed the manifest between this node's listing and its write (or delete):
+    S3 answers 404 to the condition; the caller looks again, it does not fail the step."""
+    key = "j/step-6/manifest.json"
+    store.put_bytes(key, b'{"run": 11}')
+    tag = store.list_tagged("j/")[key]
+    store.delete([key])
+    assert store.put_bytes_if(key, b'{"run": 22}', tag) is False
+    assert store.delete_if(key, tag) is False
+    assert not store.exists(key)
+
+
+def test_a_conditional_delete_leaves_an_object_written_since_the_listing(store: S3Store) -> None:
+    key = "j/step-6/manifest.json"
+    store.put_bytes(key, b'{"run": 11}')
+    tag = store.list_tagged("j/")[key]
+    store.put_bytes(key, b'{"run": 22}')  # a rollback completed the step meanwhile
+    assert store.delete_if(key, tag) is False
+    assert store.get_bytes(key) == b'{"run": 22}'
+    assert store.delete_if(key, store.list_tagged("j/")[key]) is True
+    assert not store.exists(key)
+
+
+class _NoConditions:
+    """A boto3 client of an S3-compatible server that predates conditional requests (501 NotImplemented on
+    If-Match / If-None-Match, as older MinIO and Ceph releases answer): the real client otherwise."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+
+    def __getattr__(self, name: str) -> Any:
+        real = getattr(self._client, name)
+        if name not in ("put_object", "delete_object"):
+            return real
+
+        def call(**kw: Any) -> Any:
+            if {"IfMatch", "IfNoneMatch"} & kw.keys():
+                from botocore.exceptions import ClientError
+
+                raise ClientError(
+                    {"Error": {"Code": "NotImplemented", "Message": "A header you provided implies functionality that is not implemented"}},
+                    name,
+                )
+            return real(**kw)
+
+        return call
+
+
+def test_a_store_without_conditional_requests_writes_and_deletes_unconditionally_and_says_so(
+    store: S3Store, s3_bucket: RemoteConfig, caplog: pytest.LogCaptureFixture
+) -> None:
+    key = "j/step-6/manifest.json"
+    with S3Store(s3_bucket, client=_NoConditions(store.client)) as old:
+        with caplog.at_level("WARNING", logger="ckptd.daemon"):
+            assert old.put_bytes_if(key, b'{"run": 11}', None) is True
+            assert old.put_bytes_if(key, b'{"run": 22}', "stale@tag") is True
+            assert old.get_bytes(key) == b'{"run": 22}'
+            assert old.delete_if(key, "stale@tag") is True
+        assert not old.exists(key)
+    assert [r.getMessage().count("conditional requests are not available") for r in caplog.records] == [1]
+
+
 def test_progress_sums_to_size(store: S3Store, tmp_path: Path) -> None:
     size = 11 * MiB + 17
     _write(tmp_path / "src", size)

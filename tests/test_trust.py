@@ -392,12 +392,16 @@ def test_a_clock_stepped_back_across_a_restart_does_not_order_new_steps_first(ma
     assert complete_steps(d.root, "clk") == [2]
 
 
-def test_a_relaunch_resuming_a_step_another_nodes_clock_stamped_ahead_orders_its_new_steps_after_it(make_daemon) -> None:  # noqa: ANN001
+@pytest.mark.parametrize(
+    "stamp", [lambda: time.time_ns() + 600 * 10**9, lambda: (1 << 63) - 1], ids=["ten-minutes-ahead", "the-largest-stamp"]
+)
+def test_a_relaunch_resuming_a_step_another_nodes_clock_stamped_ahead_orders_its_new_steps_after_it(make_daemon, stamp) -> None:  # noqa: ANN001
     """The daemon keeps running across the relaunch (so it remembers the job's last commit time), and the step
     the relaunch restores was stamped 10 minutes ahead by another node's clock (a multi-node step downloaded
     from the bucket; that node has left the job since). The relaunch's next step must come later in commit
     order than the one it resumed from, or latest stays on the old step and retention (keep 1) deletes the
-    step just committed."""
+    step just committed. A stamp at the largest value a manifest may hold (a corrupt or hostile one) must not
+    push the next stamps past it: their fragments would be refused and the step lost."""
     d = make_daemon("--keep", "1")
     model, optim = make()
     with d.client("skew") as c:
@@ -406,7 +410,7 @@ def test_a_relaunch_resuming_a_step_another_nodes_clock_stamped_ahead_orders_its
         path = c.snapshot(model, optim, step=2, blocking=True).wait(60)
     manifest_path = os.path.join(path, "manifest.json")
     manifest = json.loads(open(manifest_path).read())
-    manifest["committed_at"] = time.time_ns() + 600 * 10**9
+    manifest["committed_at"] = stamp()
     with open(manifest_path + ".new", "w") as f:
         json.dump(manifest, f)
     os.replace(manifest_path + ".new", manifest_path)

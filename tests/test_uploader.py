@@ -383,7 +383,12 @@ def test_a_retention_failure_after_an_upload_never_fails_the_step_it_follows(tmp
             raise CheckpointError(f"injected failure: delete {rels[0]}")
         real_delete(rels)
 
+    def delete_if(rel: str, tag: str) -> bool:
+        delete([rel])
+        return True
+
     store.delete = delete  # type: ignore[method-assign]
+    store.delete_if = delete_if  # type: ignore[method-assign]
     if nodes == 1:
         write_step(roots[0], JOB, 10, at=10)
     else:

@@ -30,6 +30,7 @@ from ..layout import step_dir
 from ..protocol import EXTRA_FRAMES, Source, decode_request, reply_error, reply_ok
 from ..storage.local import committed_at
 from ..storage.store import ObjectStore
+from ..validate import I64_MAX
 from . import recovery
 from .access import Access, peer_pid
 from .admission import Admission
@@ -384,7 +385,7 @@ class Daemon:
         if job not in self._last_commit_ns:  # after a restart: later than every step on disk or adopted, whatever the clock says
             times = [sl.lease.get("committed_at", 0) for sl in self.pool if sl.lease is not None and sl.lease.get("job") == job]
             self._last_commit_ns[job] = max([committed_at(p) for p in [self.catalog.latest(job)[1]] if p is not None] + times, default=0)
-        t = max(time.time_ns(), self._last_commit_ns[job] + 1, after + 1)
+        t = min(max(time.time_ns(), self._last_commit_ns[job] + 1, after + 1), I64_MAX)  # a stamp readers accept
         self._last_commit_ns[job] = t
         return t
 

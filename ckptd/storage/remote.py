@@ -371,9 +371,7 @@ def download_step(store: ObjectStore, root: str, job: str, step: int, progress: 
     return final
 
 
-Settled = Callable[[int, frozenset[tuple[str, str]]], bool]
-"""Multi-node retention's question: have these objects of a step (keys with their tags) been given up by
-every node (unchanged for ``commit_timeout``)? See :meth:`ckptd.daemon.uploader.Uploader._settled`."""
+Settled = Callable[[int, frozenset[tuple[str, str]]], bool]  # have these objects of a step (key, tag) been given up?
 
 
 def _own(folder: str, name: str) -> bool:
@@ -385,17 +383,26 @@ def _own(folder: str, name: str) -> bool:
 def _drop_complete(store: ObjectStore, job: str, step: int, tag: str, folder: str | None) -> bool:
     """Remove complete step ``step`` whose manifest had ``tag`` in retention's listing, its manifest first (a
     half-deleted step never looks complete). False, touching nothing, if the manifest changed since (a
-    rollback re-save completed that number: the newest commit). ``folder``: a multi-node step's; only its
-    own files go with it, as another attempt's part of that number may be on its way up."""
+    rollback re-save completed that number: the newest commit; a conditional delete). ``folder``: a
+    multi-node step's; only its own files go with it, as another attempt's part of that number may be on
+    its way up."""
     _forget_commit(store, job, step)
     prefix = bucket_prefix(job, step)
     listed = store.list_tagged(prefix)
     man = bucket_key(job, step, MANIFEST)
-    if listed.get(man) != tag:
+    if not store.delete_if(man, tag):
         return False
-    store.delete([man])
     store.delete([k for k in listed if k != man and (folder is None or _own(folder, k[len(prefix) :]))])
     return True
+
+
+def _delete_judged(store: ObjectStore, objects: dict[str, str], conditional: bool) -> None:
+    """Delete exactly these objects (key -> the tag they were judged by); ``conditional`` (a multi-node job's,
+    whose nodes may upload a part again under the same names): each only if not written since."""
+    if not conditional:
+        return store.delete(sorted(objects))
+    for key, tag in sorted(objects.items()):
+        store.delete_if(key, tag)
 
 
 def _remove_strays(store: ObjectStore, job: str, objects: dict[str, str], step: int, folder: str, settled: Settled) -> None:
@@ -404,7 +411,7 @@ def _remove_strays(store: ObjectStore, job: str, objects: dict[str, str], step: 
     strays = {bucket_key(job, step, n): tag for n, tag in objects.items() if not _own(folder, n)}
     if strays and settled(step, frozenset(strays.items())):
         log.info("remote retention: removing %d objects of another attempt of step %s of job %s", len(strays), step, job)
-        store.delete(sorted(strays))
+        _delete_judged(store, strays, True)
 
 
 def apply_remote_retention(
@@ -433,9 +440,9 @@ def apply_remote_retention(
     stale = [s for s in sorted(objects.keys() - tags.keys()) if gone(s)]
     doomed_now = [s for s in doomed(policy, complete) if s != latest]
     dropped = [s for s in doomed_now if _drop_complete(store, job, s, tags[s], None if settled is None else facts[s][1])]
-    for s in stale:  # exactly the objects judged: one that arrived since the listing is a new upload's
+    for s in stale:  # exactly the objects judged: one written since the listing is a new upload's
         _forget_commit(store, job, s)
-        store.delete(sorted(bucket_key(job, s, n) for n in objects[s]))
+        _delete_judged(store, {bucket_key(job, s, n): t for n, t in objects[s].items()}, settled is not None)
     if settled is not None:
         for s in complete:
             if s not in busy and s not in doomed_now:

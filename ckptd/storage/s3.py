@@ -21,127 +21,26 @@ from __future__ import annotations
 
 import builtins  # the method S3Store.list shadows the type inside the class
 import contextlib
-import dataclasses
 import functools
 import io
+import logging
 import os
-import re
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointError, FormatError
 from .files import fsync_dir
+from .s3config import RemoteConfig, check_rel
 
-_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
-_IPV4_RE = re.compile(r"^\d{1,3}(\.\d{1,3}){3}$")
-_MIN_PART = 5 << 20  # S3's smallest multipart chunk (all but the last part)
-_MAX_PART = 5 << 30  # S3's largest single part
+log = logging.getLogger("ckptd.daemon")
+
 _LIST_PAGE = 1000  # keys per ListObjectsV2 request (the S3 maximum)
 _DELETE_BATCH = 1000  # keys per DeleteObjects request (the S3 maximum)
 _CONCURRENCY = 10  # parallel requests per store (parts of one transfer, or several transfers)
 _MISSING_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
-
-# field -> accepted types; bool is refused separately (it is an int subclass)
-_FIELD_TYPES: dict[str, tuple[type, ...]] = {
-    "bucket": (str,),
-    "prefix": (str,),
-    "endpoint_url": (str, type(None)),
-    "region": (str, type(None)),
-    "max_bandwidth": (int, type(None)),
-    "part_size": (int,),
-    "max_attempts": (int,),
-    "connect_timeout": (int, float),
-    "read_timeout": (int, float),
-}
-
-
-def _check_rel(what: str, rel: object, *, prefix_of_keys: bool = False) -> str:
-    """Return ``rel`` if it is a safe relative key (or key prefix), else raise ``ValueError``.
-
-    Refused: a leading ``/``, ``.`` or ``..`` segments, empty segments (``a//b``). A key prefix
-    (``prefix_of_keys``) may be empty and may end with ``/``; a key may do neither.
-    """
-    if not isinstance(rel, str):
-        raise ValueError(f"{what} must be a string, got {type(rel).__name__}")
-    if rel == "" and prefix_of_keys:
-        return rel
-    if rel.startswith("/"):
-        raise ValueError(f"{what} {rel!r} must not start with '/'")
-    segments = rel.split("/")
-    if prefix_of_keys and segments[-1] == "":
-        segments.pop()
-    if any(s in ("", ".", "..") for s in segments):
-        raise ValueError(f"{what} {rel!r} must not contain empty, '.' or '..' path segments")
-    return rel
-
-
-@dataclass(frozen=True)
-class RemoteConfig:
-    """Where and how to reach the bucket. Validated on construction; ``prefix`` loses trailing ``/``.
-
-    ``max_attempts`` counts every attempt of one request, the first included (1 = no retry).
-    ``part_size`` is both the multipart threshold and the chunk size: files of ``part_size`` bytes
-    or more are uploaded in parts of that size (S3 allows 5 MiB to 5 GiB).
-    ``max_bandwidth`` (bytes/s) caps uploads and downloads of the whole store together.
-    Credentials are not part of the config: boto3's usual chain supplies them (``AWS_*``
-    environment variables, ``~/.aws``, an instance role).
-    """
-
-    bucket: str
-    prefix: str = ""
-    endpoint_url: str | None = None
-    region: str | None = None
-    max_bandwidth: int | None = None
-    part_size: int = 64 << 20
-    max_attempts: int = 8
-    connect_timeout: float = 10.0
-    read_timeout: float = 60.0
-
-    def __post_init__(self) -> None:
-        for name, types in _FIELD_TYPES.items():
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, types):
-                want = " or ".join("None" if t is type(None) else t.__name__ for t in types)
-                raise ValueError(f"remote config: {name} must be {want}, got {type(value).__name__} {value!r}")
-        b = self.bucket
-        if not _BUCKET_RE.match(b) or ".." in b or _IPV4_RE.match(b):
-            raise ValueError(
-                f"remote config: invalid bucket name {b!r}: use 3-63 lowercase letters, digits, '.' and '-', "
-                "starting and ending with a letter or digit, no '..', not an IP address"
-            )
-        if self.prefix.startswith("/"):
-            raise ValueError(f"remote config: prefix {self.prefix!r} must not start with '/'")
-        prefix = self.prefix.rstrip("/")
-        if prefix:
-            _check_rel("remote config: prefix", prefix)
-        object.__setattr__(self, "prefix", prefix)
-        if self.endpoint_url is not None and not self.endpoint_url.startswith(("http://", "https://")):
-            raise ValueError(f"remote config: endpoint_url {self.endpoint_url!r} must start with http:// or https://")
-        if self.max_bandwidth is not None and self.max_bandwidth <= 0:
-            raise ValueError(f"remote config: max_bandwidth must be positive bytes/s, got {self.max_bandwidth}")
-        if not _MIN_PART <= self.part_size <= _MAX_PART:
-            raise ValueError(f"remote config: part_size must be between {_MIN_PART} and {_MAX_PART} bytes, got {self.part_size}")
-        if self.max_attempts < 1:
-            raise ValueError(f"remote config: max_attempts must be at least 1, got {self.max_attempts}")
-        for name in ("connect_timeout", "read_timeout"):
-            value = getattr(self, name)
-            if value <= 0:
-                raise ValueError(f"remote config: {name} must be positive seconds, got {value}")
-            object.__setattr__(self, name, float(value))
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> RemoteConfig:
-        """Build from a parsed TOML/JSON table; unknown keys, wrong types and bad values raise ``ValueError``."""
-        if not isinstance(d, dict):
-            raise ValueError(f"remote config must be a table, got {type(d).__name__}")
-        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise ValueError(f"remote config: unknown keys {', '.join(map(repr, unknown))}")
-        if "bucket" not in d:
-            raise ValueError("remote config: 'bucket' is required")
-        return cls(**d)
+# a conditional request lost: another writer came first (412), or one is writing the object now (409)
+_CONDITION_FAILED = frozenset({"PreconditionFailed", "412", "ConditionalRequestConflict", "409"})
 
 
 @functools.cache
@@ -211,6 +110,7 @@ class S3Store:
         self._transfer_manager: Any = None
         self._lock = threading.Lock()
         self._closed = False
+        self._warned_unconditional = False
 
     def __repr__(self) -> str:
         return f"S3Store(s3://{self.config.bucket}/{self.config.prefix} at {self._endpoint()})"
@@ -239,7 +139,7 @@ class S3Store:
 
     def key(self, rel: str) -> str:
         """The bucket key for ``rel``: ``<prefix>/<rel>`` (just ``rel`` without a prefix)."""
-        _check_rel("object key", rel)
+        check_rel("object key", rel)
         return f"{self.config.prefix}/{rel}" if self.config.prefix else rel
 
     def put_file(self, rel: str, path: str, progress: Callable[[int], None] | None = None) -> None:
@@ -261,17 +161,58 @@ class S3Store:
 
     def put_bytes_if(self, rel: str, data: bytes, tag: str | None) -> bool:
         """A small object (a manifest), written only if ``rel`` is still absent (``tag`` None) or holds ``tag``:
-        one ``PutObject`` with ``If-None-Match: *`` or ``If-Match``; False when the condition failed."""
+        one ``PutObject`` with ``If-None-Match: *`` or ``If-Match``; False when the condition failed (another
+        writer came first, or the object is gone). A store that does not implement conditional requests
+        (``501 NotImplemented``), or lists no ETags, gets an unconditional write and one warning."""
         key = self.key(rel)
-        cond = {"IfNoneMatch": "*"} if tag is None else {"IfMatch": tag.rpartition(_TAG_SEP)[0]}
-        with self._translate("upload", key):
-            try:
-                self.client.put_object(Bucket=self.config.bucket, Key=key, Body=data, **cond)
-            except _boto_errors() as exc:
-                if _error_code(exc) in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
-                    return False  # another writer came first; ConditionalRequestConflict: one is writing it now
-                raise
+        etag = None if tag is None else tag.rpartition(_TAG_SEP)[0]
+        if etag != "":
+            cond = {"IfNoneMatch": "*"} if etag is None else {"IfMatch": etag}
+            put = functools.partial(self.client.put_object, Bucket=self.config.bucket, Key=key, Body=data)
+            done = self._conditional("upload", key, put, cond)
+            if done is not None:
+                return done
+        self._unconditional(key)
+        self.put_bytes(rel, data)
         return True
+
+    def delete_if(self, rel: str, tag: str) -> bool:
+        """Delete ``rel`` only if it still holds ``tag`` (``DeleteObject`` with ``If-Match``); False when it
+        was written again or is gone. Unconditional, with one warning, where the store cannot (as above)."""
+        key = self.key(rel)
+        etag = tag.rpartition(_TAG_SEP)[0]
+        if etag:
+            done = self._conditional(
+                "delete", key, functools.partial(self.client.delete_object, Bucket=self.config.bucket, Key=key), {"IfMatch": etag}
+            )
+            if done is not None:
+                return done
+        self._unconditional(key)
+        self.delete([rel])
+        return True
+
+    def _conditional(self, op: str, key: str, call: Callable[..., Any], cond: dict[str, str]) -> bool | None:
+        """``call(**cond)``: True when done, False when its condition failed, None when the store does not
+        implement conditional requests; any other failure raises as every request's does."""
+        with self._translate(op, key):
+            try:
+                call(**cond)
+                return True
+            except _boto_errors() as exc:
+                code = _error_code(exc)
+                if code in _CONDITION_FAILED or ("IfMatch" in cond and code in _MISSING_CODES):
+                    return False
+                if code in ("NotImplemented", "501"):
+                    return None
+                raise
+
+    def _unconditional(self, key: str) -> None:
+        if not self._warned_unconditional:
+            self._warned_unconditional = True
+            log.warning(
+                "s3 bucket %r at %s: conditional requests are not available (%s); manifests are written and removed"
+                " unconditionally, so nodes racing on one step are not kept apart", self.config.bucket, self._endpoint(), key,
+            )  # fmt: skip
 
     def get_file(self, rel: str, path: str, progress: Callable[[int], None] | None = None, limit: int | None = None) -> None:
         """Download ``rel`` to ``path`` atomically: into ``path + ".part"``, fsync, rename over ``path``.
@@ -331,7 +272,7 @@ class S3Store:
         """Every key that starts with ``rel_prefix`` (as :meth:`list`), relative, with its tag: ETag and
         LastModified (the same bytes written again, say by a node re-uploading its part after a restart,
         keep their ETag: only the time tells)."""
-        _check_rel("key prefix", rel_prefix, prefix_of_keys=True)
+        check_rel("key prefix", rel_prefix, prefix_of_keys=True)
         root = f"{self.config.prefix}/" if self.config.prefix else ""
         tags: dict[str, str] = {}
         with self._translate("list", root + rel_prefix + "*"):

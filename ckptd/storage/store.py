@@ -32,6 +32,11 @@ class ObjectStore(Protocol):
         / ``If-Match``). A store that ignores those headers writes unconditionally."""
         ...
 
+    def delete_if(self, rel: str, tag: str) -> bool:
+        """Delete ``rel`` only if it still has the tag ``tag`` a listing showed; False when it was written
+        again or is gone (S3's conditional ``DeleteObject``). Unconditional where the store cannot."""
+        ...
+
     def get_file(self, rel: str, path: str, progress: Progress | None = None, limit: int | None = None) -> None:
         """Download ``rel`` to ``path`` atomically (a failure leaves ``path`` as it was); an object past
         ``limit`` bytes raises :class:`~ckptd.errors.FormatError` before more than ``limit`` are written."""
