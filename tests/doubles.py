@@ -66,7 +66,7 @@ class MemoryStore:
         self._log("put", self._check(rel))
         with self._lock:
             now = self.objects.get(rel)
-            if (now is None) != (tag is None) or (now is not None and tag is not None and self._tag(rel) != tag):
+            if (now is None) != (tag is None) or (now is not None and tag is not None and not self._matches(rel, tag)):
                 return False
             self.objects[rel] = bytes(data)
             self.writes[rel] = self.writes.get(rel, 0) + 1
@@ -109,10 +109,14 @@ class MemoryStore:
     def _tag(self, rel: str) -> str:
         return f"{hashlib.md5(self.objects[rel]).hexdigest()}@{self.writes.get(rel, 0)}"
 
+    def _matches(self, rel: str, tag: str) -> bool:
+        """S3's ``If-Match``: the ETag alone (the same bytes written again match)."""
+        return self._tag(rel).partition("@")[0] == tag.partition("@")[0]
+
     def delete_if(self, rel: str, tag: str) -> bool:
         with self._lock:
             self.calls.append(("delete", rel))
-            if rel not in self.objects or self._tag(rel) != tag:
+            if rel not in self.objects or not self._matches(rel, tag):
                 return False
             del self.objects[rel]
         return True
@@ -149,9 +153,20 @@ class FaultyStore:
 
     def __getattr__(self, name: str) -> Any:
         target = getattr(self.store, name)
-        if name not in ("put_file", "put_bytes", "get_file", "get_bytes", "list", "list_tagged", "delete", "exists"):
+        if name not in (
+            "put_file",
+            "put_bytes",
+            "put_bytes_if",
+            "get_file",
+            "get_bytes",
+            "list",
+            "list_tagged",
+            "delete",
+            "delete_if",
+            "exists",
+        ):
             return target
-        op = "list" if name == "list_tagged" else name
+        op = {"list_tagged": "list", "put_bytes_if": "put_bytes", "delete_if": "delete"}.get(name, name)
 
         def call(rel: Any, *args: Any, **kw: Any) -> Any:
             self._maybe_fail(op, rel if isinstance(rel, str) else ",".join(rel))

@@ -146,12 +146,14 @@ def test_a_conditional_delete_leaves_an_object_written_since_the_listing(store: 
     assert not store.exists(key)
 
 
-class _NoConditions:
-    """A boto3 client of an S3-compatible server that predates conditional requests (501 NotImplemented on
-    If-Match / If-None-Match, as older MinIO and Ceph releases answer): the real client otherwise."""
+class _OlderServer:
+    """A boto3 client of an S3-compatible server unlike moto's on conditional requests, the real client
+    otherwise. ``mode``: ``"501"`` answers NotImplemented to If-Match / If-None-Match (older MinIO and Ceph
+    releases); ``"ignore"`` drops those headers; ``"retry"`` applies a DeleteObject and answers as botocore's
+    retry of it would after the first response was lost; ``"s3"`` changes nothing."""
 
-    def __init__(self, client: Any) -> None:
-        self._client = client
+    def __init__(self, client: Any, mode: str = "501") -> None:
+        self._client, self.mode = client, mode
 
     def __getattr__(self, name: str) -> Any:
         real = getattr(self._client, name)
@@ -160,22 +162,79 @@ class _NoConditions:
 
         def call(**kw: Any) -> Any:
             if {"IfMatch", "IfNoneMatch"} & kw.keys():
-                from botocore.exceptions import ClientError
+                if self.mode == "501":
+                    from botocore.exceptions import ClientError
 
-                raise ClientError(
-                    {"Error": {"Code": "NotImplemented", "Message": "A header you provided implies functionality that is not implemented"}},
-                    name,
-                )
+                    raise ClientError(
+                        {
+                            "Error": {
+                                "Code": "NotImplemented",
+                                "Message": "A header you provided implies functionality that is not implemented",
+                            }
+                        },
+                        name,
+                    )
+                if self.mode == "ignore":
+                    kw = {k: v for k, v in kw.items() if k not in ("IfMatch", "IfNoneMatch")}
+                if self.mode == "retry" and name == "delete_object":
+                    real(**kw)  # went through; its response was lost, and botocore sends it again
             return real(**kw)
 
         return call
+
+
+def _complete_step5(store: Any, manifest: bytes) -> str:
+    store.put_bytes("j/step-5/rank-00000.safetensors", b"x")
+    store.put_bytes("j/step-5/manifest.json", manifest)
+    return "j/step-5/manifest.json"
+
+
+@pytest.mark.parametrize("mode", ["s3", "501", "ignore"])
+def test_retention_keeps_a_step_whose_manifest_was_written_again_since_its_listing_whatever_the_store(
+    store: S3Store, s3_bucket: RemoteConfig, mode: str
+) -> None:
+    """Retention listed step 5; then a rollback completed step 5 anew. Its new manifest (its waiters were told
+    the step is complete) stays, also where the store cannot make the delete conditional."""
+    from ckptd.storage.remote import _drop_complete
+
+    man = _complete_step5(store, b'{"run": 1}')
+    tag = store.list_tagged("j/")[man]
+    store.put_bytes(man, b'{"run": 2, "after": 3}')
+    with S3Store(s3_bucket, client=_OlderServer(store.client, mode)) as other:
+        assert _drop_complete(other, "j", 5, tag, None) is False
+    assert store.get_bytes(man) == b'{"run": 2, "after": 3}' and store.exists("j/step-5/rank-00000.safetensors")
+
+
+def test_a_conditional_delete_retried_after_it_went_through_still_drops_the_whole_step(store: S3Store, s3_bucket: RemoteConfig) -> None:
+    """The retry finds no manifest (404 to its condition): the step is gone, and its files must go with it."""
+    from ckptd.storage.remote import _drop_complete
+
+    man = _complete_step5(store, b'{"run": 1}')
+    with S3Store(s3_bucket, client=_OlderServer(store.client, "retry")) as other:
+        assert _drop_complete(other, "j", 5, store.list_tagged("j/")[man], None) is True
+    assert store.list("j/") == []
+
+
+def test_the_memory_double_matches_s3_on_a_rewrite_with_the_same_bytes(store: S3Store) -> None:
+    """If-Match compares ETags only: the same bytes written again still match, on S3 and in the tests' double."""
+    from doubles import MemoryStore
+
+    got = []
+    for each in (store, MemoryStore()):
+        man = _complete_step5(each, b'{"run": 1}')
+        tag = each.list_tagged("j/")[man]
+        time.sleep(1.1 if each is store else 0)  # S3's LastModified counts whole seconds
+        each.put_bytes(man, b'{"run": 1}')
+        assert each.list_tagged("j/")[man] != tag  # the listing tells them apart (LastModified) ...
+        got.append(each.delete_if(man, tag))  # ... S3's condition does not
+    assert got == [True, True]
 
 
 def test_a_store_without_conditional_requests_writes_and_deletes_unconditionally_and_says_so(
     store: S3Store, s3_bucket: RemoteConfig, caplog: pytest.LogCaptureFixture
 ) -> None:
     key = "j/step-6/manifest.json"
-    with S3Store(s3_bucket, client=_NoConditions(store.client)) as old:
+    with S3Store(s3_bucket, client=_OlderServer(store.client)) as old:
         with caplog.at_level("WARNING", logger="ckptd.daemon"):
             assert old.put_bytes_if(key, b'{"run": 11}', None) is True
             assert old.put_bytes_if(key, b'{"run": 22}', "stale@tag") is True

@@ -381,16 +381,16 @@ def _own(folder: str, name: str) -> bool:
 
 
 def _drop_complete(store: ObjectStore, job: str, step: int, tag: str, folder: str | None) -> bool:
-    """Remove complete step ``step`` whose manifest had ``tag`` in retention's listing, its manifest first (a
+    """Remove complete step ``step`` whose manifest had ``tag`` in retention's listing, manifest first (a
     half-deleted step never looks complete). False, touching nothing, if the manifest changed since (a
-    rollback re-save completed that number: the newest commit; a conditional delete). ``folder``: a
-    multi-node step's; only its own files go with it, as another attempt's part of that number may be on
-    its way up."""
+    rollback re-save completed that number; checked again by a conditional delete, which, retried after it
+    went through, finds no manifest and goes on). ``folder``: a multi-node step's; only its own files go."""
     _forget_commit(store, job, step)
     prefix = bucket_prefix(job, step)
     listed = store.list_tagged(prefix)
     man = bucket_key(job, step, MANIFEST)
-    if not store.delete_if(man, tag):
+    if listed.get(man) != tag or (not store.delete_if(man, tag) and store.exists(man)):
+        log.info("remote retention: step %s of job %s was written again since it was listed: kept", step, job)
         return False
     store.delete([k for k in listed if k != man and (folder is None or _own(folder, k[len(prefix) :]))])
     return True
