@@ -403,7 +403,7 @@ def attempt_of(doc: Any) -> Attempt | None:
 
 def objects_folder(doc: Any) -> str:
     """Where a bucket manifest's files lie under its step's prefix: the folder of its attempt when it says
-    so (``attempt_objects``: a multi-node step completed by a ckptd since 2026-11-25), else the prefix itself."""
+    so (``attempt_objects``: a multi-node step completed by a ckptd since 5c636b6, 2026-11-24), else the prefix itself."""
     attempt = attempt_of(doc)
     if attempt is None or doc.get("attempt_objects") is not True:
         return ""
