@@ -17,7 +17,7 @@ Bucket (keys relative to the store's prefix)::
     <job>/step-<N>/run-<R>-after-<A>/rank-RRRRR.safetensors, .../rank-RRRRR.json
                                     a multi-node step's files, in the folder of the attempt that saved
                                     them (launch R, which had restored step A, or ``none``): two attempts
-                                    of one step number never write the same object
+                                    of one step number never write the same shard or fragment
     <job>/step-<N>/manifest.json    written last: the step is complete in the bucket iff it exists; a
                                     multi-node step's names its attempt and ``attempt_objects``
 

@@ -378,7 +378,7 @@ class Daemon:
         return {}
 
     def _commit_time(self, job: str, after: int = 0) -> int:
-        """Nanoseconds since the epoch, strictly increasing per job in this run (a clock stepped back
+        """Nanoseconds since the epoch, strictly increasing per job in this run (up to 2^63-1; a clock stepped back
         must not make a later commit look older), and later than ``after`` (the step the client restored
         and the old step a rolled-back run's re-save replaces, which another node's clock may have stamped,
         one that ran ahead and has left the job since): the order ``latest`` follows."""

@@ -6,12 +6,12 @@ next, manifest last, so a reader never sees a manifest whose data is missing. Mu
 over several daemons, each with its own root): each daemon uploads the shards and fragments of its own
 ranks once they are durable locally, into the folder of the attempt that saved them; whichever daemon
 then finds every rank's fragment of that attempt in the bucket merges them into the manifest (the same
-checks as a local step: coverage, replicas) and writes it. Both may do so at once: they write the same
-manifest. The trainers' process groups play no part. Two attempts of one step number (a rollback, a
-dead run's part uploaded late) never write the same object, so a step of that number already in the
-bucket stays complete until the attempt replacing it is, and no late upload can overwrite a complete
-step's shard; retention removes another attempt's objects once they have stayed unchanged for
-``commit_timeout``.
+checks as a local step: coverage, replicas) and writes it, conditionally: if two try at once, one write
+lands and the other reads it at its next poll. The trainers' process groups play no part. Two attempts
+of one step number (a rollback, a dead run's part uploaded late) share only the manifest's key, written
+only over the version its writer judged, never a shard or fragment: a step of that number in the bucket
+stays complete until the attempt replacing it is, and no late upload overwrites a complete step's shard;
+retention removes another attempt's objects once they have stayed unchanged for ``commit_timeout``.
 
 Everything here blocks on the network: the daemon calls it from its upload and fetch threads only,
 through the :class:`~ckptd.storage.store.ObjectStore` protocol.

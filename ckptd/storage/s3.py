@@ -13,7 +13,10 @@ all transfers go through one s3transfer manager, so ``max_bandwidth`` caps the s
 rather than each call. Progress callbacks run on s3transfer's worker threads, not the caller's.
 
 Errors: any boto3/botocore failure surfaces as :class:`~ckptd.errors.CheckpointError` naming the
-operation, bucket and key; reading a missing object raises :class:`FileNotFoundError`. boto3 is
+operation, bucket and key; reading a missing object raises :class:`FileNotFoundError`. Except in
+:meth:`S3Store.put_bytes_if` / :meth:`S3Store.delete_if`: a failed condition (412, 409, or a missing
+object under ``If-Match``) returns False, and ``501 NotImplemented`` falls back to an unconditional
+request with one warning. boto3 is
 imported on first use, so ``import ckptd`` does not pay for it.
 """
 

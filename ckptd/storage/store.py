@@ -54,8 +54,8 @@ class ObjectStore(Protocol):
 
     def list_tagged(self, rel_prefix: str = "") -> dict[str, str]:
         """Every key starting with ``rel_prefix``, with a tag that changes whenever the object is written,
-        even with the same bytes (S3's ETag and LastModified): what a cache of an object's contents checks
-        before it is trusted, and what tells a part uploaded again from one left alone."""
+        even with the same bytes (S3's ETag and LastModified, which counts whole seconds): what a cache of an
+        object's contents checks before it is trusted, and what tells a part uploaded again from one left alone."""
         ...
 
     def delete(self, rels: list[str]) -> None:
