@@ -168,46 +168,36 @@ class S3Store:
         writer came first, or the object is gone). A store that does not implement conditional requests
         (``501 NotImplemented``), or lists no ETags, gets an unconditional write and one warning."""
         key = self.key(rel)
-        etag = None if tag is None else tag.rpartition(_TAG_SEP)[0]
-        if etag != "":
-            cond = {"IfNoneMatch": "*"} if etag is None else {"IfMatch": etag}
-            put = functools.partial(self.client.put_object, Bucket=self.config.bucket, Key=key, Body=data)
-            done = self._conditional("upload", key, put, cond)
-            if done is not None:
-                return done
-        self._unconditional(key)
-        self.put_bytes(rel, data)
-        return True
+        put = functools.partial(self.client.put_object, Bucket=self.config.bucket, Key=key, Body=data)
+        return self._conditional("upload", key, put, tag, lambda: self.put_bytes(rel, data))
 
     def delete_if(self, rel: str, tag: str) -> bool:
         """Delete ``rel`` only if it still holds ``tag`` (``DeleteObject`` with ``If-Match``); False when it
         was written again or is gone. Unconditional, with one warning, where the store cannot (as above)."""
         key = self.key(rel)
-        etag = tag.rpartition(_TAG_SEP)[0]
-        if etag:
-            done = self._conditional(
-                "delete", key, functools.partial(self.client.delete_object, Bucket=self.config.bucket, Key=key), {"IfMatch": etag}
-            )
-            if done is not None:
-                return done
-        self._unconditional(key)
-        self.delete([rel])
-        return True
+        delete = functools.partial(self.client.delete_object, Bucket=self.config.bucket, Key=key)
+        return self._conditional("delete", key, delete, tag, lambda: self.delete([rel]))
 
-    def _conditional(self, op: str, key: str, call: Callable[..., Any], cond: dict[str, str]) -> bool | None:
-        """``call(**cond)``: True when done, False when its condition failed, None when the store does not
-        implement conditional requests; any other failure raises as every request's does."""
-        with self._translate(op, key):
-            try:
-                call(**cond)
-                return True
-            except _boto_errors() as exc:
-                code = _error_code(exc)
-                if code in _CONDITION_FAILED or ("IfMatch" in cond and code in _MISSING_CODES):
-                    return False
-                if code in ("NotImplemented", "501"):
-                    return None
-                raise
+    def _conditional(self, op: str, key: str, call: Callable[..., Any], tag: str | None, fallback: Callable[[], None]) -> bool:
+        """``call`` under the condition ``tag`` names: the object absent (None), or still holding that ETag.
+        True when done, False when the condition failed (412, 409, or a missing object under ``If-Match``);
+        where the store does not implement conditional requests (501) or the listing gave no ETag,
+        ``fallback`` (the unconditional request) with one warning. Any other failure raises as usual."""
+        etag = None if tag is None else tag.rpartition(_TAG_SEP)[0]
+        if etag != "":
+            with self._translate(op, key):
+                try:
+                    call(**({"IfNoneMatch": "*"} if etag is None else {"IfMatch": etag}))
+                    return True
+                except _boto_errors() as exc:
+                    code = _error_code(exc)
+                    if code in _CONDITION_FAILED or (etag is not None and code in _MISSING_CODES):
+                        return False
+                    if code not in ("NotImplemented", "501"):
+                        raise
+        self._unconditional(key)
+        fallback()
+        return True
 
     def _unconditional(self, key: str) -> None:
         if not self._warned_unconditional:
