@@ -58,11 +58,17 @@ if [ "$(id -u)" = 0 ] && [ "$shm_gb" -lt $((mem_gb / 2)) ]; then
     mount -o remount,size=$((mem_gb * 3 / 4))G /dev/shm && df -h /dev/shm | tee -a "$out/env.txt" || true
 fi
 
+# SHM_HUGE=1: mount /dev/shm with huge=within_size (as root), to measure a node whose segments sit on huge pages
+if [ "${SHM_HUGE:-0}" = 1 ] && [ "$(id -u)" = 0 ]; then
+    mount -o remount,huge=within_size /dev/shm || echo "could not remount /dev/shm with huge pages"
+fi
+findmnt -no OPTIONS /dev/shm | tee -a "$out/env.txt"
+
 case "$phase" in
 tests)
     # test_cuda.py runs only with CUDA; the hot-restore and snapshot tests run their CPU paths beside it
     set +e
-    "$py" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_hot.py -ra 2>&1 | tee "$out/pytest.log"
+    "$py" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_hot.py tests/test_hotread.py tests/test_hot_to_device.py -ra 2>&1 | tee "$out/pytest.log"
     rc=${PIPESTATUS[0]}
     "$py" benchmarks/gpu_copy.py --json "$out/gpu_copy.json" 2>&1 | tee "$out/gpu_copy.log"
     exit "$rc"
@@ -79,7 +85,7 @@ paths)
 all)
     # one machine start for both: the tests (capped, so a hang leaves the loop its time), then the loop
     set +e
-    timeout 240 "$py" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_hot.py -ra 2>&1 | tee "$out/pytest.log"
+    timeout 240 "$py" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_hot.py tests/test_hotread.py tests/test_hot_to_device.py -ra 2>&1 | tee "$out/pytest.log"
     rc=${PIPESTATUS[0]}
     timeout 90 "$py" benchmarks/gpu_copy.py --json "$out/gpu_copy.json" 2>&1 | tee "$out/gpu_copy.log"
     # LOOP_TIMEOUT: seconds before the loop is sent SIGTERM, after which it still prints and plots what it measured

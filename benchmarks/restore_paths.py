@@ -12,7 +12,12 @@ mapped again, as a restarted trainer maps the daemon's segment. Measured, each o
 * host-to-device copies from the registered mapping into one device buffer: whole, in ranges, and one
   copy across the boundary of two separately registered ranges (does CUDA take it at full speed?);
 * XXH3-64 of the whole segment in chunks of ``--range-mb``, from 1, 4, 8 and 16 threads;
-* a bounce path: one page-locked buffer per thread, ``memcpy`` from the mapping into it.
+* a bounce path: one page-locked buffer per thread, ``memcpy`` from the mapping into it;
+* ckptd's own path (``ckptd.client.hotread.HotRead``): ``pread`` from the segment into two page-locked slots
+  per thread, XXH3 from the slot, a copy on a side stream into the device buffer, for ``--chunk-mb`` chunks,
+  several thread counts and slot sizes, with and without checksums (slots allocated inside each timing).
+
+``--only hotread`` measures the last alone.
 
 Prints a table; writes ``--json``.
 """
@@ -32,7 +37,11 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ckptd.client import cuda as ckptd_cuda  # noqa: E402
+from ckptd.client.hotread import Flat, HotRead  # noqa: E402
+from ckptd.client.hotread import pread_into as hotread_pread  # noqa: E402
 from ckptd.format import digest  # noqa: E402
+from ckptd.shm import populate_write  # noqa: E402
 
 RO_PORTABLE = 0x08 | 0x01
 
@@ -60,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gb", type=float, default=6.0)
     p.add_argument("--range-mb", type=int, default=256)
+    p.add_argument("--chunk-mb", type=int, default=24, help="chunk size for ckptd's own path")
+    p.add_argument("--only", choices=["hotread"], default=None)
     p.add_argument("--json", default="bench-out/restore_paths.json")
     a = p.parse_args(argv)
     warnings.filterwarnings("ignore", category=UserWarning)  # torch.frombuffer of a read-only mapping: only ever read
@@ -100,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
             mm.close()
             return t() - t0
 
+        if a.only == "hotread":
+            hotread_rows(fd, path, n, a.chunk_mb << 20, dev, row)
+            return _write(res, a.json)
         # 1. mmap, register whole, copy whole, unregister, munmap
         for populate in (True, False):
             mm, ten, ptr, took = fresh(populate)
@@ -189,13 +203,87 @@ def main(argv: list[str] | None = None) -> int:
             bufs.clear()
         view.release()
         close(mm, ten)
+        hotread_rows(fd, path, n, a.chunk_mb << 20, dev, row)
     finally:
         os.close(fd)
         os.unlink(path)
-    os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-    with open(a.json, "w") as f:
+    return _write(res, a.json)
+
+
+def _write(res: dict[str, Any], out: str) -> int:
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
         json.dump(res, f, indent=1)
     return 0
+
+
+def hotread_rows(fd: int, path: str, n: int, chunk: int, dev: torch.Tensor, row: Any) -> None:
+    """ckptd's hot path into the GPU, on the segment cut into ``chunk``-byte chunks, each into its part of ``dev``."""
+    spans = [(off, min(off + chunk, n)) for off in range(0, n, chunk)]
+    with ThreadPoolExecutor(16) as ex:
+        sums = list(ex.map(lambda r: digest(memoryview(_pread(fd, r))), spans))
+    name = os.path.basename(path)
+    device = dev.device
+    for threads, slot_mb in [(8, 8), (8, 32), (16, 32)]:  # the ceiling: pread alone into page-locked buffers
+        bufs = [torch.empty(slot_mb << 20, dtype=torch.uint8, pin_memory=True) for _ in range(threads)]
+        t0 = t()
+        with ThreadPoolExecutor(threads) as ex:
+            list(ex.map(lambda i, b=bufs, k=threads, m=slot_mb << 20: _pread_share(fd, b[i], i, k, m, n), range(threads)))
+        row(f"pread alone into page-locked buffers, {threads} threads, {slot_mb} MiB reads", t() - t0)
+        bufs.clear()
+    mm = mmap.mmap(fd, n, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)  # plain: faulted in by the copies
+    ten = torch.frombuffer(mm, dtype=torch.uint8)
+    bufs = [torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    t0 = t()
+    for i, o in enumerate(range(0, n, 64 << 20)):  # torch's own copy threads (intra-op), one call per 64 MiB
+        bufs[i % 2][: min(64 << 20, n - o)].copy_(ten[o : o + (64 << 20)])
+    row(f"memcpy from a plain mapping into page-locked buffers, torch copy_ ({torch.get_num_threads()} intra-op threads), 64 MiB", t() - t0)
+    del ten, bufs
+    mm.close()
+    # slots for 8 threads, both ways: cudaHostAlloc, and anonymous memory registered
+    t0 = t()
+    pinned = [torch.empty(16 << 20, dtype=torch.uint8, pin_memory=True) for _ in range(8)]
+    row("page-locked slots, 8 x 2 x 8 MiB: cudaHostAlloc (pin_memory)", t() - t0, 128 << 20)
+    del pinned
+    torch._C._host_emptyCache()
+    t0 = t()
+    anon = [mmap.mmap(-1, 16 << 20) for _ in range(8)]
+    ptrs = [torch.frombuffer(m, dtype=torch.uint8).data_ptr() for m in anon]
+    for ptr in ptrs:
+        populate_write(ptr, 16 << 20)
+        register(ptr, 16 << 20, 0x01)
+    row("page-locked slots, 8 x 2 x 8 MiB: anonymous mappings faulted in and registered", t() - t0, 128 << 20)
+    for ptr in ptrs:
+        unregister(ptr)
+    for m in anon:
+        m.close()
+    configs = [(8, 8, True), (12, 8, True), (16, 8, True), (8, 4, True), (16, 4, True), (16, 16, True), (8, 8, False), (16, 8, False)]
+    for workers, slot_mb, checked in configs:
+        flats = [
+            Flat(f"c{i}", {"file": name, "byte_range": [b, e], "xxh3_64": h if checked else None}, dev[b:e], device)
+            for i, ((b, e), h) in enumerate(zip(spans, sums))
+        ]
+        up = ckptd_cuda.Uploads(device, {})
+        dev.zero_()
+        torch.cuda.synchronize()
+        t0 = t()
+        HotRead({name: fd}, lambda _: path, lambda _, up=up: up, workers=workers, slot=slot_mb << 20).read(flats)
+        up.finish()  # waits for the copies, gives the slots back
+        took = t() - t0
+        what = f"{workers} threads, {slot_mb} MiB slots{'' if checked else ', no checksums'}"
+        row(f"ckptd HotRead: pread -> page-locked slots -> H2D, {what}", took)
+    b, e = spans[len(spans) // 2]
+    assert bytes(dev[b:e].cpu().numpy()) == _pread(fd, (b, e)), "HotRead copied wrong bytes"
+
+
+def _pread_share(fd: int, buf: torch.Tensor, i: int, k: int, m: int, n: int) -> None:
+    """Thread ``i`` of ``k``: every ``k``-th ``m``-byte read of the segment's ``n`` bytes, into ``buf``."""
+    for o in range(i * m, n, k * m):
+        hotread_pread(fd, buf[: min(m, n - o)], o)
+
+
+def _pread(fd: int, span: tuple[int, int]) -> bytes:
+    return os.pread(fd, span[1] - span[0], span[0])
 
 
 if __name__ == "__main__":

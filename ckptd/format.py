@@ -99,6 +99,11 @@ def digest(buf: Any) -> str:
     return xxhash.xxh3_64_hexdigest(buf)
 
 
+def digester() -> Any:
+    """A streaming :func:`digest`: ``update(buf)`` part by part (releases the GIL too), then ``hexdigest()``."""
+    return xxhash.xxh3_64()
+
+
 @dataclass(frozen=True)
 class ChunkSpec:
     """One tensor chunk in a shard file: ``name`` in the file, state ``key``, placement, bytes."""

@@ -64,10 +64,19 @@ def _saved(daemon, job: str) -> tuple[dict[str, torch.Tensor], str]:  # noqa: AN
     return {k: v.cpu() for k, v in full_state(model, optim).items()}, path
 
 
+def _as_if_reshaped(monkeypatch) -> None:  # noqa: ANN001
+    """No chunk fills its destination whole, as in a restore into another layout: the hot path maps and page-locks the segment."""
+    from ckptd.client import reader
+
+    monkeypatch.setattr(reader, "_whole", lambda *a, **k: None)
+
+
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("hot", [True, False])
-def test_cuda_restore_from_memory_and_disk_is_exact(daemon, hot: bool) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("hot,whole", [(True, True), (True, False), (False, True)], ids=["hot", "hot-reshaped", "disk"])
+def test_cuda_restore_from_memory_and_disk_is_exact(daemon, hot: bool, whole: bool, monkeypatch) -> None:  # noqa: ANN001
+    if not whole:
+        _as_if_reshaped(monkeypatch)
     want, _ = _saved(daemon, "gr")
     with daemon.client("gr") as c:
         m2, o2 = _cuda_model()
@@ -81,6 +90,7 @@ def test_cuda_restore_from_memory_and_disk_is_exact(daemon, hot: bool) -> None: 
 @needs_cuda
 def test_cuda_restore_goes_through_page_locked_buffers_when_registering_fails(daemon, monkeypatch) -> None:  # noqa: ANN001
     want, _ = _saved(daemon, "gb")
+    _as_if_reshaped(monkeypatch)
     monkeypatch.setattr(cuda, "pin", lambda *a, **k: False)  # a driver that refuses read-only registration
     with daemon.client("gb") as c:
         m2, o2 = _cuda_model()
@@ -140,3 +150,47 @@ def test_cuda_hot_restore_verifies_every_chunk_and_falls_back_to_disk_on_a_corru
         assert c.last_restore["source"] == "disk"
     torch.cuda.synchronize()
     assert_same({k: v.cpu() for k, v in full_state(m2, o2).items()}, want)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("corrupt", [None, "small", "big"])
+def test_cuda_hotread_through_page_locked_slots_is_exact_and_catches_a_flipped_byte(tmp_path, corrupt: str | None) -> None:  # noqa: ANN001
+    # chunks next to each other read together, one larger than a slot read in parts, several threads, real streams
+    import os
+
+    from ckptd.client.hotread import Flat, HotRead
+    from ckptd.errors import FormatError
+    from ckptd.format import digest
+
+    sizes = [300, 4096, 5000, 64 << 10, 3 << 20, 17, 1 << 20]  # the 3 MiB one spans three 1 MiB slots
+    data = os.urandom(sum(sizes) + 64 * len(sizes))
+    spans, pos = [], 0
+    for n in sizes:
+        spans.append((pos, pos + n))
+        pos += n + 64
+    seg = tmp_path / "segment"
+    seg.write_bytes(data)
+    dev = torch.zeros(len(data), dtype=torch.uint8, device="cuda")
+    flats = [
+        Flat(f"t{i}", {"file": "segment", "byte_range": [b, e], "xxh3_64": digest(data[b:e])}, dev[b:e], dev.device)
+        for i, (b, e) in enumerate(spans)
+    ]
+    if corrupt is not None:
+        b, _ = spans[0 if corrupt == "small" else 4]
+        seg.write_bytes(data[: b + 7] + bytes([data[b + 7] ^ 1]) + data[b + 8 :])
+    up = cuda.Uploads(dev.device, {})
+    fd = os.open(seg, os.O_RDONLY)
+    try:
+        reader = HotRead({"segment": fd}, str, lambda _: up, workers=3, slot=1 << 20)
+        if corrupt is None:
+            reader.read(flats)
+        else:
+            with pytest.raises(FormatError, match="checksum mismatch .*'t" + ("0" if corrupt == "small" else "4")):
+                reader.read(flats)
+    finally:
+        up.finish()
+        os.close(fd)
+    if corrupt is None:
+        got = dev.cpu().numpy().tobytes()
+        assert all(got[b:e] == data[b:e] for b, e in spans)

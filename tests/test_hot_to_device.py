@@ -1,5 +1,6 @@
-"""The hot restore's path into a GPU (``CheckpointReader._hot_to_device``: checksums on worker threads while the
-mapping is registered and the copies are enqueued), driven on CPU: the step's shard file stands in for the
+"""The hot restore's path into a GPU for chunks that do not fill their destination whole (a restore in another
+layout: ``CheckpointReader._hot_to_device``, checksums on worker threads while the mapping is registered and the
+copies are enqueued; whole chunks are read by ``tests/test_hotread.py``'s path), driven on CPU: the step's shard file stands in for the
 daemon's segment, a stand-in for ``cuda.Uploads`` copies synchronously, and the pieces name a CUDA device.
 ``tests/test_cuda.py`` runs the real thing where a GPU is."""
 
@@ -72,13 +73,13 @@ def _pieces(reader: CheckpointReader, full: dict[str, torch.Tensor], failing: st
     out = {k: torch.empty_like(t) for k, t in full.items()}
     pieces = []
     for k, t in out.items():
-        for key, c, put, _ in reader.pieces(k, t, (0, 0)):
+        for key, c, put, *_ in reader.pieces(k, t, (0, 0)):
             if key == failing:
 
                 def put(src: torch.Tensor) -> None:
                     raise RuntimeError("CUDA error: invalid argument (a copy that failed)")
 
-            pieces.append((key, c, put, GPU))
+            pieces.append((key, c, put, GPU, None))  # None: not read whole (as in another layout)
     return out, pieces
 
 

@@ -156,6 +156,16 @@ class Uploads:
         buf.copy_(view)
         return buf
 
+    def after_current(self) -> None:
+        """Copies enqueued on the side stream from here on run after the work queued so far on the caller's current stream."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def bind(self) -> None:
+        """Make this GPU and the side stream the calling thread's current ones: for :class:`.hotread.HotRead`'s
+        own threads, which only copy; order the stream after the current one first (:meth:`after_current`)."""
+        torch.cuda.set_device(self.device)
+        torch.cuda.set_stream(self.stream)
+
     @contextmanager
     def stream_for(self, raw: torch.Tensor) -> Iterator[None]:
         """Copies made inside run on the side stream, after the current stream's work; a scratch buffer

@@ -27,14 +27,16 @@ from ..format import digest, dtype_from_name
 from ..layout import MANIFEST, is_complete
 from ..storage.local import latest_step
 from ..validate import read_manifest, validate_manifest
+from .hotread import Flat, HotRead, pread_into
 
 log = logging.getLogger("ckptd.client")
 
 UNMAP_AWAY = 1 << 30  # page-locked mappings of at least this many bytes in all are unmapped on a thread
 HASH_WORKERS = min(8, os.cpu_count() or 1)  # checksum threads of a hot restore into a GPU (XXH3 of 6 GB: 0.88 s on one, 0.16 s on 8)
 
-# one saved chunk a region needs: (tensor key, the manifest's chunk entry, the copy into the region, its GPU or None)
-Piece = tuple[str, dict[str, Any], Callable[[torch.Tensor], None], torch.device | None]
+# one saved chunk a region needs: (tensor key, the manifest's chunk entry, the copy into the region, its GPU or None,
+# and the region's bytes where the chunk fills a contiguous part of it whole in its own dtype, else None)
+Piece = tuple[str, dict[str, Any], Callable[[torch.Tensor], None], torch.device | None, torch.Tensor | None]
 
 
 class CheckpointReader:
@@ -158,14 +160,7 @@ class CheckpointReader:
         return got[1]
 
     def _pread(self, fd: int, into: torch.Tensor, offset: int) -> int:
-        view = memoryview(into.numpy())
-        got = 0
-        while got < len(view):
-            n = os.preadv(fd, [view[got:]], offset + got)
-            if n == 0:
-                break
-            got += n
-        return got
+        return pread_into(fd, into, offset)
 
     def _raw(self, c: dict[str, Any], device: torch.device | None) -> torch.Tensor:
         """The bytes of saved chunk ``c``, not yet verified: a view of the mapped segment (hot), else read
@@ -231,30 +226,39 @@ class CheckpointReader:
 
         The saved dtype must be ``dst``'s, unless ``dst`` has dtype ``cast`` and both are floating
         point: then the saved values are converted (rounded as ``Tensor.copy_`` rounds)."""
-        for _, c, put, device in self.pieces(key, dst, offsets, cast=cast):
+        for _, c, put, device, _ in self.pieces(key, dst, offsets, cast=cast):
             self._copy_chunk(key, c, put, device)
 
     def read_many(self, pieces: list[Piece]) -> None:
         """Copy in the :meth:`pieces` of many regions (each fills its own part of its destination, so in any
-        order). Chunks read from disk are taken in file order, per destination device, and read ahead on a
-        thread (:class:`.readahead.ReadAhead`) while this one verifies and copies them."""
+        order). From the daemon's memory, chunks that fill a contiguous part of their destination whole are
+        read by several threads (:class:`.hotread.HotRead`: no mapping); the others are copied from the
+        segment mapped (and, for a GPU, page-locked). Chunks read from disk are taken in file order, per
+        destination device, and read ahead on a thread (:class:`.readahead.ReadAhead`) while this one
+        verifies and copies them."""
         from .readahead import CHUNK_MAX
 
         disk: dict[torch.device | None, list[Piece]] = {}
         hot: dict[torch.device, list[Piece]] = {}
+        flat: list[Flat] = []
         for p in pieces:
             b, e = p[1]["byte_range"]
-            if p[1]["file"] in self._files and p[3] is not None:  # the daemon's memory into a GPU
+            if p[1]["file"] in self._files and p[4] is not None:  # the daemon's memory, read straight in
+                flat.append(Flat(p[0], p[1], p[4], p[3]))
+            elif p[1]["file"] in self._files and p[3] is not None:  # the daemon's memory into a GPU, reshaped
                 hot.setdefault(p[3], []).append(p)
             elif p[1]["file"] in self._files or e - b > CHUNK_MAX:  # the daemon's memory (mapped), or a huge chunk
-                self._copy_chunk(*p)
+                self._copy_chunk(*p[:4])
             else:
                 disk.setdefault(p[3], []).append(p)
+        if flat:
+            fds = {f.c["file"]: self._fd(f.c["file"]) for f in flat}  # opened and size-checked here
+            HotRead(fds, self.where, self._upload).read(flat)
         for device, group in hot.items():
             self._hot_to_device(group, device)
         for device, group in disk.items():
             if len(group) < 2:  # nothing to read ahead of
-                self._copy_chunk(*group[0])
+                self._copy_chunk(*group[0][:4])
                 continue
             group.sort(key=lambda p: (p[1]["file"], p[1]["byte_range"][0]))
             self._read_ahead(group, device)
@@ -268,11 +272,11 @@ class CheckpointReader:
         views = {name: self._mapped(name, populate=False) for name in {p[1]["file"] for p in group}}
         failed: BaseException | None = None
         with ThreadPoolExecutor(min(HASH_WORKERS, len(group)), thread_name_prefix="ckptd-verify") as pool:
-            checks = [pool.submit(self._check, key, c, views[c["file"]][c["byte_range"][0] : c["byte_range"][1]]) for key, c, _, _ in group]
+            checks = [pool.submit(self._check, key, c, views[c["file"]][c["byte_range"][0] : c["byte_range"][1]]) for key, c, *_ in group]
             try:
                 for view in views.values():
                     up.register(view)  # the whole mapping, before any copy (where refused, chunks go through staging)
-                for key, c, put, _ in group:
+                for key, c, put, *_ in group:
                     raw = self._raw(c, device)
                     with up.stream_for(raw):
                         put(self._typed(key, c, raw))
@@ -296,7 +300,7 @@ class CheckpointReader:
             up = self._upload(device)
             kw = {"alloc": up.pinned, "fence": up.fence, "init": lambda: torch.cuda.set_device(device)}
         with ReadAhead([p[1] for p in group], lambda name, into, offset: self._pread(fds[name], into, offset), self.where, **kw) as ra:
-            for key, c, put, _ in group:
+            for key, c, put, *_ in group:
                 self._consume(key, c, ra.take(c), put, device)
 
     def pieces(self, key: str, dst: torch.Tensor, offsets: tuple[int, ...], *, cast: torch.dtype | None = None) -> list[Piece]:
@@ -330,7 +334,7 @@ class CheckpointReader:
                 if device is not None:
                     self._upload(device).keep(d)
 
-            out.append((key, c, put, device))
+            out.append((key, c, put, device, _whole(dst, offsets, c, lo, hi, saved)))
             filled += math.prod(h - l for l, h in zip(lo, hi))
         if filled != math.prod(sizes):
             raise CheckpointError(f"tensor {key!r}: the checkpoint covers {filled} of the {math.prod(sizes)} elements needed")
@@ -351,6 +355,26 @@ class CheckpointReader:
         if src not in ranks:
             raise FormatError(f"{self.path}: manifest lists no rank trees")
         return src, ranks[src]
+
+
+def _whole(
+    dst: torch.Tensor, offsets: tuple[int, ...], c: dict[str, Any], lo: list[int], hi: list[int], saved: torch.dtype
+) -> torch.Tensor | None:
+    """The bytes of ``dst``'s part that saved chunk ``c`` fills, if it fills that part whole, contiguous, in the
+    saved dtype, on the CPU or a GPU (a ``uint8`` view a read can land in); else None."""
+    if dst.dtype != saved or dst.device.type not in ("cpu", "cuda") or dst.is_conj() or dst.is_neg():
+        return None
+    if any(l != o or h != o + s for l, h, o, s in zip(lo, hi, c["offsets"], c["sizes"])):
+        return None  # the chunk lies partly outside the region
+    d = dst.detach()
+    for dim, (l, h) in enumerate(zip(lo, hi)):
+        d = d.narrow(dim, l - offsets[dim], h - l)
+    if not d.is_contiguous():
+        return None
+    try:
+        return d.view(-1).view(torch.uint8)
+    except RuntimeError:  # a dtype whose bytes cannot be viewed so
+        return None
 
 
 def _forget_locals(exc: BaseException | None) -> None:
