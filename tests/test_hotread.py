@@ -43,6 +43,7 @@ class CopiesOnCpu:
         self.made: list[torch.Tensor] = []
         self.bound: set[str] = set()  # the threads that made the side stream theirs
         self.ordered = 0
+        self.fenced = 0  # events recorded on this GPU's stream
         self.kept: list[torch.Tensor] = []
         self._lock = threading.Lock()
 
@@ -63,6 +64,8 @@ class CopiesOnCpu:
         self.kept.append(dst)
 
     def fence(self) -> Fence:
+        with self._lock:
+            self.fenced += 1
         return Fence(self.log, len(self.log))
 
 
@@ -123,7 +126,7 @@ def test_every_chunk_arrives_through_the_slots_on_threads_of_their_own(tmp_path,
     _read(path, flats, up, workers=workers, slot=4096)
     assert all(torch.equal(out[k], state[k]) for k in state)
     assert up.ordered == 1  # the side stream waits once for the work queued before (fresh zeros_like destinations)
-    assert len(up.made) == len(up.bound) == min(workers, len(plan(flats, 4096)))  # a pair of slots and the stream per thread
+    assert 1 <= len(up.made) == len(up.bound) <= workers  # a pair of slots and the stream, per thread that took a run
     assert threading.current_thread().name not in up.bound  # the caller's current stream is left alone
     assert all(s.numel() == 2 * 4096 for s in up.made)
     assert sorted(id(t) for t in up.kept) == sorted(id(f.dst) for f in flats)  # each destination handed to the stream once
@@ -270,3 +273,62 @@ def test_a_cpu_restore_from_the_segment_reads_whole_chunks_without_mapping_it(tm
         reader.read_many([p for k, t in out.items() for p in reader.pieces(k, t, (0,) * t.dim())])
         assert not reader._maps
     assert all(torch.equal(out[k], state[k]) for k in state)
+
+
+def test_with_two_gpus_a_slot_waits_for_the_copies_on_the_gpu_they_went_to(tmp_path, state) -> None:  # noqa: ANN001
+    # one process restoring onto two GPUs (a pipeline stage each): a thread's slots serve both, and a slot last
+    # copied to the second GPU must wait for that GPU's stream, not the first one's
+    path = _step(tmp_path, state)
+    second = torch.device("cuda", 1)
+    out, flats = _flats(path, state, GPU)
+    for f in flats[::2]:
+        f.device = second
+    ups = {GPU: CopiesOnCpu(), second: CopiesOnCpu()}
+    fds = {shard_name(0): os.open(os.path.join(path, shard_name(0)), os.O_RDONLY)}
+    try:
+        HotRead(fds, str, lambda dev: ups[dev], workers=1, slot=4096).read(flats)
+    finally:
+        os.close(fds[shard_name(0)])
+    assert all(torch.equal(out[k], state[k]) for k in state)
+    runs = plan(flats, 4096)
+    reads = {d: sum(1 if r.end - r.start <= 4096 else -(-(r.end - r.start) // 4096) for r in runs if r.device == d) for d in ups}
+    fenced = {d: up.fenced for d, up in ups.items()}
+    assert fenced == reads  # one fence per read into a slot, on the stream of the GPU the copies from it went to
+
+
+def test_a_tensor_subclass_destination_is_not_read_into_as_bytes(tmp_path, state) -> None:  # noqa: ANN001
+    class Wrapped(torch.Tensor):  # a stand-in for a quantized or __torch_dispatch__ wrapper: its bytes are not its values
+        pass
+
+    c = {"offsets": [0, 0], "sizes": [4, 6]}
+    assert _whole(torch.zeros(4, 6).as_subclass(Wrapped), (0, 0), c, [0, 0], [4, 6], torch.float32) is None
+    path = _step(tmp_path, state)
+    with open(os.path.join(path, "manifest.json")) as f:
+        manifest = json.load(f)
+    reader = CheckpointReader(path, manifest=manifest, files={shard_name(0): os.path.join(path, shard_name(0))})
+    out = {k: torch.zeros_like(t).as_subclass(Wrapped) for k, t in state.items()}
+    with reader:
+        reader.read_many([p for k, t in out.items() for p in reader.pieces(k, t, (0,) * t.dim())])
+    assert all(torch.equal(out[k].as_subclass(torch.Tensor), state[k]) for k in state)
+
+
+def test_threads_already_started_are_joined_when_starting_another_fails(tmp_path, state, monkeypatch) -> None:  # noqa: ANN001
+    # the caller closes the segments' descriptors once read() raises: no thread of it may still be reading then
+    path = _step(tmp_path, state)
+    _, flats = _flats(path, state, None)
+    real_start = threading.Thread.start
+    starts: list[int] = []
+
+    def start(self: threading.Thread) -> None:
+        starts.append(1)
+        if len(starts) == 2:
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    never = threading.Event()
+    real_host = HotRead._to_host
+    monkeypatch.setattr(threading.Thread, "start", start)
+    monkeypatch.setattr(HotRead, "_to_host", lambda self, run: (never.wait(1.0), real_host(self, run))[1])
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        _read(path, flats, None, workers=3, slot=4096)
+    assert len(starts) == 2 and not [t for t in threading.enumerate() if t.name.startswith("ckptd-hotread")]

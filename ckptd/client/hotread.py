@@ -73,7 +73,7 @@ def plan(flats: list[Flat], slot: int = SLOT_BYTES) -> list[Run]:
         b, e = f.c["byte_range"]
         r = runs[-1] if runs else None
         same = r is not None and r.name == f.c["file"] and r.device == f.device
-        if same and r.start <= b and e <= r.end:  # type: ignore[union-attr]
+        if same and tuple(r.flats[-1].c["byte_range"]) == (b, e):  # type: ignore[union-attr]
             r.flats.append(f)  # type: ignore[union-attr]  # (the same chunk again, into another destination)
         elif same and r.end <= b <= r.end + GAP_BYTES and e - r.start <= slot:  # type: ignore[union-attr]
             r.end = e  # type: ignore[union-attr]
@@ -113,8 +113,9 @@ class _Slots:
             self.done[i] = None
         return i, self.bufs[i]
 
-    def fence(self, i: int) -> None:
-        self.done[i] = self.up.fence()
+    def fence(self, i: int, up: Any) -> None:
+        """Slot ``i`` is read into again once the copies enqueued so far on ``up``'s stream (the GPU they went to) end."""
+        self.done[i] = up.fence()
 
     def drain(self) -> None:
         for ev in self.done:
@@ -142,6 +143,7 @@ class HotRead:
         self._lock = threading.Lock()
         self._runs: Iterator[Run] = iter(())
         self._errors: list[BaseException] = []
+        self._stop = False  # the caller was interrupted: threads take no more runs
 
     def read(self, flats: list[Flat]) -> None:
         """Fill every destination of ``flats``; raise the first checksum mismatch, else the first other error."""
@@ -150,18 +152,27 @@ class HotRead:
             self.upload(dev).after_current()  # destinations made just before (zeros_like) are written after
         self._runs, self._errors = iter(runs), []
         # threads of their own (not this one too): each makes a GPU's side stream its current one, once
-        threads = [threading.Thread(target=self._work, name=f"ckptd-hotread-{i}", daemon=True) for i in range(min(self.workers, len(runs)))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        started: list[threading.Thread] = []
+        try:
+            for i in range(min(self.workers, len(runs))):
+                t = threading.Thread(target=self._work, name=f"ckptd-hotread-{i}", daemon=True)
+                t.start()
+                started.append(t)
+            for t in started:
+                t.join()
+        except BaseException:  # Ctrl-C in a join, no thread to be had: no thread may read on once the caller closes the segments
+            with self._lock:
+                self._stop = True
+            for t in started:
+                _join(t)
+            raise
         if self._errors:
             self._errors.sort(key=lambda e: not isinstance(e, FormatError))  # a mismatch sends a hot restore to the disk: first
             raise self._errors[0] from (self._errors[1] if len(self._errors) > 1 else None)
 
     def _next(self) -> Run | None:
         with self._lock:
-            return None if self._errors else next(self._runs, None)
+            return None if self._errors or self._stop else next(self._runs, None)
 
     def _work(self) -> None:
         slots: _Slots | None = None
@@ -210,7 +221,7 @@ class HotRead:
                 part = raw[b - run.start : e - run.start]
                 self._copy(f.dst, part)
                 self._check(f, digest(memoryview(part.numpy())) if f.c["xxh3_64"] is not None else None)
-            slots.fence(i)
+            slots.fence(i, up)
             return
         b, e = run.start, run.end  # one chunk larger than a slot (perhaps into several destinations)
         h = digester() if run.flats[0].c["xxh3_64"] is not None else None
@@ -222,10 +233,19 @@ class HotRead:
                 self._copy(f.dst[pos - b : pos - b + raw.numel()], raw)
             if h is not None:
                 h.update(memoryview(raw.numpy()))
-            slots.fence(i)
+            slots.fence(i, up)
         for f in run.flats:
             self._check(f, h.hexdigest() if h is not None else None)
 
     @staticmethod
     def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=True)  # on the thread's current stream: the side stream (bound)
+
+
+def _join(t: threading.Thread) -> None:
+    """Join ``t`` even through further interrupts (it stops after the run it is reading)."""
+    while t.is_alive():
+        try:
+            t.join()
+        except BaseException:  # noqa: S110  (a second Ctrl-C: still wait, the thread reads memory the caller frees)
+            continue

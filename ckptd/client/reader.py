@@ -50,16 +50,20 @@ class CheckpointReader:
       read, one run ahead of the checksum and copy (:mod:`.readahead`; memory held: two buffers of
       ``RUN_BYTES`` or the largest chunk up to ``CHUNK_MAX``, page-locked for a GPU destination; larger
       chunks are read one at a time into the scratch buffer);
-    * the daemon's shared-memory segments of a hot restore are mapped read-only and used in place: the
-      only copy is into the destination.
+    * the daemon's shared-memory segments of a hot restore: by :meth:`read_many`, a chunk that fills a
+      contiguous part of its destination whole is read with ``pread`` on threads (:mod:`.hotread`: into a
+      CPU destination straight, verified there; into a GPU through page-locked slots); the other chunks
+      come from the segment mapped read-only, used in place: the only copy is into the destination.
 
     A destination on a GPU gets non-blocking copies on a side stream from page-locked host memory (the
-    mapping registered with ``cudaHostRegister``, or a page-locked scratch pair for disk reads; see
-    :class:`.cuda.Uploads`). Every saved chunk's checksum is verified on the very bytes that are copied:
-    before the copy into a CPU destination (hashing on a second thread beside the copy measured no
-    faster on CPU), while the GPU's DMA runs for a GPU destination; a mismatch raises
-    :class:`FormatError` before :meth:`read_into` returns, and a failed read may leave the destination
-    partly written. :meth:`close` waits for copies in flight.
+    slots of :mod:`.hotread`, the mapping registered with ``cudaHostRegister``, or a page-locked scratch
+    pair for disk reads; see :class:`.cuda.Uploads`). Every saved chunk's checksum is verified on the very
+    bytes that are copied: before the copy into a CPU destination from disk or a mapping (hashing on a
+    second thread beside the copy measured no faster on CPU), after a whole chunk was read straight into a
+    CPU destination, while the GPU's DMA runs for a GPU destination; a mismatch raises :class:`FormatError`
+    before :meth:`read_into` or :meth:`read_many` returns, and a failed read may leave the destination
+    partly written (or holding the corrupt bytes: a hot restore then reads the disk's copy over every
+    destination). :meth:`close` waits for copies in flight.
     """
 
     def __init__(
@@ -362,6 +366,8 @@ def _whole(
 ) -> torch.Tensor | None:
     """The bytes of ``dst``'s part that saved chunk ``c`` fills, if it fills that part whole, contiguous, in the
     saved dtype, on the CPU or a GPU (a ``uint8`` view a read can land in); else None."""
+    if type(dst) not in (torch.Tensor, torch.nn.Parameter):
+        return None  # a tensor subclass (a quantized wrapper, a __torch_dispatch__ tensor): its bytes are not its values
     if dst.dtype != saved or dst.device.type not in ("cpu", "cuda") or dst.is_conj() or dst.is_neg():
         return None
     if any(l != o or h != o + s for l, h, o, s in zip(lo, hi, c["offsets"], c["sizes"])):
