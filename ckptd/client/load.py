@@ -35,7 +35,7 @@ import torch
 from ..errors import CheckpointError, FormatError
 from ..format import dtype_from_name
 from ..state import TAG, join_key, local_chunks, split_key, unflatten
-from ..tools.verify import stale_warning
+from ..tools.verify import stale_check
 from ..validate import gc_paused
 from .capture import no_optimizer_init
 from .plan import Arrivals
@@ -434,8 +434,9 @@ def restore_state(
             extra_tree = (tree.get("extra") or {}).get(str(saved_rank))
             got["extra"] = unflatten(extra_tree, reader.read_full) if extra_tree is not None else {}
 
+        pending = stale_check(reader.path, reader.manifest)  # reads the step before's manifest beside the copies
         loaded, missing, unexpected = load_into(reader, target_root, rank, strict=strict, cast=dtype, also=read_extra)
-        stale = stale_warning(reader.path, reader.manifest)
+        stale = pending()
         if stale:
             warnings.warn(stale, stacklevel=3)
         extra = got["extra"]

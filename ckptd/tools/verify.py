@@ -10,6 +10,8 @@ import os
 import re
 import stat
 import struct
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import xxhash
@@ -140,3 +142,26 @@ def stale_warning(step_path: str, manifest: dict[str, Any] | None = None) -> str
             " the saved state may be stale (is the snapshot taken from a copy that is no longer updated?)"
         )
     return None
+
+
+def stale_check(step_path: str, manifest: dict[str, Any] | None = None) -> Callable[[], str | None]:
+    """:func:`stale_warning` on a thread of its own (a restore's copies run meanwhile); the function returned
+    waits for it and returns its warning, or raises what it raised."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = stale_warning(step_path, manifest)
+        except BaseException as e:  # raised by the caller's wait
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="ckptd-stale-check", daemon=True)
+    t.start()
+
+    def result() -> str | None:
+        t.join()
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    return result
