@@ -100,7 +100,6 @@ class _Slots:
     """One thread's two page-locked slots, used in turn, each refilled once the copies from it have ended."""
 
     def __init__(self, up: Any, slot: int) -> None:
-        self.up = up
         both = up.pinned(2 * slot)
         self.bufs = [both[:slot], both[slot:]]
         self.done: list[Any] = [None, None]

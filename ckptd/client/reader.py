@@ -330,11 +330,8 @@ class CheckpointReader:
                 continue
 
             def put(src: torch.Tensor, c: dict[str, Any] = c, lo: list[int] = lo, hi: list[int] = hi) -> None:
-                d = dst
-                for dim, (l, h) in enumerate(zip(lo, hi)):
-                    src = src.narrow(dim, l - c["offsets"][dim], h - l)
-                    d = d.narrow(dim, l - offsets[dim], h - l)
-                d.copy_(src, non_blocking=device is not None)
+                d = _narrowed(dst, lo, hi, offsets)
+                d.copy_(_narrowed(src, lo, hi, c["offsets"]), non_blocking=device is not None)
                 if device is not None:
                     self._upload(device).keep(d)
 
@@ -361,6 +358,13 @@ class CheckpointReader:
         return src, ranks[src]
 
 
+def _narrowed(t: torch.Tensor, lo: list[int], hi: list[int], start: tuple[int, ...] | list[int]) -> torch.Tensor:
+    """The part ``[lo, hi)`` (global coordinates) of ``t``, which starts at ``start``."""
+    for dim, (l, h) in enumerate(zip(lo, hi)):
+        t = t.narrow(dim, l - start[dim], h - l)
+    return t
+
+
 def _whole(
     dst: torch.Tensor, offsets: tuple[int, ...], c: dict[str, Any], lo: list[int], hi: list[int], saved: torch.dtype
 ) -> torch.Tensor | None:
@@ -372,9 +376,7 @@ def _whole(
         return None
     if any(l != o or h != o + s for l, h, o, s in zip(lo, hi, c["offsets"], c["sizes"])):
         return None  # the chunk lies partly outside the region
-    d = dst.detach()
-    for dim, (l, h) in enumerate(zip(lo, hi)):
-        d = d.narrow(dim, l - offsets[dim], h - l)
+    d = _narrowed(dst.detach(), lo, hi, offsets)
     if not d.is_contiguous():
         return None
     try:

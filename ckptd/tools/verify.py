@@ -10,8 +10,8 @@ import os
 import re
 import stat
 import struct
-import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import xxhash
@@ -147,21 +147,8 @@ def stale_warning(step_path: str, manifest: dict[str, Any] | None = None) -> str
 def stale_check(step_path: str, manifest: dict[str, Any] | None = None) -> Callable[[], str | None]:
     """:func:`stale_warning` on a thread of its own (a restore's copies run meanwhile); the function returned
     waits for it and returns its warning, or raises what it raised."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = stale_warning(step_path, manifest)
-        except BaseException as e:  # raised by the caller's wait
-            box["error"] = e
-
-    t = threading.Thread(target=run, name="ckptd-stale-check", daemon=True)
-    t.start()
-
-    def result() -> str | None:
-        t.join()
-        if "error" in box:
-            raise box["error"]
-        return box.get("value")
-
-    return result
+    pool = ThreadPoolExecutor(1, thread_name_prefix="ckptd-stale-check")
+    try:
+        return pool.submit(stale_warning, step_path, manifest).result
+    finally:
+        pool.shutdown(wait=False)  # the thread ends with its one task
