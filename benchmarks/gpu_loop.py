@@ -276,6 +276,14 @@ def pinned_mappings(client: ckptd.Client) -> int | None:
     return len(pinned) if isinstance(pinned, set) else None
 
 
+def mapped(client: ckptd.Client) -> dict[str, int | None]:
+    """Slots the client mapped (and page-locked) first on a snapshot's path, and spares it mapped ahead on a thread
+    of its own (read for the notes only, like :func:`pinned_mappings`)."""
+    on_path = getattr(getattr(client, "_maps", None), "made_on_path", None)
+    ahead = getattr(getattr(client, "_spare", None), "warmed", None)
+    return {"on_path": on_path if isinstance(on_path, int) else None, "ahead": ahead if isinstance(ahead, int) else None}
+
+
 # ---------------------------------------------------------------------------- results
 
 
@@ -596,6 +604,10 @@ class Bench:
         pb, pa = r.info.get("pinned_before"), r.info.get("pinned_after")
         if self.cuda and pb is not None and pa is not None and pa > pb:
             r.notes.append(f"{pa - pb} slot(s) page-locked during the loop")
+        mb, ma = r.info.get("mapped_before"), r.info.get("mapped_after")
+        if mb and ma and None not in (*mb.values(), *ma.values()):
+            path, ahead = ma["on_path"] - mb["on_path"], ma["ahead"] - mb["ahead"]
+            r.notes.append(f"{path} slot(s) mapped on a snapshot's path, {ahead} spare(s) mapped ahead")
 
     def memtier(self) -> None:
         r = self.rows.get("memtier")
@@ -655,12 +667,12 @@ class Bench:
                             self.warm_up(c, counter, self.args.every, self.args.warmup_ckpts)
                             drain(c, self.args.drain_timeout + 10 * persist_s)
                         try:
-                            before, pins = pool(c), pinned_mappings(c)
+                            before, pins, maps = pool(c), pinned_mappings(c), mapped(c)
                             self.ckptd_loop(r, c, self.args.steps, self.args.every, False, counter)
                             r.info["drain_s"] = drain(c, self.args.drain_timeout + 10 * persist_s)
                             after = pool(c)
                             r.info.update(pool_before=before, pool_after=after, pinned_before=pins, pinned_after=pinned_mappings(c))
-                            r.info.update(self.lag)
+                            r.info.update(self.lag, mapped_before=maps, mapped_after=mapped(c))
                             r.notes.append(
                                 f"disk {rate / 1e6:.0f} MB/s: a persist takes {persist_s / self.lag['interval_s']:.1f} checkpoint intervals"
                             )

@@ -32,9 +32,10 @@ class DaemonProc:
         self.log = base / "daemon.log"
         self.proc: subprocess.Popen | None = None
         self.shm_dirs: set[str | None] = set()
+        self.launcher = ["-m", "ckptd"]  # or ["-c", code]: a daemon with a part replaced by a double (code runs ckptd.cli.main)
 
     def start(self, extra_args: list[str] | None = None, wait: bool = True) -> DaemonProc:
-        cmd = [sys.executable, "-m", "ckptd", "serve", "--root", self.root, "--endpoint", self.endpoint, *(extra_args or self.args)]
+        cmd = [sys.executable, *self.launcher, "serve", "--root", self.root, "--endpoint", self.endpoint, *(extra_args or self.args)]
         self._logf = open(self.log, "ab")
         self.proc = subprocess.Popen(cmd, stdout=self._logf, stderr=subprocess.STDOUT, cwd=REPO)
         if wait:

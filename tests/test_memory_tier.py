@@ -447,6 +447,36 @@ def test_when_the_disk_lags_under_lagging_wait_a_spare_slot_is_made_before_the_n
     assert complete_steps(d.root, "spare") == [1, 2, 3]
 
 
+# a daemon whose new segments take 1.5 s to make (a cold node: 6 GB took seconds to zero-fill on one H100 host)
+SLOW_GROWER = """
+import sys, time
+from ckptd.daemon import growth
+make = growth.Grower._make
+growth.Grower._make = lambda self, need, token: (time.sleep(1.5), make(self, need, token))
+from ckptd.cli import main
+raise SystemExit(main(sys.argv[1:]))
+"""
+
+
+def test_a_snapshot_that_finds_no_slot_while_its_spare_is_made_waits_for_it_mapped_never_maps_it_on_its_path(make_daemon) -> None:  # noqa: ANN001
+    # seen on one H100 (--lagging wait, 6 GB): step 3 asked while the spare was still being made, took it the moment it
+    # was made and mapped and page-locked it on its own path (2.5 s). The spare goes to the client's warming first now
+    d = make_daemon("--write-rate-limit", "8M", "--shm-budget", str(int(3.4 * SHARD)), "--workers", "1", start=False)
+    d.launcher = ["-c", SLOW_GROWER]
+    d.start()
+    with _prepared(d, "slowspare") as (c, model, optim):
+        assert len(shm.segments_of(d.root)) == 2
+        made = c._maps.made_on_path
+        for step in (1, 2, 3):  # step 1 is written for 3 s; step 2 takes the last slot; step 3 finds none, the spare coming
+            _snap(c, model, optim, step)
+        st = c.status()
+        assert st["allocs_waited"] >= 1, "step 3 should have waited: this test no longer reaches the case it is for"
+        assert c._maps.made_on_path == made, "step 3 mapped the spare on its path instead of waiting for it mapped ahead"
+        assert c._spare.warmed == 1 and len(shm.segments_of(d.root)) == 3 and st["shm_bytes"] <= st["shm_budget"]
+        assert len(c.wait(120)) == 3  # lagging="wait": every step reaches disk
+    assert complete_steps(d.root, "slowspare") == [1, 2, 3]
+
+
 def test_a_garbage_shard_in_the_memory_tier_fails_its_step_and_frees_its_slot(daemon) -> None:  # noqa: ANN001
     # a buggy (or hostile) client commits a slot that holds no ckptd shard, as a memory-only step
     model, optim = make()

@@ -506,6 +506,66 @@ def test_a_spare_goes_to_a_waiting_snapshot_before_the_trainer_warming_it(env: d
     assert not pool.deferred
 
 
+def _spare_and_snapshot_wait(env: dict[str, Any], snapshot_first: bool = False) -> tuple[SlotPool, Any, str]:
+    """The lagging rank's trainer waits to map its spare ahead and the rank's next snapshot finds no free slot (in
+    either order); then the spare lands. Returns the pool, the slot being persisted and the spare's name."""
+    A = shm.ALIGN
+    pool, asked, _ = _lagging_rank(env, 3 * A)
+    persisting = next(s for s in pool if s.state is SlotState.COMMITTED)
+    requests = [(b"s3", _req(rank=0, nbytes=A, job="a", step=3)), (b"w", _warm())]
+    for ident, msg in requests if snapshot_first else requests[::-1]:
+        assert pool.request(ident, msg) is None
+    name, size = pool.segments.create(A)
+    pool.created(asked[0][1], name, size)
+    return pool, persisting, name
+
+
+def _granted(env: dict[str, Any]) -> list[tuple[bytes, str]]:
+    return [(i, r.name if not isinstance(r, Exception) else str(r)) for i, _, r in env["grants"]]
+
+
+@pytest.mark.parametrize("snapshot_first", [False, True])
+def test_a_snapshot_never_takes_its_ranks_spare_unmapped_while_its_trainer_waits_to_map_it(
+    env: dict[str, Any], snapshot_first: bool
+) -> None:
+    # seen on one H100 (--lagging wait, 6 GB): the snapshot took the spare the moment it was made and mapped and
+    # page-locked it on its path, 2.5 s, although its own slot was persisted 0.9 s after it asked. Now the spare goes
+    # to the trainer mapping it ahead, and the snapshot gets whichever is free first: here its slot being persisted
+    pool, persisting, spare = _spare_and_snapshot_wait(env, snapshot_first)
+    assert _granted(env) == [(b"w", spare)], "the spare must go to the trainer that maps it ahead"
+    pool.persisted(persisting, ("a", 1, 0))
+    assert _granted(env)[1:] == [(b"s3", persisting.name)]  # its own slot, mapped (and page-locked) long ago
+    pool.free(pool.leased(spare, pool.get(spare).token))  # mapped: an ordinary free slot of the rank for its next one
+    assert pool.get(spare).state is SlotState.FREE and pool.get(spare).owner == ("a", 0) and not pool.deferred
+
+
+def test_a_snapshot_waiting_on_a_slow_disk_gets_its_ranks_spare_once_mapped_ahead(env: dict[str, Any]) -> None:
+    pool, persisting, spare = _spare_and_snapshot_wait(env)
+    pool.free(pool.leased(spare, pool.get(spare).token))  # mapped before step 1 is on disk
+    assert _granted(env) == [(b"w", spare), (b"s3", spare)]
+    pool.persisted(persisting, ("a", 1, 0))
+    assert pool.get(persisting.name).state is SlotState.FREE and not pool.deferred
+
+
+def test_a_snapshot_gets_its_ranks_spare_when_the_trainer_mapping_it_gives_up(env: dict[str, Any]) -> None:
+    A = shm.ALIGN
+    pool, asked, _ = _lagging_rank(env, 3 * A)
+    assert pool.request(b"w", _warm()) is None and pool.request(b"s3", _req(rank=0, nbytes=A, job="a", step=3)) is None
+    env["clock"].now += 16  # the warming's own timeout (15 s) passes before the spare is made
+    pool.reap(env["clock"]())
+    name, size = pool.segments.create(A)
+    pool.created(asked[0][1], name, size)
+    assert [i for i, _ in _granted(env)] == [b"w", b"s3"] and _granted(env)[1] == (b"s3", name) and not pool.deferred
+
+
+def test_a_snapshot_gets_its_ranks_spare_when_the_trainer_mapping_it_dies(env: dict[str, Any]) -> None:
+    pool, _, spare = _spare_and_snapshot_wait(env)
+    pool.get(spare).pid = 4242  # the process that leased it to map it ahead is gone
+    pool._alive = lambda pid: pid != 4242
+    pool.reap(env["clock"]())
+    assert _granted(env) == [(b"w", spare), (b"s3", spare)] and pool.get(spare).lease["step"] == 3 and not pool.deferred
+
+
 def test_a_trainer_warming_a_spare_that_takes_too_long_is_refused_not_granted_later(env: dict[str, Any]) -> None:
     # its client gives up after its own timeout: a grant after that would lease the spare to nobody
     pool, asked, _ = _lagging_rank(env, 4 * shm.ALIGN)

@@ -9,10 +9,9 @@ it), then creates a segment if the budget allows, evicting free slots least rece
 reuses the smallest free slot that fits; when nothing fits the request is deferred (backpressure) and
 granted as soon as a slot frees up, unless ``reclaim`` can drop a memory-tier step of the job to make
 room. A request that a seal under way will serve in milliseconds (``soon``: the step it completes makes
-an older memory-only step stale) waits for it rather than for a new segment; one whose rank took its
-last free slot while the disk lags gets a spare made off the loop, which its trainer may map ahead. In
-the daemon a new segment is made off the loop (:mod:`.growth`): the request that needs it waits for it
-like a deferred one. Hot restores pin the slots they read.
+an older memory-only step stale) waits for it rather than for a new segment. A rank that took its last
+free slot while the disk lags gets a spare made off the loop (:mod:`.growth`, like every new segment),
+which its trainer maps ahead before a snapshot of that rank may take it. Hot restores pin what they read.
 
 Main thread only (the daemon's loop). Grants of deferred requests go out through ``on_grant``, so the
 pool needs no socket: a test passes a list's ``append``.
@@ -106,8 +105,8 @@ class SlotPool:
         """Lease a slot of at least ``msg["nbytes"]`` to ``(job, rank)``, or ``None`` if none fits the budget."""
         if msg.get("spare"):
             return self._lease_spare(msg)
-        owner, need = (msg["job"], msg["rank"]), msg["nbytes"]
-        free = [s for s in self.slots.values() if s.state is SlotState.FREE and not s.pins and s.size >= need]
+        owner, need, kept = (msg["job"], msg["rank"]), msg["nbytes"], self._warming(msg)
+        free = [s for s in self.slots.values() if s.state is SlotState.FREE and not s.pins and s.size >= need and s is not kept]
         # the rank's own slot first: the trainer already holds a warm mapping of it
         slot = min((s for s in free if s.owner == owner), key=lambda s: s.size, default=None)
         if slot is None and "_growing" not in msg and not msg.get("warm") and msg.get("wait", True) and self.soon(msg["job"], msg["step"]):
@@ -121,7 +120,7 @@ class SlotPool:
         if slot is not None and not self._writable(slot, msg["job"]):
             return self.lease(msg)  # retired: another slot, or a new one
         if slot is None:
-            slot = self._create(need, rounded, used, msg)
+            slot = self._create(need, rounded, used, msg, kept)
             if slot is None:
                 # a memory-tier step is dropped only for a snapshot: prepare() warming the pool is refused instead,
                 # never paid for with a job's newest state (a restarted trainer prepares before it restores); and not
@@ -140,11 +139,11 @@ class SlotPool:
         return slot
 
     def _lease_spare(self, msg: dict[str, Any]) -> Slot | None:
-        """A trainer warming the spare made for its rank (mapping it off its snapshots' path): that slot, or
-        ``None`` while it is being made; refused when none is coming, or while a snapshot waits for memory
-        (a spare is a guess: a request that exists comes first)."""
+        """A trainer warming the spare made for its rank (mapping it off its snapshots' path): that slot, or ``None``
+        while it is being made; refused when none is coming, or while another rank's snapshot waits for memory (a
+        spare is a guess: a request that exists comes first; the rank's own waits for it mapped, see :meth:`lease`)."""
         owner = (msg["job"], msg["rank"])
-        if self._snapshot_waits():
+        if self._snapshot_waits(but=owner):
             raise CheckpointError("the spare slot is left to a snapshot that waits for memory")
         slot = self._free_spare(owner, msg["nbytes"])
         if slot is not None:
@@ -158,8 +157,7 @@ class SlotPool:
         msg["_growing"] = token  # deferred until it is made
         return None
 
-    def spare_coming(self, owner: tuple[str, int] | None, nbytes: int) -> bool:
-        """Whether a spare slot of ``nbytes`` or more is being made for ``owner``, or was made and is free to take."""
+    def spare_coming(self, owner: tuple[str, int] | None, nbytes: int) -> bool:  # a spare of ``nbytes`` being made for it, or free
         coming = any(o == owner and self.growing.get(t, 0) >= nbytes for t, o in self.spares.items())
         return coming or self._free_spare(owner, nbytes) is not None
 
@@ -171,8 +169,16 @@ class SlotPool:
         leased = sum(s.size for s in self.slots.values() if s.spare and s.state is SlotState.LEASED)
         return leased + sum(self.growing.get(t, 0) for t in self.spares)
 
-    def _snapshot_waits(self) -> bool:  # a request other than a spare's warming waits for memory
-        return any(not m.get("spare") for _, m in self.deferred)
+    def _snapshot_waits(self, but: tuple[str, int] | None = None) -> bool:  # a request not warming a spare (nor ``but``'s) waits
+        return any(not m.get("spare") and (m["job"], m["rank"]) != but for _, m in self.deferred)
+
+    def _warming(self, msg: dict[str, Any]) -> Slot | None:
+        """The spare of ``msg``'s rank, made, while its trainer waits to map it ahead: not for the rank's snapshots, which
+        take their slot being persisted or the spare once mapped, whichever is first (never mapping one on their path)."""
+        owner = (msg["job"], msg["rank"])
+        if msg.get("warm") or not any(m.get("spare") and (m["job"], m["rank"]) == owner for _, m in self.deferred):
+            return None
+        return self._free_spare(owner, 0)
 
     def _spare(self, owner: tuple[str, int] | None, size: int) -> None:
         """``owner`` (job, rank) just took its last free slot while one of its own is still being persisted
@@ -180,15 +186,12 @@ class SlotPool:
         spare segment off the loop, so that its next snapshot finds a slot instead of waiting while one is made."""
         if self._grow is None or owner is None or owner in self.spares.values() or not self.want_spare(owner[0]):
             return
-        if self._snapshot_waits():
-            return  # a guess must not take the room a snapshot waits for
-        slots = self.slots.values()
-        if any(s.state is SlotState.FREE and s.owner == owner for s in slots):
+        slots, rounded = self.slots.values(), max(shm.ALIGN, -(-size // shm.ALIGN) * shm.ALIGN)
+        # not while a snapshot waits (a guess must not take the room it waits for), nor while the rank has a free slot, nor
+        # once its own last step is on disk (its disk keeps up: another rank's persist is not this one's lag), nor over budget
+        if self._snapshot_waits() or any(s.state is SlotState.FREE and s.owner == owner for s in slots):
             return
-        if not any(s.state is SlotState.COMMITTED and s.owner == owner for s in slots):
-            return  # the rank's own last step is on disk already: its disk keeps up (another rank's persist is not this one's lag)
-        rounded = max(shm.ALIGN, -(-size // shm.ALIGN) * shm.ALIGN)
-        if self.bytes_held() + rounded > self.budget:
+        if not any(s.state is SlotState.COMMITTED and s.owner == owner for s in slots) or self.bytes_held() + rounded > self.budget:
             return
         token = secrets.randbits(62)
         self.growing[token], self.spares[token] = rounded, owner
@@ -215,12 +218,14 @@ class SlotPool:
         slot.exposed = False
         return True
 
-    def _create(self, need: int, rounded: int, used: int, msg: dict[str, Any]) -> Slot | None:
-        """A new segment, after evicting free slots (least recently used first) until it fits; with a
+    def _create(self, need: int, rounded: int, used: int, msg: dict[str, Any], kept: Slot | None) -> Slot | None:
+        """A new segment, after evicting free slots (least recently used first; not ``kept``) until it fits; with a
         grower, asked for off the loop (the request waits for :meth:`created`, once)."""
         if self._grow is not None and "_growing" in msg:
             return None  # its segment is on the way
-        for victim in sorted((s for s in self.slots.values() if s.state is SlotState.FREE and not s.pins), key=lambda s: s.used_at):
+        for victim in sorted(
+            (s for s in self.slots.values() if s.state is SlotState.FREE and not s.pins and s is not kept), key=lambda s: s.used_at
+        ):
             if used + rounded <= self.budget:
                 break
             used -= victim.size
@@ -309,21 +314,17 @@ class SlotPool:
         self.retry_deferred()
 
     def retry_deferred(self) -> None:
-        waiting, self.deferred = self.deferred, []
-        waiting.sort(key=lambda d: bool(d[1].get("spare")))  # snapshots first: a trainer warming a spare comes last
-        for ident, msg in waiting:
+        # snapshots first, a trainer warming a spare last; each stays listed while it is tried (lease() asks who waits)
+        for ident, msg in sorted(self.deferred, key=lambda d: bool(d[1].get("spare"))):
             try:
-                slot = self.lease(msg)
+                slot: Slot | CheckpointError | None = self.lease(msg)
             except CheckpointError as e:
-                self._on_grant(ident, msg, e)
-                continue
+                slot = e
             except Exception as e:  # /dev/shm itself failing, or a bug: refuse this one, keep the others waiting
                 log.error("deferred allocation failed: %s", e, exc_info=not isinstance(e, OSError))
-                self._on_grant(ident, msg, CheckpointError(f"cannot allocate shared memory: {e}"))
-                continue
-            if slot is None:
-                self.deferred.append((ident, msg))
-            else:
+                slot = CheckpointError(f"cannot allocate shared memory: {e}")
+            if slot is not None:
+                self.deferred = [d for d in self.deferred if d[1] is not msg]
                 self._on_grant(ident, msg, slot)
 
     def unlink(self, slot: Slot) -> None:
@@ -392,9 +393,8 @@ class SlotPool:
         # first: a freed slot must not go to the dead (pid 0: unknown, kept), nor to a client that gave up
         self.deferred = [(i, m) for i, m in self.deferred if not m["pid"] or self._alive(m["pid"])]
         # a request waiting for its own segment is not timed out (that segment is coming), one warming a spare is
-        for ident, msg in [
-            d for d in self.deferred if d[1].get("_deadline", now + 1) < now and ("_growing" not in d[1] or d[1].get("spare"))
-        ]:
+        late = [d for d in self.deferred if d[1].get("_deadline", now + 1) < now and ("_growing" not in d[1] or d[1].get("spare"))]
+        for ident, msg in late:
             self.deferred.remove((ident, msg))
             self._on_grant(ident, msg, CheckpointError(self._short(msg["nbytes"], msg["timeout"])))
         lapsed = False
