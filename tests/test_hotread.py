@@ -332,3 +332,29 @@ def test_threads_already_started_are_joined_when_starting_another_fails(tmp_path
     with pytest.raises(RuntimeError, match="can't start new thread"):
         _read(path, flats, None, workers=3, slot=4096)
     assert len(starts) == 2 and not [t for t in threading.enumerate() if t.name.startswith("ckptd-hotread")]
+
+
+@pytest.mark.parametrize(
+    ("cpus", "machine", "local", "want"),
+    [
+        (16, 16, None, 16),  # one rank on a 16-core host: as measured on one H100
+        (64, 64, None, 16),  # never more than 16
+        (16, 16, "8", 2),  # eight ranks restarting together share the cores: 16 threads in all, not 128
+        (16, 16, "32", 1),
+        (2, 16, "8", 2),  # bound to two cores of its own (numactl, a launcher's binding): its share already
+        (1, 1, "bad", 1),
+    ],
+)
+def test_a_rank_reads_with_its_share_of_the_nodes_cores(
+    monkeypatch: pytest.MonkeyPatch, cpus: int, machine: int, local: str | None, want: int
+) -> None:
+    from ckptd.client import hotread
+
+    monkeypatch.setattr(hotread.os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    monkeypatch.setattr(hotread.os, "cpu_count", lambda: machine)
+    if local is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+    assert hotread.thread_share() == want
+    assert hotread.HotRead({}, str, lambda dev: None).workers == want
