@@ -566,6 +566,49 @@ def test_a_snapshot_gets_its_ranks_spare_when_the_trainer_mapping_it_dies(env: d
     assert _granted(env) == [(b"w", spare), (b"s3", spare)] and pool.get(spare).lease["step"] == 3 and not pool.deferred
 
 
+def test_two_lagging_ranks_each_get_their_own_spare_mapped_ahead_never_each_others(env: dict[str, Any]) -> None:
+    # seen in review: with two ranks lagging (a node of several GPUs), rank 1's snapshot took rank 0's spare the
+    # moment it landed ("any free slot" over budget), both warmings were refused, and both snapshots mapped a new
+    # segment on their path
+    A = shm.ALIGN
+    pool, asked = _growing_pool(env, 6 * A)
+    pool.want_spare = lambda job: True
+    for token in (1, 2, 3, 4):
+        pool.created(token, *pool.segments.create(A))
+        pool.slots[list(pool.slots)[-1]].owner = ("a", (token - 1) // 2)
+    for rank in (0, 1):
+        prev = next(s for s in pool if s.owner == ("a", rank))
+        prev.state = SlotState.COMMITTED  # the rank's previous step is still being written
+        assert pool.request(b"a%d" % rank, _req(rank=rank, nbytes=A, job="a", step=2)) is not None
+    assert len(asked) == 2 and sorted(pool.spares.values()) == [("a", 0), ("a", 1)]
+    for rank in (0, 1):
+        assert pool.request(b"w%d" % rank, _warm(rank=rank)) is None
+    for rank in (0, 1):
+        assert pool.request(b"s%d" % rank, _req(rank=rank, nbytes=A, job="a", step=3)) is None
+    spares = {}
+    for (_, token), rank in zip(asked, (0, 1), strict=True):
+        spares[rank], size = pool.segments.create(A)
+        pool.created(token, spares[rank], size)
+    assert _granted(env) == [(b"w0", spares[0]), (b"w1", spares[1])], "each warming must get its own rank's spare"
+    for rank in (0, 1):
+        pool.free(pool.leased(spares[rank], pool.get(spares[rank]).token))  # mapped ahead, given back
+    assert _granted(env)[2:] == [(b"s0", spares[0]), (b"s1", spares[1])] and not pool.deferred
+
+
+def test_a_request_that_evicting_every_free_slot_cannot_serve_evicts_none(env: dict[str, Any]) -> None:
+    # seen in review: _create unlinked free slots one by one and then found the room still short, so a rank lost
+    # the warm slot it would have reused next, for nothing
+    A = shm.ALIGN
+    pool, asked = _growing_pool(env, 3 * A)
+    for token in (1, 2):
+        pool.created(token, *pool.segments.create(A))
+    kept, busy = pool.slots.values()
+    kept.owner, busy.owner, busy.state = ("a", 0), ("a", 1), SlotState.COMMITTED
+    assert pool.request(b"big", _req(rank=0, nbytes=3 * A, job="b", step=1)) is None  # 3A needs the committed slot's room too
+    assert pool.get(kept.name) is kept and kept.state is SlotState.FREE and asked == []
+    assert pool.request(b"a0", _req(rank=0, nbytes=A, job="a", step=2)) is kept
+
+
 def test_a_trainer_warming_a_spare_that_takes_too_long_is_refused_not_granted_later(env: dict[str, Any]) -> None:
     # its client gives up after its own timeout: a grant after that would lease the spare to nobody
     pool, asked, _ = _lagging_rank(env, 4 * shm.ALIGN)

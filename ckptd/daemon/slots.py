@@ -105,8 +105,8 @@ class SlotPool:
         """Lease a slot of at least ``msg["nbytes"]`` to ``(job, rank)``, or ``None`` if none fits the budget."""
         if msg.get("spare"):
             return self._lease_spare(msg)
-        owner, need, kept = (msg["job"], msg["rank"]), msg["nbytes"], self._warming(msg)
-        free = [s for s in self.slots.values() if s.state is SlotState.FREE and not s.pins and s.size >= need and s is not kept]
+        owner, need = (msg["job"], msg["rank"]), msg["nbytes"]
+        free = [s for s in self.slots.values() if s.state is SlotState.FREE and not s.pins and s.size >= need]
         # the rank's own slot first: the trainer already holds a warm mapping of it
         slot = min((s for s in free if s.owner == owner), key=lambda s: s.size, default=None)
         if slot is None and "_growing" not in msg and not msg.get("warm") and msg.get("wait", True) and self.soon(msg["job"], msg["step"]):
@@ -120,7 +120,7 @@ class SlotPool:
         if slot is not None and not self._writable(slot, msg["job"]):
             return self.lease(msg)  # retired: another slot, or a new one
         if slot is None:
-            slot = self._create(need, rounded, used, msg, kept)
+            slot = self._create(need, rounded, used, msg)
             if slot is None:
                 # a memory-tier step is dropped only for a snapshot: prepare() warming the pool is refused instead,
                 # never paid for with a job's newest state (a restarted trainer prepares before it restores); and not
@@ -140,10 +140,10 @@ class SlotPool:
 
     def _lease_spare(self, msg: dict[str, Any]) -> Slot | None:
         """A trainer warming the spare made for its rank (mapping it off its snapshots' path): that slot, or ``None``
-        while it is being made; refused when none is coming, or while another rank's snapshot waits for memory (a
-        spare is a guess: a request that exists comes first; the rank's own waits for it mapped, see :meth:`lease`)."""
+        while it is being made; refused when none is coming, or while a snapshot with no spare of its own waits for
+        memory (a spare is a guess: a request that exists comes first; the rank's own waits for it mapped)."""
         owner = (msg["job"], msg["rank"])
-        if self._snapshot_waits(but=owner):
+        if self._needs_room(but=owner):
             raise CheckpointError("the spare slot is left to a snapshot that waits for memory")
         slot = self._free_spare(owner, msg["nbytes"])
         if slot is not None:
@@ -169,16 +169,13 @@ class SlotPool:
         leased = sum(s.size for s in self.slots.values() if s.spare and s.state is SlotState.LEASED)
         return leased + sum(self.growing.get(t, 0) for t in self.spares)
 
-    def _snapshot_waits(self, but: tuple[str, int] | None = None) -> bool:  # a request not warming a spare (nor ``but``'s) waits
-        return any(not m.get("spare") and (m["job"], m["rank"]) != but for _, m in self.deferred)
+    def _snapshot_waits(self) -> bool:  # a request other than a spare's warming waits for memory
+        return any(not m.get("spare") for _, m in self.deferred)
 
-    def _warming(self, msg: dict[str, Any]) -> Slot | None:
-        """The spare of ``msg``'s rank, made, while its trainer waits to map it ahead: not for the rank's snapshots, which
-        take their slot being persisted or the spare once mapped, whichever is first (never mapping one on their path)."""
-        owner = (msg["job"], msg["rank"])
-        if msg.get("warm") or not any(m.get("spare") and (m["job"], m["rank"]) == owner for _, m in self.deferred):
-            return None
-        return self._free_spare(owner, 0)
+    def _needs_room(self, but: tuple[str, int]) -> bool:
+        """A snapshot of a rank other than ``but`` waits for memory with no spare of its own being made or mapped."""
+        mine = {o for o in self.spares.values()} | {s.owner for s in self.slots.values() if s.spare}
+        return any(not m.get("spare") and (o := (m["job"], m["rank"])) != but and o not in mine for _, m in self.deferred)
 
     def _spare(self, owner: tuple[str, int] | None, size: int) -> None:
         """``owner`` (job, rank) just took its last free slot while one of its own is still being persisted
@@ -218,14 +215,15 @@ class SlotPool:
         slot.exposed = False
         return True
 
-    def _create(self, need: int, rounded: int, used: int, msg: dict[str, Any], kept: Slot | None) -> Slot | None:
-        """A new segment, after evicting free slots (least recently used first; not ``kept``) until it fits; with a
-        grower, asked for off the loop (the request waits for :meth:`created`, once)."""
+    def _create(self, need: int, rounded: int, used: int, msg: dict[str, Any]) -> Slot | None:
+        """A new segment, after evicting free slots (least recently used first) until it fits (none when that is not
+        enough); with a grower, asked for off the loop (the request waits for :meth:`created`, once)."""
         if self._grow is not None and "_growing" in msg:
             return None  # its segment is on the way
-        for victim in sorted(
-            (s for s in self.slots.values() if s.state is SlotState.FREE and not s.pins and s is not kept), key=lambda s: s.used_at
-        ):
+        victims = sorted((s for s in self.slots.values() if s.state is SlotState.FREE and not s.pins), key=lambda s: s.used_at)
+        if used - sum(v.size for v in victims) + rounded > self.budget:
+            return None  # evicting every free slot would not make room: none is (another request may reuse one)
+        for victim in victims:
             if used + rounded <= self.budget:
                 break
             used -= victim.size
@@ -311,11 +309,13 @@ class SlotPool:
             for ident, msg in asked:
                 self.deferred.remove((ident, msg))
                 self._on_grant(ident, msg, CheckpointError(f"cannot allocate {size} bytes of shared memory: {error}"))
-        self.retry_deferred()
+        self.retry_deferred(spare=token)
 
-    def retry_deferred(self) -> None:
-        # snapshots first, a trainer warming a spare last; each stays listed while it is tried (lease() asks who waits)
-        for ident, msg in sorted(self.deferred, key=lambda d: bool(d[1].get("spare"))):
+    def retry_deferred(self, spare: int | None = None) -> None:
+        """Try every deferred request again (each stays listed meanwhile: a warming's grant depends on who waits): first the
+        warming of spare ``spare`` (a grow token) just made, so its rank's snapshot never maps it on its path, then the rest."""
+        mine = lambda m: spare is not None and m.get("spare") and m.get("_growing") == spare  # noqa: E731
+        for ident, msg in sorted(self.deferred, key=lambda d: (not mine(d[1]), bool(d[1].get("spare")))):
             try:
                 slot: Slot | CheckpointError | None = self.lease(msg)
             except CheckpointError as e:
