@@ -44,6 +44,7 @@ _STEP_RE = re.compile(r"step-(\d+)")
 _TMP_RE = re.compile(r"step-(\d+)\.tmp")
 _DEL_RE = re.compile(r"step-(\d+)\.del")
 _OLD_RE = re.compile(r"step-(\d+)\.old")
+_NODE_RE = re.compile(r"step-(\d+)\.node-([0-9a-f]{8})")
 _FRAGMENT_RE = re.compile(r"rank-(\d{5,})\.json")
 _BUCKET_KEY_RE = re.compile(r"step-(\d+)/(.+)", re.S)
 
@@ -85,6 +86,13 @@ def step_dir(root: str, job: str, step: int) -> str:
 
 def tmp_dir(root: str, job: str, step: int) -> str:
     return os.path.join(root, job, f"step-{step}.tmp")
+
+
+def node_dir(root: str, job: str, step: int, tag: str) -> str:
+    """This node's whole part of one attempt at a multi-node step (``tag``: 8 hex digits), moved out of
+    ``step-N.tmp`` when it became durable, for the upload thread alone: a new attempt at the same number
+    (a relaunch) writes a fresh ``step-N.tmp`` beside it."""
+    return os.path.join(root, job, f"step-{step}.node-{tag}")
 
 
 def fetch_dir(root: str, job: str, step: int) -> str:
@@ -163,6 +171,20 @@ def replaced_steps(root: str, job: str) -> list[int]:
     return _steps_named(root, job, _OLD_RE, "step-{}.old")
 
 
+def node_parts(root: str, job: str) -> dict[int, list[str]]:
+    """This node's parts of multi-node steps of ``job`` (``step-N.node-*`` directories), by step."""
+    try:
+        names = os.listdir(job_dir(root, job))
+    except FileNotFoundError:
+        return {}
+    out: dict[int, list[str]] = {}
+    for n in names:
+        m = _NODE_RE.fullmatch(n)
+        if m and f"step-{int(m.group(1))}.node-{m.group(2)}" == n and os.path.isdir(p := os.path.join(root, job, n)):
+            out.setdefault(int(m.group(1)), []).append(p)
+    return {s: sorted(ds) for s, ds in sorted(out.items())}
+
+
 def _steps_named(root: str, job: str, pattern: re.Pattern[str], spell: str) -> list[int]:
     try:
         names = os.listdir(job_dir(root, job))
@@ -171,10 +193,10 @@ def _steps_named(root: str, job: str, pattern: re.Pattern[str], spell: str) -> l
     return sorted(s for n in names if (s := _step_of(pattern, n, spell)) is not None)
 
 
-def fragments_present(root: str, job: str, step: int) -> set[int]:
-    """The ranks whose fragment is in ``step-N.tmp``: their shard is durable (the fragment comes last)."""
+def fragments_present(root: str, job: str, step: int, directory: str | None = None) -> set[int]:
+    """The ranks whose fragment is in ``step-N.tmp`` (or ``directory``): their shard is durable (the fragment comes last)."""
     try:
-        names = os.listdir(tmp_dir(root, job, step))
+        names = os.listdir(directory or tmp_dir(root, job, step))
     except FileNotFoundError:
         return set()
     return {r for n in names if (r := fragment_rank(n)) is not None}

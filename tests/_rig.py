@@ -58,9 +58,16 @@ class FakeUploader:
 
     def __init__(self) -> None:
         self.submitted: list[tuple[str, int, int, list[int] | None]] = []
+        self.nodes: list[tuple[str, int]] = []  # multi-node: (this node's part's directory, attempt) of each submit
+        self.given_up: list[tuple[str, int, int]] = []
 
-    def submit(self, job: str, step: int, world_size: int, ranks: list[int] | None = None, *, catch_up: bool = False) -> None:
+    def submit(self, job: str, step: int, world_size: int, ranks: list[int] | None = None, **kw: Any) -> None:
         self.submitted.append((job, step, world_size, ranks))
+        if kw.get("node"):  # multi-node: where this node's part is, and its attempt
+            self.nodes.append((kw["node"], kw.get("attempt", 0)))
+
+    def give_up(self, job: str, step: int, attempt: int) -> None:
+        self.given_up.append((job, step, attempt))
 
     def pending(self, job: str) -> set[int]:
         return set()
@@ -111,22 +118,25 @@ class Rig:
         raw_tree: bytes | None = None,
         at: int | None = None,
         track: StepTrack | None = None,
+        run: int | None = None,
+        after: int | None = None,
     ) -> Slot:
         """Lease a slot, fill it with ``data`` and commit it as ``Daemon._op_commit`` does (``at``: its
-        ``committed_at``, default :func:`record`'s; ``track``: the one ``Admission.admit`` returned)."""
+        ``committed_at``, default :func:`record`'s; ``track``: the one ``Admission.admit`` returned; ``run`` and
+        ``after``: the attempt, a launch and the step it restored)."""
         lws = world_size if lws is None else lws
         slot = self.pool.lease({"job": JOB, "rank": rank, "world_size": world_size, "step": step, "nbytes": len(data), "pid": os.getpid()})
         assert slot is not None
         with open(shm.path_of(slot.name), "r+b") as f:
             f.write(data)
-        rec = record(step, rank, world_size, len(data), lws, at)
+        rec = {**record(step, rank, world_size, len(data), lws, at, 7 if run is None else run), "after": after}
         raw = tree(rank) if raw_tree is None else raw_tree
         self.pool.segments.write_record(slot.name, rec, tree=raw)
         rec["tree"] = raw
         self.pool.commit(slot, rec)
         key = (JOB, step)
         track = track or self.steps.check_commit(key, rank, world_size, lws)
-        self.steps.record_commit(key, track, rank, lws, committed_at=rec["committed_at"])
+        self.steps.record_commit(key, track, rank, lws, run, committed_at=rec["committed_at"])
         self.completion.persist(slot)
         return slot
 

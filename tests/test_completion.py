@@ -27,7 +27,7 @@ from ckptd.daemon.slots import SlotState
 from ckptd.daemon.status import Counters
 from ckptd.daemon.steps import StepState
 from ckptd.errors import ProtocolError
-from ckptd.layout import MANIFEST, fragment_name, fragments_present, shard_name, step_dir, tmp_dir
+from ckptd.layout import MANIFEST, fragments_present, node_parts, shard_name, step_dir, tmp_dir
 from ckptd.storage.local import latest_step, read_latest
 from ckptd.tools.verify import verify_checkpoint
 from ckptd.validate import read_manifest
@@ -347,8 +347,11 @@ def test_a_multi_node_step_reports_this_nodes_part_once_with_its_ranks(make_rig:
     assert rig.uploader.submitted == [(JOB, 20, 4, [2, 3])]
     track = rig.steps.get((JOB, 20))
     assert track.state is StepState.PENDING and track.inflight == 0  # durable once the bucket completes it
-    assert fragments_present(rig.root, JOB, 20) == {2, 3} and not os.path.exists(step_dir(rig.root, JOB, 20))
-    assert not os.path.exists(os.path.join(tmp_dir(rig.root, JOB, 20), MANIFEST))
+    # moved out of step-20.tmp into a directory of its own for the upload (a relaunch's attempt writes a fresh .tmp)
+    ((node, attempt),) = rig.uploader.nodes
+    assert attempt == track.attempt and node == ev.node_dir and node_parts(rig.root, JOB) == {20: [node]}
+    assert fragments_present(rig.root, JOB, 20, node) == {2, 3} and not os.path.exists(tmp_dir(rig.root, JOB, 20))
+    assert not os.path.exists(step_dir(rig.root, JOB, 20)) and not os.path.exists(os.path.join(node, MANIFEST))
     assert rig.answers == [] and rig.counters.steps_committed == 0
 
     for r in (2, 3):  # both shards in flight at once: still reported once
@@ -369,23 +372,58 @@ def test_a_multi_node_step_that_timed_out_may_be_saved_afresh_by_a_relaunch(make
     rig.pump(2)
     assert rig.uploader.submitted == [(JOB, 20, 4, [2, 3])]
     timeout = "step 20 of job j: not every rank's shard of this attempt reached the bucket within 600 s"
-    rig.completion.on_uploaded(Uploaded(JOB, 20, timeout, 0, 600.0, False, True))
     track = rig.steps.get((JOB, 20))
+    rig.completion.on_uploaded(Uploaded(JOB, 20, timeout, 0, 600.0, False, True, attempt=track.attempt))
     assert track is not None and track.state is StepState.FAILED and track.abandoned
     admission = Admission(rig.root, rig.steps, rig.pool, rig.completion.settle)
     fresh = admission.admit(JOB, 20, 2, 4, 2, peer=None, after=19, run=22)
     assert fresh is not track and fresh.committed == set()
 
 
-def test_a_multi_node_part_already_reported_is_not_reported_again(make_rig: Callable[..., Rig]) -> None:
+def test_a_relaunchs_attempt_at_a_multi_node_step_never_writes_where_the_old_attempts_upload_reads(
+    make_rig: Callable[..., Rig],
+) -> None:
+    # a run's ranks on this node committed step 21 and its part went to the uploader, which waits in the bucket for the
+    # other node's ranks; that run died, and the relaunch (another run) saves step 21 again on this node. It used to
+    # be refused until commit_timeout (10 minutes); and a new attempt writing its shards where the old upload reads
+    # would mix runs in the bucket
     rig = make_rig(uploader=FakeUploader())
-    rig.persister.mark_node_reported(JOB, 21)  # e.g. handed to the uploader by recovery
-    rig.commit(21, 0, 2, shard(21, 0, 2), lws=1)
-    (ev,) = rig.pump(1)
-    assert ev.error is None and ev.node_ranks is None and rig.uploader.submitted == []
+    for r in (0, 1):
+        rig.commit(21, r, 4, shard(21, r, 4), lws=2, run=11)
+    rig.pump(2)
+    ((old_dir, old_attempt),) = rig.uploader.nodes
+    assert rig.wait(21, ident=b"w21") is None
+    old = rig.steps.get((JOB, 21))
+    admission = Admission(rig.root, rig.steps, rig.pool, rig.completion.settle)
+    admission.give_up = rig.uploader.give_up
+    fresh = admission.admit(JOB, 21, 0, 4, 2, peer=None, after=19, run=22)
+    assert fresh is not old and fresh.committed == set() and old.state is StepState.FAILED and old.abandoned
+    assert rig.uploader.given_up == [(JOB, 21, old_attempt)]
+    assert "a new run" in rig.answered(21)[0]["error"], "the old attempt's waiters hear why"
+    before = {f: os.stat(os.path.join(old_dir, f)).st_ino for f in os.listdir(old_dir)}
+    for r in (0, 1):
+        rig.commit(21, r, 4, shard(21, r, 4), lws=2, run=22, after=19, track=fresh if r == 0 else None)
+    rig.pump(2)
+    ((new_dir, new_attempt),) = rig.uploader.nodes[1:]
+    assert new_dir != old_dir and new_attempt == fresh.attempt != old_attempt
+    assert {f: os.stat(os.path.join(old_dir, f)).st_ino for f in os.listdir(old_dir)} == before, "the old upload's files changed"
+    # the old attempt's upload ends (given up, or failing late): nothing of it touches the new attempt's track
+    rig.completion.on_uploaded(Uploaded(JOB, 21, "given up", 0, 1.0, False, True, attempt=old_attempt, given_up=True))
+    rig.completion.on_uploaded(Uploaded(JOB, 21, "late failure", 0, 1.0, False, True, attempt=old_attempt))
+    assert fresh.state is StepState.PENDING
+    rig.completion.on_uploaded(Uploaded(JOB, 21, None, 9, 1.0, True, True, "s3://b/j/step-21", attempt=new_attempt))
+    assert fresh.state is StepState.DURABLE
 
-    rig.persister.forget_node(JOB, 22)  # forgetting another step changes nothing for it
-    rig.commit(22, 0, 2, shard(22, 0, 2), lws=1)
-    (ev,) = rig.pump(1)
-    assert ev.node_ranks == [0] and rig.uploader.submitted == [(JOB, 22, 2, [0])]
-    assert fragment_name(0) in os.listdir(tmp_dir(rig.root, JOB, 22))
+
+def test_a_dead_runs_multi_node_step_still_being_written_here_is_refused_for_a_moment(make_rig: Callable[..., Rig]) -> None:
+    # every rank of this node committed, but a shard is still being written (its part not handed over yet): the relaunch
+    # is told to retry, as on one node; nothing is given up
+    rig = make_rig(uploader=FakeUploader())
+    for r in (0, 1):
+        rig.commit(22, r, 4, shard(22, r, 4), lws=2, run=11)
+    admission = Admission(rig.root, rig.steps, rig.pool, rig.completion.settle)
+    admission.give_up = rig.uploader.give_up
+    with pytest.raises(ProtocolError, match="is still being made durable"):
+        admission.admit(JOB, 22, 0, 4, 2, peer=None, after=19, run=22)
+    rig.pump(2)
+    assert rig.uploader.given_up == [] and len(rig.uploader.nodes) == 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _dist import run_ranks
@@ -130,3 +131,57 @@ def test_a_node_daemon_killed_mid_upload_uploads_its_part_after_the_restart(make
         model, optim = make(seed=7)
         ckptd.restore(model, optim, path=path)
         assert_same(full_state(model, optim), _load_expected(expected))
+
+
+def _commit_raw(rpc: Any, job: str, step: int, rank: int, run: int, ws: int = 4, lws: int = 2) -> None:
+    """Rank ``rank``'s shard of ``step``, leased, written and committed over the wire, as launch ``run``."""
+    from _rig import shard, tree
+
+    from ckptd import shm
+
+    data = shard(step, rank, ws)
+    rep = rpc.call("alloc", job=job, rank=rank, world_size=ws, step=step, nbytes=len(data), pid=os.getpid())
+    with open(shm.path_of(rep["segment"]), "r+b") as f:
+        f.write(data)
+    fields = dict(job=job, rank=rank, world_size=ws, local_world_size=lws, step=step, segment=rep["segment"], lease=rep["lease"])
+    rpc.call("commit", frames=(tree(rank),), nbytes=len(data), replicas={}, run=run, **fields)
+
+
+def test_a_relaunch_saves_a_step_a_dead_run_left_half_committed_across_nodes_at_once(
+    make_daemon, short_tmp: Path, s3_bucket: RemoteConfig
+) -> None:  # noqa: ANN001
+    """Run 11's ranks on node 0 committed step 4, its ranks on node 1 died first: node 0's part went up and waits in
+    the bucket for node 1's. The relaunch (run 22) reaches step 4 again. Node 0 refused it ("still being made
+    durable") until commit_timeout, 10 minutes by default, and its uploader, waiting, held every upload behind it. Now
+    node 0 gives run 11's attempt up and the relaunch's step 4 completes in the bucket at once, its own bytes only."""
+    import json
+    import time
+
+    from ckptd.layout import MANIFEST, bucket_key
+
+    conf = remote_toml(short_tmp / "r.toml", s3_bucket, commit_timeout=90)
+    nodes = [make_daemon("--config", conf, sub=f"node{i}") for i in range(2)]
+    with nodes[0].rpc() as rpc0, nodes[1].rpc() as rpc1:
+        for rank in (0, 1):
+            _commit_raw(rpc0, "hc", 4, rank, run=11)
+        with nodes[0].client("hc") as c:  # its part is up; the uploader waits for node 1's ranks, which never come
+            deadline = time.monotonic() + 60
+            while (c.status()["uploading"] or {}).get("step") != 4 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert (c.status()["uploading"] or {}).get("step") == 4
+        t0 = time.monotonic()
+        for rank in (0, 1):
+            _commit_raw(rpc0, "hc", 4, rank, run=22)  # refused before: "still being made durable"
+        for rank in (2, 3):
+            _commit_raw(rpc1, "hc", 4, rank, run=22)
+        got = rpc0.call("wait", job="hc", step=4, timeout=80.0, rpc_timeout=85.0)
+    assert got["state"] == "durable" and got["path"].endswith("/hc/step-4"), got
+    assert time.monotonic() - t0 < 45, "the relaunch waited for the dead run's attempt to time out"
+    with S3Store(s3_bucket) as store:
+        assert json.loads(store.get_bytes(bucket_key("hc", 4, MANIFEST)))["run"] == 22
+        assert remote_steps(store, "hc") == ([4], [])
+    log0 = nodes[0].log.read_text()
+    assert "this attempt was given up (a new run saves the step again)" in log0
+    assert not any(".node-" in n for n in os.listdir(Path(nodes[0].root) / "hc")), "the given-up part was not removed"
+    with nodes[0].client("hc") as c:
+        assert c.status()["last_error"] is None

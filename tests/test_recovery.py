@@ -24,7 +24,7 @@ from ckptd.daemon import recovery
 from ckptd.daemon.slots import Slot, SlotState
 from ckptd.daemon.steps import StepState
 from ckptd.errors import CheckpointError
-from ckptd.layout import fragment_name, fragments_present, is_complete, shard_name, step_dir, tmp_dir
+from ckptd.layout import fragment_name, fragments_present, is_complete, node_parts, shard_name, step_dir, tmp_dir
 from ckptd.storage import local
 from ckptd.storage.retention import KeepLatest
 from ckptd.tools.verify import verify_checkpoint
@@ -327,8 +327,11 @@ def test_this_nodes_whole_part_of_a_multi_node_step_is_uploaded_again(node: Node
     node.recover()
 
     assert node.uploader.submitted == [(JOB, 10, 4, [2, 3])]
-    assert partial_dirs(node.root) == ["step-10.tmp"]  # the uploader reads it; the bucket completes the step
+    # moved out of step-10.tmp into a directory of its own, which the uploader reads; the bucket completes the step
+    ((part, attempt),) = node.uploader.nodes
+    assert partial_dirs(node.root) == [] and node_parts(node.root, JOB) == {10: [part]}
     track = node.steps.get((JOB, 10))
+    assert attempt == track.attempt
     assert track is not None and (track.world_size, track.local_world_size, track.committed) == (4, 2, {2, 3})
     assert track.state is StepState.PENDING and not os.path.exists(step_dir(node.root, JOB, 10))
 
@@ -351,6 +354,53 @@ def test_a_multi_node_part_a_recovered_shard_completes_is_reported_once(node: No
     assert ev.error is None and ev.node_ranks == [2, 3]
     assert node.uploader.submitted == [(JOB, 11, 4, [2, 3])]
     assert node.steps.get((JOB, 11)).state is StepState.PENDING
+
+
+def _handed_part(root: str, step: int, at: int, run: int) -> str:
+    """Ranks 2 and 3 of 4 of ``step`` (commit time ``at``, launch ``run``), handed over as a persist thread does."""
+    for r in (2, 3):
+        write_fragment(root, step, r, 4, lws=2, at=at + r, run=run)
+    return local.hand_over(root, JOB, step)
+
+
+def test_a_handed_over_part_is_uploaded_again_and_an_older_attempts_removed(node: Node) -> None:
+    # the previous daemon died while uploading: a dead run's attempt at step 15 (given up) and its relaunch's, both here
+    old = _handed_part(node.root, 15, 1_000, run=11)
+    new = _handed_part(node.root, 15, 5_000, run=22)
+    node.recover()
+    ((part, attempt),) = node.uploader.nodes
+    assert part == new and not os.path.exists(old) and node_parts(node.root, JOB) == {15: [new]}
+    track = node.steps.get((JOB, 15))
+    assert node.uploader.submitted == [(JOB, 15, 4, [2, 3])] and track.attempt == attempt and track.committed == {2, 3}
+
+
+def test_a_handed_over_part_that_a_newer_attempt_replaced_is_removed_not_uploaded(node: Node) -> None:
+    old = _handed_part(node.root, 16, 1_000, run=11)
+    write_fragment(node.root, 16, 2, 4, lws=2, at=5_000, run=22)  # the relaunch's rank 2 was written before the crash
+    node.committed(step=16, rank=3, world_size=4, lws=2, at=5_001)  # its rank 3 committed, not written yet
+    node.recover()
+    assert not os.path.exists(old) and node.uploader.nodes == []
+    (ev,) = node.pump(1)  # rank 3 written: the relaunch's part is whole, and goes up from a directory of its own
+    assert ev.node_ranks == [2, 3] and [p for p, _ in node.uploader.nodes] == [ev.node_dir] != [old]
+
+
+def test_a_commit_record_whose_shard_was_handed_over_is_not_written_again(node: Node) -> None:
+    # the crash came after the persist thread moved this node's part for the upload, before the record was dropped
+    part = _handed_part(node.root, 17, 1_000, run=7)
+    name = node.committed(step=17, rank=3, world_size=4, lws=2, at=1_003)
+    node.recover()
+    assert node.handed == [] and node.pool.get(name) is None and not os.path.exists(shm.path_of(name))
+    assert [p for p, _ in node.uploader.nodes] == [part] and partial_dirs(node.root) == []
+
+
+def test_a_broken_or_unneeded_handed_over_part_is_removed(make_node: Callable[..., Node]) -> None:
+    node = make_node(uploader=False)
+    whole = _handed_part(node.root, 18, 1_000, run=7)  # no bucket: it can never go up
+    for r in (2,):  # only one rank of the node's two: not a part the persist thread hands over
+        write_fragment(node.root, 19, r, 4, lws=2)
+    broken = local.hand_over(node.root, JOB, 19)
+    node.recover()
+    assert not os.path.exists(whole) and not os.path.exists(broken) and node.steps.tracks == {}
 
 
 def test_a_multi_node_part_missing_ranks_of_this_node_is_removed(node: Node) -> None:

@@ -24,8 +24,8 @@ from doubles import FaultyStore, MemoryStore
 from ckptd.daemon.events import Uploaded
 from ckptd.daemon.uploader import Uploader
 from ckptd.errors import CheckpointError
-from ckptd.layout import MANIFEST, bucket_key, bucket_prefix, parse_bucket_key, step_dir, tmp_dir
-from ckptd.storage.local import finalize_step, write_shard
+from ckptd.layout import MANIFEST, bucket_key, bucket_prefix, node_parts, parse_bucket_key, step_dir, tmp_dir
+from ckptd.storage.local import finalize_step, hand_over, write_shard
 from ckptd.storage.remote import (
     apply_remote_retention,
     bucket_committed_at,
@@ -114,12 +114,17 @@ class GatedStore(MemoryStore):
         super().put_file(rel, path, progress)
 
 
+def handed(root: str, step: int, job: str = JOB) -> str:
+    """This node's part of ``step``, moved out of ``step-N.tmp`` as the persist thread hands it to the uploader."""
+    return hand_over(root, job, step)
+
+
 def upload_part(store: Any, root: str, results: Results, step: int, *, commit_timeout: float) -> tuple[Uploaded, Uploader]:
     """Upload rank 0's part of a 2-rank step of JOB with an uploader of its own; its one result, and the
     uploader (closed)."""
     up = make_uploader(store, root, results, commit_timeout=commit_timeout)
     try:
-        up.submit(JOB, step, 2, ranks=[0])
+        up.submit(JOB, step, 2, ranks=[0], node=handed(root, step))
         (res,) = results.wait(1)
     finally:
         up.close()
@@ -269,7 +274,7 @@ def test_multi_node_step_is_never_skipped(tmp_path: Path) -> None:
     up = make_uploader(store, root, results)
     try:
         hold_first_upload(up, store, JOB, 1)
-        up.submit(JOB, 2, 1, ranks=[0])
+        up.submit(JOB, 2, 1, ranks=[0], node=handed(root, 2))
         up.submit(JOB, 3, 1)
         store.gate.set()
     finally:
@@ -294,7 +299,7 @@ def test_two_nodes_complete_a_step_in_the_bucket(tmp_path: Path) -> None:
     ups = [make_uploader(store, root, res) for root, res in zip(roots, results)]
     try:
         for rank, up in enumerate(ups):
-            up.submit(JOB, 7, 2, ranks=[rank])
+            up.submit(JOB, 7, 2, ranks=[rank], node=handed(roots[rank], 7))
         got = [res.wait(1)[0] for res in results]
     finally:
         for up in ups:
@@ -324,7 +329,7 @@ def test_multi_node_step_times_out_naming_the_step(tmp_path: Path) -> None:
     assert res.error is not None and "step 7 of job j" in res.error and "not every rank" in res.error
     assert not store.exists(bucket_key(JOB, 7, MANIFEST))
     assert remote_steps(store, JOB) == ([], [7])
-    assert os.path.isdir(tmp_dir(root, JOB, 7))  # this node's part is kept: the step is not in the bucket
+    assert node_parts(root, JOB) == {}  # this node's part is removed: the step can never complete (its track is failed)
     assert up.pending(JOB) == set()
 
 
@@ -337,7 +342,7 @@ def test_inconsistent_fragments_fail_the_multi_node_step(tmp_path: Path) -> None
     store.put_file(bucket_key(JOB, 7, rank_files([1])[1]), os.path.join(tmp_dir(roots[1], JOB, 7), rank_files([1])[1]))
     up = make_uploader(store, roots[0], results)
     try:
-        up.submit(JOB, 7, 2, ranks=[0])
+        up.submit(JOB, 7, 2, ranks=[0], node=handed(roots[0], 7))
         (res,) = results.wait(1)
     finally:
         up.close()
@@ -397,7 +402,7 @@ def test_a_retention_failure_after_an_upload_never_fails_the_step_it_follows(tmp
         upload_ranks(store, tmp_dir(roots[1], JOB, 10), JOB, 10, [1], attempt=(5, None))
     up = make_uploader(store, roots[0], results, keep=1)
     try:
-        up.submit(JOB, 10, nodes, ranks=None if nodes == 1 else [0])
+        up.submit(JOB, 10, nodes, ranks=None if nodes == 1 else [0], node="" if nodes == 1 else handed(roots[0], 10))
         (res,) = results.wait(1)
     finally:
         up.close()
@@ -419,9 +424,9 @@ def test_retention_spares_the_partial_upload_of_a_queued_step(tmp_path: Path) ->
     store.entered.clear()
     up = make_uploader(store, here, results, commit_timeout=5.0)
     try:
-        up.submit(JOB, 5, 2, ranks=[0])
+        up.submit(JOB, 5, 2, ranks=[0], node=handed(here, 5))
         assert store.entered.wait(WAIT_S)
-        up.submit(JOB, 3, 2, ranks=[0])  # queued while step 5 uploads: 3 is older than the newest complete step
+        up.submit(JOB, 3, 2, ranks=[0], node=handed(here, 3))  # queued while step 5 uploads: 3 is older than the newest complete step
         store.gate.set()
         got = results.wait(2)
         after5 = got[0]

@@ -63,6 +63,7 @@ class Admission:
         self.root, self.steps, self.pool, self._settle = root, steps, pool, settle
         self._runs: dict[str, tuple[int, set[tuple[int, float]]]] = {}  # job -> (its run, (pid, start time) of committers)
         self.drop_memory: Callable[[StepKey, str], bool] = lambda key, why: False  # the memory tier's, set by the daemon
+        self.give_up: Callable[[str, int, int], None] | None = None  # the uploader's (multi-node), set by the daemon
 
     def admit(
         self, job: str, step: int, rank: int, ws: int, lws: int, peer: int | None, after: int | None, run: int | None = None
@@ -85,12 +86,18 @@ class Admission:
             # begun by a run that is gone (_check_run let this one take the job over), or recovered after a daemon
             # crash from a record of another (or no named) run. The same run's missing ranks may still commit:
             # those that lease after the restart join the step
-            if track.all_committed:
+            # this node's whole part of a dead run's multi-node step, gone to the uploader in a directory of its own: the
+            # run's other nodes will never complete it (the bucket would keep it a chimera of runs otherwise), given up
+            handed = track.all_committed and track.local_world_size < track.world_size and not track.inflight
+            if track.all_committed and (not handed or self.give_up is None):
                 raise ProtocolError(
                     f"step {step} of job {job}, saved by a previous run, is still being made durable: restore it, or save it"
                     " again in a moment"
                 )
-            self.steps.abandon(key, f"abandoned: its run ended before every rank committed; a new run (rank {rank}) saves it again")
+            if handed and self.give_up is not None:
+                self.give_up(job, step, track.attempt)
+            why = "its run ended before every node's ranks committed" if handed else "its run ended before every rank committed"
+            self.steps.abandon(key, f"abandoned: {why}; a new run (rank {rank}) saves it again")
             self._settle(key, track)
         track = self.steps.get(key)
         if track is not None and track.state in (StepState.FAILED, StepState.DROPPED) and track.abandoned:

@@ -14,6 +14,7 @@ Main thread only, except :meth:`Completion.uploaded`, which the upload thread ca
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -73,6 +74,8 @@ class Completion:
             # the bytes went with the old step, and nothing of it counts toward the new attempt
             if slot is not None:
                 self.pool.persisted(slot, None)
+            if ev.node_dir is not None:
+                shutil.rmtree(ev.node_dir, ignore_errors=True)
             log.info("job %s step %s: a shard of a replaced attempt of it was written; ignored", ev.job, ev.step)
             return
         from_memory = track is not None and track.from_memory and track.state is StepState.PENDING
@@ -90,8 +93,11 @@ class Completion:
             self.counters.error(f"job {ev.job} step {ev.step}: {ev.error} (kept in memory)")
         elif ev.error is not None and self.steps.fail(key, ev.error):
             self.counters.error(f"job {ev.job} step {ev.step}: {ev.error}")
-        if ev.node_ranks is not None and self.uploader is not None and track.state is StepState.PENDING:
-            self.uploader.submit(ev.job, ev.step, track.world_size, ev.node_ranks)
+        if ev.node_dir is not None and self.uploader is not None:
+            if track.state is StepState.PENDING:
+                self.uploader.submit(ev.job, ev.step, track.world_size, ev.node_ranks, node=ev.node_dir, attempt=track.attempt)
+            else:  # failed meanwhile (a rank's shard could not be written): its part never goes up
+                shutil.rmtree(ev.node_dir, ignore_errors=True)
         if ev.path is not None:
             self.steps.complete(key, ev.path)
             if self.memory is not None:
@@ -129,6 +135,9 @@ class Completion:
         self._events.post(res)
 
     def on_uploaded(self, res: Uploaded) -> None:
+        if res.given_up:  # an attempt a relaunch took over (Admission): its step was abandoned then
+            log.info("job %s step %s: the upload of an abandoned attempt stopped", res.job, res.step)
+            return
         self.counters.uploaded_bytes += res.nbytes
         self.counters.upload_seconds += res.seconds
         if res.retention_error is not None:
@@ -143,10 +152,9 @@ class Completion:
             return
         # a multi-node step is durable once it is complete in the bucket
         key = (res.job, res.step)
-        self.persister.forget_node(res.job, res.step)
         track = self.steps.get(key)
-        if track is None or track.state is not StepState.PENDING:
-            return
+        if track is None or track.state is not StepState.PENDING or track.attempt != res.attempt:
+            return  # not the attempt that is pending now
         if res.error is not None:  # abandoned: a relaunch may save the step afresh (its nodes never completed it)
             self.steps.abandon(key, res.error)
         else:

@@ -33,6 +33,7 @@ class ShardPersisted:
     manifest: dict[str, Any] | None = None  # ... and this is its manifest, kept for hot restores
     node_ranks: list[int] | None = None  # multi-node: this node's part is durable, these ranks to upload
     attempt: int = 0  # the step's attempt (:attr:`~ckptd.daemon.steps.StepTrack.attempt`) the shard was committed to
+    node_dir: str | None = None  # multi-node: where this node's part (``node_ranks``) was moved for the upload
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,8 @@ class Uploaded:
     multi_node: bool
     url: str = ""
     retention_error: str | None = None  # the step is uploaded; pruning older steps of the bucket failed
+    attempt: int = 0  # multi-node: the step's attempt this node's part was of (a relaunch's new one is another)
+    given_up: bool = False  # multi-node: the daemon gave the attempt up (a relaunch saves the number again)
 
 
 @dataclass(frozen=True)

@@ -90,7 +90,6 @@ class Persister:
         self.root, self._events, self._open_segment = root, events, open_segment
         self.keep, self.write_rate_limit, self._protect = keep, write_rate_limit, protect
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptd-persist", initializer=initializer)
-        self._node_reported: set[tuple[str, int]] = set()  # multi-node steps whose local part went to the uploader
 
     def job_lock(self, job: str) -> threading.RLock:
         """Serializes completing and pruning a job's steps and moving its ``latest`` across persist,
@@ -101,14 +100,6 @@ class Persister:
         """Main thread: persist this committed slot, of the step's ``attempt`` (its event names it). It is the
         worker's until its event is handled."""
         self._pool.submit(self._run, slot, dict(slot.lease or {}), attempt)
-
-    def mark_node_reported(self, job: str, step: int) -> None:
-        with self.job_lock(job):
-            self._node_reported.add((job, step))
-
-    def forget_node(self, job: str, step: int) -> None:
-        with self.job_lock(job):
-            self._node_reported.discard((job, step))
 
     def retain(self, job: str) -> None:
         """Keep the newest ``keep`` local steps and those ``protect`` names (still to be uploaded, read by a
@@ -138,23 +129,24 @@ class Persister:
             finally:
                 os.close(fd)
             seconds = time.monotonic() - t0
-            path, node_ranks, manifest = self._after_write(job, step, ws, lws)
-            event = ShardPersisted(slot.name, job, step, rank, rec["nbytes"], seconds, None, path, manifest, node_ranks, attempt)
+            path, manifest, node = self._after_write(job, step, ws, lws)
+            ranks = sorted(fragments_present(self.root, job, step, node)) if node else None
+            event = ShardPersisted(slot.name, job, step, rank, rec["nbytes"], seconds, None, path, manifest, ranks, attempt, node)
         except Exception as e:  # reported to every waiter of the step, never swallowed
             log.error("persisting %s (job %s step %s rank %s) failed: %s", slot.name, job, step, rank, e)
             event = ShardPersisted(slot.name, job, step, rank, 0, 0.0, f"{e}", attempt=attempt)
         self._events.post(event)
 
-    def _after_write(self, job: str, step: int, ws: int, lws: int) -> tuple[str | None, list[int] | None, dict[str, Any] | None]:
-        """Under the job's lock: complete the step if every rank's fragment is here (returns its
-        directory and manifest), or, multi-node, hand this node's part to the uploader once (returns its ranks)."""
+    def _after_write(self, job: str, step: int, ws: int, lws: int) -> tuple[str | None, dict[str, Any] | None, str | None]:
+        """Under the job's lock: complete the step if every rank's fragment is here (returns its directory and
+        manifest), or, multi-node, move this node's whole part into a directory of its own for the uploader (returns
+        that directory: a relaunch's new attempt at the number never writes where the upload reads)."""
         with self.job_lock(job):
             present = fragments_present(self.root, job, step)
             if lws < ws:
                 # multi-node: this node's part is durable; the upload thread completes it in the bucket
-                if len(present) == lws and (job, step) not in self._node_reported:
-                    self._node_reported.add((job, step))
-                    return None, sorted(present), None
+                if len(present) == lws:
+                    return None, None, local.hand_over(self.root, job, step)
             elif present >= set(range(ws)) and os.path.isdir(tmp_dir(self.root, job, step)):
                 path = local.finalize_step(self.root, job, step, ws)
                 # kept in memory for hot restores (they read no disk): the manifest just written under the
@@ -167,5 +159,5 @@ class Persister:
                     self.retain(job)
                 except OSError as e:
                     log.error("retention of job %s after step %s failed: %s", job, step, e)
-                return path, None, manifest
+                return path, manifest, None
         return None, None, None

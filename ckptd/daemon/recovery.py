@@ -7,8 +7,11 @@ the root, finished or cleaned up before the first request is served.
 * A step a rolled-back run's re-save was replacing (``step-N.old``) is deleted once the new one is in
   place (finalized below), or moved back if that fails.
 * A partial step (``step-N.tmp``) whose every fragment is present is finalized; this node's whole
-  part of a multi-node step is handed to the uploader again (the other nodes wait for it); one that
-  recovered shards can still complete is kept; any other is removed.
+  part of a multi-node step is moved into a directory of its own and handed to the uploader again (the
+  other nodes wait for it); one that recovered shards can still complete is kept; any other is removed.
+* This node's part of a multi-node step already handed over (``step-N.node-*``) is uploaded again,
+  the newest attempt's only: one that a newer attempt at the number (recovered shards, a partial step)
+  replaced is removed.
 
 Main thread, before the loop starts: persist and upload threads only run what this hands them.
 """
@@ -16,12 +19,14 @@ Main thread, before the loop starts: persist and upload threads only run what th
 from __future__ import annotations
 
 import logging
+import shutil
 from collections.abc import Callable
 from typing import Any
 
 from .. import shm
-from ..errors import CheckpointError, ProtocolError
-from ..layout import fragments_present, is_complete, partial_steps, replaced_steps, step_dir
+from ..errors import CheckpointError, FormatError, ProtocolError
+from ..format import commit_time
+from ..layout import fragments_present, is_complete, node_parts, partial_steps, replaced_steps, step_dir
 from ..protocol import validate_record
 from ..storage import local
 from .persister import Persister
@@ -59,6 +64,18 @@ def finished(root: str, rec: dict[str, Any]) -> bool:
     return is_complete(path) and local.committed_at(path) >= rec.get("committed_at", 0)
 
 
+def _handed_over(root: str, rec: dict[str, Any]) -> bool:
+    """The shard of commit record ``rec`` is in this node's part of its multi-node step, handed to the uploader (the
+    crash came after the persist thread moved it, before the record was dropped)."""
+    for d in node_parts(root, rec["job"]).get(rec["step"], []):
+        try:
+            if commit_time(local.read_fragment(root, rec["job"], rec["step"], rec["rank"], d)) == rec.get("committed_at", 0):
+                return True
+        except (OSError, FormatError):
+            continue
+    return False
+
+
 def adopt_segment(pool: SlotPool, steps: StepTable, root: str, name: str) -> None:
     """Adopt one segment if its commit record is sound and its step still needs it; else unlink it."""
     segs = pool.segments
@@ -74,7 +91,7 @@ def adopt_segment(pool: SlotPool, steps: StepTable, root: str, name: str) -> Non
     if finished(root, rec):
         segs.unlink(name)  # finalized just before the crash: nothing left to do
         return
-    if rec["rank"] in fragments_present(root, rec["job"], rec["step"]):
+    if rec["rank"] in fragments_present(root, rec["job"], rec["step"]) or _handed_over(root, rec):
         # its shard and fragment are durable (the crash came before the record was dropped): writing it
         # again would truncate a shard another rank's completion may publish; the partial step has it
         segs.unlink(name)
@@ -107,12 +124,8 @@ def finish_partial_step(root: str, job: str, step: int, steps: StepTable, persis
             log.error("cannot finalize leftover step %s of job %s: %s; removing it", step, job, e)
             local.remove_partial(root, job, step)
     elif track is None and ws and lws and lws < ws and len(present) == lws and uploader is not None:
-        # this node's whole part of a multi-node step, durable here: the previous run may have
-        # died before the bucket had it, and the other nodes wait for it (commit_timeout)
-        log.info("uploading this node's part of step %s of job %s again (ranks %s)", step, job, sorted(present))
-        steps.adopt((job, step), ws, lws).committed |= present
-        persister.mark_node_reported(job, step)
-        uploader.submit(job, step, ws, sorted(present))
+        # this node's whole part of a multi-node step, durable here (the crash came before it was handed over)
+        _upload_again(root, job, step, ws, lws, local.hand_over(root, job, step), steps, uploader)
     elif track is None and ws and (run := local.partial_run(root, job, step, present)) is not None:
         # every committed shard of it is durable here: the ranks of its run that had not committed yet may
         # still do so with this daemon; a later step of the job completing or committing abandons it
@@ -125,6 +138,43 @@ def finish_partial_step(root: str, job: str, step: int, steps: StepTable, persis
         local.remove_partial(root, job, step)
     else:
         track.committed |= present
+
+
+def _upload_again(root: str, job: str, step: int, ws: int, lws: int, node: str, steps: StepTable, uploader: Uploader) -> None:
+    """This node's whole part of a multi-node step, in ``node``: the previous run may have died before the bucket had
+    it, and the other nodes wait for it (commit_timeout)."""
+    present = fragments_present(root, job, step, node)
+    log.info("uploading this node's part of step %s of job %s again (ranks %s)", step, job, sorted(present))
+    track = steps.adopt((job, step), ws, lws)
+    track.committed |= present
+    uploader.submit(job, step, ws, sorted(present), node=node, attempt=track.attempt)
+
+
+def finish_node_parts(root: str, job: str, steps: StepTable, uploader: Uploader | None) -> None:
+    """The ``step-N.node-*`` directories of ``job``: the newest of a step uploaded again, unless a newer attempt at
+    that number (recovered shards, a partial step) replaced it or there is no bucket; the others removed."""
+    for step, dirs in node_parts(root, job).items():
+        found = []
+        for d in dirs:
+            ranks = sorted(fragments_present(root, job, step, d))
+            try:
+                frag = local.read_fragment(root, job, step, ranks[0], d)
+                ws, lws = int(frag["world_size"]), int(frag.get("local_world_size", 0))
+                if len(ranks) == lws < ws:
+                    found.append((commit_time(frag), d, ws, lws))
+                    continue
+            except (IndexError, OSError, FormatError, KeyError, TypeError, ValueError):
+                pass
+            log.warning("removing %s: not a whole part of a multi-node step", d)
+            shutil.rmtree(d, ignore_errors=True)
+        found.sort()
+        # a newer attempt (recovered shards, a partial step) replaced them all; without a bucket none can complete
+        newer = steps.get((job, step)) is not None or bool(fragments_present(root, job, step)) or uploader is None
+        for _, d, _, _ in found if newer else found[:-1]:
+            log.info("removing %s: a newer attempt at step %s of job %s replaced it, or no bucket is configured", d, step, job)
+            shutil.rmtree(d, ignore_errors=True)
+        if found and uploader is not None and not newer:
+            _upload_again(root, job, step, found[-1][2], found[-1][3], found[-1][1], steps, uploader)
 
 
 def recover(
@@ -142,6 +192,7 @@ def recover(
     for job in jobs:
         for step in local.empty_trash(root, job):
             log.info("finished deleting step %s of job %s (retention was interrupted)", step, job)
+        finish_node_parts(root, job, steps, uploader)
         for step in partial_steps(root, job):
             finish_partial_step(root, job, step, steps, persister, uploader)
         # a step moved aside for a rolled-back run's re-save: deleted if the new one is in place now, else back

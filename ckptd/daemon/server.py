@@ -118,6 +118,8 @@ class Daemon:
             self.root, self.steps, self.catalog, self.persister, self.uploader, self.counters, self.events, self._answer, self.pool
         )
         self.admission = Admission(self.root, self.steps, self.pool, self.completion.settle)
+        if self.uploader is not None:
+            self.admission.give_up = self.uploader.give_up  # a relaunch takes over a dead run's multi-node step
         self.tiering = Tiering(TierPolicy(config.persist_every, config.persist_interval, config.lagging))
         self.memtier = self.completion.memory = MemoryTier(
             self.steps, self.pool, self.catalog, self.tiering, self.counters, self.events, persist=self.completion.persist,

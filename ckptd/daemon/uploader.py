@@ -20,7 +20,7 @@ from typing import Any
 
 from ..errors import CheckpointError
 from ..format import Attempt, attempt_of, commit_time
-from ..layout import MANIFEST, bucket_key, step_dir, tmp_dir
+from ..layout import MANIFEST, bucket_key, step_dir
 from ..storage.local import committed_at as local_committed_at
 from ..storage.local import read_fragment
 from ..storage.remote import (
@@ -48,6 +48,8 @@ class Upload:
     world_size: int
     ranks: list[int] | None = None  # multi-node: this node's ranks; None: the whole local step
     catch_up: bool = False  # queued at start-up: skip it if the bucket already has the step
+    node_dir: str = ""  # multi-node: this node's part (:func:`ckptd.layout.node_dir`), removed once done with
+    attempt: int = 0  # multi-node: the step's attempt in the daemon (:meth:`Uploader.give_up` names it)
     bytes_total: int = 0
     bytes_done: int = 0
     started: float = 0.0
@@ -84,16 +86,39 @@ class Uploader:
         ] = {}  # (job, step) -> its objects and tags, since when
         self._initializer = initializer
         self._queue: list[Upload] = []
+        self._given_up: set[tuple[str, int, int]] = set()  # (job, step, attempt): a relaunch saves the number again
         self._cv = threading.Condition()
         self._closing = False
         self.current: Upload | None = None
         self._thread = threading.Thread(target=self._run, name="ckptd-upload", daemon=True)
         self._thread.start()
 
-    def submit(self, job: str, step: int, world_size: int, ranks: list[int] | None = None, *, catch_up: bool = False) -> None:
+    def submit(
+        self,
+        job: str,
+        step: int,
+        world_size: int,
+        ranks: list[int] | None = None,
+        *,
+        catch_up: bool = False,
+        node: str = "",
+        attempt: int = 0,
+    ) -> None:
+        """Queue a step's upload; multi-node: this node's ``ranks`` of attempt ``attempt``, in directory ``node``."""
         with self._cv:
-            self._queue.append(Upload(job, step, world_size, ranks, catch_up=catch_up))
+            self._queue.append(Upload(job, step, world_size, ranks, catch_up=catch_up, node_dir=node, attempt=attempt))
             self._cv.notify()
+
+    def give_up(self, job: str, step: int, attempt: int) -> None:
+        """Any thread: stop uploading or waiting for attempt ``attempt`` of multi-node step ``step`` (a relaunch saves
+        the number again; this attempt's other nodes are gone). Its upload ends soon after, ``given_up``."""
+        with self._cv:
+            self._given_up.add((job, step, attempt))
+
+    def _check(self, u: Upload) -> None:
+        with self._cv:
+            if (u.job, u.step, u.attempt) in self._given_up:
+                raise CheckpointError(f"step {u.step} of job {u.job}: this attempt was given up (a new run saves the step again)")
 
     def catch_up(self, job: str, steps: list[int]) -> None:
         """Start-up: a previous run may have stopped before uploading some of ``steps`` (complete local
@@ -149,11 +174,17 @@ class Uploader:
             try:
                 res = self._upload(u)
             except Exception as e:  # reported, never swallowed: the step's waiters or status get it
-                log.error("upload of job %s step %s failed: %s", u.job, u.step, e)
-                res = Uploaded(u.job, u.step, str(e), u.bytes_done, time.monotonic() - u.started, False, u.ranks is not None)
+                with self._cv:  # however the stop came through (a transfer thread's callback raised it)
+                    given_up = (u.job, u.step, u.attempt) in self._given_up
+                (log.info if given_up else log.error)("upload of job %s step %s failed: %s", u.job, u.step, e)
+                multi, took = u.ranks is not None, time.monotonic() - u.started
+                res = Uploaded(u.job, u.step, str(e), u.bytes_done, took, False, multi, attempt=u.attempt, given_up=given_up)
             finally:
                 with self._cv:
                     self.current = None
+                    self._given_up.discard((u.job, u.step, u.attempt))
+                if u.node_dir:
+                    shutil.rmtree(u.node_dir, ignore_errors=True)  # uploaded, or never to be: this node's part is no checkpoint
             try:
                 self.done(res)
             except Exception:
@@ -164,6 +195,8 @@ class Uploader:
 
         def cb(n: int) -> None:
             u.bytes_done += n
+            if u.ranks is not None:
+                self._check(u)  # between parts of an object: a given-up attempt stops here
             now = time.monotonic()
             if now - last[0] >= 10.0 and u.bytes_total:
                 last[0] = now
@@ -195,13 +228,13 @@ class Uploader:
             u.bytes_total = sum(os.path.getsize(os.path.join(d, n)) for n in os.listdir(d))
             nbytes = upload_step(self.store, d, u.job, u.step, self._progress(u))
         else:
-            d = tmp_dir(self.root, u.job, u.step)
+            d = u.node_dir
+            self._check(u)
             u.bytes_total = sum(os.path.getsize(os.path.join(d, n)) for n in rank_files(u.ranks))
-            frag = read_fragment(self.root, u.job, u.step, u.ranks[0])
-            self._check_replaces(u, frag, d)
+            frag = read_fragment(self.root, u.job, u.step, u.ranks[0], d)
+            self._check_replaces(u, frag)
             nbytes = upload_ranks(self.store, d, u.job, u.step, u.ranks, self._progress(u), attempt_of(frag))
             self._wait_complete(u, attempt_of(frag))
-            shutil.rmtree(d, ignore_errors=True)  # the bucket holds the step now; this node's part is not a checkpoint
         pruned: str | None = None
         try:  # the step is complete in the bucket: a failure to prune older steps is reported, never the step's
             settled = self._settled(u.job) if multi else None
@@ -211,7 +244,7 @@ class Uploader:
         except Exception as e:
             log.error("remote retention of job %s after step %s failed: %s", u.job, u.step, e)
             pruned = f"{e}"
-        return Uploaded(u.job, u.step, None, nbytes, time.monotonic() - u.started, True, multi, url, pruned)
+        return Uploaded(u.job, u.step, None, nbytes, time.monotonic() - u.started, True, multi, url, pruned, u.attempt)
 
     def _settled(self, job: str) -> Settled:
         """Multi-node: whether objects of a step of ``job`` in the bucket (a partial step's, or another attempt's
@@ -233,16 +266,11 @@ class Uploader:
 
         return settled
 
-    def _check_replaces(self, u: Upload, frag: dict[str, Any], d: str) -> None:
+    def _check_replaces(self, u: Upload, frag: dict[str, Any]) -> None:
         """Multi-node: before this node's ranks go up, check that this attempt may replace a step of that number
-        another attempt completed in the bucket (a rollback); else this node's part can never complete: it is
-        removed here, and the upload fails saying why."""
-        try:
-            replaces = check_replaces(self.store, u.job, u.step, frag)
-        except CheckpointError:
-            shutil.rmtree(d, ignore_errors=True)
-            raise
-        if replaces:
+        another attempt completed in the bucket (a rollback); else this node's part can never complete: the upload
+        fails saying why (and its directory is removed)."""
+        if check_replaces(self.store, u.job, u.step, frag):
             log.warning(
                 "step %s of job %s in the bucket was saved by an earlier attempt: this one %s (a run rolled back to step %s)"
                 " replaces it once every node has uploaded its ranks; the old step stays complete until then",
@@ -253,6 +281,7 @@ class Uploader:
         """Multi-node: poll the bucket until every node's ranks of this attempt are there and the manifest is written."""
         deadline = time.monotonic() + self.commit_timeout
         while not try_complete(self.store, u.job, u.step, u.world_size, attempt):
+            self._check(u)
             if time.monotonic() > deadline:
                 raise CheckpointError(
                     f"step {u.step} of job {u.job}: not every rank's shard of this attempt reached the bucket within"

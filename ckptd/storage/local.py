@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shutil
 import struct
 import threading
@@ -37,6 +38,7 @@ from ..layout import (
     is_complete,
     job_dir,
     latest_file,
+    node_dir,
     replaced_dir,
     shard_name,
     step_dir,
@@ -197,8 +199,8 @@ def write_shard(
         raise CheckpointError(f"writing {path} failed: {e.strerror or e}") from None
 
 
-def read_fragment(root: str, job: str, step: int, rank: int) -> dict[str, Any]:
-    path = os.path.join(tmp_dir(root, job, step), fragment_name(rank))
+def read_fragment(root: str, job: str, step: int, rank: int, directory: str | None = None) -> dict[str, Any]:
+    path = os.path.join(directory or tmp_dir(root, job, step), fragment_name(rank))
     with open(path, "rb") as f:
         return parse_fragment(f.read(), path)
 
@@ -232,6 +234,14 @@ def partial_run(root: str, job: str, step: int, ranks: set[int]) -> int | None:
     if len(runs) != 1 or None in runs or (last is not None and committed_at(last) > at):
         return None
     return runs.pop()
+
+
+def hand_over(root: str, job: str, step: int) -> str:
+    """Move this node's whole part of a multi-node step out of ``step-N.tmp`` into a directory of its own (a new
+    attempt at the number writes a fresh ``step-N.tmp``), for the upload thread; returns it. Under the job's lock."""
+    os.rename(tmp_dir(root, job, step), d := node_dir(root, job, step, secrets.token_hex(4)))
+    fsync_dir(job_dir(root, job))
+    return d
 
 
 def finalize_step(root: str, job: str, step: int, world_size: int) -> str:
