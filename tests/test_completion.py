@@ -27,7 +27,7 @@ from ckptd.daemon.slots import SlotState
 from ckptd.daemon.status import Counters
 from ckptd.daemon.steps import StepState
 from ckptd.errors import ProtocolError
-from ckptd.layout import MANIFEST, fragments_present, node_parts, shard_name, step_dir, tmp_dir
+from ckptd.layout import MANIFEST, fragment_name, fragments_present, node_parts, shard_name, step_dir, tmp_dir
 from ckptd.storage.local import latest_step, read_latest
 from ckptd.tools.verify import verify_checkpoint
 from ckptd.validate import read_manifest
@@ -427,3 +427,42 @@ def test_a_dead_runs_multi_node_step_still_being_written_here_is_refused_for_a_m
         admission.admit(JOB, 22, 0, 4, 2, peer=None, after=19, run=22)
     rig.pump(2)
     assert rig.uploader.given_up == [] and len(rig.uploader.nodes) == 1
+
+
+@pytest.mark.parametrize("world_size", [2, 4])  # one node; two nodes, this one holding ranks 0 and 1
+def test_a_step_is_finalized_or_handed_over_only_once_every_shard_of_it_here_is_written_whole(
+    make_rig: Callable[..., Rig], monkeypatch: pytest.MonkeyPatch, world_size: int
+) -> None:
+    # seen in a loop of the relaunch test: rank 1's fragment was in place, its thread not yet done syncing the
+    # directory, when rank 0's thread found every fragment and renamed the directory (to step-N, or to this node's
+    # part for the upload): rank 1's sync then failed, "No such file or directory", and failed the step
+    import threading
+
+    from ckptd.storage import local
+
+    r1_visible, go = threading.Event(), threading.Event()
+    real = local.write_json_durable
+
+    def slow_sync(path: str, obj: Any) -> None:
+        if path.endswith(fragment_name(0)):
+            assert r1_visible.wait(30)
+        real(path, obj)
+        if path.endswith(fragment_name(1)):
+            r1_visible.set()  # visible now; its writer is still at the directory sync
+            assert go.wait(30)
+            local.fsync_dir(os.path.dirname(path))
+
+    monkeypatch.setattr(local, "write_json_durable", slow_sync)
+    rig = make_rig(uploader=FakeUploader())
+    for r in (0, 1):
+        rig.commit(23, r, world_size, shard(23, r, world_size), lws=2)
+    (first,) = rig.pump(1)
+    assert first.rank == 0 and first.error is None and first.path is None and first.node_dir is None, first
+    go.set()
+    (last,) = rig.pump(1)
+    assert last.rank == 1 and last.error is None, last.error
+    if world_size == 2:
+        assert last.path == step_dir(rig.root, JOB, 23) and verify_checkpoint(last.path) == []
+    else:
+        assert last.node_ranks == [0, 1] and [p for p, _ in rig.uploader.nodes] == [last.node_dir]
+    assert rig.steps.get((JOB, 23)).state is (StepState.DURABLE if world_size == 2 else StepState.PENDING)

@@ -90,6 +90,7 @@ class Persister:
         self.root, self._events, self._open_segment = root, events, open_segment
         self.keep, self.write_rate_limit, self._protect = keep, write_rate_limit, protect
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptd-persist", initializer=initializer)
+        self._writing: dict[tuple[str, int], int] = {}  # (job, step) -> its shards being written (under the job's lock)
 
     def job_lock(self, job: str) -> threading.RLock:
         """Serializes completing and pruning a job's steps and moving its ``latest`` across persist,
@@ -116,6 +117,9 @@ class Persister:
     def _run(self, slot: Slot, rec: dict[str, Any], attempt: int) -> None:
         job, step, rank, ws = rec["job"], rec["step"], rec["rank"], rec["world_size"]
         lws = rec.get("local_world_size", ws)
+        with self.job_lock(job):  # until this shard is written whole, its directory is neither finalized nor handed over
+            self._writing[(job, step)] = self._writing.get((job, step), 0) + 1
+        wrote = False
         try:
             t0 = time.monotonic()
             # read with pread, never mapped: the lessee can still truncate its segment, and a mapping's read past the
@@ -128,20 +132,34 @@ class Persister:
                 )  # fmt: skip
             finally:
                 os.close(fd)
-            seconds = time.monotonic() - t0
+            seconds, wrote = time.monotonic() - t0, True
             path, manifest, node = self._after_write(job, step, ws, lws)
             ranks = sorted(fragments_present(self.root, job, step, node)) if node else None
             event = ShardPersisted(slot.name, job, step, rank, rec["nbytes"], seconds, None, path, manifest, ranks, attempt, node)
         except Exception as e:  # reported to every waiter of the step, never swallowed
+            if not wrote:
+                self._written(job, step)
             log.error("persisting %s (job %s step %s rank %s) failed: %s", slot.name, job, step, rank, e)
             event = ShardPersisted(slot.name, job, step, rank, 0, 0.0, f"{e}", attempt=attempt)
         self._events.post(event)
 
+    def _written(self, job: str, step: int) -> int:
+        """One shard of the step is no longer being written; how many still are. Under (or takes) the job's lock."""
+        with self.job_lock(job):
+            left = self._writing.pop((job, step), 1) - 1
+            if left:
+                self._writing[(job, step)] = left
+            return left
+
     def _after_write(self, job: str, step: int, ws: int, lws: int) -> tuple[str | None, dict[str, Any] | None, str | None]:
         """Under the job's lock: complete the step if every rank's fragment is here (returns its directory and
         manifest), or, multi-node, move this node's whole part into a directory of its own for the uploader (returns
-        that directory: a relaunch's new attempt at the number never writes where the upload reads)."""
+        that directory: a relaunch's new attempt at the number never writes where the upload reads). Neither while
+        another shard of the step is still being written: a fragment is visible before its writer has synced the
+        directory, which must not move under it (that writer's thread completes the step when it is done)."""
         with self.job_lock(job):
+            if self._written(job, step):
+                return None, None, None
             present = fragments_present(self.root, job, step)
             if lws < ws:
                 # multi-node: this node's part is durable; the upload thread completes it in the bucket
