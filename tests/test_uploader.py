@@ -663,3 +663,69 @@ def test_a_nodes_part_that_may_not_replace_the_buckets_step_is_refused_and_remov
     assert res.error is not None and "is complete in the bucket" in res.error and "restored no step" in res.error
     assert store.objects == before  # nothing of the bucket's step 3 was touched
     assert not os.path.exists(tmp_dir(here, JOB, 3))
+
+
+def test_a_given_up_attempt_stops_between_objects_and_the_next_upload_goes_on(tmp_path: Path) -> None:
+    # a relaunch saves the step again while this node's part of the dead run's attempt is still going up: the upload
+    # stops before its next object (seen in review: raised from the progress callback, on a transfer thread, it was
+    # taken for a network error and retried 7 to 42 times, using up the S3 client's retry quota) and its part goes
+    root = str(tmp_path / "root")
+    for rank in (0, 1):
+        write_rank(root, JOB, 7, rank, 4, run=11)
+    old = handed(root, 7)
+    store, results = GatedStore(), Results()
+    up = make_uploader(store, root, results, commit_timeout=1.0)
+    try:
+        up.submit(JOB, 7, 4, ranks=[0, 1], node=old, attempt=1)
+        assert store.entered.wait(WAIT_S), "the upload never started"
+        up.give_up(JOB, 7, 1)
+        for rank in (0, 1):
+            write_rank(root, JOB, 7, rank, 4, run=22)
+        up.submit(JOB, 7, 4, ranks=[0, 1], node=handed(root, 7), attempt=2)  # the relaunch's part, queued behind it
+        store.gate.set()
+        stopped, nxt = results.wait(2)
+    finally:
+        store.gate.set()
+        up.close()
+    assert stopped.given_up and not stopped.complete and "this attempt was given up" in (stopped.error or "")
+    old_puts = [k for op, k in store.calls if op == "put" and "run-11" in k]
+    assert len(old_puts) == 1, f"the given-up attempt went on uploading: {old_puts}"
+    assert not os.path.exists(old) and nxt.attempt == 2 and not nxt.given_up
+    assert nxt.error is not None and "not every rank" in nxt.error  # ranks 2 and 3 never come here: it waited its turn
+
+
+def test_a_given_up_attempt_on_a_real_bucket_finishes_its_object_and_retries_nothing(tmp_path: Path, s3_bucket: Any) -> None:
+    # moto's S3, 4 MB/s: rank 0's 12 MB shard goes up in three 5 MB parts while the attempt is given up. Raised from the
+    # progress callback, the stop was taken for a network error: every part was sent again and again (review: 41 retries
+    # for 40 MB, the client's retry quota down from 500 to 11), and the next object was tried too
+    import dataclasses
+
+    from ckptd.storage.s3 import S3Store
+
+    root = str(tmp_path / "root")
+    for rank, n in ((0, 3 << 20), (1, 1024)):
+        w = torch.zeros(n, dtype=torch.float32)
+        data = shard_bytes([("model/w", w, (4 * n,), (rank * n,))])
+        tree = {"w": {"__ckptd__": "tensor", "key": "model/w"}}
+        write_shard(root, JOB, 7, rank, 4, memoryview(data), len(data), tree, local_world_size=2, committed_at=5, run=11)
+    part = handed(root, 7)
+    sends: list[str] = []
+    results = Results()
+    cfg = dataclasses.replace(s3_bucket, max_bandwidth=4 << 20, part_size=5 << 20)
+    with S3Store(cfg) as store:
+        store.client.meta.events.register("before-send.s3", lambda request, **kw: sends.append(request.url))
+        up = make_uploader(store, root, results, commit_timeout=30.0)
+        try:
+            up.submit(JOB, 7, 4, ranks=[0, 1], node=part, attempt=1)
+            deadline = time.monotonic() + WAIT_S
+            while (up.current is None or up.current.bytes_done == 0) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            up.give_up(JOB, 7, 1)
+            (res,) = results.wait(1)
+        finally:
+            up.close()
+    assert res.given_up and "this attempt was given up" in (res.error or "")
+    mine = [u for u in sends if "run-11" in u]
+    assert not any("rank-00001" in u for u in mine), "the next object was sent after the attempt was given up"
+    assert 3 <= len(mine) <= 6, f"{len(mine)} requests for one 12 MB object in 5 MB parts: retried? {mine}"
+    assert not os.path.exists(part)

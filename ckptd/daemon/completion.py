@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -75,7 +76,7 @@ class Completion:
             if slot is not None:
                 self.pool.persisted(slot, None)
             if ev.node_dir is not None:
-                shutil.rmtree(ev.node_dir, ignore_errors=True)
+                _remove(ev.node_dir)
             log.info("job %s step %s: a shard of a replaced attempt of it was written; ignored", ev.job, ev.step)
             return
         from_memory = track is not None and track.from_memory and track.state is StepState.PENDING
@@ -97,7 +98,7 @@ class Completion:
             if track.state is StepState.PENDING:
                 self.uploader.submit(ev.job, ev.step, track.world_size, ev.node_ranks, node=ev.node_dir, attempt=track.attempt)
             else:  # failed meanwhile (a rank's shard could not be written): its part never goes up
-                shutil.rmtree(ev.node_dir, ignore_errors=True)
+                _remove(ev.node_dir)
         if ev.path is not None:
             self.steps.complete(key, ev.path)
             if self.memory is not None:
@@ -135,8 +136,11 @@ class Completion:
         self._events.post(res)
 
     def on_uploaded(self, res: Uploaded) -> None:
-        if res.given_up:  # an attempt a relaunch took over (Admission): its step was abandoned then
-            log.info("job %s step %s: the upload of an abandoned attempt stopped", res.job, res.step)
+        key = (res.job, res.step)
+        track = self.steps.get(key)
+        if res.multi_node and (res.given_up or track is None or track.attempt != res.attempt):
+            # an attempt a relaunch took over (Admission abandoned its step then): no error of the job's
+            log.info("job %s step %s: the upload of an abandoned attempt ended: %s", res.job, res.step, res.error or "complete")
             return
         self.counters.uploaded_bytes += res.nbytes
         self.counters.upload_seconds += res.seconds
@@ -151,10 +155,8 @@ class Completion:
         if not res.multi_node:
             return
         # a multi-node step is durable once it is complete in the bucket
-        key = (res.job, res.step)
-        track = self.steps.get(key)
-        if track is None or track.state is not StepState.PENDING or track.attempt != res.attempt:
-            return  # not the attempt that is pending now
+        if track is None or track.state is not StepState.PENDING:
+            return
         if res.error is not None:  # abandoned: a relaunch may save the step afresh (its nodes never completed it)
             self.steps.abandon(key, res.error)
         else:
@@ -186,3 +188,8 @@ class Completion:
         if self.memory is not None:
             self.memory.completed(job, step, self.steps.tracks[(job, step)])
         self.steps.forget_finished(job)
+
+
+def _remove(path: str) -> None:
+    """Delete a directory of shards (GBs) on a thread of its own, never on the daemon's loop."""
+    threading.Thread(target=shutil.rmtree, args=(path,), kwargs={"ignore_errors": True}, name="ckptd-remove", daemon=True).start()

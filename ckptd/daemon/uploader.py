@@ -195,8 +195,6 @@ class Uploader:
 
         def cb(n: int) -> None:
             u.bytes_done += n
-            if u.ranks is not None:
-                self._check(u)  # between parts of an object: a given-up attempt stops here
             now = time.monotonic()
             if now - last[0] >= 10.0 and u.bytes_total:
                 last[0] = now
@@ -233,7 +231,8 @@ class Uploader:
             u.bytes_total = sum(os.path.getsize(os.path.join(d, n)) for n in rank_files(u.ranks))
             frag = read_fragment(self.root, u.job, u.step, u.ranks[0], d)
             self._check_replaces(u, frag)
-            nbytes = upload_ranks(self.store, d, u.job, u.step, u.ranks, self._progress(u), attempt_of(frag))
+            checked = _Checked(self.store, lambda: self._check(u))  # a given-up attempt stops between objects
+            nbytes = upload_ranks(checked, d, u.job, u.step, u.ranks, self._progress(u), attempt_of(frag))
             self._wait_complete(u, attempt_of(frag))
         pruned: str | None = None
         try:  # the step is complete in the bucket: a failure to prune older steps is reported, never the step's
@@ -288,3 +287,18 @@ class Uploader:
                     f" {self.commit_timeout:g} s (is every node's daemon configured with the same bucket and prefix?)"
                 )
             time.sleep(self.POLL_S)
+
+
+class _Checked:
+    """``store``, calling ``check()`` before each object it uploads (which may stop the upload by raising there: raised
+    in a progress callback, on a transfer thread, it would be taken for a network error and retried)."""
+
+    def __init__(self, store: ObjectStore, check: Callable[[], None]) -> None:
+        self._store, self._check = store, check
+
+    def put_file(self, rel: str, path: str, progress: Progress | None = None) -> None:
+        self._check()
+        self._store.put_file(rel, path, progress)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)

@@ -17,6 +17,7 @@ Every writer of ``latest`` and every retention pass of a job holds :func:`job_lo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -240,7 +241,8 @@ def hand_over(root: str, job: str, step: int) -> str:
     """Move this node's whole part of a multi-node step out of ``step-N.tmp`` into a directory of its own (a new
     attempt at the number writes a fresh ``step-N.tmp``), for the upload thread; returns it. Under the job's lock."""
     os.rename(tmp_dir(root, job, step), d := node_dir(root, job, step, secrets.token_hex(4)))
-    fsync_dir(job_dir(root, job))
+    with contextlib.suppress(OSError):  # moved whatever the sync says (a crash that undoes it leaves a whole .tmp, moved again)
+        fsync_dir(job_dir(root, job))
     return d
 
 
@@ -314,8 +316,7 @@ def _to_trash(root: str, job: str, step: int) -> str:
     """Rename complete step ``step`` to ``step-N.del`` (out of the committed namespace in one rename),
     finishing first a delete of that number still under way; returns the new path. Call with the job's
     lock held, and fsync the job directory."""
-    trash = trash_dir(root, job, step)
-    if os.path.exists(trash):
+    if os.path.exists(trash := trash_dir(root, job, step)):
         shutil.rmtree(trash, ignore_errors=True)
     # an older step of this number kept aside when this one replaced it (its sync failed): it goes first, or
     # recovery would take it for an unfinished replacement and move the abandoned line's step back
@@ -339,8 +340,7 @@ def retire_step(root: str, job: str, step: int, committed: int) -> threading.Thr
         except OSError as e:  # a later replacement or retention removes it; restores of the number read the newer step
             log.error("could not remove the replaced step %s of job %s: %s", step, job, e)
 
-    t = threading.Thread(target=run, name=f"ckptd-retire-{step}", daemon=True)
-    t.start()
+    (t := threading.Thread(target=run, name=f"ckptd-retire-{step}", daemon=True)).start()
     return t
 
 
