@@ -466,3 +466,53 @@ def test_a_step_is_finalized_or_handed_over_only_once_every_shard_of_it_here_is_
     else:
         assert last.node_ranks == [0, 1] and [p for p, _ in rig.uploader.nodes] == [last.node_dir]
     assert rig.steps.get((JOB, 23)).state is (StepState.DURABLE if world_size == 2 else StepState.PENDING)
+
+
+@pytest.mark.parametrize("straggler_fails", [False, True])
+def test_a_new_attempt_never_writes_beside_an_earlier_attempts_straggler(
+    make_rig: Callable[..., Rig], monkeypatch: pytest.MonkeyPatch, straggler_fails: bool
+) -> None:
+    # seen in review: a rolled-back re-save A of step 30 failed on rank 0 while rank 1 was still being written; a relaunch
+    # rolled back again and saved step 30 as attempt B. B's shards went into the step-N.tmp A's straggler still wrote
+    # into: the straggler overwrote B's fragment (or, failing, removed it), and B stayed pending for good
+    import threading
+
+    from ckptd.storage import local
+
+    rig = make_rig(workers=4)
+    for r in range(2):
+        rig.commit(30, r, 2, shard(30, r, 2))
+    rig.pump(2)
+    admission = Admission(rig.root, rig.steps, rig.pool, rig.completion.settle)
+    admission.writing = rig.persister.writing
+    held, go = threading.Event(), threading.Event()
+    real = local.write_json_durable
+
+    def slow(path: str, obj: Any) -> None:
+        if path.endswith(fragment_name(1)) and not held.is_set():
+            held.set()
+            assert go.wait(30)
+            if straggler_fails:
+                raise OSError(5, "Input/output error")
+        real(path, obj)
+
+    monkeypatch.setattr(local, "write_json_durable", slow)
+    a = admission.admit(JOB, 30, 1, 2, 2, None, after=10, run=2)
+    rig.commit(30, 1, 2, shard(31, 1, 2), at=2_000_001, track=a, run=2, after=10)
+    assert held.wait(30)  # A's rank 1: its shard written, its fragment held
+    assert admission.admit(JOB, 30, 0, 2, 2, None, after=10, run=2) is a
+    rig.commit(30, 0, 2, b"not a shard" * 10, at=2_000_000, track=a, run=2, after=10)
+    (bad,) = rig.pump(1)
+    assert bad.error and a.state is StepState.FAILED and rig.persister.writing(JOB, 30) == 1
+    with pytest.raises(ProtocolError, match="an earlier attempt's shards are still being written; retry"):
+        admission.admit(JOB, 30, 0, 2, 2, None, after=20, run=3)
+    go.set()
+    rig.pump(1)  # the straggler ends: the relaunch's retry starts afresh
+    b = admission.admit(JOB, 30, 0, 2, 2, None, after=20, run=3)
+    assert b is not a
+    rig.commit(30, 0, 2, shard(32, 0, 2), at=3_000_000, track=b, run=3, after=20)
+    assert admission.admit(JOB, 30, 1, 2, 2, None, after=20, run=3) is b
+    rig.commit(30, 1, 2, shard(32, 1, 2), at=3_000_001, track=b, run=3, after=20)
+    rig.pump(2)
+    path = step_dir(rig.root, JOB, 30)
+    assert b.state is StepState.DURABLE and verify_checkpoint(path) == [] and read_manifest(path)["committed_at"] == 3_000_001

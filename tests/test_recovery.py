@@ -642,3 +642,11 @@ def test_a_rank_whose_fragment_is_durable_is_not_written_again(node: Node) -> No
     (ev,) = node.pump(1)
     assert ev.error is None and ev.path == step_dir(node.root, JOB, 9)
     assert verify_checkpoint(ev.path) == []
+
+
+def test_a_handed_over_part_whose_removal_was_cut_short_is_removed_not_uploaded(node: Node) -> None:
+    # the daemon stopped while a thread removed a part that will not go up: every fragment left, a shard gone
+    part = _handed_part(node.root, 20, 1_000, run=7)
+    os.unlink(os.path.join(part, shard_name(3)))
+    node.recover()
+    assert not os.path.exists(part) and node.uploader.nodes == [] and node.steps.tracks == {}

@@ -64,6 +64,7 @@ class Admission:
         self._runs: dict[str, tuple[int, set[tuple[int, float]]]] = {}  # job -> (its run, (pid, start time) of committers)
         self.drop_memory: Callable[[StepKey, str], bool] = lambda key, why: False  # the memory tier's, set by the daemon
         self.give_up: Callable[[str, int, int], None] | None = None  # the uploader's (multi-node), set by the daemon
+        self.writing: Callable[[str, int], int] = lambda job, step: 0  # the persister's: shards of a step being written
 
     def admit(
         self, job: str, step: int, rank: int, ws: int, lws: int, peer: int | None, after: int | None, run: int | None = None
@@ -162,6 +163,8 @@ class Admission:
                 return  # another rank of the new attempt committed first: the old step is still the one it replaces
         if track is not None and track.state is StepState.MEMORY:
             return  # a re-save held in memory (its old step goes when it is sealed): check_commit refuses this
+        if track is not None and self.writing(job, step):  # an earlier re-save that failed still writes into step-N.tmp
+            raise ProtocolError(f"step {step} of job {job}: an earlier attempt's shards are still being written; retry")
         self.steps.drop((job, step))  # the old step's track (or its attempt's, finalized, event not yet handled)
         self.pool.forget_held(job, step)  # hot restores read the old step from disk until it is replaced
         if multi_node:

@@ -143,6 +143,11 @@ class Persister:
             event = ShardPersisted(slot.name, job, step, rank, 0, 0.0, f"{e}", attempt=attempt)
         self._events.post(event)
 
+    def writing(self, job: str, step: int) -> int:
+        """Any thread: how many shards of ``step`` persist threads are writing into its ``step-N.tmp`` right now."""
+        with self.job_lock(job):
+            return self._writing.get((job, step), 0)
+
     def _written(self, job: str, step: int) -> int:
         """One shard of the step is no longer being written; how many still are. Under (or takes) the job's lock."""
         with self.job_lock(job):

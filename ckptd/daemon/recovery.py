@@ -19,6 +19,7 @@ Main thread, before the loop starts: persist and upload threads only run what th
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +27,7 @@ from typing import Any
 from .. import shm
 from ..errors import CheckpointError, FormatError, ProtocolError
 from ..format import commit_time
-from ..layout import fragments_present, is_complete, node_parts, partial_steps, replaced_steps, step_dir
+from ..layout import fragments_present, is_complete, node_parts, partial_steps, replaced_steps, shard_name, step_dir
 from ..protocol import validate_record
 from ..storage import local
 from .persister import Persister
@@ -160,7 +161,7 @@ def finish_node_parts(root: str, job: str, steps: StepTable, uploader: Uploader 
             try:
                 frag = local.read_fragment(root, job, step, ranks[0], d)
                 ws, lws = int(frag["world_size"]), int(frag.get("local_world_size", 0))
-                if len(ranks) == lws < ws:
+                if len(ranks) == lws < ws and all(os.path.exists(os.path.join(d, shard_name(r))) for r in ranks):
                     found.append((commit_time(frag), d, ws, lws))
                     continue
             except (IndexError, OSError, FormatError, KeyError, TypeError, ValueError):

@@ -118,6 +118,7 @@ class Daemon:
             self.root, self.steps, self.catalog, self.persister, self.uploader, self.counters, self.events, self._answer, self.pool
         )
         self.admission = Admission(self.root, self.steps, self.pool, self.completion.settle)
+        self.admission.writing = self.persister.writing  # a new attempt never writes beside an old one's straggler
         if self.uploader is not None:
             self.admission.give_up = self.uploader.give_up  # a relaunch takes over a dead run's multi-node step
         self.tiering = Tiering(TierPolicy(config.persist_every, config.persist_interval, config.lagging))

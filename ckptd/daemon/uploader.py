@@ -115,10 +115,12 @@ class Uploader:
         with self._cv:
             self._given_up.add((job, step, attempt))
 
-    def _check(self, u: Upload) -> None:
+    def _check(self, u: Upload) -> bool:
+        """Raise if ``u``'s attempt was given up; else False."""
         with self._cv:
             if (u.job, u.step, u.attempt) in self._given_up:
                 raise CheckpointError(f"step {u.step} of job {u.job}: this attempt was given up (a new run saves the step again)")
+        return False
 
     def catch_up(self, job: str, steps: list[int]) -> None:
         """Start-up: a previous run may have stopped before uploading some of ``steps`` (complete local
@@ -277,10 +279,10 @@ class Uploader:
             )  # fmt: skip
 
     def _wait_complete(self, u: Upload, attempt: Attempt | None) -> None:
-        """Multi-node: poll the bucket until every node's ranks of this attempt are there and the manifest is written."""
+        """Multi-node: poll the bucket until every node's ranks of this attempt are there and the manifest is written
+        (checking before each try that the attempt was not given up: then it never completes there)."""
         deadline = time.monotonic() + self.commit_timeout
-        while not try_complete(self.store, u.job, u.step, u.world_size, attempt):
-            self._check(u)
+        while self._check(u) or not try_complete(self.store, u.job, u.step, u.world_size, attempt):
             if time.monotonic() > deadline:
                 raise CheckpointError(
                     f"step {u.step} of job {u.job}: not every rank's shard of this attempt reached the bucket within"
