@@ -45,6 +45,7 @@ _TMP_RE = re.compile(r"step-(\d+)\.tmp")
 _DEL_RE = re.compile(r"step-(\d+)\.del")
 _OLD_RE = re.compile(r"step-(\d+)\.old")
 _NODE_RE = re.compile(r"step-(\d+)\.node-([0-9a-f]{8})")
+GONE = ".gone"  # a node part's suffix once its attempt was given up: removed, never uploaded again
 _FRAGMENT_RE = re.compile(r"rank-(\d{5,})\.json")
 _BUCKET_KEY_RE = re.compile(r"step-(\d+)/(.+)", re.S)
 
@@ -171,16 +172,17 @@ def replaced_steps(root: str, job: str) -> list[int]:
     return _steps_named(root, job, _OLD_RE, "step-{}.old")
 
 
-def node_parts(root: str, job: str) -> dict[int, list[str]]:
-    """This node's parts of multi-node steps of ``job`` (``step-N.node-*`` directories), by step."""
+def node_parts(root: str, job: str, gone: bool = False) -> dict[int, list[str]]:
+    """This node's parts of multi-node steps of ``job`` (``step-N.node-*`` directories), by step; ``gone``: those of
+    attempts given up instead (named with :data:`GONE` after it)."""
     try:
         names = os.listdir(job_dir(root, job))
     except FileNotFoundError:
         return {}
     out: dict[int, list[str]] = {}
     for n in names:
-        m = _NODE_RE.fullmatch(n)
-        if m and f"step-{int(m.group(1))}.node-{m.group(2)}" == n and os.path.isdir(p := os.path.join(root, job, n)):
+        m = _NODE_RE.fullmatch(n.removesuffix(GONE)) if n.endswith(GONE) == gone else None
+        if m and f"step-{int(m.group(1))}.node-{m.group(2)}" == n.removesuffix(GONE) and os.path.isdir(p := os.path.join(root, job, n)):
             out.setdefault(int(m.group(1)), []).append(p)
     return {s: sorted(ds) for s, ds in sorted(out.items())}
 

@@ -24,7 +24,7 @@ from ckptd.daemon import recovery
 from ckptd.daemon.slots import Slot, SlotState
 from ckptd.daemon.steps import StepState
 from ckptd.errors import CheckpointError
-from ckptd.layout import fragment_name, fragments_present, is_complete, node_parts, shard_name, step_dir, tmp_dir
+from ckptd.layout import GONE, fragment_name, fragments_present, is_complete, node_parts, shard_name, step_dir, tmp_dir
 from ckptd.storage import local
 from ckptd.storage.retention import KeepLatest
 from ckptd.tools.verify import verify_checkpoint
@@ -650,3 +650,12 @@ def test_a_handed_over_part_whose_removal_was_cut_short_is_removed_not_uploaded(
     os.unlink(os.path.join(part, shard_name(3)))
     node.recover()
     assert not os.path.exists(part) and node.uploader.nodes == [] and node.steps.tracks == {}
+
+
+def test_a_given_up_part_is_removed_at_restart_never_uploaded_again(node: Node) -> None:
+    # the daemon died after a relaunch gave this attempt up (its part renamed .gone) and before the upload thread
+    # removed it: uploaded again, it would hold the upload thread for commit_timeout waiting for nodes long gone
+    part = _handed_part(node.root, 21, 1_000, run=7)
+    os.rename(part, part + GONE)
+    node.recover()
+    assert not os.path.exists(part + GONE) and node.uploader.nodes == [] and node.steps.tracks == {}

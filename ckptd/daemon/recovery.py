@@ -154,6 +154,9 @@ def _upload_again(root: str, job: str, step: int, ws: int, lws: int, node: str, 
 def finish_node_parts(root: str, job: str, steps: StepTable, uploader: Uploader | None) -> None:
     """The ``step-N.node-*`` directories of ``job``: the newest of a step uploaded again, unless a newer attempt at
     that number (recovered shards, a partial step) replaced it or there is no bucket; the others removed."""
+    for d in (d for dirs in node_parts(root, job, gone=True).values() for d in dirs):
+        log.info("removing %s: its attempt was given up (a relaunch saved the step again)", d)
+        shutil.rmtree(d, ignore_errors=True)
     for step, dirs in node_parts(root, job).items():
         found = []
         for d in dirs:

@@ -20,7 +20,8 @@ from typing import Any
 
 from ..errors import CheckpointError
 from ..format import Attempt, attempt_of, commit_time
-from ..layout import MANIFEST, bucket_key, step_dir
+from ..layout import GONE, MANIFEST, bucket_key, step_dir
+from ..storage.files import fsync_dir
 from ..storage.local import committed_at as local_committed_at
 from ..storage.local import read_fragment
 from ..storage.remote import (
@@ -111,15 +112,24 @@ class Uploader:
 
     def give_up(self, job: str, step: int, attempt: int) -> None:
         """Any thread: stop uploading or waiting for attempt ``attempt`` of multi-node step ``step`` (a relaunch saves
-        the number again; this attempt's other nodes are gone). Its upload ends soon after, ``given_up``."""
+        the number again; this attempt's other nodes are gone). Its part is renamed at once (:data:`~ckptd.layout.GONE`:
+        a restart removes it, never uploads it again); its upload ends soon after, ``given_up``."""
         with self._cv:
             self._given_up.add((job, step, attempt))
+            for u in (self.current, *self._queue):
+                if u is not None and (u.job, u.step, u.attempt) == (job, step, attempt) and u.node_dir and not u.node_dir.endswith(GONE):
+                    try:
+                        os.rename(u.node_dir, u.node_dir + GONE)
+                        u.node_dir += GONE
+                        fsync_dir(os.path.dirname(u.node_dir))
+                    except OSError as e:  # it is still given up; a restart would upload it again
+                        log.warning("could not mark %s as given up: %s", u.node_dir, e)
 
     def _check(self, u: Upload) -> bool:
         """Raise if ``u``'s attempt was given up; else False."""
         with self._cv:
             if (u.job, u.step, u.attempt) in self._given_up:
-                raise CheckpointError(f"step {u.step} of job {u.job}: this attempt was given up (a new run saves the step again)")
+                raise CheckpointError(_gave_up(u))
         return False
 
     def catch_up(self, job: str, steps: list[int]) -> None:
@@ -178,15 +188,17 @@ class Uploader:
             except Exception as e:  # reported, never swallowed: the step's waiters or status get it
                 with self._cv:  # however the stop came through (a transfer thread's callback raised it)
                     given_up = (u.job, u.step, u.attempt) in self._given_up
-                (log.info if given_up else log.error)("upload of job %s step %s failed: %s", u.job, u.step, e)
+                err = _gave_up(u) if given_up else str(e)  # given up: whatever it failed on then (its part renamed)
+                (log.info if given_up else log.error)("upload of job %s step %s failed: %s", u.job, u.step, err)
                 multi, took = u.ranks is not None, time.monotonic() - u.started
-                res = Uploaded(u.job, u.step, str(e), u.bytes_done, took, False, multi, attempt=u.attempt, given_up=given_up)
+                res = Uploaded(u.job, u.step, err, u.bytes_done, took, False, multi, attempt=u.attempt, given_up=given_up)
             finally:
                 with self._cv:
                     self.current = None
                     self._given_up.discard((u.job, u.step, u.attempt))
-                if u.node_dir:
-                    shutil.rmtree(u.node_dir, ignore_errors=True)  # uploaded, or never to be: this node's part is no checkpoint
+                    part = u.node_dir  # as give_up may have renamed it
+                if part:
+                    shutil.rmtree(part, ignore_errors=True)  # uploaded, or never to be: this node's part is no checkpoint
             try:
                 self.done(res)
             except Exception:
@@ -289,6 +301,10 @@ class Uploader:
                     f" {self.commit_timeout:g} s (is every node's daemon configured with the same bucket and prefix?)"
                 )
             time.sleep(self.POLL_S)
+
+
+def _gave_up(u: Upload) -> str:
+    return f"step {u.step} of job {u.job}: this attempt was given up (a new run saves the step again)"
 
 
 class _Checked:
