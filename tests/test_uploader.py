@@ -695,7 +695,7 @@ def test_a_given_up_attempt_stops_between_objects_and_the_next_upload_goes_on(tm
     assert nxt.error is not None and "not every rank" in nxt.error  # ranks 2 and 3 never come here: it waited its turn
 
 
-def test_a_given_up_attempt_on_a_real_bucket_finishes_its_object_and_retries_nothing(tmp_path: Path, s3_bucket: Any) -> None:
+def test_a_given_up_attempt_on_a_real_bucket_stops_within_its_object_and_retries_nothing(tmp_path: Path, s3_bucket: Any) -> None:
     # moto's S3, 4 MB/s: rank 0's 12 MB shard goes up in three 5 MB parts while the attempt is given up. Raised from the
     # progress callback, the stop was taken for a network error: every part was sent again and again (review: 41 retries
     # for 40 MB, the client's retry quota down from 500 to 11), and the next object was tried too

@@ -114,16 +114,20 @@ class Uploader:
         """Any thread: stop uploading or waiting for attempt ``attempt`` of multi-node step ``step`` (a relaunch saves
         the number again; this attempt's other nodes are gone). Its part is renamed at once (:data:`~ckptd.layout.GONE`:
         a restart removes it, never uploads it again); its upload ends soon after, ``given_up``."""
+        renamed = []
         with self._cv:
             self._given_up.add((job, step, attempt))
             for u in (self.current, *self._queue):
                 if u is not None and (u.job, u.step, u.attempt) == (job, step, attempt) and u.node_dir and not u.node_dir.endswith(GONE):
                     try:
                         os.rename(u.node_dir, u.node_dir + GONE)
-                        u.node_dir += GONE
-                        fsync_dir(os.path.dirname(u.node_dir))
-                    except OSError as e:  # it is still given up; a restart would upload it again
-                        log.warning("could not mark %s as given up: %s", u.node_dir, e)
+                    except OSError as e:  # still given up; a restart would upload it again
+                        log.warning("could not rename %s, given up, to %s: %s", u.node_dir, GONE, e)
+                        continue
+                    u.node_dir += GONE
+                    renamed.append(os.path.dirname(u.node_dir))
+        for d in renamed:  # the rename made durable off the caller's thread (the daemon's loop), best effort
+            threading.Thread(target=_sync, args=(d,), name="ckptd-sync", daemon=True).start()
 
     def _check(self, u: Upload) -> bool:
         """Raise if ``u``'s attempt was given up; else False."""
@@ -189,7 +193,7 @@ class Uploader:
                 with self._cv:  # however the stop came through (a transfer thread's callback raised it)
                     given_up = (u.job, u.step, u.attempt) in self._given_up
                 err = _gave_up(u) if given_up else str(e)  # given up: whatever it failed on then (its part renamed)
-                (log.info if given_up else log.error)("upload of job %s step %s failed: %s", u.job, u.step, err)
+                (log.info if given_up else log.error)("upload of job %s step %s failed: %s (%s)", u.job, u.step, err, e)
                 multi, took = u.ranks is not None, time.monotonic() - u.started
                 res = Uploaded(u.job, u.step, err, u.bytes_done, took, False, multi, attempt=u.attempt, given_up=given_up)
             finally:
@@ -301,6 +305,13 @@ class Uploader:
                     f" {self.commit_timeout:g} s (is every node's daemon configured with the same bucket and prefix?)"
                 )
             time.sleep(self.POLL_S)
+
+
+def _sync(d: str) -> None:
+    try:
+        fsync_dir(d)
+    except OSError as e:  # the rename may not survive a crash: then a restart uploads the part again
+        log.warning("could not sync %s: %s", d, e)
 
 
 def _gave_up(u: Upload) -> str:
