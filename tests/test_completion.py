@@ -516,3 +516,43 @@ def test_a_new_attempt_never_writes_beside_an_earlier_attempts_straggler(
     rig.pump(2)
     path = step_dir(rig.root, JOB, 30)
     assert b.state is StepState.DURABLE and verify_checkpoint(path) == [] and read_manifest(path)["committed_at"] == 3_000_001
+
+
+def test_a_new_attempt_waits_for_an_earlier_attempts_shard_still_queued_for_a_persist_thread(
+    make_rig: Callable[..., Rig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # seen in review: the guard above counted a shard only once a persist thread had started it; one still queued
+    # behind other shards (2 threads, 8 ranks) let the new attempt in, and then wrote into its step-N.tmp
+    import threading
+
+    from ckptd.storage import local
+
+    rig = make_rig(workers=1)
+    for r in range(2):
+        rig.commit(30, r, 2, shard(30, r, 2))
+    rig.pump(2)
+    admission = Admission(rig.root, rig.steps, rig.pool, rig.completion.settle)
+    admission.writing = rig.persister.writing
+    held, go = threading.Event(), threading.Event()
+    real = local.write_json_durable
+
+    def slow(path: str, obj: Any) -> None:
+        if "step-40.tmp" in path and not held.is_set():
+            held.set()
+            assert go.wait(30)
+        real(path, obj)
+
+    monkeypatch.setattr(local, "write_json_durable", slow)
+    a = admission.admit(JOB, 30, 0, 2, 2, None, after=10, run=2)
+    rig.commit(30, 0, 2, b"not a shard" * 10, at=2_000_000, track=a, run=2, after=10)
+    (bad,) = rig.pump(1)
+    assert bad.error and a.state is StepState.FAILED
+    rig.commit(40, 0, 2, shard(40, 0, 2), at=2_500_000)  # holds the only persist thread
+    assert held.wait(30)
+    rig.commit(30, 1, 2, shard(31, 1, 2), at=2_000_001, track=a, run=2, after=10)  # A's rank 1, queued behind it
+    assert rig.persister.writing(JOB, 30) == 1
+    with pytest.raises(ProtocolError, match="an earlier attempt's shards are still being written; retry"):
+        admission.admit(JOB, 30, 0, 2, 2, None, after=20, run=3)
+    go.set()
+    rig.pump(2)
+    assert rig.persister.writing(JOB, 30) == 0 and admission.admit(JOB, 30, 0, 2, 2, None, after=20, run=3) is not a

@@ -99,8 +99,16 @@ class Persister:
 
     def submit(self, slot: Slot, attempt: int) -> None:
         """Main thread: persist this committed slot, of the step's ``attempt`` (its event names it). It is the
-        worker's until its event is handled."""
-        self._pool.submit(self._run, slot, dict(slot.lease or {}), attempt)
+        worker's until its event is handled. Counted as being written from now (:meth:`writing`), queued or not:
+        until it is written whole, its step's directory is neither finalized nor handed over."""
+        rec = dict(slot.lease or {})
+        with self.job_lock(rec["job"]):
+            self._writing[(rec["job"], rec["step"])] = self._writing.get((rec["job"], rec["step"]), 0) + 1
+        try:
+            self._pool.submit(self._run, slot, rec, attempt)
+        except BaseException:
+            self._written(rec["job"], rec["step"])
+            raise
 
     def retain(self, job: str) -> None:
         """Keep the newest ``keep`` local steps and those ``protect`` names (still to be uploaded, read by a
@@ -117,8 +125,6 @@ class Persister:
     def _run(self, slot: Slot, rec: dict[str, Any], attempt: int) -> None:
         job, step, rank, ws = rec["job"], rec["step"], rec["rank"], rec["world_size"]
         lws = rec.get("local_world_size", ws)
-        with self.job_lock(job):  # until this shard is written whole, its directory is neither finalized nor handed over
-            self._writing[(job, step)] = self._writing.get((job, step), 0) + 1
         wrote = False
         try:
             t0 = time.monotonic()
@@ -144,7 +150,7 @@ class Persister:
         self._events.post(event)
 
     def writing(self, job: str, step: int) -> int:
-        """Any thread: how many shards of ``step`` persist threads are writing into its ``step-N.tmp`` right now."""
+        """Any thread: how many shards of ``step`` are being written into its ``step-N.tmp``, or queued to be."""
         with self.job_lock(job):
             return self._writing.get((job, step), 0)
 
