@@ -468,6 +468,17 @@ def test_a_step_is_finalized_or_handed_over_only_once_every_shard_of_it_here_is_
     assert rig.steps.get((JOB, 23)).state is (StepState.DURABLE if world_size == 2 else StepState.PENDING)
 
 
+def _saved_step_30(make_rig: Callable[..., Rig], workers: int) -> tuple[Rig, Admission]:
+    """Step 30 of two ranks complete on disk, and an Admission that asks the rig's persister what it is writing."""
+    rig = make_rig(workers=workers)
+    for r in range(2):
+        rig.commit(30, r, 2, shard(30, r, 2))
+    rig.pump(2)
+    admission = Admission(rig.root, rig.steps, rig.pool, rig.completion.settle)
+    admission.writing = rig.persister.writing
+    return rig, admission
+
+
 @pytest.mark.parametrize("straggler_fails", [False, True])
 def test_a_new_attempt_never_writes_beside_an_earlier_attempts_straggler(
     make_rig: Callable[..., Rig], monkeypatch: pytest.MonkeyPatch, straggler_fails: bool
@@ -479,12 +490,7 @@ def test_a_new_attempt_never_writes_beside_an_earlier_attempts_straggler(
 
     from ckptd.storage import local
 
-    rig = make_rig(workers=4)
-    for r in range(2):
-        rig.commit(30, r, 2, shard(30, r, 2))
-    rig.pump(2)
-    admission = Admission(rig.root, rig.steps, rig.pool, rig.completion.settle)
-    admission.writing = rig.persister.writing
+    rig, admission = _saved_step_30(make_rig, workers=4)
     held, go = threading.Event(), threading.Event()
     real = local.write_json_durable
 
@@ -527,12 +533,7 @@ def test_a_new_attempt_waits_for_an_earlier_attempts_shard_still_queued_for_a_pe
 
     from ckptd.storage import local
 
-    rig = make_rig(workers=1)
-    for r in range(2):
-        rig.commit(30, r, 2, shard(30, r, 2))
-    rig.pump(2)
-    admission = Admission(rig.root, rig.steps, rig.pool, rig.completion.settle)
-    admission.writing = rig.persister.writing
+    rig, admission = _saved_step_30(make_rig, workers=1)
     held, go = threading.Event(), threading.Event()
     real = local.write_json_durable
 
