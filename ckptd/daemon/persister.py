@@ -90,7 +90,7 @@ class Persister:
         self.root, self._events, self._open_segment = root, events, open_segment
         self.keep, self.write_rate_limit, self._protect = keep, write_rate_limit, protect
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptd-persist", initializer=initializer)
-        self._writing: dict[tuple[str, int], int] = {}  # (job, step) -> its shards being written (under the job's lock)
+        self._writing: dict[tuple[str, int], int] = {}  # (job, step) -> its shards being written or queued (job's lock)
 
     def job_lock(self, job: str) -> threading.RLock:
         """Serializes completing and pruning a job's steps and moving its ``latest`` across persist,
@@ -166,8 +166,8 @@ class Persister:
         """Under the job's lock: complete the step if every rank's fragment is here (returns its directory and
         manifest), or, multi-node, move this node's whole part into a directory of its own for the uploader (returns
         that directory: a relaunch's new attempt at the number never writes where the upload reads). Neither while
-        another shard of the step is still being written: a fragment is visible before its writer has synced the
-        directory, which must not move under it (that writer's thread completes the step when it is done)."""
+        another shard of the step is still being written or queued: a fragment is visible before its writer has synced
+        the directory, which must not move under it (the thread of the last shard completes the step)."""
         with self.job_lock(job):
             if self._written(job, step):
                 return None, None, None
