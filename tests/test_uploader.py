@@ -730,3 +730,18 @@ def test_a_given_up_attempt_on_a_real_bucket_stops_within_its_object_and_retries
     assert not any("rank-00001" in u for u in mine), "the next object was sent after the attempt was given up"
     assert len(mine) <= 6, f"{len(mine)} requests for one 12 MB object in 5 MB parts: retried? {mine}"
     assert not os.path.exists(part) and not os.path.exists(part + GONE)
+
+
+def test_giving_up_an_attempt_whose_upload_already_ended_holds_nothing(tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    write_rank(root, JOB, 8, 0, 1)
+    store, results = MemoryStore(), Results()
+    up = make_uploader(store, root, results)
+    try:
+        up.submit(JOB, 8, 1, ranks=[0], node=handed(root, 8), attempt=3)
+        (res,) = results.wait(1)
+        up.give_up(JOB, 8, 3)  # its result was on its way to the loop when a relaunch took the step over
+        up.give_up(JOB, 9, 4)  # or nothing of it was ever queued here
+        assert res.complete and up._given_up == set(), "a give-up no upload will ever clear stays for the daemon's life"
+    finally:
+        up.close()

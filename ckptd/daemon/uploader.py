@@ -116,9 +116,11 @@ class Uploader:
         a restart removes it, never uploads it again); its upload ends soon after, ``given_up``."""
         renamed = []
         with self._cv:
-            self._given_up.add((job, step, attempt))
             for u in (self.current, *self._queue):
-                if u is not None and (u.job, u.step, u.attempt) == (job, step, attempt) and u.node_dir and not u.node_dir.endswith(GONE):
+                if u is None or (u.job, u.step, u.attempt) != (job, step, attempt):
+                    continue
+                self._given_up.add((job, step, attempt))  # until its upload ends (none queued or running: nothing to stop)
+                if u.node_dir and not u.node_dir.endswith(GONE):
                     try:
                         os.rename(u.node_dir, u.node_dir + GONE)
                     except OSError as e:  # still given up; a restart would upload it again
