@@ -874,3 +874,25 @@ def test_a_step_a_full_disk_refused_at_shutdown_is_kept_for_the_next_start(small
         c.restore(m2, o2, hot=False)
         assert c.last_restore["step"] == 2
     assert_same(full_state(m2, o2), want)
+
+
+def test_a_snapshot_waits_for_seals_under_way_even_before_any_step_is_in_memory() -> None:
+    # seen once in a full run: snapshots every step outran the seal thread, steps 2 and 3 were both still being sealed
+    # (no step held in memory yet) when step 4 found no free slot, and a new segment was made on its path. Step 3's
+    # completion drops step 2 and frees its slot in milliseconds: the snapshot waits for that
+    from types import SimpleNamespace
+
+    from ckptd.daemon.memtier import MemoryTier
+    from ckptd.daemon.steps import StepTable, StepTrack
+
+    steps = StepTable(lambda job, step: None)
+    tier = SimpleNamespace(steps=steps)
+    for s in (2, 3):
+        t = steps.tracks[("j", s)] = StepTrack(1, 1, committed={0}, tier="memory", committed_at=s)
+        t.inflight = 1  # being sealed
+    assert MemoryTier.sealing(tier, "j", 4)  # type: ignore[arg-type]
+    del steps.tracks[("j", 2)]
+    assert not MemoryTier.sealing(tier, "j", 4), "one step sealing and nothing older: its completion frees nothing"  # type: ignore[arg-type]
+    steps.tracks[("j", 1)] = StepTrack(1, 1, committed={0}, tier="memory", committed_at=1, state=StepState.MEMORY)
+    assert MemoryTier.sealing(tier, "j", 4)  # type: ignore[arg-type]
+    assert not MemoryTier.sealing(tier, "j", 3), "the step asking is not the one it waits for"  # type: ignore[arg-type]

@@ -235,13 +235,15 @@ class MemoryTier:
         return False
 
     def sealing(self, job: str, step: int | None) -> bool:
-        """A memory-tier step of ``job`` (not ``step``) has every rank committed and is being sealed while a
-        memory-only step of the job exists: once sealed (milliseconds) it completes and that older step is
-        dropped, its slots freed. A snapshot short of a slot waits for this rather than for a new segment."""
-        if not self.steps.of_job(job, StepState.MEMORY):
-            return False
-        pending = self.steps.of_job(job, StepState.PENDING)
-        return any(s != step and t.tier == Tier.MEMORY.value and t.all_committed and t.inflight > 0 for s, t in pending)
+        """A memory-tier step of ``job`` (not ``step``) has every rank committed and is being sealed while an older
+        memory-only step of the job exists, or is being sealed too (snapshots that outrun the seal thread): once
+        sealed (milliseconds) it completes and that older step is dropped, its slots freed. A snapshot short of a
+        slot waits for this rather than for a new segment."""
+        pending = [(s, t) for s, t in self.steps.of_job(job, StepState.PENDING) if t.tier == Tier.MEMORY.value and t.all_committed]
+        others = [t for _, t in self.steps.of_job(job, StepState.MEMORY)] + [t for _, t in pending]
+        return any(
+            s != step and t.inflight > 0 and any(o is not t and o.committed_at <= t.committed_at for o in others) for s, t in pending
+        )
 
     def promote(self, key: StepKey) -> bool:
         """Persist memory-only step ``key`` after all; False if it is not one (any more)."""
