@@ -268,6 +268,23 @@ def _import(args: argparse.Namespace) -> int:
     return 0
 
 
+def _protected(root: str, job: str) -> dict[int, str]:
+    """Step -> what protects it from retention (:mod:`ckptd.daemon.protected`), for ``ls``."""
+    from .daemon.protected import FILE, read
+
+    try:
+        names = read(os.path.join(root, job, FILE))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        print(f"ckptd ls: {job}/{FILE} cannot be read ({e}): the daemon keeps every step of {job}", file=sys.stderr)
+        return {}
+    by_step: dict[int, list[str]] = {}
+    for name, step in sorted(names.items()):
+        by_step.setdefault(step, []).append(name)
+    return {step: ", ".join(n) if len(n) < 3 else f"{n[0]} and {len(n) - 1} more" for step, n in by_step.items()}
+
+
 def _ls(args: argparse.Namespace) -> int:
     from .layout import list_jobs, step_dir
     from .storage.local import latest_step, steps_by_commit
@@ -300,7 +317,7 @@ def _ls(args: argparse.Namespace) -> int:
     for j in [args.job] if args.job else sorted(set(list_jobs(root)) | {j for j, steps in memory.items() if steps}):
         for step in memory.get(j, []):
             print(f"{j:<20} {step:>8}  memory only (the daemon holds it in shared memory; not persisted)")
-        latest = latest_step(root, j)[0]
+        latest, protected = latest_step(root, j)[0], _protected(root, j)
         for step in steps_by_commit(root, j):  # oldest commit first: after a rollback the latest is not the highest
             try:
                 m = read_manifest(step_dir(root, j, step))
@@ -311,6 +328,6 @@ def _ls(args: argparse.Namespace) -> int:
             sharded = sum(1 for t in m["tensors"].values() if len(t["chunks"]) > 1)
             layout = f"{len(m['tensors'])} tensors, {sharded} sharded"
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.get("created_unix", 0)))
-            mark = "  <- latest" if step == latest else ""
+            mark = ("  <- latest" if step == latest else "") + (f"  protected by {protected[step]}" if step in protected else "")
             print(f"{j:<20} {step:>8} {size / 1e9:>8.3f}GB {m['world_size']:>5}  {layout:<34} {when}{mark}")
     return 0

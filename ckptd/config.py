@@ -51,6 +51,7 @@ MAX_DEFERRED_ALLOCS = 4096  # allocs held back for memory at once; more are refu
 MAX_PINS_PER_READER = 16  # open hot restores of one slot by one process
 MAX_PINS_UNNAMED = 256  # ... by the processes the kernel cannot name here (pid 0), together
 MAX_NAME_BYTES = 256  # segment names and other short strings on the wire
+MAX_PROTECTED_NAME = 4096  # a name that protects a step from retention (a pointer file's path)
 MAX_TREE_DEPTH = 256  # nesting of one rank's tree (committed, in a fragment, in a manifest; documents get 3 more levels)
 LEASE_TIMEOUT_S = 3600.0  # a leased slot not committed or released by then is taken back
 MAX_DOCUMENT_BYTES = 1 << 30  # a manifest or fragment read from the bucket (read whole into memory)

@@ -67,6 +67,10 @@ Ops (who sends them: the trainer's client, on whichever of its threads needs the
     (``source``: the wire's spelling of :class:`Source` ``disk`` / ``bucket``). The step is held from
     local retention until ``fetch_close`` ``{fetch}`` → ``{"released": bool}`` (an hour at most). Only the
     socket that asked for a fetch may wait for it or close it.
+``protect`` ``{job, step, name}`` → ``{"protected", "before"}``: retention keeps ``step`` of ``job`` (on local
+    disk and in the bucket) while ``name`` (a pointer file's path; moved from the step it protected
+    ``before``, if any) protects it, and a memory-only ``step`` is persisted; ``unprotect`` ``{job, name}`` →
+    ``{"protected": null, "before"}`` lets it go. Answered once recorded durably (:mod:`ckptd.daemon.protected`).
 """
 
 from __future__ import annotations
@@ -78,7 +82,7 @@ from enum import StrEnum
 from functools import cache
 from typing import Any
 
-from .config import MAX_LOCAL_WORLD_SIZE, MAX_NAME_BYTES, MAX_STEP, MAX_WORLD_SIZE, validate_job
+from .config import MAX_LOCAL_WORLD_SIZE, MAX_NAME_BYTES, MAX_PROTECTED_NAME, MAX_STEP, MAX_WORLD_SIZE, validate_job
 from .errors import ProtocolError
 
 PROTOCOL_VERSION = 1
@@ -116,6 +120,8 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     "fetch_wait": {"fetch": _INT, "timeout": _NUM},
     "fetch_close": {"fetch": _INT},
     "promote": {"job": _STR, "step": (int, type(None))},
+    "protect": {"job": _STR, "step": _INT, "name": _STR},
+    "unprotect": {"job": _STR, "name": _STR},
 }
 # fields a request may leave out, and what they then are
 OPTIONAL: dict[str, dict[str, tuple[tuple[type, ...], Any]]] = {
@@ -257,6 +263,8 @@ def _check_value(what: str, name: str, val: Any) -> None:  # noqa: C901 - one ca
         raise ProtocolError(f"{what}: field 'persist_interval' must be a number of seconds in 0..1e9")
     elif name in ("lease", "pin") and not _TOKEN_RE.fullmatch(val):
         raise ProtocolError(f"{what}: field {name!r} is not a token this daemon hands out")
+    elif name == "name" and (not 0 < len(val) <= MAX_PROTECTED_NAME or "\0" in val):
+        raise ProtocolError(f"{what}: field 'name' must be 1..{MAX_PROTECTED_NAME} characters, without NUL")
     elif name == "segment" and len(val) > MAX_NAME_BYTES:
         raise ProtocolError(f"{what}: field 'segment' is longer than {MAX_NAME_BYTES} characters")
     elif name == "segments" and (len(val) > MAX_LOCAL_WORLD_SIZE or not all(isinstance(v, str) and len(v) <= MAX_NAME_BYTES for v in val)):

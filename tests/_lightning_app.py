@@ -1,6 +1,9 @@
 """A tiny Lightning run for tests/test_integrations.py, in a process of its own.
 
-python _lightning_app.py ENDPOINT JOB CKPT_DIR EPOCHS MODE OUT [DEVICES]     MODE: full | kill-at-N | resume
+python _lightning_app.py ENDPOINT JOB CKPT_DIR EPOCHS MODE OUT [DEVICES]     MODE: full | kill-at-N | resume | best
+
+best: one ``ModelCheckpoint`` keeps the top-1 epoch by ``train_loss`` (``mode="max"``: an early epoch wins, as the
+best validation score often is), another the newest epoch and ``last.ckpt``.
 
 DEVICES > 1: Lightning's own DDP launcher on CPU (it starts the other ranks by running this script again).
 """
@@ -28,7 +31,9 @@ class Tiny(pl.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], i: int) -> torch.Tensor:
         x, y = batch
-        return torch.nn.functional.mse_loss(self.net(x), y)
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss, on_step=False, on_epoch=True)
+        return loss
 
     def configure_optimizers(self) -> tuple[list, list]:
         optim = torch.optim.AdamW(self.parameters(), lr=1e-2)
@@ -52,7 +57,11 @@ class KillAt(pl.Callback):
 
 
 def main(endpoint: str, job: str, ckpt_dir: str, epochs: str, mode: str, out: str, devices: str = "1") -> None:
-    callbacks: list[pl.Callback] = [ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_epochs=1, save_top_k=-1)]
+    callbacks: list[pl.Callback] = [
+        ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_epochs=1, save_top_k=1 if mode == "best" else -1)
+    ]
+    if mode == "best":
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, monitor="train_loss", mode="max", save_top_k=1, filename="best-{epoch}-{step}"))
     if mode.startswith("kill-at-"):
         callbacks.append(KillAt(int(mode.removeprefix("kill-at-"))))
     trainer = pl.Trainer(

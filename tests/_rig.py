@@ -23,6 +23,7 @@ from ckptd.daemon.slots import Slot, SlotPool
 from ckptd.daemon.status import Counters
 from ckptd.daemon.steps import StepTable, StepTrack
 from ckptd.daemon.waiters import Waiter
+from ckptd.storage.retention import Protect, RetentionPolicy
 
 MiB = 1 << 20
 JOB = "j"
@@ -82,7 +83,7 @@ class Rig:
         *,
         workers: int = 2,
         keep: int = 0,
-        protect: Callable[[str], set[int]] = lambda job: set(),
+        protect: Callable[[str], RetentionPolicy] = lambda job: Protect(frozenset()),
         uploader: FakeUploader | None = None,
     ) -> None:
         self.root = root

@@ -29,6 +29,7 @@ from ckptd.daemon.steps import StepState
 from ckptd.errors import ProtocolError
 from ckptd.layout import MANIFEST, fragment_name, fragments_present, node_parts, shard_name, step_dir, tmp_dir
 from ckptd.storage.local import latest_step, read_latest
+from ckptd.storage.retention import Protect
 from ckptd.tools.verify import verify_checkpoint
 from ckptd.validate import read_manifest
 
@@ -119,7 +120,7 @@ def test_a_step_stays_pending_until_every_rank_persisted(make_rig: Callable[...,
 
 def test_local_retention_keeps_the_newest_and_the_protected_steps(make_rig: Callable[..., Rig]) -> None:
     protected = {1}
-    rig = make_rig(keep=1, protect=lambda job: set(protected) if job == JOB else set())
+    rig = make_rig(keep=1, protect=lambda job: Protect(frozenset(protected if job == JOB else ())))
     for step in (1, 2, 3):
         rig.commit(step, 0, 1, shard(step, 0, 1))
         rig.pump(1)

@@ -35,7 +35,7 @@ from ckptd.errors import CheckpointError, ProtocolError
 from ckptd.layout import FETCHED, MANIFEST, bucket_key, fetch_dir, shard_name, step_dir
 from ckptd.storage.local import apply_retention, complete_steps, finalize_step, latest_step, write_shard
 from ckptd.storage.remote import upload_step
-from ckptd.storage.retention import KeepLatest
+from ckptd.storage.retention import KeepLatest, Protect
 from ckptd.storage.store import Progress
 
 JOB = "j"
@@ -92,7 +92,9 @@ def running(catalog: StepCatalog, keep: int | None = None) -> Iterator[tuple[Fet
     try:
         events = EventQueue(ctx)
         try:
-            persister = Persister(catalog.root, events, workers=1, keep=keep or 0, protect=lambda job: fetcher.held(job))
+            persister = Persister(
+                catalog.root, events, workers=1, keep=keep or 0, protect=lambda job: Protect(frozenset(fetcher.held(job)))
+            )
             fetcher = Fetcher(catalog, events, retain=persister.retain if keep is not None else None)
             fetcher.persister = persister  # type: ignore[attr-defined]  # the test completes steps through it
             try:

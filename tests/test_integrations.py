@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from ckptd.errors import FormatError
 from ckptd.integrations.pointer import read_pointer
 from ckptd.layout import is_complete, step_dir
+from ckptd.storage.local import complete_steps
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -63,6 +64,34 @@ def test_lightning_ddp_saves_from_rank_0_and_every_rank_resumes(daemon, short_tm
     assert_same(load_file(short_tmp / "resumed.safetensors"), load_file(short_tmp / "full.safetensors"))
     with daemon.client("pl2") as c:
         until(lambda: c.latest() == 16, 60, "step 16 durable")
+
+
+def test_lightning_top_k_checkpoints_outlive_the_daemons_retention(make_daemon, short_tmp) -> None:  # noqa: ANN001
+    """ModelCheckpoint keeps its best epoch however old; the daemon keeps only its newest step (--keep 1). Each
+    pointer protects its step, so the best one still loads; the files Lightning removed let their steps go."""
+    pytest.importorskip("pytorch_lightning")
+    from ckptd.integrations.lightning import CkptdCheckpointIO
+
+    d = make_daemon("--keep", "1")
+    ckpts = short_tmp / "ckpts"
+    _run("_lightning_app.py", d.endpoint, "plb", str(ckpts), "4", "best", str(short_tmp / "out.safetensors"))
+    files = sorted(os.listdir(ckpts))  # the best epoch, the newest and last.ckpt: Lightning removed the others
+    assert len(files) == 3 and {"epoch=3-step=32.ckpt", "last.ckpt"} < set(files), files
+    best = next(f for f in files if f.startswith("best-"))
+    best_step = read_pointer(ckpts / best)[1]
+    assert best_step < 32, f"{best}: the best epoch should be an early one (mode='max')"
+    io = CkptdCheckpointIO("plb", endpoint=d.endpoint)
+    for f, step in ((best, best_step), ("last.ckpt", 32), ("epoch=3-step=32.ckpt", 32)):
+        assert read_pointer(ckpts / f) == ("plb", step)
+        assert io.load_checkpoint(ckpts / f)["global_step"] == step
+    with d.client("plb") as c:
+        c.wait()
+        assert c.status()["jobs"]["plb"]["protected"] == [best_step, 32]
+    until(lambda: complete_steps(d.root, "plb") == [best_step, 32], 30, "retention to remove the steps no file names")
+    io.remove_checkpoint(ckpts / best)  # out of the top k: its step is left to retention
+    assert not (ckpts / best).exists()
+    with d.client("plb") as c:
+        assert c.status()["jobs"]["plb"]["protected"] == [32]
 
 
 def test_lightning_load_refuses_a_forged_pointer_and_reads_plain_checkpoints(daemon, short_tmp) -> None:  # noqa: ANN001

@@ -36,7 +36,7 @@ from ckptd.storage.remote import (
     upload_ranks,
     upload_step,
 )
-from ckptd.storage.retention import KeepLatest
+from ckptd.storage.retention import KeepLatest, Protect
 from ckptd.storage.store import Progress
 
 JOB = "j"
@@ -263,6 +263,25 @@ def test_keep_every_steps_and_other_jobs_are_not_skipped(tmp_path: Path) -> None
     assert all(r.error is None for r in results.items)
     assert put_steps(store, "a") == {1, 2, 5}
     assert remote_steps(store, "a") == ([2, 5], []) and remote_steps(store, "b") == ([1], [])
+
+
+def test_a_protected_step_is_neither_skipped_nor_removed_from_the_bucket(tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    for s in (1, 2, 3, 4):
+        write_step(root, JOB, s)
+    store, results = GatedStore(), Results()
+    up = make_uploader(store, root, results, keep=1)
+    up.protected = lambda job: Protect(frozenset({2} if job == JOB else ()))  # a name protects step 2 (daemon/protected.py)
+    try:
+        hold_first_upload(up, store, JOB, 1)
+        for s in (2, 3, 4):
+            up.submit(JOB, s, 1)
+        store.gate.set()
+    finally:
+        store.gate.set()
+        up.close()
+    assert results.steps() == [(JOB, 1), (JOB, 2), (JOB, 4)]  # 3 skipped as usual; 2 uploaded although 4 was queued
+    assert remote_steps(store, JOB) == ([2, 4], [])  # keep 1, plus the protected step
 
 
 def test_multi_node_step_is_never_skipped(tmp_path: Path) -> None:

@@ -18,13 +18,12 @@ import os
 import threading
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from ..config import ALLOC_TIMEOUT_S, CLIENT_TIMEOUT_S, default_endpoint, default_job, env_float, validate_job
-from ..errors import CheckpointError, DaemonUnavailable, ProtocolError
+from ..errors import CheckpointError, DaemonUnavailable
 from ..protocol import MAX_MESSAGE_BYTES, reply_fields
 from .copy import CopyGuard, EarlyCopy, EventGroup, Pairs, SlotMaps, copy_tensors, fill, hookable, optimizer_storages, torch_optimizer
 from .handle import SnapshotHandle, StepDropped, StepUnknown
@@ -32,7 +31,7 @@ from .load import Restored, restore_state
 from .options import check_not_saved, check_step, dist_rank_world, local_world_size, overlap_setting, tier_settings
 from .restore import Source, restore_from_daemon, restored
 from .rpc import Channel
-from .spare import SpareWarmer
+from .spare import SpareWarmer, lease_many
 from .stage import Staged, Stager, TreeEncoder
 
 log = logging.getLogger("ckptd.client")
@@ -102,6 +101,16 @@ class Client:
     def latest(self) -> int | None:
         """The newest committed step of this job, or ``None``."""
         return self._rpc.call("latest", job=self.job)["step"]
+
+    def protect(self, step: int, name: str) -> None:
+        """Keep ``step`` of this job from the daemon's retention (on its disk and in its bucket) while ``name`` (the
+        path of a file that points at it, say) protects it; naming it again moves it. A memory-only step is persisted."""
+        check_step(step)
+        self._rpc.call("protect", job=self.job, step=step, name=name)
+
+    def unprotect(self, name: str) -> bool:
+        """Let go of the step ``name`` protected: the next retention pass may remove it. Whether it protected one."""
+        return self._rpc.call("unprotect", job=self.job, name=name)["before"] is not None
 
     # ------------------------------------------------------------------ snapshot
 
@@ -212,18 +221,8 @@ class Client:
         rank, world = dist_rank_world()
         staged = self._stager.run(model, torch_optimizer(optim), None, rank, None, prior)
         leased: list[str] = []
-        short: list[ProtocolError] = []
         try:  # the slots are asked for, made, mapped (and page-locked for CUDA) side by side
-
-            def one() -> None:
-                try:
-                    leased.append(self._alloc(rank, world, 0, staged.layout.file_size, wait=False, warm=True))
-                except ProtocolError as e:  # no room in the budget now: refused at once, not waited for
-                    short.append(e)
-
-            with ThreadPoolExecutor(max(1, slots)) as pool:
-                for f in [pool.submit(one) for _ in range(slots)]:
-                    f.result()
+            short = lease_many(lambda: self._alloc(rank, world, 0, staged.layout.file_size, wait=False, warm=True), slots, leased)
             if short:
                 log.warning("prepare(): %d of %d slots fit now; %s", len(leased), slots, str(short[0]).split(": ", 1)[-1])
             self._maps.warm(leased, pin=staged.any_cuda)

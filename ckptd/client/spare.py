@@ -15,8 +15,9 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ProtocolError
 from .copy import SlotMaps
 
 log = logging.getLogger("ckptd.client")
@@ -65,3 +66,20 @@ class SpareWarmer:
         if self._thread is not None:
             self._thread.join(timeout)
         return self._thread is None or not self._thread.is_alive()
+
+
+def lease_many(lease: Callable[[], str], n: int, leased: list[str]) -> list[ProtocolError]:
+    """``prepare()``: ``n`` slots leased side by side (each made, mapped and page-locked in parallel) into
+    ``leased``; the refusals of those the daemon's budget has no room for now (refused at once, not waited for)."""
+    short: list[ProtocolError] = []
+
+    def one() -> None:
+        try:
+            leased.append(lease())
+        except ProtocolError as e:
+            short.append(e)
+
+    with ThreadPoolExecutor(max(1, n)) as pool:
+        for f in [pool.submit(one) for _ in range(n)]:
+            f.result()
+    return short

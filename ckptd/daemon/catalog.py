@@ -23,8 +23,10 @@ and may run on any thread.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError
 from ..format import commit_time
@@ -33,7 +35,11 @@ from ..protocol import Source
 from ..storage.local import committed_at, latest_step, steps_by_commit
 from ..storage.remote import bucket_committed_at, bucket_steps_by_commit, remote_steps
 from ..storage.store import ObjectStore
+from ..validate import I64_MAX
 from .tiering import Tier
+
+if TYPE_CHECKING:
+    from .slot import Slot
 
 log = logging.getLogger("ckptd.daemon")
 
@@ -197,3 +203,23 @@ class StepCatalog:
 
     def uploaded(self) -> dict[str, int]:
         return dict(self._uploaded)
+
+
+class CommitClock:
+    """Each job's commit clock (main thread): the ``committed_at`` stamp of its commits, the order ``latest`` follows."""
+
+    def __init__(self, catalog: StepCatalog, pool: Iterable[Slot]) -> None:
+        self._catalog, self._pool = catalog, pool
+        self._last: dict[str, int] = {}
+
+    def stamp(self, job: str, after: int = 0) -> int:
+        """Nanoseconds since the epoch, strictly increasing per job in this run (up to 2^63-1; a clock stepped back
+        must not make a later commit look older), and later than ``after`` (the step the client restored
+        and the old step a rolled-back run's re-save replaces, which another node's clock may have stamped,
+        one that ran ahead and has left the job since)."""
+        if job not in self._last:  # after a restart: later than every step on disk or adopted, whatever the clock says
+            times = [sl.lease.get("committed_at", 0) for sl in self._pool if sl.lease is not None and sl.lease.get("job") == job]
+            self._last[job] = max([committed_at(p) for p in [self._catalog.latest(job)[1]] if p is not None] + times, default=0)
+        t = min(max(time.time_ns(), self._last[job] + 1, after + 1), I64_MAX)  # a stamp readers accept
+        self._last[job] = t
+        return t

@@ -77,8 +77,9 @@ class Uploaded:
 
 
 @dataclass(frozen=True)
-class LatestFound:
-    """The lookup thread answered a ``latest`` request that had to ask the bucket."""
+class Answered:
+    """A worker thread answered a request the loop handed it (a ``latest`` that asked the bucket, a ``protect``);
+    an ``"error"`` field makes it a refusal."""
 
     ident: bytes
     req_id: Any

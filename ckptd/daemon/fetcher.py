@@ -5,7 +5,7 @@ The main thread starts fetches (``fetch``) and holds ``fetch_wait`` requests; on
 them one at a time (downloads take minutes and share the network with uploads) and reports a
 :class:`~ckptd.daemon.events.Fetched`. A ``latest`` request that must ask the bucket runs on a lookup
 thread of its own (never behind a download) and is answered through a
-:class:`~ckptd.daemon.events.LatestFound`. The same thread checks the bucket at start-up, so READY never
+:class:`~ckptd.daemon.events.Answered`. The same thread checks the bucket at start-up, so READY never
 waits for the network. Answers nobody asked for (a client that died mid-restore) are bounded.
 """
 
@@ -26,7 +26,7 @@ from ..protocol import Source
 from ..storage.local import job_lock
 from ..storage.remote import download_step
 from .catalog import Found, NoStep, StepCatalog
-from .events import ErrorReported, EventQueue, Fetched, LatestFound
+from .events import Answered, ErrorReported, EventQueue, Fetched
 from .waiters import Waiter, Waiters
 
 log = logging.getLogger("ckptd.daemon")
@@ -87,7 +87,7 @@ class Fetcher:
         except Exception as e:  # the bucket is unreachable: say so, never answer "none" or a possibly stale step
             log.error("latest of job %s: %s", job, e)
             answer = {"error": f"cannot ask the bucket for job {job!r}'s latest step: {e}"}
-        self._events.post(LatestFound(ident, req_id, answer))
+        self._events.post(Answered(ident, req_id, answer))
 
     def wait(self, fid: int, ident: bytes, req_id: Any, deadline: float) -> dict[str, Any] | None:
         """Main thread: the answer if the fetch is done (then forgotten: a client that lost it asks

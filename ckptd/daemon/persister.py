@@ -25,7 +25,7 @@ from ..config import MAX_TREE_DEPTH
 from ..errors import FormatError, ProtocolError
 from ..layout import MANIFEST, fragments_present, tmp_dir
 from ..storage import local
-from ..storage.retention import AnyOf, KeepLatest, Protect
+from ..storage.retention import AnyOf, KeepLatest, Protect, RetentionPolicy
 from ..validate import load_json, nesting_depth
 from .events import EventQueue, ShardPersisted
 from .slots import Slot
@@ -81,11 +81,11 @@ class Persister:
         workers: int,
         keep: int,
         write_rate_limit: float = 0.0,
-        protect: Callable[[str], set[int]] = lambda job: set(),
+        protect: Callable[[str], RetentionPolicy] = lambda job: Protect(frozenset()),
         initializer: Callable[[], None] | None = None,
         open_segment: Callable[[str], int] | None = None,
     ) -> None:
-        """``keep``: complete local steps kept per job, besides those ``protect(job)`` names (not uploaded yet).
+        """``keep``: complete local steps kept per job, besides those ``protect(job)`` keeps (not uploaded yet, named...).
         ``open_segment``: a read-only fd of a segment, checked to be the daemon's own file."""
         self.root, self._events, self._open_segment = root, events, open_segment
         self.keep, self.write_rate_limit, self._protect = keep, write_rate_limit, protect
@@ -111,10 +111,10 @@ class Persister:
             raise
 
     def retain(self, job: str) -> None:
-        """Keep the newest ``keep`` local steps and those ``protect`` names (still to be uploaded, read by a
-        restore). Any thread: the protected steps are asked under the job's lock, where a fetch holds a step."""
+        """Keep the newest ``keep`` local steps and those ``protect`` keeps (still to be uploaded, read by a
+        restore, named by a user). Any thread: the protected steps are asked under the job's lock, where a fetch holds a step."""
         with self.job_lock(job):
-            removed = local.apply_retention(self.root, job, AnyOf((KeepLatest(self.keep), Protect(frozenset(self._protect(job))))))
+            removed = local.apply_retention(self.root, job, AnyOf((KeepLatest(self.keep), self._protect(job))))
         if removed:
             log.info("retention: removed steps %s of job %s", removed, job)
 

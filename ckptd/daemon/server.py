@@ -29,19 +29,20 @@ from ..errors import CheckpointError, ProtocolError
 from ..layout import step_dir
 from ..protocol import EXTRA_FRAMES, Source, decode_request, reply_error, reply_ok
 from ..storage.local import committed_at
-from ..storage.store import ObjectStore
-from ..validate import I64_MAX
+from ..storage.retention import AnyOf, Protect, RetentionPolicy
+from ..storage.store import ObjectStore, open_store
 from . import recovery
 from .access import Access, peer_pid
 from .admission import Admission
-from .catalog import StepCatalog
+from .catalog import CommitClock, StepCatalog
 from .completion import Completion
 from .endpoint import bind, check_endpoint, identity, unlink_own
-from .events import ErrorReported, EventQueue, Fetched, LatestFound, ShardPersisted, ShardSealed, SlotCreated, Uploaded
+from .events import Answered, ErrorReported, EventQueue, Fetched, ShardPersisted, ShardSealed, SlotCreated, Uploaded
 from .fetcher import Fetcher
 from .growth import Grower
 from .memtier import MemoryTier
 from .persister import Persister, lower_priority
+from .protected import Protections
 from .sdnotify import notify, watchdog_interval
 from .slots import Slot, SlotPool
 from .status import Counters, build_status
@@ -53,14 +54,6 @@ from .waiters import Waiter
 log = logging.getLogger("ckptd.daemon")
 
 Handler = Callable[[bytes, dict[str, Any]], "dict[str, Any] | None"]  # None: the reply is sent later
-
-
-def _open_store(config: DaemonConfig) -> ObjectStore | None:
-    if config.remote is None:
-        return None
-    from ..storage.s3 import S3Store
-
-    return S3Store(config.remote)
 
 
 class Daemon:
@@ -90,7 +83,7 @@ class Daemon:
         self._metrics: Any = None
         self._status_snapshot: dict[str, Any] | None = None
         self.events = EventQueue(self._ctx)
-        self.catalog = StepCatalog(self.root, store if store is not None else _open_store(config))
+        self.catalog = StepCatalog(self.root, store if store is not None else open_store(config.remote))
         self.steps = StepTable(self.catalog.complete_path)
         budget = config.shm_budget if config.shm_budget is not None else default_shm_budget()
         segments = shm.SegmentDir(self.root, file_mode=self.access.file_mode, gid=self.access.gid)
@@ -101,7 +94,7 @@ class Daemon:
     def _wire(self, config: DaemonConfig, segments: shm.SegmentDir) -> None:
         """The components that persist, upload, fetch and complete steps, and the op and event tables."""
         self._req_peers: collections.OrderedDict[bytes, None] = collections.OrderedDict()  # REQ sockets: replies need a delimiter
-        self._last_commit_ns: dict[str, int] = {}
+        self.clock = CommitClock(self.catalog, self.pool)
         background = lower_priority(config.nice, config.idle_priority)  # persist and upload threads yield to training
         self.uploader: Uploader | None = None
         if self.catalog.store is not None:
@@ -114,6 +107,7 @@ class Daemon:
             protect=self._protected, initializer=background, open_segment=segments.open_owned,
         )  # fmt: skip
         self.fetcher = Fetcher(self.catalog, self.events, retain=self.persister.retain)
+        self.protections = Protections(self.root, self.events, retain=self.persister.retain, initializer=background)
         self.completion = Completion(
             self.root, self.steps, self.catalog, self.persister, self.uploader, self.counters, self.events, self._answer, self.pool
         )
@@ -121,6 +115,7 @@ class Daemon:
         self.admission.writing = self.persister.writing  # a new attempt never writes beside an old one's straggler
         if self.uploader is not None:
             self.admission.give_up = self.uploader.give_up  # a relaunch takes over a dead run's multi-node step
+            self.uploader.protected = self.protections.policy
         self.tiering = Tiering(TierPolicy(config.persist_every, config.persist_interval, config.lagging))
         self.memtier = self.completion.memory = MemoryTier(
             self.steps, self.pool, self.catalog, self.tiering, self.counters, self.events, persist=self.completion.persist,
@@ -142,6 +137,8 @@ class Daemon:
             "fetch_wait": self._op_fetch_wait,
             "fetch_close": self._op_fetch_close,
             "promote": self._op_promote,
+            "protect": self._op_protect,
+            "unprotect": self._op_unprotect,
         }
         self._on_event: dict[type, Callable[[Any], None]] = {
             ShardPersisted: self.completion.on_persisted,
@@ -150,7 +147,7 @@ class Daemon:
             Fetched: lambda ev: self._answer(self.fetcher.done(ev), report=ev.report),
             ErrorReported: lambda ev: self.counters.error(ev.message),
             SlotCreated: lambda ev: self.pool.created(ev.token, ev.name, ev.size, ev.error),
-            LatestFound: self._on_latest,
+            Answered: self._on_answered,
         }
 
     # ------------------------------------------------------------------ lifecycle
@@ -161,6 +158,7 @@ class Daemon:
             self._sock_id = identity(self.endpoint)
             self._serve_metrics()  # before recovery: a port taken fails the start before any work is queued
             self.fetcher.check_store()  # off the loop: READY must not wait for the network
+            self.protections.load(self.catalog.jobs())  # before recovery's retention passes
             recovery.recover(self.pool, self.steps, self.persister, self.uploader, self.root, self.catalog.jobs(), self.completion.persist)
             if self.uploader is not None:
                 for job in self.catalog.jobs():
@@ -239,6 +237,7 @@ class Daemon:
         self.memtier.persist_all()  # each job's newest memory-only step
         log.info("shutting down: finishing %d pending persist(s)", self.steps.shards_in_flight())
         self.persister.shutdown()
+        self.protections.shutdown()
         self.grower.shutdown()  # segments still being made are adopted by the drain, then unlinked with the pool
         self._drain()
         self.memtier.keep_for_restart()
@@ -316,9 +315,10 @@ class Daemon:
         for w, fields in replies:
             self._send(w.ident, reply_ok(w.req_id, **fields))
 
-    def _protected(self, job: str) -> set[int]:
-        """Local steps of ``job`` retention must keep: those still to be uploaded, and those restores read (any thread)."""
-        return (self.uploader.pending(job) if self.uploader is not None else set()) | self.fetcher.held(job)
+    def _protected(self, job: str) -> RetentionPolicy:
+        """Local steps of ``job`` retention must keep: those still to be uploaded, those restores read, those named (any thread)."""
+        busy = (self.uploader.pending(job) if self.uploader is not None else set()) | self.fetcher.held(job)
+        return AnyOf((Protect(frozenset(busy)), self.protections.policy(job)))
 
     def _grant(self, ident: bytes, msg: dict[str, Any], result: Slot | CheckpointError) -> None:
         """The slot pool granted (or refused) a deferred ``alloc``."""
@@ -365,7 +365,7 @@ class Daemon:
         self.memtier.decide(job, track, lws < ws)
         record = {k: msg[k] for k in ("job", "rank", "world_size", "local_world_size", "step", "nbytes", "replicas")}
         restored = 0 if msg["after"] is None else committed_at(step_dir(self.root, job, msg["after"]))  # maybe another node's clock
-        record["committed_at"] = self._commit_time(job, max(track.replaces_at, restored))
+        record["committed_at"] = self.clock.stamp(job, max(track.replaces_at, restored))
         # into the fragment: the attempt (launch, restored step), never merged with another attempt's fragments
         record["run"], record["after"] = msg["run"], msg["after"]
         tree = msg["frames"][0]
@@ -380,18 +380,6 @@ class Daemon:
             self.memtier.seal(slot)
         return {}
 
-    def _commit_time(self, job: str, after: int = 0) -> int:
-        """Nanoseconds since the epoch, strictly increasing per job in this run (up to 2^63-1; a clock stepped back
-        must not make a later commit look older), and later than ``after`` (the step the client restored
-        and the old step a rolled-back run's re-save replaces, which another node's clock may have stamped,
-        one that ran ahead and has left the job since): the order ``latest`` follows."""
-        if job not in self._last_commit_ns:  # after a restart: later than every step on disk or adopted, whatever the clock says
-            times = [sl.lease.get("committed_at", 0) for sl in self.pool if sl.lease is not None and sl.lease.get("job") == job]
-            self._last_commit_ns[job] = max([committed_at(p) for p in [self.catalog.latest(job)[1]] if p is not None] + times, default=0)
-        t = min(max(time.time_ns(), self._last_commit_ns[job] + 1, after + 1), I64_MAX)  # a stamp readers accept
-        self._last_commit_ns[job] = t
-        return t
-
     def _op_wait(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any] | None:
         if msg["persist"]:  # a wait asks for durability: a memory-only step is persisted
             self.memtier.want_durable(msg["job"], msg["step"])
@@ -404,7 +392,7 @@ class Daemon:
         step, path = self.catalog.latest(msg["job"])
         return {"step": step, "path": path, "source": None if step is None else Source.DISK.to_wire()}
 
-    def _on_latest(self, ev: LatestFound) -> None:
+    def _on_answered(self, ev: Answered) -> None:
         err = ev.answer.get("error")
         self._send(ev.ident, reply_error(ev.req_id, "refused", err) if err is not None else reply_ok(ev.req_id, **ev.answer))
 
@@ -413,6 +401,16 @@ class Daemon:
 
     def _op_promote(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
         return {"step": self.memtier.newest(msg["job"], msg["step"], msg["persist"])}
+
+    def _op_protect(self, ident: bytes, msg: dict[str, Any]) -> None:
+        """``protect`` / ``unprotect`` (:mod:`.protected`): a step kept by name is kept on disk; answered once recorded."""
+        job, step = msg["job"], msg["step"] if msg["op"] == "protect" else None
+        known = lambda s: self.steps.live((job, s)) or self.catalog.complete_path(job, s) is not None  # noqa: E731
+        self.protections.submit(ident, msg["id"], job, msg["name"], step, known)
+        if step is not None:
+            self.memtier.want_durable(job, step)
+
+    _op_unprotect = _op_protect
 
     def _op_hot_close(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
         self.pool.unpin(msg["segments"], msg["pin"], msg["peer"])

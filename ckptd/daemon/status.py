@@ -50,6 +50,8 @@ def _jobs(d: Daemon) -> dict[str, Any]:
         job(name)["in_flight"] = steps
     for name in d.catalog.jobs():
         job(name)["latest"] = d.catalog.latest(name)[0]
+        if protected := d.protections.names(name):
+            job(name)["protected"] = sorted(set(protected.values()))  # steps kept from retention by name (daemon/protected.py)
     for name, step in d.catalog.uploaded().items():
         job(name)["uploaded"] = step
     held = d.pool.steps_held()

@@ -78,6 +78,10 @@ class StepTable:
     def get(self, key: StepKey) -> StepTrack | None:
         return self.tracks.get(key)
 
+    def live(self, key: StepKey) -> bool:
+        """Whether step ``key`` is being saved or is held in the memory tier."""
+        return (t := self.tracks.get(key)) is not None and t.state in (StepState.PENDING, StepState.MEMORY)
+
     def adopt(self, key: StepKey, world_size: int, local_world_size: int = 0) -> StepTrack:
         """The track of ``key``, made if new (crash recovery: shards and fragments a previous run left)."""
         return self.tracks.setdefault(key, StepTrack(world_size, local_world_size, recovered=True))

@@ -35,7 +35,7 @@ from ..storage.remote import (
     upload_ranks,
     upload_step,
 )
-from ..storage.retention import AnyOf, KeepEvery, KeepLatest
+from ..storage.retention import AnyOf, KeepEvery, KeepLatest, Protect, RetentionPolicy
 from ..storage.store import ObjectStore, Progress
 from .events import Uploaded
 
@@ -60,8 +60,8 @@ class Uploader:
     """One thread, one queue.
 
     When uploads fall behind, a queued step is skipped if a newer one of the same job is queued and
-    it is not one the bucket keeps forever (``keep_every``): the bucket wants the newest state, and
-    skipping bounds the backlog. Multi-node steps are never skipped (other nodes wait for them).
+    it is not one the bucket keeps forever (``keep_every``, or a name protects it: :mod:`.protected`): the
+    bucket wants the newest state, and skipping bounds the backlog. Multi-node steps are never skipped (other nodes wait for them).
     """
 
     POLL_S = 0.25
@@ -78,8 +78,8 @@ class Uploader:
         initializer: Callable[[], None] | None = None,
     ) -> None:
         self.store, self.root, self.done = store, root, done
-        self.forever = KeepEvery(keep_every)
-        self.retention = AnyOf((KeepLatest(keep), self.forever))
+        self.every, self.latest = KeepEvery(keep_every), KeepLatest(keep)
+        self.protected: Callable[[str], RetentionPolicy] = lambda job: Protect(frozenset())  # the steps named (any thread)
         self.commit_timeout = commit_timeout
         self.clock = time.monotonic  # tests move it
         self._partials: dict[
@@ -142,8 +142,12 @@ class Uploader:
         """Start-up: a previous run may have stopped before uploading some of ``steps`` (complete local
         steps, ascending): queue the newest and those the bucket keeps forever; each is skipped if the
         bucket has it already."""
-        for step in sorted(self.forever.keeps(steps[:-1])) + steps[-1:]:
+        for step in sorted(self.forever(job).keeps(steps[:-1])) + steps[-1:]:
             self.submit(job, step, 0, catch_up=True)  # world size: only multi-node uploads use it
+
+    def forever(self, job: str) -> RetentionPolicy:
+        """The steps of ``job`` the bucket keeps whatever their age: every ``keep_every``-th, those protected by name."""
+        return AnyOf((self.every, self.protected(job)))
 
     def pending(self, job: str) -> set[int]:
         """Steps of ``job`` queued or uploading: local retention must leave them alone."""
@@ -175,7 +179,7 @@ class Uploader:
             while self._queue:
                 u = self._queue.pop(0)
                 newer = any(q.job == u.job and q.step > u.step for q in self._queue)
-                if u.ranks is None and newer and not self.forever.keeps([u.step]):
+                if u.ranks is None and newer and not self.forever(u.job).keeps([u.step]):
                     log.info("upload of job %s step %s skipped: a newer step is queued", u.job, u.step)
                     continue
                 self.current = u
@@ -257,7 +261,8 @@ class Uploader:
         pruned: str | None = None
         try:  # the step is complete in the bucket: a failure to prune older steps is reported, never the step's
             settled = self._settled(u.job) if multi else None
-            removed = apply_remote_retention(self.store, u.job, self.retention, busy={u.step} | self.pending(u.job), settled=settled)
+            retention = AnyOf((self.latest, self.forever(u.job)))
+            removed = apply_remote_retention(self.store, u.job, retention, busy={u.step} | self.pending(u.job), settled=settled)
             if removed:
                 log.info("remote retention: removed steps %s of job %s from the bucket", removed, u.job)
         except Exception as e:

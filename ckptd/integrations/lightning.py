@@ -15,12 +15,17 @@ step the pointer names, on every rank, from the daemon's memory or disk. A path 
 Lightning checkpoint (a run that started without ckptd) is loaded by Lightning's ``TorchCheckpointIO``.
 
 For strategies that save through ``CheckpointIO`` (one device, DDP, FSDP with a full state dict). A sharded
-FSDP / ModelParallel save goes through DCP: use :class:`ckptd.dcp.Writer` there. Removing a pointer
-(``ModelCheckpoint(save_top_k=...)``) leaves the step to the daemon's retention.
+FSDP / ModelParallel save goes through DCP: use :class:`ckptd.dcp.Writer` there.
+
+Each pointer protects its step from the daemon's retention, by the pointer's path
+(:meth:`ckptd.Client.protect`): the top-k files ``ModelCheckpoint`` keeps, however old, stay loadable (the
+daemon's ``--keep`` newest steps are kept besides). Removing a pointer (``remove_checkpoint``: a file that
+left the top k) lets its step go to retention.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -28,8 +33,10 @@ from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from ..client.staged import commit_staged, stage_state
 from ..dcp.shared import client_for
-from ..errors import CheckpointError
+from ..errors import CheckpointError, FormatError
 from .pointer import read_pointer, read_state, write_pointer
+
+log = logging.getLogger("ckptd.integrations")
 
 __all__ = ["CkptdCheckpointIO"]
 
@@ -82,6 +89,7 @@ class CkptdCheckpointIO(CheckpointIO):
                 f" global_step?): ckptd keeps one checkpoint per step, and {os.fspath(path)} would point to it."
                 " Let the weights-only ModelCheckpoint save at other steps, or save the full state first"
             )
+        client.protect(step, os.path.abspath(path))  # first: no pointer ever names a step retention may remove
         write_pointer(path, client.job, step)
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
@@ -100,7 +108,18 @@ class CkptdCheckpointIO(CheckpointIO):
         return state
 
     def remove_checkpoint(self, path: Any) -> None:
+        """Remove the file; a pointer's step is then left to the daemon's retention (unprotected)."""
+        path = os.fspath(path)
         try:
-            os.remove(os.fspath(path))
+            pointer = read_pointer(path)
+        except (OSError, FormatError):
+            pointer = None
+        try:
+            os.remove(path)
         except FileNotFoundError:
-            pass
+            return
+        if pointer is not None:
+            try:
+                client_for(pointer[0], self.endpoint).unprotect(os.path.abspath(path))
+            except CheckpointError as e:  # the step stays protected: kept, never lost
+                log.warning("%s removed, but its step %s of job %s stays protected from retention: %s", path, pointer[1], pointer[0], e)

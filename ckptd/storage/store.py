@@ -10,7 +10,10 @@ reading a missing object raises :class:`FileNotFoundError`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from .s3config import RemoteConfig
 
 Progress = Callable[[int], None]  # bytes moved since the last call (negative when a retry rewinds)
 
@@ -67,3 +70,12 @@ class ObjectStore(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def open_store(remote: RemoteConfig | None) -> ObjectStore | None:
+    """The bucket ``remote`` describes (an :class:`ObjectStore`), or ``None`` without one."""
+    if remote is None:
+        return None
+    from .s3 import S3Store
+
+    return S3Store(remote)
