@@ -166,3 +166,48 @@ def test_an_early_copy_whose_slot_is_refused_falls_back_to_the_copy_after_the_co
         m2, o2 = make(seed=9)
         c.restore(m2, o2)
         assert_same(full_state(m2, o2), want)
+
+
+def test_a_buffer_rebound_to_another_dtype_or_empty_shape_is_captured_afresh(daemon) -> None:  # noqa: ANN001
+    """The fingerprint had data pointer, size and strides but no dtype, and every empty tensor has data pointer 0:
+    a buffer rebound to a same-size view of another dtype, or an empty (2, 0) float buffer replaced by an empty
+    (5, 0) int64 one, kept the old capture, and the step could not be restored into the model as it now is."""
+
+    class M(torch.nn.Module):
+        def __init__(self, n: int = 2, qdt: torch.dtype = torch.float32, bdt: torch.dtype = torch.float32) -> None:
+            super().__init__()
+            self.register_buffer("queue", torch.empty(n, 0, dtype=qdt))
+            self.register_buffer("bits", torch.zeros(4, dtype=bdt))
+
+    m = M()
+    with daemon.client("dt") as c:
+        c.snapshot(m, step=1, blocking=True).wait(30)
+        m.queue = torch.empty(5, 0, dtype=torch.int64)
+        m.bits.data = m.bits.data.view(torch.int32)
+        m.bits.fill_(7)
+        c.snapshot(m, step=2, blocking=True).wait(30)
+        m2 = M(5, torch.int64, torch.int32)
+        c.restore(m2, step=2)
+    assert m2.queue.shape == (5, 0) and m2.queue.dtype == torch.int64
+    assert m2.bits.dtype == torch.int32 and m2.bits.tolist() == [7, 7, 7, 7]
+
+
+def test_param_groups_reordered_or_with_a_tensor_lr_are_captured_afresh(daemon) -> None:  # noqa: ANN001
+    """On a cache hit, the current hyperparameters were zipped with the first capture's parameter lists: groups
+    reordered (same sizes) saved each group's lr against the other's parameters, and an lr that became a tensor
+    left the step pointing at a tensor never written (unrestorable)."""
+    m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    a, b = list(m[0].parameters()), list(m[1].parameters())
+    opt = torch.optim.SGD([{"params": a, "lr": 0.1}, {"params": b, "lr": 0.2}])
+    with daemon.client("pg") as c:
+        c.snapshot(m, opt, step=1, blocking=True).wait(30)
+        opt.param_groups.reverse()  # same sizes, other order
+        c.snapshot(m, opt, step=2, blocking=True).wait(30)
+        o2 = torch.optim.SGD([{"params": list(m[1].parameters()), "lr": 9.0}, {"params": list(m[0].parameters()), "lr": 9.0}])
+        c.restore(m, o2, step=2)
+        assert [g["lr"] for g in o2.param_groups] == [0.2, 0.1]  # m[1]'s group keeps its own lr
+        for g in opt.param_groups:
+            g["lr"] = torch.tensor(g["lr"])  # a capturable lr
+        c.snapshot(m, opt, step=3, blocking=True).wait(30)
+        c.restore(m, o2, step=3)
+        assert [float(g["lr"]) for g in o2.param_groups] == pytest.approx([0.2, 0.1])

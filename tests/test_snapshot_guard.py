@@ -157,3 +157,102 @@ def test_the_background_copy_leaves_the_thread_count_of_threads_made_later_alone
         assert seen == [2] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def _slow_background_copy(monkeypatch: pytest.MonkeyPatch, delays: dict[str, float]) -> None:
+    """The background copy of the named threads starts that many seconds late (a large state on a busy host)."""
+    import ckptd.client.client as cc
+
+    real = cc.copy_tensors
+
+    def slow(*a: Any) -> Any:
+        time.sleep(delays.get(threading.current_thread().name, 0.0))
+        return real(*a)
+
+    monkeypatch.setattr(cc, "copy_tensors", slow)
+
+
+def _stepped(lr: float = 1.0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32, bias=False), torch.nn.Linear(32, 32, bias=False))
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    return model, opt
+
+
+def _restored(c: Any, step: int) -> dict[str, torch.Tensor]:
+    m2, _ = _stepped()
+    c.restore(m2, step=step, strict=False)
+    return {k: v.clone() for k, v in m2.state_dict().items()}
+
+
+def test_an_optimizer_re_created_after_a_snapshot_waits_for_its_copy(daemon, monkeypatch) -> None:  # noqa: ANN001
+    """A new training phase re-creates the optimizer right after a snapshot and steps it: only the optimizer
+    passed to snapshot() carried the pre-hook, so the new one changed the weights mid-copy (a torn checkpoint)."""
+    _slow_background_copy(monkeypatch, {"ckptd-copy-1": 0.5})
+    model, opt = _stepped()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    with daemon.client("reopt", overlap="always") as c:
+        h = c.snapshot(model, opt, step=1)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)  # no snapshot() has seen it
+        opt.step()
+        assert h.copied(), "the new optimizer stepped before the copy ended"
+        h.wait(60)
+        assert_same(_restored(c, 1), want)
+
+
+def test_snapshots_from_two_threads_take_turns_and_neither_is_torn(daemon, monkeypatch) -> None:  # noqa: ANN001
+    """Two threads snapshot one client at once: the second background copy replaced the first in the copy guard,
+    so optimizer.step() waited for one copy only and the other checkpoint held the weights after the step."""
+    from ckptd.client.stage import Stager
+
+    _slow_background_copy(monkeypatch, {"ckptd-copy-2": 1.0})  # the copy a guard following one copy misses is the slow one
+    stage = Stager.run
+
+    def slow_stage(self: Stager, *a: Any) -> Any:  # step 1 stages slowly: step 2's call passes its start meanwhile
+        if a[4] == 1:
+            time.sleep(0.3)
+        return stage(self, *a)
+
+    monkeypatch.setattr(Stager, "run", slow_stage)
+    model, opt = _stepped()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    with daemon.client("two", overlap="always") as c:
+        barrier, handles = threading.Barrier(2), {}
+
+        def snap(step: int) -> None:
+            barrier.wait()
+            handles[step] = c.snapshot(model, opt, step=step)
+
+        threads = [threading.Thread(target=snap, args=(s,)) for s in (1, 2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        opt.step()
+        assert all(h.copied() for h in handles.values())
+        for step in (1, 2):
+            handles[step].wait(60)
+            assert_same(_restored(c, step), want)
+
+
+def test_a_tree_that_cannot_be_encoded_on_the_early_copy_path_gives_its_slot_back(daemon, monkeypatch) -> None:  # noqa: ANN001
+    """A CPU state with many tensors is copied while the capture is checked (the early copy); a param-group value
+    JSON refuses then raised a bare ValueError and left the early copy's slot leased for the process's life."""
+    import ckptd.client.copy
+
+    monkeypatch.setattr(ckptd.client.copy, "EARLY_COPY_MIN_TENSORS", 1)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    with daemon.client("enc-early") as c:
+        c.snapshot(model, opt, step=1).wait(60)  # the stage is cached: the next snapshot copies early
+        opt.param_groups[0]["seed"] = 10**5000
+        with pytest.raises(CheckpointError, match="snapshot of step 2 failed: .*4300 digits"):
+            c.snapshot(model, opt, step=2)
+        assert c._leases == {} and c.status()["slots"].get("leased", 0) == 0
+        del opt.param_groups[0]["seed"]
+        assert c.snapshot(model, opt, step=3).wait(60).endswith("step-3")
+        assert c.early_copies >= 1

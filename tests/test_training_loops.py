@@ -28,14 +28,17 @@ def _run(steps: int, client: ckptd.Client | None = None, every: int = 2) -> tupl
 
 
 def test_prepare_and_snapshot_before_the_first_step_leave_training_unchanged(daemon) -> None:  # noqa: ANN001
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+    hooks = set(_global_optimizer_pre_hooks)
     model, optim = make()
-    with daemon.client("fresh") as c:
+    with daemon.client("fresh", overlap="always") as c:
         c.prepare(model, optim)
         c.snapshot(model, optim, step=0, blocking=True)
         c.snapshot(model, optim, step=1).wait(30)
     assert optim.state_dict()["state"] == {}, "prepare()/snapshot() initialized the optimizer's state"
     assert all(p.grad is None for p in model.parameters())
-    assert not optim._optimizer_step_pre_hooks, "a closed client left a hook on the optimizer"
+    assert not optim._optimizer_step_pre_hooks and set(_global_optimizer_pre_hooks) == hooks, "a closed client left a hook"
     with daemon.client("loop") as c:
         with_ckptd = _run(6, c)
     without = _run(6)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 import warnings
 from typing import Any
 
@@ -26,7 +25,7 @@ from ..config import ALLOC_TIMEOUT_S, CLIENT_TIMEOUT_S, default_endpoint, defaul
 from ..errors import CheckpointError, DaemonUnavailable
 from ..protocol import MAX_MESSAGE_BYTES, reply_fields
 from .copy import CopyGuard, EarlyCopy, EventGroup, Pairs, SlotMaps, copy_tensors, fill, hookable, optimizer_storages, torch_optimizer
-from .handle import SnapshotHandle, StepDropped, StepUnknown
+from .handle import Pending, SnapshotHandle
 from .load import Restored, restore_state
 from .options import check_not_saved, check_step, dist_rank_world, local_world_size, overlap_setting, tier_settings
 from .restore import Source, restore_from_daemon, restored
@@ -35,8 +34,6 @@ from .spare import SpareWarmer, lease_many
 from .stage import Staged, Stager, TreeEncoder
 
 log = logging.getLogger("ckptd.client")
-
-PENDING_KEPT = 64  # snapshot handles wait() still answers for: the newest ones
 
 
 class Client:
@@ -83,8 +80,8 @@ class Client:
         self._trees = TreeEncoder()
         self._guard = CopyGuard()
         self._guarded: tuple[Any, set[int]] = (None, set())  # optimizer-owned storages, for the stage they were computed for
-        self._pending: list[SnapshotHandle] = []  # under _plock: a DCP writer's thread adds to it too
-        self._plock = threading.Lock()
+        self._pending = Pending(self.job)  # a DCP writer's thread adds to it too
+        self._snapping = threading.Lock()  # one snapshot() at a time: the copy guard follows one background copy
         self._closed = False
         self.early_copies = 0  # snapshots copied before returning whose copy overlapped the capture check (and held)
         self.last_restore: dict[str, Any] | None = None  # {step, path, source: memory | disk | bucket}
@@ -126,9 +123,16 @@ class Client:
         """Capture model and optimizer state as of this call and hand it to the daemon.
 
         Every rank of a distributed job must call it with the same ``step``. ``extra`` (JSON-able
-        values and tensors) is this rank's own state, returned by :meth:`restore`.
+        values and tensors) is this rank's own state, returned by :meth:`restore`. Calls from several
+        threads take turns (each joins the background copy of the one before).
         """
         check_step(step)
+        with self._snapping:
+            return self._snapshot(model, optim, step, extra, blocking)
+
+    def _snapshot(
+        self, model: torch.nn.Module, optim: torch.optim.Optimizer | None, step: int, extra: dict[str, Any] | None, blocking: bool
+    ) -> SnapshotHandle:
         optim = torch_optimizer(optim)
         prior = self._guard.settle()  # the previous copy must end before we reuse the layout or slot; its error goes to the plan
         check_not_saved(self, step)
@@ -144,7 +148,10 @@ class Client:
         handle = SnapshotHandle(self, step)
         segment, tree_json = None, None
         if early is not None:
-            tree_json = self._trees.encode(staged.tree)  # while the early copy finishes: this thread would only wait
+            try:  # while the early copy finishes: this thread would only wait
+                tree_json = self._trees.encode(staged.tree)
+            except Exception:  # refused again by the commit, which gives the slot back and says why
+                tree_json = None
             segment = self._finish_early(early, staged)
         later: Pairs = ([], [])
         event = None
@@ -160,28 +167,15 @@ class Client:
         if not later[0] and event is None:
             self._commit_now(handle, commit, tree_json or staged.tree)
         else:
-            if optim is not None:  # no optimizer: nothing left for later but the device-to-host copies' event
-                self._guard.hook(optim)
+            self._guard.hook()
             self._guard.start(step, lambda: self._background(handle, later, commit, staged.tree, event), handle._unreported)
-        self._track(handle)
+        self._pending.track(handle)
         self._spare.start(torch.cuda.current_device() if staged.any_cuda else None)  # a spare announced: mapped ahead
         return handle
 
     def _overlaps(self, staged: Staged) -> bool:
         """Whether the default mode copies ``staged`` behind the next step (:func:`.options.overlap_setting`)."""
         return self.overlap == "always" or (self.overlap == "auto" and staged.any_cuda)
-
-    def _track(self, handle: SnapshotHandle) -> None:
-        """Remember ``handle`` for :meth:`wait`. A client that never calls wait() must not grow without bound;
-        the daemon remembers more finished steps per job (TRACKS_KEPT) than this, so every kept handle can
-        still be answered."""
-        with self._plock:
-            self._pending.append(handle)
-            del self._pending[:-PENDING_KEPT]
-
-    def _untrack(self, handle: SnapshotHandle) -> None:
-        with self._plock:
-            self._pending = [h for h in self._pending if h is not handle]
 
     def snapshot_state(self, state: dict[str, Any], *, step: int, extra: dict[str, Any] | None = None) -> SnapshotHandle:
         """Checkpoint a state dict as it is, blocking: ``{"model": <model state dict>, "optim": <optimizer
@@ -360,35 +354,7 @@ class Client:
         """Wait until the snapshots this client took (the newest 64) are durable; return their directories.
         With a memory tier (``persist_every`` > 1 ...), steps it already dropped are skipped; the others
         are persisted now."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        paths: list[str] = []
-        unknown: list[StepUnknown] = []  # steps the restarted daemon no longer knows: fine if a later one is durable
-        while True:
-            with self._plock:
-                if not self._pending:
-                    break
-                h = self._pending[0]
-            if h._reported:  # its failure was raised already (by the next snapshot, or its own wait)
-                self._untrack(h)
-                continue
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                paths.append(h.wait(left))
-                for e in unknown:  # older than a durable step: removed by retention or dropped by the memory tier
-                    log.warning("%s; step %s, snapshot after it, is durable", e, h.step)
-                unknown.clear()
-            except StepDropped:  # kept in memory only and dropped, as the job's tiering policy allows: not an error here
-                log.debug("step %s of job %s was dropped from memory, not persisted", h.step, self.job)
-            except StepUnknown as e:
-                unknown.append(e)
-            except CheckpointError:
-                if h._failed is not None or h._reported:  # a failed step is reported once; a timeout, or a step
-                    self._untrack(h)  # the daemon still holds after persisting it failed, stays pending
-                raise
-            self._untrack(h)
-        if unknown:  # no snapshot after it is durable: it may be lost
-            raise unknown[0]
-        return paths
+        return self._pending.wait(timeout)
 
     def restore(
         self,

@@ -337,7 +337,7 @@ class CopyGuard:
         self._thread: threading.Thread | None = None
         self._error: Callable[[], BaseException | None] = lambda: None
         self._step: int | None = None
-        self._hooked: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()  # -> hook handle
+        self._hooked: Any = None  # the handle of the process-wide optimizer step pre-hook
 
     def start(self, step: int, run: Callable[[], None], error: Callable[[], BaseException | None]) -> None:
         """Run ``run`` on a background thread; ``error()`` tells afterwards whether it failed."""
@@ -372,9 +372,10 @@ class CopyGuard:
         out.__cause__ = err
         return out
 
-    def hook(self, optim: torch.optim.Optimizer) -> None:
-        """Make ``optim.step()`` wait for the copy in flight (once per optimizer)."""
-        if optim in self._hooked:
+    def hook(self) -> None:
+        """Make every ``torch.optim`` optimizer's ``step()`` wait for the copy in flight: the one passed to
+        ``snapshot()``, and one re-created since that steps the same parameters (a new training phase)."""
+        if self._hooked is not None:
             return
         ref = weakref.ref(self)
 
@@ -383,10 +384,13 @@ class CopyGuard:
             if guard is not None:
                 guard.join()
 
-        self._hooked[optim] = optim.register_step_pre_hook(pre_step)
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        self._hooked = register_optimizer_step_pre_hook(pre_step)
+        weakref.finalize(self, self._hooked.remove)  # a client never closed leaves no hook behind either
 
     def unhook(self) -> None:
-        """Remove the pre-hooks (the client is closing: nothing of ckptd stays on the optimizer)."""
-        for handle in list(self._hooked.values()):
-            handle.remove()
-        self._hooked.clear()
+        """Remove the pre-hook (the client is closing: nothing of ckptd stays on the optimizers)."""
+        if self._hooked is not None:
+            self._hooked.remove()
+            self._hooked = None

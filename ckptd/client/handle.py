@@ -6,6 +6,7 @@ memory only (a wait asks for durability); a step the policy already dropped rais
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -15,7 +16,9 @@ from ..errors import CheckpointError, StepDropped, StepUnknown
 if TYPE_CHECKING:
     from .client import Client
 
-__all__ = ["SnapshotHandle", "StepDropped"]
+__all__ = ["Pending", "SnapshotHandle", "StepDropped"]
+
+log = logging.getLogger("ckptd.client")
 
 
 class SnapshotHandle:
@@ -87,3 +90,58 @@ class SnapshotHandle:
 
     def __repr__(self) -> str:
         return f"SnapshotHandle(job={self.job!r}, step={self.step}, copied={self.copied()})"
+
+
+class Pending:
+    """The snapshots a client took that ``Client.wait()`` still answers for: the newest :data:`KEPT` (a client
+    that never waits must not grow without bound; the daemon remembers more finished steps per job than
+    this, so every kept handle can still be answered). Any thread."""
+
+    KEPT = 64
+
+    def __init__(self, job: str) -> None:
+        self.job = job
+        self._handles: list[SnapshotHandle] = []
+        self._lock = threading.Lock()
+
+    def track(self, handle: SnapshotHandle) -> None:
+        with self._lock:
+            self._handles.append(handle)
+            del self._handles[: -self.KEPT]
+
+    def _untrack(self, handle: SnapshotHandle) -> None:
+        with self._lock:
+            self._handles = [h for h in self._handles if h is not handle]
+
+    def wait(self, timeout: float | None = None) -> list[str]:
+        """``Client.wait()``: each handle in turn; a dropped step is skipped, and a step the restarted daemon no
+        longer knows is fine once a later one is durable."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        paths: list[str] = []
+        unknown: list[StepUnknown] = []  # steps the restarted daemon no longer knows: fine if a later one is durable
+        while True:
+            with self._lock:
+                if not self._handles:
+                    break
+                h = self._handles[0]
+            if h._reported:  # its failure was raised already (by the next snapshot, or its own wait)
+                self._untrack(h)
+                continue
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                paths.append(h.wait(left))
+                for e in unknown:  # older than a durable step: removed by retention or dropped by the memory tier
+                    log.warning("%s; step %s, snapshot after it, is durable", e, h.step)
+                unknown.clear()
+            except StepDropped:  # kept in memory only and dropped, as the job's tiering policy allows: not an error here
+                log.debug("step %s of job %s was dropped from memory, not persisted", h.step, self.job)
+            except StepUnknown as e:
+                unknown.append(e)
+            except CheckpointError:
+                if h._failed is not None or h._reported:  # a failed step is reported once; a timeout, or a step
+                    self._untrack(h)  # the daemon still holds after persisting it failed, stays pending
+                raise
+            self._untrack(h)
+        if unknown:  # no snapshot after it is durable: it may be lost
+            raise unknown[0]
+        return paths

@@ -91,5 +91,5 @@ def commit_staged(st: StagedState, step: int | None = None) -> SnapshotHandle:
     client, st.done = st.client, True
     handle = SnapshotHandle(client, step)
     client._commit_now(handle, {**st.fields, "step": step}, st.tree_json)
-    client._track(handle)
+    client._pending.track(handle)
     return handle
