@@ -143,7 +143,10 @@ def flatten(root: dict[str, Any], *, ordered: bool = False) -> tuple[Any, list[L
     def pairs(v: dict[Any, Any], path: tuple[str, ...], depth: int) -> list[Any]:
         if depth + 2 > MAX_TREE_DEPTH:  # its item list and [key, value] pairs nest two levels further
             raise _too_deep(path)
-        return [[enc(k, path + ("<key>",), depth + 3), enc(x, path + (str(k),), depth + 3)] for k, x in v.items()]
+        names = [str(k) for k in v]
+        if len(set(names)) < len(names):  # 1 and "1": their tensors would share a key
+            names = [k if isinstance(k, str) else f"<{type(k).__name__}>{k}" for k in v]
+        return [[enc(k, path + ("<key>",), depth + 3), enc(x, path + (n,), depth + 3)] for n, (k, x) in zip(names, v.items())]
 
     def enc(v: Any, path: tuple[str, ...], depth: int) -> Any:
         """``v`` encoded as the JSON it becomes ``depth`` levels down in the tree."""
@@ -191,6 +194,8 @@ def _numpy(v: Any, path: tuple[str, ...], tensor: Callable[..., Any], enc: Calla
     if isinstance(v, np.ndarray):
         if v.dtype.name not in NUMPY_SCALARS:
             raise UnsupportedState(f"cannot checkpoint the numpy array at {'/'.join(path)}: dtype {v.dtype} is not numeric")
+        if not v.dtype.isnative:  # big-endian: stored (and restored) in this machine's byte order, the same values
+            v = v.astype(v.dtype.newbyteorder("="))
         a = v if v.flags.c_contiguous and v.flags.writeable else v.copy(order="C")  # (ascontiguousarray makes 0-d 1-d)
         return tensor(torch.from_numpy(a), path, "ndarray")
     if isinstance(v, np.generic) and v.dtype.name in NUMPY_SCALARS:

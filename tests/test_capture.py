@@ -211,3 +211,26 @@ def test_param_groups_reordered_or_with_a_tensor_lr_are_captured_afresh(daemon) 
         c.snapshot(m, opt, step=3, blocking=True).wait(30)
         c.restore(m, o2, step=3)
         assert [float(g["lr"]) for g in o2.param_groups] == pytest.approx([0.2, 0.1])
+
+
+def test_a_re_created_optimizers_old_state_is_freed_before_the_next_snapshot(daemon) -> None:  # noqa: ANN001
+    """The capture and stage caches held views of the old optimizer's state (and the optimizer itself) until
+    the next snapshot: on a GPU a second copy of the Adam state, allocated while the new optimizer makes its own."""
+    import gc
+    import weakref
+
+    model, optim = make()
+    train_step(model, optim, 0)
+    with daemon.client("reopt") as c:
+        c.snapshot(model, optim, step=1).wait(30)
+        old_state = [weakref.ref(v) for st in optim.state.values() for v in st.values()]
+        old = weakref.ref(optim)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-4)  # a new phase
+        gc.collect()
+        assert old() is None and all(r() is None for r in old_state)
+        train_step(model, optim, 1)
+        want = full_state(model, optim)
+        c.snapshot(model, optim, step=2).wait(30)
+        m2, o2 = make(seed=3)
+        c.restore(m2, o2)
+        assert_same(full_state(m2, o2), want)

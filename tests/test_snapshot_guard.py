@@ -256,3 +256,38 @@ def test_a_tree_that_cannot_be_encoded_on_the_early_copy_path_gives_its_slot_bac
         del opt.param_groups[0]["seed"]
         assert c.snapshot(model, opt, step=3).wait(60).endswith("step-3")
         assert c.early_copies >= 1
+
+
+def test_a_list_of_optimizers_is_refused_saying_what_to_do(daemon) -> None:  # noqa: ANN001
+    """torch's get_state_dict takes a list of optimizers (a GAN's two); snapshot() failed inside the capture
+    cache's fingerprint with "'list' object has no attribute 'param_groups'"."""
+    g, d = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+    opts = [torch.optim.Adam(g.parameters()), torch.optim.Adam(d.parameters())]
+    with daemon.client("gan") as c:
+        with pytest.raises(UnsupportedState, match="one optimizer per model, got a list of 2"):
+            c.snapshot(torch.nn.ModuleList([g, d]), opts, step=1)  # type: ignore[arg-type]
+        assert c._leases == {}
+        c.snapshot(g, opts[0], step=1, extra={"d": d.state_dict(), "opt_d": opts[1].state_dict()}).wait(30)
+
+
+def test_a_big_endian_numpy_array_in_extra_comes_back_with_its_values(daemon) -> None:  # noqa: ANN001
+    """numpy arrays read from a file written elsewhere can be big-endian: torch.from_numpy refused them with a raw
+    ValueError that named no key."""
+    import numpy as np
+
+    a = np.arange(6, dtype=">f4").reshape(2, 3)
+    with daemon.client("endian") as c:
+        c.snapshot(torch.nn.Linear(2, 2), step=1, extra={"table": a}).wait(30)
+        got = c.restore(torch.nn.Linear(2, 2))["table"]
+    assert isinstance(got, np.ndarray) and got.dtype == np.float32 and np.array_equal(got, a)
+
+
+def test_extra_with_keys_1_and_the_string_1_holding_tensors_round_trips(daemon) -> None:  # noqa: ANN001
+    """A dict with non-string keys is stored as pairs, its values under str(key): 1 and "1" both holding tensors
+    were refused with a bare ValueError ("two tensors map to the state key")."""
+    extra = {"k": {1: torch.ones(2), "1": torch.zeros(2), (2, 3): torch.full((1,), 5.0)}}
+    with daemon.client("keys") as c:
+        c.snapshot(torch.nn.Linear(2, 2), step=1, extra=extra).wait(30)
+        got = c.restore(torch.nn.Linear(2, 2))["k"]
+    assert set(got) == {1, "1", (2, 3)}
+    assert torch.equal(got[1], torch.ones(2)) and torch.equal(got["1"], torch.zeros(2)) and torch.equal(got[(2, 3)], torch.full((1,), 5.0))

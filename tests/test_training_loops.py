@@ -3,11 +3,14 @@ training it protects, restore is strict by default and can load a subset or anot
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from _models import Net, assert_same, full_state, make, train_step
 
 import ckptd
+from ckptd import shm
 from ckptd.errors import CheckpointError
 
 
@@ -158,3 +161,28 @@ def test_param_groups_are_matched_by_their_parameters_not_their_order(daemon) ->
         )
         c.restore(other, swapped)
     assert [(g["weight_decay"], g["lr"]) for g in swapped.param_groups] == [(0.0, 2e-3), (0.1, 1e-3)]
+
+
+@pytest.mark.parametrize("opt", ["adamw", "sgd-momentum", "adam-amsgrad"])
+def test_prepare_before_the_first_step_sizes_slots_for_the_state_that_step_makes(daemon, opt: str) -> None:  # noqa: ANN001
+    """README's loop on a fresh start calls prepare() before the optimizer has state (torch makes it in the first
+    step): the slots fit the parameters alone, and the first snapshot after training began made and mapped a
+    slot on its own path. A shadow optimizer on the meta device foresees the state; the real one is untouched."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(640, 640), torch.nn.LayerNorm(640), torch.nn.Linear(640, 8))  # 1.6 MB: 2 MiB slots
+    model[1].weight.requires_grad_(False)  # frozen: no state
+    make_opt = {
+        "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+        "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+        "adam-amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-3, amsgrad=True, foreach=True),
+    }[opt]
+    optim = make_opt([p for p in model.parameters() if p.requires_grad])
+    with daemon.client(f"fresh-{opt}") as c:
+        c.prepare(model, optim)
+        assert optim.state_dict()["state"] == {} and all(p.grad is None for p in model.parameters())
+        sizes = {seg: os.path.getsize(os.path.join(shm.SHM_DIR, seg)) for seg in shm.segments_of(daemon.root)}
+        model(torch.randn(4, 640)).sum().backward()
+        optim.step()
+        c.snapshot(model, optim, step=1, blocking=True).wait(30)
+        assert c._stager.layout.file_size <= min(sizes.values()), (c._stager.layout.file_size, sizes)
+        assert c._maps.made_on_path == 0  # the snapshot found a prepared slot, mapped already

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import operator
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -124,7 +125,7 @@ def _only_tensor_refs(node: Any, depth: int) -> bool:
 
 @dataclass
 class _Cached:
-    model: Any
+    model: Any  # weak references: the cache never keeps a model or an optimizer alive
     optim: Any
     fingerprint: list[Any]
     tree: dict[str, Any]
@@ -140,11 +141,14 @@ class StateCapture:
         self._cached: _Cached | None = None
         self.hits = 0
 
+    def forget(self) -> None:
+        self._cached = None
+
     def capture(self, model: torch.nn.Module, optim: torch.optim.Optimizer | None) -> tuple[dict[str, Any], list[LocalChunk], bool]:
         """``(tree, chunks, reused)``; ``chunks`` is the same list object whenever ``reused``."""
         fp = _fingerprint(model, optim)
         c = self._cached
-        if c is not None and fp is not None and c.model is model and c.optim is optim and c.fingerprint == fp:
+        if c is not None and fp is not None and c.model() is model and c.optim() is optim and c.fingerprint == fp:
             tree = dict(c.tree)
             groups = self._param_groups(optim, c.params) if optim is not None else None
             if optim is None or groups is not None:
@@ -157,7 +161,7 @@ class StateCapture:
         live = _live(model, optim) if fp is not None else None
         if live is not None and self._cacheable(tree, chunks, live, optim):
             params = [g["params"] for g in tree["optim"]["param_groups"]] if optim is not None else []
-            self._cached = _Cached(model, optim, fp, tree, chunks, params)
+            self._cached = _Cached(weakref.ref(model), weakref.ref(optim) if optim is not None else lambda: None, fp, tree, chunks, params)
         return tree, chunks, False
 
     @staticmethod

@@ -17,12 +17,14 @@ import logging
 import os
 import threading
 import warnings
+import weakref
 from typing import Any
 
 import torch
 
 from ..config import ALLOC_TIMEOUT_S, CLIENT_TIMEOUT_S, default_endpoint, default_job, env_float, validate_job
 from ..errors import CheckpointError, DaemonUnavailable
+from ..format import build_layout
 from ..protocol import MAX_MESSAGE_BYTES, reply_fields
 from .copy import CopyGuard, EarlyCopy, EventGroup, Pairs, SlotMaps, copy_tensors, fill, hookable, optimizer_storages, torch_optimizer
 from .handle import Pending, SnapshotHandle
@@ -30,6 +32,7 @@ from .load import Restored, restore_state
 from .options import check_not_saved, check_step, dist_rank_world, local_world_size, overlap_setting, tier_settings
 from .restore import Source, restore_from_daemon, restored
 from .rpc import Channel
+from .sizing import projected_items
 from .spare import SpareWarmer, lease_many
 from .stage import Staged, Stager, TreeEncoder
 
@@ -79,7 +82,7 @@ class Client:
         self._leases: dict[str, str] = {}  # segment -> the lease token the daemon gave this client for it
         self._trees = TreeEncoder()
         self._guard = CopyGuard()
-        self._guarded: tuple[Any, set[int]] = (None, set())  # optimizer-owned storages, for the stage they were computed for
+        self._guarded: tuple[Any, set[int]] = (lambda: None, set())  # optimizer-owned storages, for the stage (weakly) they are of
         self._pending = Pending(self.job)  # a DCP writer's thread adds to it too
         self._snapping = threading.Lock()  # one snapshot() at a time: the copy guard follows one background copy
         self._closed = False
@@ -208,15 +211,19 @@ class Client:
         snapshots reuse them at memory-copy speed. Default: two (one persisting while the next is
         filled), three with a memory tier (one persisting, the newest step held, the next filled).
         Slots the daemon's memory budget has no room for are not waited for: a warning says how many fit.
+        Before the optimizer's first step (no state yet) the slots fit the state that step will make
+        (:mod:`.sizing`).
         """
         if slots is None:
             slots = 3 if self._memory_tier() else 2
         prior = self._guard.settle()  # raised by the plan below, with every rank
         rank, world = dist_rank_world()
-        staged = self._stager.run(model, torch_optimizer(optim), None, rank, None, prior)
+        optim = torch_optimizer(optim)
+        staged = self._stager.run(model, optim, None, rank, None, prior)
+        nbytes = build_layout(projected_items(self._stager.layout_items(), model, optim)).file_size
         leased: list[str] = []
         try:  # the slots are asked for, made, mapped (and page-locked for CUDA) side by side
-            short = lease_many(lambda: self._alloc(rank, world, 0, staged.layout.file_size, wait=False, warm=True), slots, leased)
+            short = lease_many(lambda: self._alloc(rank, world, 0, nbytes, wait=False, warm=True), slots, leased)
             if short:
                 log.warning("prepare(): %d of %d slots fit now; %s", len(leased), slots, str(short[0]).split(": ", 1)[-1])
             self._maps.warm(leased, pin=staged.any_cuda)
@@ -305,8 +312,8 @@ class Client:
         """The optimizer's storages, recomputed only when the stage is: a reused stage means the
         capture cache's fingerprint (which covers every parameter and optimizer-state tensor) held."""
         stage = self._stager.stage
-        if self._guarded[0] is not stage or stage is None:
-            self._guarded = (stage, optimizer_storages(optim))
+        if self._guarded[0]() is not stage or stage is None:
+            self._guarded = (weakref.ref(stage) if stage is not None else lambda: None, optimizer_storages(optim))
         return self._guarded[1]
 
     def _commit(self, handle: SnapshotHandle, commit: dict[str, Any], tree: bytes | dict[str, Any]) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from .. import shm
-from ..errors import CheckpointError
+from ..errors import CheckpointError, UnsupportedState
 from ..format import ShardLayout, dtype_from_name
 from .capture import local_tensor
 from .stage import Stage, Staged
@@ -55,7 +55,13 @@ def storage_of(t: torch.Tensor) -> int:
 def torch_optimizer(optim: Any) -> Any:
     """The torch optimizer inside a framework's wrapper (accelerate's ``AcceleratedOptimizer.optimizer``,
     Lightning's ``LightningOptimizer._optimizer``): the one whose ``step()`` runs the pre-hooks that guard a
-    background copy, and whose state is the same. Anything else is returned as it is."""
+    background copy, and whose state is the same. Anything else is returned as it is; several optimizers (a
+    list, as torch's ``get_state_dict`` takes them) are refused, saying what to do instead."""
+    if isinstance(optim, (list, tuple)):
+        raise UnsupportedState(
+            f"ckptd takes one optimizer per model, got a {type(optim).__name__} of {len(optim)}: snapshot each model with"
+            " its own optimizer as a job of its own (Client(job=...)), or pass the others' state_dict() in extra"
+        )
     for _ in range(4):
         if optim is None or hasattr(optim, "_optimizer_step_pre_hooks"):
             break

@@ -8,6 +8,7 @@ collective, so every rank calls it, in the foreground, never from the background
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,9 +56,24 @@ class Staged:
     any_cuda: bool
 
 
+def _forget_when_gone(stager: Stager, *objs: Any) -> None:
+    """Have ``stager`` forget its caches once one of ``objs`` (the model, the optimizer) is collected."""
+    ref = weakref.ref(stager)
+
+    def forget() -> None:
+        if (s := ref()) is not None:
+            s.forget()
+
+    for obj in objs:
+        if obj is not None and obj not in stager._watched:
+            stager._watched.add(obj)
+            weakref.finalize(obj, forget)
+
+
 class Stager:
     def __init__(self, job: str = "default") -> None:
         self.capture = StateCapture()
+        self._watched: weakref.WeakSet[Any] = weakref.WeakSet()  # the models and optimizers whose end drops the caches
         self._plan = WritePlan(job)
         self.stage: Stage | None = None
         self.layout: ShardLayout | None = None  # the newest layout built
@@ -67,6 +83,12 @@ class Stager:
     def run_id(self) -> int:
         """This launch's id, the same on every rank once a snapshot or ``prepare`` planned."""
         return self._plan.run
+
+    def forget(self) -> None:
+        """Drop the cached capture and stage (their views keep the state they were made of alive), once the model
+        or optimizer they describe is gone: a re-created optimizer's old state is freed then, not at the next snapshot."""
+        self.capture.forget()
+        self.stage = None
 
     def restored(self, step: int) -> None:
         """This rank restored ``step``: a new attempt (:meth:`WritePlan.restored`)."""
@@ -90,6 +112,8 @@ class Stager:
         if error is None:
             try:  # a state this rank cannot capture (a sparse tensor) is every rank's failure too
                 tree, chunks, reused = self.capture.capture(model, optim)
+                if not reused:
+                    _forget_when_gone(self, model, optim)
             except (CheckpointError, TypeError, ValueError, RuntimeError) as e:
                 error = e
         return self._staged(tree, chunks, reused, extra, rank, step, error=error)
@@ -191,6 +215,10 @@ class Stager:
         any_cuda = any(t is not None and t.is_cuda for t in sources)
         self.stage = Stage(chunks, extra_sig, items, layout, sources, extra_slots, any_cuda, mine)
         return self.stage
+
+    def layout_items(self) -> list[Any]:
+        """The newest layout's items, as :func:`ckptd.format.build_layout` takes them."""
+        return list(self._layout_key or ())
 
     def _layout_for(self, chunks: list[LocalChunk]) -> ShardLayout:
         key = tuple((c.name, c.key, c.tensor.dtype, c.sizes, c.global_shape, c.offsets) for c in chunks)
