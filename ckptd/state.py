@@ -143,10 +143,7 @@ def flatten(root: dict[str, Any], *, ordered: bool = False) -> tuple[Any, list[L
     def pairs(v: dict[Any, Any], path: tuple[str, ...], depth: int) -> list[Any]:
         if depth + 2 > MAX_TREE_DEPTH:  # its item list and [key, value] pairs nest two levels further
             raise _too_deep(path)
-        names = [str(k) for k in v]
-        if len(set(names)) < len(names):  # 1 and "1": their tensors would share a key
-            names = [k if isinstance(k, str) else f"<{type(k).__name__}>{k}" for k in v]
-        return [[enc(k, path + ("<key>",), depth + 3), enc(x, path + (n,), depth + 3)] for n, (k, x) in zip(names, v.items())]
+        return [[enc(k, path + ("<key>",), depth + 3), enc(x, path + (n,), depth + 3)] for n, (k, x) in zip(_key_names(v), v.items())]
 
     def enc(v: Any, path: tuple[str, ...], depth: int) -> Any:
         """``v`` encoded as the JSON it becomes ``depth`` levels down in the tree."""
@@ -185,6 +182,15 @@ def flatten(root: dict[str, Any], *, ordered: bool = False) -> tuple[Any, list[L
 
     tree = {k: enc(v, (k,), 2) for k, v in root.items()}
     return tree, chunks
+
+
+def _key_names(v: dict[Any, Any]) -> list[str]:
+    """The path part of each value of a dict stored as pairs: ``str(key)``, unless two keys share it (1 and "1":
+    their tensors would share a state key), then the type's name before each key that is not a string."""
+    names = [str(k) for k in v]
+    if len(set(names)) < len(names):
+        names = [k if isinstance(k, str) else f"<{type(k).__name__}>{k}" for k in v]
+    return names
 
 
 def _numpy(v: Any, path: tuple[str, ...], tensor: Callable[..., Any], enc: Callable[..., Any], depth: int) -> Any:

@@ -290,3 +290,19 @@ def test_an_older_step_completing_late_does_not_replace_the_one_in_memory(root: 
     cat.note_complete("j", 5, "p5", None)
     cat.note_complete("j", 4, "p4", None)  # a persist thread finished step 4 after step 5
     assert cat.in_memory("j") == InMemory(5, "p5", None)
+
+
+def test_prune_forgets_the_disk_steps_no_slot_holds_and_keeps_memory_only_ones(root: str) -> None:
+    """Each job's newest manifest (with every rank's parsed tree) stayed in the daemon for its whole life, outside
+    --shm-budget: a daemon serving many jobs grew by their trees (555 MB for twelve 15 MB trees in a review)."""
+    from ckptd.daemon.tiering import Tier
+
+    cat = StepCatalog(root)
+    cat.note_complete("a", 1, step_dir(root, "a", 1), {"committed_at": 10})
+    cat.note_complete("b", 2, step_dir(root, "b", 2), {"committed_at": 20})
+    cat.note_memory("c", 3, {"committed_at": 30})
+    cat.prune({("a", 1)})  # b's slots were reused for another job's shards
+    assert cat.in_memory_steps() == {"a": 1, "c": 3}
+    assert cat.in_memory("c") == InMemory(3, step_dir(root, "c", 3), {"committed_at": 30}, Tier.MEMORY)
+    cat.prune(set())  # a memory-only step goes only when dropped (forget_memory)
+    assert cat.in_memory_steps() == {"c": 3}

@@ -10,7 +10,9 @@ a chimera of two runs. Main thread only (the daemon's loop), with the step table
   removed and its waiters answered (:meth:`Admission.committed`).
 * **A new run meets an old attempt of the same step** (the trainer died after some ranks committed
   step S; the relaunch resumes before S and reaches S again): a pending step begun by another run
-  (commits name their launch, see below) is abandoned first and the step starts afresh.
+  (commits name their launch, see below) is abandoned first and the step starts afresh. So does one
+  that failed (a shard that could not be written) or was dropped from memory, once nothing of it is
+  being written: a relaunch can always save a step number again; the run that failed it cannot.
 * **Two runs, one job.** Every commit names its launch (``run``, agreed by all its ranks). A job
   saved by one run is refused to another while a process of the first that committed is alive (two
   runs sharing a job name would restore each other's models); once they are gone, the new run takes
@@ -44,6 +46,8 @@ from .steps import StepKey, StepState, StepTable, StepTrack
 
 log = logging.getLogger("ckptd.daemon")
 
+MAX_COMMITTERS = 256  # processes remembered per job's run before those gone are forgotten (each is checked for liveness)
+
 
 def started(pid: int) -> float | None:
     """When live process ``pid`` started (its identity with the pid: pids are reused), or ``None`` if it
@@ -55,13 +59,18 @@ def started(pid: int) -> float | None:
         return None
 
 
+def _another(track: StepTrack, run: int | None) -> bool:
+    """A commit naming launch ``run`` comes from another run than the one that began ``track``."""
+    return run is not None and track.run != run
+
+
 Settle = Callable[[StepKey, StepTrack], None]  # answer a step's waiters and clean it up once it left pending
 
 
 class Admission:
     def __init__(self, root: str, steps: StepTable, pool: SlotPool, settle: Settle) -> None:
         self.root, self.steps, self.pool, self._settle = root, steps, pool, settle
-        self._runs: dict[str, tuple[int, set[tuple[int, float]]]] = {}  # job -> (its run, (pid, start time) of committers)
+        self._runs: dict[str, tuple[int | None, set[tuple[int, float]]]] = {}  # job -> (its run, (pid, start time) of committers)
         self.drop_memory: Callable[[StepKey, str], bool] = lambda key, why: False  # the memory tier's, set by the daemon
         self.give_up: Callable[[str, int, int], None] | None = None  # the uploader's (multi-node), set by the daemon
         self.writing: Callable[[str, int], int] = lambda job, step: 0  # the persister's: shards of a step being written
@@ -101,9 +110,10 @@ class Admission:
             self.steps.abandon(key, f"abandoned: {why}; a new run (rank {rank}) saves it again")
             self._settle(key, track)
         track = self.steps.get(key)
-        if track is not None and track.state in (StepState.FAILED, StepState.DROPPED) and track.abandoned:
-            if track.inflight:
-                raise ProtocolError(f"step {step} of job {job}: an abandoned attempt's shards are still being cleaned up; retry")
+        if track is not None and track.state in (StepState.FAILED, StepState.DROPPED) and (track.abandoned or _another(track, run)):
+            # abandoned, or failed (a shard that could not be written) and saved again by a relaunch
+            if track.inflight or self.writing(job, step):
+                raise ProtocolError(f"step {step} of job {job}: an earlier attempt's shards are still being written; retry")
             self.steps.drop(key)  # a new attempt starts afresh
         replacing = os.path.isdir(step_dir(self.root, job, step))
         old_at = committed_at(step_dir(self.root, job, step)) if replacing else 0
@@ -119,12 +129,15 @@ class Admission:
         return track
 
     def committed(self, job: str, step: int, rank: int, peer: int | None = None, run: int | None = None) -> None:
-        """``rank`` committed ``step``: every other step of ``job`` still missing ranks is abandoned."""
-        if run is not None:
-            owner = self._runs.setdefault(job, (run, set()))
-            born = started(peer) if peer else None
-            if born is not None:
-                owner[1].add((peer, born))  # type: ignore[arg-type]
+        """``rank`` committed ``step``: every other step of ``job`` still missing ranks is abandoned. The committing
+        process is noted (pid and start time), whether or not the commit named its launch: once every one is gone,
+        the run is (:meth:`run_gone`)."""
+        owner = self._runs.setdefault(job, (run, set()))  # a commit without ``run`` joins the job's current run
+        born = started(peer) if peer else None
+        if born is not None and (peer, born) not in owner[1]:
+            if len(owner[1]) >= MAX_COMMITTERS:  # launches that never name a run add up: those gone are forgotten
+                owner[1].difference_update({(p, b) for p, b in owner[1] if started(p) != b})
+            owner[1].add((peer, born))  # type: ignore[arg-type]
         for key, track in self.steps.abandon_others(job, step, rank):
             log.warning("job %s step %s abandoned: %s", key[0], key[1], track.error)
             self._settle(key, track)
@@ -139,7 +152,8 @@ class Admission:
         owner = self._runs.get(job)
         if run is None or owner is None or owner[0] == run:
             return
-        alive = sorted(p for p, born in owner[1] if p != peer and started(p) == born)  # a reused pid is another process
+        # a reused pid is another process; processes that named no launch (an older or a raw client) are not a run to refuse for
+        alive = sorted(p for p, born in owner[1] if p != peer and started(p) == born) if owner[0] is not None else []
         if alive and peer not in {p for p, _ in owner[1]}:
             raise ProtocolError(
                 f"job {job!r} is being saved by another run whose processes are alive (pids {alive[:8]}): two runs share"

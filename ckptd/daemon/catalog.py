@@ -188,6 +188,16 @@ class StepCatalog:
             if not entries:
                 del self._in_memory[job]
 
+    def prune(self, held: set[tuple[str, int]]) -> None:
+        """Housekeeping: forget the disk steps no slot holds a shard of any more (their slots were reused: no hot
+        restore can read them), so that a daemon serving many jobs does not keep every job's last manifest."""
+        for job in list(self._in_memory):
+            entries = self._in_memory[job]
+            for s in [s for s, e in entries.items() if e.tier is Tier.DISK and (job, s) not in held]:
+                del entries[s]
+            if not entries:
+                del self._in_memory[job]
+
     def in_memory(self, job: str) -> InMemory | None:
         """The job's newest step completed or sealed here, by commit order."""
         return max(self.in_memory_all(job), key=lambda e: (commit_time(e.manifest), e.step), default=None)

@@ -2,7 +2,9 @@
 
 An ``ipc://`` endpoint's directory must be the daemon's own (:meth:`.access.Access.make_socket_dir`), and a
 live daemon already serving it refuses the start; a dead daemon's socket file is replaced. The bound socket
-file gets the daemon's file mode (``--group``: the group may connect). Main thread only.
+file gets the daemon's file mode (``--group``: the group may connect). ``ZMQ_MAXMSGSIZE`` bounds each frame
+of a message, the receive high-water mark how many messages wait per connection (:mod:`.inbox`: a message is
+whole in memory before the loop sees it). Main thread only.
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ from ..config import validate_endpoint
 from ..errors import CheckpointError
 from ..protocol import MAX_MESSAGE_BYTES, endpoint_answers
 from .access import Access
+
+# whole messages that may wait per connection before libzmq stops reading from it (its default is 1,000, each frame up
+# to MAX_MESSAGE_BYTES): a ckptd client has one request in flight per socket; a flood waits in its sender's queue instead
+QUEUED_PER_PEER = 4
 
 
 def ipc_path(endpoint: str) -> str | None:
@@ -44,6 +50,7 @@ def bind(access: Access, ctx: zmq.Context, endpoint: str) -> zmq.Socket:
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    sock.setsockopt(zmq.RCVHWM, QUEUED_PER_PEER)
     try:
         with access.file_umask():
             sock.bind(endpoint)

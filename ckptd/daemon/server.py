@@ -31,7 +31,7 @@ from ..protocol import EXTRA_FRAMES, Source, decode_request, reply_error, reply_
 from ..storage.local import committed_at
 from ..storage.retention import AnyOf, Protect, RetentionPolicy
 from ..storage.store import ObjectStore, open_store
-from . import recovery
+from . import inbox, recovery
 from .access import Access, peer_pid
 from .admission import Admission
 from .catalog import CommitClock, StepCatalog
@@ -195,8 +195,9 @@ class Daemon:
                         parts = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    # no message, however malformed, may take the daemon down
-                    self._guarded(self._handle, [p.bytes for p in parts], peer_pid(parts[-1]))
+                    # no message, however malformed, may take the daemon down; none is copied here (see _handle)
+                    self._guarded(self._handle, parts, peer_pid(parts[-1]))
+                    del parts  # its frames' memory goes back now, not when the next message comes
             now = time.monotonic()
             if watchdog is not None and now - last_ping >= watchdog:
                 notify("WATCHDOG=1")  # the loop is alive: systemd restarts a daemon that stops pinging
@@ -261,18 +262,12 @@ class Daemon:
 
     # ------------------------------------------------------------------ requests
 
-    def _handle(self, frames: list[bytes], peer: int | None = None) -> None:
-        """One request; ``peer``: the sender's pid as the kernel reports it (ipc), or ``None``."""
-        ident = frames[0]
-        if len(frames) > 2 and frames[1] == b"":  # a REQ socket's envelope: identity, empty delimiter, message
-            frames = [ident, *frames[2:]]
-            self._req_peers[ident] = None
-            self._req_peers.move_to_end(ident)
-            while len(self._req_peers) > 65536:
-                self._req_peers.popitem(last=False)
+    def _handle(self, parts: list[Any], peer: int | None = None) -> None:
+        """One request as received (``zmq.Frame`` objects, or bytes): its frames are copied only once their number is
+        checked (:mod:`.inbox`: a frame may be 64 MiB); ``peer``: the sender's pid as the kernel reports it (ipc), or ``None``."""
+        ident, body = inbox.unwrap(parts, self._req_peers)
         try:
-            if len(frames) < 2:
-                raise ProtocolError("empty message")
+            frames = [ident, *inbox.copy(body)]
             msg = decode_request(frames[1])
             want = 2 + EXTRA_FRAMES.get(msg["op"], 0)
             if len(frames) != want:
@@ -443,5 +438,6 @@ class Daemon:
             self._status_snapshot = build_status(self)  # what the next scrape reports
         self.pool.reap(now)
         self.memtier.housekeeping(now)
+        self.catalog.prune(self.pool.steps_held())  # manifests of steps whose slots were reused go
         self._answer(self.fetcher.due(now))
         self._answer(self.steps.due(now))

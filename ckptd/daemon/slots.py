@@ -29,6 +29,7 @@ from typing import Any
 from .. import shm
 from ..config import HOT_PIN_MAX_S, LEASE_TIMEOUT_S, MAX_DEFERRED_ALLOCS, MAX_PINS_PER_READER, MAX_PINS_UNNAMED
 from ..errors import CheckpointError, ProtocolError
+from .budget import aligned, check_fits, noted
 from .slot import LEASE_FIELDS, Grant, Slot, SlotState, pid_alive
 
 log = logging.getLogger("ckptd.daemon")
@@ -50,7 +51,7 @@ class SlotPool:
         """``grow(need, token)``: make a segment off the loop and report it to :meth:`created`; without
         it (unit tests) segments are made in place. ``reclaim(job, step)``: drop a memory-tier step of
         ``job`` (not ``step``) to make room; True if it freed slots."""
-        self.segments, self.budget, self.lease_timeout = segments, budget, lease_timeout
+        self.segments, self.budget, self.lease_timeout = segments, noted(budget), lease_timeout
         self._on_grant = on_grant or (lambda ident, msg, result: None)
         self._clock, self._alive, self._grow = clock, alive, grow
         self.reclaim = reclaim or (lambda job, step: False)
@@ -76,8 +77,7 @@ class SlotPool:
 
     def request(self, ident: bytes, msg: dict[str, Any]) -> Slot | None:
         """An ``alloc``: a leased slot now, or ``None`` and the request deferred until memory frees up."""
-        if msg["nbytes"] > self.budget:
-            raise ProtocolError(f"a shard of {msg['nbytes']} bytes exceeds the shared-memory budget of {self.budget} bytes")
+        check_fits(msg["nbytes"], self.budget)  # its segment, in whole units: refused before anything is dropped for it
         slot = self.lease(msg)
         if slot is None:
             if not msg.get("wait", True) and "_growing" not in msg:
@@ -112,7 +112,7 @@ class SlotPool:
         if slot is None and "_growing" not in msg and not msg.get("warm") and msg.get("wait", True) and self.soon(msg["job"], msg["step"]):
             return None  # deferred: a seal under way makes a memory-only step stale and frees its slots in milliseconds
         used = self.bytes_held()
-        rounded = max(shm.ALIGN, -(-need // shm.ALIGN) * shm.ALIGN)
+        rounded = aligned(need)
         if slot is None and (used + rounded > self.budget or "_growing" in msg):
             # over budget, or this request's own segment is still being made (another request of the same
             # rank took the one that came first): any free slot that fits
@@ -183,7 +183,7 @@ class SlotPool:
         spare segment off the loop, so that its next snapshot finds a slot instead of waiting while one is made."""
         if self._grow is None or owner is None or owner in self.spares.values() or not self.want_spare(owner[0]):
             return
-        slots, rounded = self.slots.values(), max(shm.ALIGN, -(-size // shm.ALIGN) * shm.ALIGN)
+        slots, rounded = self.slots.values(), aligned(size)
         # not while a snapshot waits (a guess must not take the room it waits for), nor while the rank has a free slot, nor
         # once its own last step is on disk (its disk keeps up: another rank's persist is not this one's lag), nor over budget
         if self._snapshot_waits() or any(s.state is SlotState.FREE and s.owner == owner for s in slots):

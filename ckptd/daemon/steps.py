@@ -96,10 +96,10 @@ class StepTable:
                 f"step {step}: world_size {world_size} / local_world_size {local_world_size} differ from"
                 f" {track.world_size} / {track.local_world_size} of other ranks"
             )
+        if track.state is StepState.FAILED:  # first: what a re-commit of a rank of it needs to hear
+            raise ProtocolError(f"step {step} of job {job} already failed: {track.error}")
         if rank in track.committed:
             raise ProtocolError(f"rank {rank} already committed step {step} of job {job}")
-        if track.state is StepState.FAILED:
-            raise ProtocolError(f"step {step} of job {job} already failed: {track.error}")
         if track.state is StepState.DURABLE:
             raise ProtocolError(f"step {step} of job {job} is already committed ({track.path})")
         if track.state is StepState.MEMORY:
