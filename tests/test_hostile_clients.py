@@ -255,3 +255,29 @@ def test_a_dead_clients_partial_memory_step_committed_without_run_is_abandoned_a
     assert done["state"] == "failed" and "its run ended" in done["error"], done
     st = until(lambda: (s := w.call("status"))["slots"].get("held", 0) == 0 and s, what="the held slot freed")
     assert set(st["slots"]) == {"free"} and st["jobs"]["norun"]["in_flight"] == [], st
+
+
+# ------------------------------------------------------------------ 5. a flood of held requests
+
+
+def test_a_flood_of_waits_is_refused_once_too_many_are_held_and_the_daemon_answers_others(make_daemon, wires) -> None:  # noqa: ANN001
+    """Each ``wait`` on a pending step is held up to 30 s: a client sending them as fast as it can grew the daemon's
+    memory with its rate (1.1 M held waits, +220 MB in 20 s in a review). Past a bound they are refused."""
+    d = make_daemon(start=False)
+    d.launcher = [
+        "-c",
+        "import sys, ckptd.daemon.waiters as w; w.MAX_WAITERS = 64\nfrom ckptd.cli import main\nraise SystemExit(main(sys.argv[1:]))",
+    ]
+    d.start()
+    w = wires(d.endpoint)
+    assert w.save("j", 1, shard(), ws=2)["ok"]  # rank 0 of 2: the step stays pending
+    for i in range(80):
+        w.s.send_multipart([request("wait", 1000 + i, job="j", step=1, timeout=30)])
+    refused = []
+    while w.s.poll(2000):
+        rep = json.loads(w.s.recv_multipart()[-1])
+        refused.append(rep)
+        if len(refused) == 16:
+            break
+    assert len(refused) == 16 and all(not r["ok"] and "64 requests wait for an answer already" in r["error"] for r in refused)
+    assert wires(d.endpoint).call("hello")["ok"]  # others are served
