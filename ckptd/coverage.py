@@ -1,8 +1,10 @@
 """Whether the chunks of each global tensor cover it exactly once: no element saved twice, none missing.
 
-Every manifest is checked before it is written (:func:`ckptd.format.build_manifest`), and again by
-``ckptd verify``: a checkpoint whose ranks disagree on a sharding (two holders of one region under
-different names, a gap left by a rank that saved too little) is refused, naming the tensor and region.
+Every manifest is checked before it is written (:func:`ckptd.format.build_manifest`), again by
+``ckptd verify``, and by every :class:`ckptd.client.reader.CheckpointReader` that opens one (a restore: an
+altered manifest must not leave part of a tensor unread): a checkpoint whose ranks disagree on a sharding
+(two holders of one region under different names, a gap left by a rank that saved too little) is
+refused, naming the tensor and region. Linear in the chunks when they are sound, whatever their shape.
 """
 
 from __future__ import annotations
@@ -11,19 +13,37 @@ import bisect
 import heapq
 import itertools
 import math
-from typing import Any
+import random
+import secrets
+from typing import Any, cast
 
 from .errors import CheckpointError
 
 Chunk = dict[str, Any]  # a chunk entry of a manifest or fragment
+_PRIME = (1 << 61) - 1  # the field :func:`_exact_cover` computes in
+MANY_CHUNKS = 1024  # a tensor of more chunks is judged by :func:`_exact_cover` first (a list insert per chunk is not free)
+SWEEP_BUDGET = 1 << 20  # chunk pairs :func:`_overlap_sweep` compares at most before it gives up naming one
+_IRREGULAR = object()  # what :func:`_overlapping_pair` says of chunks it leaves to :func:`_exact_cover`
 
 
 def check_coverage(tensors: dict[str, Any]) -> None:
     """Every global tensor is covered exactly once by its chunks; raise naming the key and region.
-    O(n log n) in a tensor's chunks for the shardings torch makes (see :func:`_overlapping_pair`)."""
+    O(n log n) in a tensor's chunks for the shardings torch makes (see :func:`_overlapping_pair`); linear
+    for a tensor of more than :data:`MANY_CHUNKS` chunks and for chunks irregular in three or more
+    dimensions (:func:`_exact_cover`), whatever a hostile manifest holds; only a tensor that fails is
+    searched for the pair that overlaps (the irregular sweep within :data:`SWEEP_BUDGET` comparisons)."""
+    rng = random.Random(secrets.randbits(64))  # unknown to whoever wrote the chunks
     for key, ent in tensors.items():
         chunks = [c for c in ent["chunks"] if math.prod(c["sizes"])]  # an empty chunk holds no element to overlap
-        pair = _overlapping_pair(chunks)
+        if len(chunks) > MANY_CHUNKS and _exact_cover(ent["shape"], chunks, rng):
+            continue  # sound, in one pass: the search below is for naming what is wrong
+        found = _overlapping_pair(chunks)
+        irregular = found is _IRREGULAR
+        if irregular:
+            if _exact_cover(ent["shape"], chunks, rng):
+                continue
+            found = _overlap_sweep(chunks, _varying(chunks))
+        pair = cast("tuple[Chunk, Chunk] | None", found)
         if pair is not None:
             c, o = pair
             raise CheckpointError(
@@ -34,18 +54,52 @@ def check_coverage(tensors: dict[str, Any]) -> None:
         want = math.prod(ent["shape"])
         if total != want:
             raise CheckpointError(f"tensor {key!r} of shape {ent['shape']}: chunks cover {total} of {want} elements")
+        if irregular:  # not an exact cover, yet as many elements: some overlap (the search gave up naming them)
+            raise CheckpointError(f"tensor {key!r} of shape {ent['shape']}: chunks overlap and leave as many elements out")
 
 
-def _overlapping_pair(chunks: list[Chunk]) -> tuple[Chunk, Chunk] | None:
-    """Two of ``chunks`` (none of them empty) that share an element, or ``None``.
+def _exact_cover(shape: list[int], chunks: list[Chunk], rng: random.Random) -> bool:
+    """Whether ``chunks`` (boxes inside ``shape``) cover it exactly once. Their indicator functions sum to the
+    tensor's if and only if every corner point gets the same signed count from the chunks as from the tensor
+    (the indicator of a box is the signed sum of the steps at its corners, and those steps are linearly
+    independent), that is if the polynomial ``sum over chunks of prod_d (X_d[end_d] - X_d[start_d])`` equals
+    the tensor's own, in one variable per dimension and coordinate. Evaluated at a random point modulo a
+    prime (Schwartz-Zippel): an exact cover always passes, any other with probability at most
+    ``len(shape) / _PRIME``. O(chunks x dimensions)."""
+    points: list[dict[int, int]] = [{} for _ in shape]  # per dimension: coordinate -> its variable's random value
 
-    A dimension along which every chunk spans the same extent tells no two apart, so it is dropped;
-    the others are ordered by how many distinct offsets the chunks have along them, the first is swept.
-    """
+    def at(pts: dict[int, int], v: int) -> int:
+        x = pts.get(v)
+        if x is None:
+            x = pts[v] = rng.randrange(_PRIME)
+        return x
+
+    total = 0
+    for c in chunks:
+        term = 1
+        for pts, o, s in zip(points, c["offsets"], c["sizes"]):
+            term = term * (at(pts, o + s) - at(pts, o)) % _PRIME
+        total += term
+    want = 1
+    for pts, g in zip(points, shape):
+        want = want * (at(pts, g) - at(pts, 0)) % _PRIME
+    return total % _PRIME == want
+
+
+def _varying(chunks: list[Chunk]) -> list[int]:
+    """The dimensions along which not every chunk spans the same extent (the others tell no two apart),
+    ordered by how many distinct offsets the chunks have along them."""
+    spans = [{(c["offsets"][d], c["sizes"][d]) for c in chunks} for d in range(len(chunks[0]["offsets"]))]
+    return sorted((d for d, s in enumerate(spans) if len(s) > 1), key=lambda d: -len({o for o, _ in spans[d]}))
+
+
+def _overlapping_pair(chunks: list[Chunk]) -> object:
+    """Two of ``chunks`` (none of them empty) that share an element, or ``None``; :data:`_IRREGULAR` for
+    chunks irregular in three or more dimensions (no sharding torch makes), which only a quadratic search
+    tells apart. The dimensions of :func:`_varying` are searched, the first swept."""
     if len(chunks) < 2:
         return None
-    spans = [{(c["offsets"][d], c["sizes"][d]) for c in chunks} for d in range(len(chunks[0]["offsets"]))]
-    dims = sorted((d for d, s in enumerate(spans) if len(s) > 1), key=lambda d: -len({o for o, _ in spans[d]}))
+    dims = _varying(chunks)
     if not dims:
         return chunks[0], chunks[1]  # all alike: a scalar or a region saved twice
     if len(dims) <= 2:
@@ -53,7 +107,7 @@ def _overlapping_pair(chunks: list[Chunk]) -> tuple[Chunk, Chunk] | None:
     cuts = [sorted({c["offsets"][d] for c in chunks} | {c["offsets"][d] + c["sizes"][d] for c in chunks}) for d in dims]
     if math.prod(len(x) - 1 for x in cuts) <= 16 * len(chunks):
         return _overlap_cells(chunks, dims, cuts)
-    return _overlap_sweep(chunks, dims)
+    return _IRREGULAR
 
 
 def _overlap_2d(chunks: list[Chunk], a: int, b: int) -> tuple[Chunk, Chunk] | None:
@@ -97,13 +151,18 @@ def _overlap_cells(chunks: list[Chunk], dims: list[int], cuts: list[list[int]]) 
 
 def _overlap_sweep(chunks: list[Chunk], dims: list[int]) -> tuple[Chunk, Chunk] | None:
     """Chunks irregular in three or more dimensions (no sharding torch makes): a sweep along the first
-    dimension, each chunk compared with those it meets there; quadratic at worst."""
+    dimension, each chunk compared with those it meets there; quadratic at worst, so it gives up (``None``)
+    after :data:`SWEEP_BUDGET` comparisons."""
     a, rest = dims[0], dims[1:]
     active: list[tuple[int, int, Chunk]] = []  # heap: (end along a, order, chunk)
+    budget = SWEEP_BUDGET
     for n, c in enumerate(sorted(chunks, key=lambda c: c["offsets"][a])):
         pos = c["offsets"][a]
         while active and active[0][0] <= pos:
             heapq.heappop(active)
+        budget -= len(active)
+        if budget < 0:  # hostile chunks: the caller says what is wrong without naming the pair
+            return None
         for _, _, o in active:
             if all(o["offsets"][d] < c["offsets"][d] + c["sizes"][d] and c["offsets"][d] < o["offsets"][d] + o["sizes"][d] for d in rest):
                 return o, c

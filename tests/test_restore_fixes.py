@@ -264,5 +264,6 @@ def test_factored_state_into_a_sharded_parameter_without_state_says_when_to_rest
         path = c.snapshot(model, optim, step=1, blocking=True).wait(30)
     (out,) = run_ranks(1, _factored_into_fsdp2, path, timeout=100)
     assert "cannot restore optim/state/0.weight/row_var (saved shape [6, 1]) into sharded parameter 0.weight" in out["error"], out
-    assert "restore before the first backward or optimizer step, or into an optimizer that has state" in out["error"], out
+    assert "which has no optimizer state yet to take its layout from (ckptd never steps an optimizer" in out["error"], out
+    assert "take one optimizer step before restoring" in out["error"], out
     assert "missing from the checkpoint" not in out["error"], out

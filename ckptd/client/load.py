@@ -4,7 +4,8 @@ what did not match.
 The target drives: torch's ``get_state_dict`` gives the caller's state in its current layout
 (sharded or not); every tensor chunk this process holds is read from the intersecting saved chunks
 (:class:`.reader.CheckpointReader`, so any world size, wrapper or sub-group sharding works); every
-non-tensor leaf takes the saved value at the same path; torch's ``set_state_dict`` loads the result.
+non-tensor value (and every container without a target tensor in it) is the saved one, as saved;
+torch's ``set_state_dict`` loads the result.
 
 Keys are ckptd state keys: ``model/<fqn>`` and ``optim/state/<fqn>`` (or ``.../<name>`` for one
 entry). ``strict`` (the default), like ``load_state_dict``: a target tensor the checkpoint lacks
@@ -15,34 +16,37 @@ keeps the target's value (a new head), a parameter without saved optimizer state
 initialized and more than one rank is collective: one ``all_gather_object`` agrees which saved keys no
 rank holds (every MoE rank holds only its own experts), unites the missing ones, and makes one rank's
 failure every rank's; a second one, after the tensors were read, does so for read errors (a corrupt
-file). ``strict=False`` makes no collective and lists what this rank saw. Nothing is read into the
-caller's model or optimizer before the restore is judged: one refused leaves them as they were.
-A saved tensor whose global shape differs from the target's is always an error.
+file); a failure before the first (:func:`restore_state`) is shared there too. ``strict=False`` makes no
+collective and lists what this rank saw. Nothing is read into the caller's model or optimizer before
+the restore is judged, and no ``optimizer.step()`` runs: one refused leaves them as they were. A saved
+tensor whose global shape differs from the target's is always an error; a model on the meta device too.
 
-An optimizer is given state to load into only when the checkpoint holds some: a checkpoint taken
-before the first step restores an optimizer without state, as ``optim.state_dict()`` had it.
+An optimizer without state is given buffers to load into (:meth:`_Loader._fresh_entries`) only when the
+checkpoint holds state for it: a checkpoint taken before the first step restores an optimizer without
+state, as ``optim.state_dict()`` had it.
 """
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from ..errors import CheckpointError, FormatError
 from ..format import dtype_from_name
-from ..state import TAG, join_key, local_chunks, split_key, unflatten
+from ..state import TAG, join_key, keys_tagged, local_chunks, split_key, unflatten
 from ..tools.verify import stale_check
 from ..validate import gc_paused
-from .capture import no_optimizer_init
-from .plan import Arrivals
+from .agree import agree, collective, fail_early, failed, gather, raise_failure
+from .capture import local_tensor, no_optimizer_init
 from .reader import CheckpointReader, Piece, resolve_step_dir
+from .saved import MISSING, Saved, children, holds_tensor
 
-_MISSING = object()
-_ARRIVALS = Arrivals("restore")  # one count per process: every rank restores as often as the others
+log = logging.getLogger("ckptd.client")
 LISTED = 20  # keys named in an error message; the rest are counted
 
 
@@ -58,106 +62,103 @@ class Restored(dict):  # type: ignore[type-arg]
         self.unexpected_keys = unexpected
 
 
+def _items(v: Any) -> dict[str, Any]:
+    """A target container's items by the path part ``flatten`` names them with."""
+    if isinstance(v, dict):
+        return {str(k): x for k, x in v.items()}
+    return {str(i): x for i, x in enumerate(v)} if isinstance(v, (list, tuple)) else {}
+
+
 def _sharded(value: Any) -> bool:
     """A DTensor or ShardedTensor (as :func:`..state.local_chunks` tells them)."""
     return (hasattr(value, "local_shards") and hasattr(value, "metadata")) or hasattr(value, "__create_chunk_list__")
 
 
-def _lookup(tree: Any, path: tuple[str, ...]) -> Any:
-    """The saved tree node at ``path`` (keys as ``flatten`` names them), or ``_MISSING``."""
-    node = tree
-    for part in path:
-        if isinstance(node, dict) and TAG in node:
-            if node[TAG] == "tuple":
-                node = node["items"]
-            elif node[TAG] in ("dict", "odict"):
-                node = {str(unflatten(k, lambda key: key)): v for k, v in node["items"]}
-            else:
-                return _MISSING
-        if isinstance(node, dict):
-            if part not in node:
-                return _MISSING
-            node = node[part]
-        elif isinstance(node, list):
-            if not part.isdigit() or int(part) >= len(node):
-                return _MISSING
-            node = node[int(part)]
-        else:
-            return _MISSING
-    return node
-
-
-class _Saved:
-    """What the checkpoint holds, seen from one rank: its trees (this rank's first), tensor keys, and
-    which parameters had optimizer state and which were in the optimizer at all."""
-
-    def __init__(self, reader: CheckpointReader, rank: int) -> None:
-        ranks = sorted(reader.manifest["ranks"], key=lambda r: (r["rank"] != rank, r["rank"]))
-        self.trees = [r["tree"] for r in ranks]
-        self.tensors = reader.manifest["tensors"]
-        self.optim_state: dict[str, Any] = {}  # fqn -> its saved state entries (a tree node)
-        self.optim_params: set[str] = set()
-        self.groups: list[dict[str, Any]] = []  # the saved param groups (tree nodes), from the first tree with some
-        for t in self.trees:
-            o = t.get("optim")
-            if not isinstance(o, dict):
-                continue
-            st = o.get("state")
-            if isinstance(st, dict) and TAG not in st:
-                for fqn, entries in st.items():
-                    self.optim_state.setdefault(fqn, entries)
-            groups = [g for g in o.get("param_groups") or [] if isinstance(g, dict) and TAG not in g]
-            self.groups = self.groups or groups
-            for g in groups:
-                self.optim_params.update(p for p in g.get("params") or [] if isinstance(p, str))
-
-    def has(self, part: str) -> bool:
-        return any(part in t for t in self.trees)
-
-    def node(self, path: tuple[str, ...]) -> Any:
-        for t in self.trees:
-            node = _lookup(t, path)
-            if node is not _MISSING:
-                return node
-        return _MISSING
-
-    def entries(self, fqn: str) -> dict[str, Any]:
-        have = self.optim_state.get(fqn)
-        return have if isinstance(have, dict) and TAG not in have else {}
-
-
 class _Loader:
-    """Fills one target root from the checkpoint, collecting what is missing and unexpected."""
+    """Fills one target root from the checkpoint, collecting what is missing and unexpected.
 
-    def __init__(self, reader: CheckpointReader, saved: _Saved, cast: torch.dtype | None) -> None:
+    The target's keys rule at the keyed levels (model FQNs, a parameter's optimizer entries: :meth:`keyed`);
+    below them a value is the saved one, as saved (a module's extra state, L-BFGS's history lists), its
+    tensors read into the target's own where the target has one at the same place (:meth:`_merge`)."""
+
+    def __init__(self, reader: CheckpointReader, saved: Saved, cast: torch.dtype | None) -> None:
         self.reader, self.saved, self.cast = reader, saved, cast
         self.missing: list[str] = []
         self.unexpected: list[str] = []
         self.pieces: list[Piece] = []  # what the tensors take, read in one pass once every region is checked
 
-    def build(self, v: Any, path: tuple[str, ...]) -> Any:
-        if isinstance(v, torch.Tensor):
-            key = join_key(path)
-            ent = self.saved.tensors.get(key)
-            if ent is None:
-                self.missing.append(key)  # the target keeps its own value
-                return v
-            for ch in local_chunks(key, v):
-                if list(ch.global_shape) != ent["shape"]:
-                    want = list(ch.global_shape)
-                    raise CheckpointError(f"size mismatch for {key}: the checkpoint holds {ent['shape']}, the target {want}")
-                self.pieces += self.reader.pieces(key, ch.tensor, ch.offsets, cast=self.cast)
+    def _tensor(self, v: torch.Tensor, path: tuple[str, ...]) -> torch.Tensor:
+        """The target's tensor ``v``, to be filled from the saved one at ``path`` (missing: kept as it is)."""
+        key = join_key(path)
+        ent = self.saved.tensors.get(key)
+        if ent is None:
+            self.missing.append(key)  # the target keeps its own value
             return v
-        if isinstance(v, dict):
-            return {k: self.build(x, path + (str(k),)) for k, x in v.items()}
-        if isinstance(v, (list, tuple)):
-            out = [self.build(x, path + (str(i),)) for i, x in enumerate(v)]
-            return tuple(out) if isinstance(v, tuple) else out
+        for ch in local_chunks(key, v):
+            if list(ch.global_shape) != ent["shape"]:
+                want = list(ch.global_shape)
+                raise CheckpointError(f"size mismatch for {key}: the checkpoint holds {ent['shape']}, the target {want}")
+            self.pieces += self.reader.pieces(key, ch.tensor, ch.offsets, cast=self.cast)
+        return v
+
+    def _fresh(self, key: str) -> torch.Tensor:
+        """A new CPU tensor for saved tensor ``key``, read with the others (``load_state_dict`` moves it)."""
+        ent = self.saved.tensors.get(key)
+        if ent is None:
+            raise FormatError(f"the checkpoint at {self.reader.path} names tensor {key!r} in its saved state, but its manifest has none")
+        out = torch.empty(ent["shape"], dtype=dtype_from_name(ent["dtype"]))
+        self.pieces += self.reader.pieces(key, out, (0,) * len(ent["shape"]))
+        return out
+
+    def _as_saved(self, node: Any) -> Any:
+        """The value a saved tree node describes, as saved; its tensors new (``bytes`` read now: they are copied out)."""
+        now = keys_tagged(node, "bytes")
+        return unflatten(node, lambda key: self.reader.read_full(key) if key in now else self._fresh(key))
+
+    def keyed(self, target: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any]:
+        """A keyed level: the target's keys, each with its value (:meth:`value`)."""
+        return {k: self.value(x, path + (str(k),)) for k, x in target.items()}
+
+    def value(self, v: Any, path: tuple[str, ...]) -> Any:
+        """What the target's ``v`` at ``path`` becomes: the saved value (:meth:`_merge`), or ``v`` where nothing
+        is saved there (its tensors then missing, unless saved under their own keys)."""
+        if isinstance(v, torch.Tensor):
+            return self._tensor(v, path)
         node = self.saved.node(path)
-        return v if node is _MISSING else unflatten(node, self.reader.read_full)
+        if node is not MISSING:
+            return self._merge(v, node, path)
+        if isinstance(v, dict):
+            return {k: self.value(x, path + (str(k),)) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            out = [self.value(x, path + (str(i),)) for i, x in enumerate(v)]
+            return tuple(out) if isinstance(v, tuple) else out
+        return v
+
+    def _merge(self, v: Any, node: Any, path: tuple[str, ...]) -> Any:
+        """Saved ``node`` as saved, in its own structure (items the target lacks are kept, items only the
+        target has go, as ``load_state_dict`` would have it); a saved tensor where ``v`` has a tensor of its
+        shape and dtype at the same place is read into ``v``'s (else into a new one, as saved)."""
+        if isinstance(v, torch.Tensor) and isinstance(node, dict) and node.get(TAG) == "tensor":
+            ent = self.saved.tensors.get(join_key(path))
+            if ent is not None and ent["shape"] == list(v.shape) and dtype_from_name(ent["dtype"]) == v.dtype:
+                return self._tensor(v, path)
+        items = children(node) if holds_tensor(v) else None
+        if items is None:  # no tensor of the target's to fill here: the saved value whole
+            return self._as_saved(node)
+        mine = _items(v)
+        got = [(k, self._merge(mine[p], x, path + (p,)) if p in mine else self._as_saved(x)) for p, k, x in items]
+        if isinstance(node, list):
+            return [x for _, x in got]
+        if TAG not in node:
+            return dict(got)
+        if node[TAG] == "tuple":
+            return tuple(x for _, x in got)
+        made = {f"\0{i}": x for i, (_, x) in enumerate(got)}  # a tagged dict: its keys decoded as saved, its values these
+        shell = {TAG: node[TAG], "items": [[k, {TAG: "tensor", "key": f"\0{i}"}] for i, (k, _) in enumerate(got)]}
+        return unflatten(shell, lambda key: made[key] if key in made else self._fresh(key))
 
     def model(self, msd: dict[str, Any]) -> dict[str, Any]:
-        out = self.build(msd, ("model",))
+        out = self.keyed(msd, ("model",))
         self.unexpected += [k for k in self.saved.tensors if k.startswith("model/") and split_key(k)[1] not in msd]
         return out
 
@@ -169,12 +170,12 @@ class _Loader:
         for fqn in dict.fromkeys([*osd.get("state", {}), *params]):  # the target's order
             entries = osd.get("state", {}).get(fqn)
             if fqn in saved.optim_state:
-                if entries is None:  # no state in the target yet (never stepped, or torch did not make it)
+                if entries is None:  # no state in the target yet (never stepped: ckptd never has torch step it)
                     entries = self._fresh_entries(fqn, msd.get(fqn))
                 left = [join_key(("optim", "state", fqn, n)) for n in saved.entries(fqn) if n not in entries]
                 self.unexpected += [k for k in left if k not in self.missing]  # a saved entry without a target is missing
-                state[fqn] = self.build(entries, ("optim", "state", fqn))
-            elif fqn not in saved.optim_params and entries is not None:
+                state[fqn] = self.keyed(entries, ("optim", "state", fqn))
+            elif fqn not in saved.optim_params and (entries is not None or saved.optim_state):
                 self.missing.append(join_key(("optim", "state", fqn)))  # a new parameter: it starts without state
         # a saved parameter without state (it never had a gradient) gets none: left out of ``state``
         for f in saved.optim_state:
@@ -186,12 +187,13 @@ class _Loader:
     def _fresh_entries(self, fqn: str, param: Any) -> dict[str, Any]:
         """Target buffers for the saved state of a parameter that has none yet: zeros of the saved dtype,
         shaped (and sharded) like the parameter where the saved entry is, else of the saved shape on the
-        parameter's device (factored state: Adafactor's ``row_var``); scalars as saved."""
+        parameter's device (factored state: Adafactor's ``row_var``); ``None`` for the other entries, which
+        :meth:`value` takes from the saved tree as saved (scalars, L-BFGS's history lists)."""
         out: dict[str, Any] = {}
         for name, node in self.saved.entries(fqn).items():
             ent = self.saved.tensors.get(node.get("key")) if isinstance(node, dict) and node.get(TAG) == "tensor" else None
             if ent is None:
-                out[name] = unflatten(node, self.reader.read_full)
+                out[name] = None
                 continue
             dtype, shape = dtype_from_name(ent["dtype"]), ent["shape"]
             key = join_key(("optim", "state", fqn, name))
@@ -205,8 +207,8 @@ class _Loader:
             elif _sharded(param):
                 raise CheckpointError(
                     f"cannot restore {key} (saved shape {shape}) into sharded parameter {fqn} of shape {list(param.shape)}, "
-                    "which has no optimizer state yet to take its layout from: restore before the first backward or "
-                    "optimizer step, or into an optimizer that has state"
+                    "which has no optimizer state yet to take its layout from (ckptd never steps an optimizer to make some): "
+                    "take one optimizer step before restoring (the restore overwrites what it made)"
                 )
             else:
                 out[name] = torch.zeros(shape, dtype=dtype, device=param.device if isinstance(param, torch.Tensor) else None)
@@ -226,68 +228,11 @@ class _Loader:
             return target
         own = ("params", "param_names")
         node = groups[best]
-        out = {k: unflatten(v, self.reader.read_full) for k, v in node.items() if k not in own}
+        out = {k: self._as_saved(v) for k, v in node.items() if k not in own}
         return {**target, **out, **{k: target[k] for k in own if k in target}}
 
 
-Failure = tuple[int, str, bool]  # a failed rank, its error, and whether that was a FormatError (a bad file)
-
-
-def _collective(strict: bool) -> bool:
-    """Whether a restore agrees with the other ranks: strict, with torch.distributed running more than one."""
-    import torch.distributed as dist
-
-    return strict and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _gather(error: BaseException | None, *more: Any) -> list[Any]:
-    """Every rank's ``(error, *more)``, the error as ``(text, is a FormatError)`` or ``None``."""
-    import torch.distributed as dist
-
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (None if error is None else (str(error), isinstance(error, FormatError)), *more))
-    return every
-
-
-def _failed(every: list[Any]) -> list[Failure]:
-    return [(r, *mine[0]) for r, mine in enumerate(every) if mine[0] is not None]
-
-
-def _agree(
-    missing: list[str], unexpected: list[str], error: BaseException | None, strict: bool
-) -> tuple[list[str], list[str], list[Failure]]:
-    """Every rank's view, when the restore is :func:`_collective`: the union of missing keys, the saved
-    keys no rank's target has (those every rank found unexpected), and the ranks that failed. One
-    ``all_gather_object``, after every rank checked in (a restore on some ranks only is an error, not a
-    hang); the only check-in of the restore."""
-    if not _collective(strict):
-        return missing, unexpected, []
-    _ARRIVALS.check("ckptd.restore()")
-    every = _gather(error, sorted(missing), sorted(unexpected))
-    all_missing = sorted({k for _, m, _ in every for k in m})
-    common = set(every[0][2]).intersection(*(u for _, _, u in every[1:]))
-    return all_missing, [k for k in unexpected if k in common], _failed(every)
-
-
-def _raise_failure(error: BaseException | None, failed: list[Failure], then: str, *, mine_too: bool = False) -> None:
-    """Raise this rank's error, or (it had none) one naming the ranks that failed and saying ``then``
-    (``mine_too``: this rank's own error says it as well, its type kept). A FormatError only where every
-    failure was one, on every rank alike: a hot restore then reads the step from disk on every rank
-    together, or on none."""
-    if error is None and not failed:
-        return
-    bad_file = all(f for _, _, f in failed)
-    if error is not None and (bad_file or not isinstance(error, FormatError)):
-        if not mine_too:
-            raise error
-        said = type(error) if isinstance(error, CheckpointError) else CheckpointError
-        raise said(f"{error}; {then}") from error
-    first = failed[0][1] if len(failed[0][1]) <= 300 else failed[0][1][:300] + "..."
-    exc = (FormatError if bad_file else CheckpointError)(f"restore failed on rank(s) {[r for r, _, _ in failed][:8]} ({first}); {then}")
-    raise exc from error
-
-
-def _collapse(keys: list[str], saved: _Saved) -> list[str]:
+def _collapse(keys: list[str], saved: Saved) -> list[str]:
     """``optim/state/<fqn>`` for a parameter all of whose saved entries are listed, else the entries."""
     out, listed = [], set(keys)
     for k in keys:
@@ -353,18 +298,19 @@ def load_into(
     untouched. Any rank's failure is every rank's (strict, distributed): no rank goes on alone into a
     collective ``set_state_dict``; a read that failed on some rank (a corrupt or truncated file) is agreed
     on once more, and the target may then be partly overwritten."""
-    saved = _Saved(reader, rank)
-    loader = _Loader(reader, saved, cast)
+    loader: _Loader | None = None
     out: dict[str, Any] = {}
     error: BaseException | None = None
     with gc_paused():  # until read: the pieces stay alive
         try:
+            loader = _Loader(reader, Saved(reader.manifest, reader.path, rank), cast)
             out = _plan(loader, target_root, strict)
         except Exception as e:  # any error (an EIO, an out-of-memory): the other ranks hear of it rather than wait
             error = e
-        missing, unexpected, failed = _agree(loader.missing, loader.unexpected, error, strict)
-        _raise_failure(error, failed, "nothing was loaded on this rank")
-        unexpected = _collapse(unexpected, saved)
+        missing, unexpected, failures = agree(loader.missing if loader else [], loader.unexpected if loader else [], error, strict)
+        raise_failure(error, failures, "nothing was loaded on this rank")
+        assert loader is not None  # else this rank's error was raised
+        unexpected = _collapse(unexpected, loader.saved)
         if strict:
             _refuse_mismatch(reader.path, missing, unexpected)
         try:
@@ -373,10 +319,25 @@ def load_into(
                 also()
         except Exception as e:  # any error (an EIO from the disk too): the other ranks hear of it rather than wait
             error = e
-    if _collective(strict):
-        failed = _failed(_gather(error))
-    _raise_failure(error, failed, "this rank's model and optimizer may be partly overwritten: restore again", mine_too=True)
+    if collective(strict):
+        failures = failed(gather(error))
+    raise_failure(error, failures, "this rank's model and optimizer may be partly overwritten: restore again", mine_too=True)
     return out, missing, unexpected
+
+
+def refuse_meta(model: torch.nn.Module, optim: torch.optim.Optimizer | None) -> None:
+    """Raise :class:`CheckpointError` naming the first parameter, buffer or optimizer state of ``model``
+    and ``optim`` on the ``meta`` device: it has no memory to load into (torch's own load would skip it
+    with a warning, and the model would train from nothing)."""
+    named = [(f"parameter {n!r}", t) for n, t in model.named_parameters()] + [(f"buffer {n!r}", t) for n, t in model.named_buffers()]
+    if optim is not None:
+        named += [(f"optimizer state {n!r}", v) for st in optim.state.values() for n, v in st.items() if isinstance(v, torch.Tensor)]
+    for name, t in named:
+        if local_tensor(t).is_meta:
+            raise CheckpointError(
+                f"cannot restore into {name}: it is on the meta device, which holds no data to load into. Materialize the"
+                " model first (model.to_empty(device=...), then restore; FSDP2: after fully_shard), and create the optimizer after that"
+            )
 
 
 @contextmanager
@@ -394,39 +355,57 @@ def _thawed(optim: torch.optim.Optimizer) -> Iterator[None]:
             p.requires_grad_(False)
 
 
+def _target_root(model: torch.nn.Module, optim: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """The target's state dicts in its current layout, as ``get_state_dict`` gives them, an optimizer
+    without state left without (torch would run a zero-lr ``optimizer.step()`` to give it some:
+    ``_fresh_entries`` builds its buffers instead, so a refused restore leaves it as it was)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if optim is None:
+        return {"model": get_model_state_dict(model)}
+    with no_optimizer_init():
+        msd, osd = get_state_dict(model, optim)
+    return {"model": msd, "optim": osd}
+
+
+def _stale(pending: Callable[[], str | None]) -> None:
+    try:
+        stale = pending()
+    except Exception as e:  # a warning only: never a failure of this rank's alone after the others went on
+        log.debug("stale-data check: %s", e)
+        return
+    if stale:
+        warnings.warn(stale, stacklevel=4)
+
+
 def restore_state(
     path: str,
     model: torch.nn.Module,
     optim: torch.optim.Optimizer | None,
     rank: int,
     *,
-    reader: CheckpointReader | None = None,
+    opener: Callable[[], CheckpointReader] | None = None,
     strict: bool = True,
     dtype: torch.dtype | None = None,
 ) -> Restored:
-    """Load ``path`` (or what ``reader`` reads) into ``model`` (and ``optim``) in place, in whatever
-    layout they have now; ``dtype``: saved floating-point tensors are converted into targets of this
-    dtype (never otherwise). Returns this rank's ``extra`` (rank 0's when the checkpoint had fewer
-    ranks) as a :class:`Restored`."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_state_dict,
-        set_model_state_dict,
-        set_state_dict,
-    )
+    """Load ``path`` (or what the reader ``opener`` opens reads) into ``model`` (and ``optim``) in place, in
+    whatever layout they have now; ``dtype``: saved floating-point tensors are converted into targets of
+    this dtype (never otherwise). Returns this rank's ``extra`` (rank 0's when the checkpoint had fewer
+    ranks) as a :class:`Restored`. Whatever fails before the ranks check in (a model on the meta device,
+    no checkpoint at ``path``, a malformed manifest) fails every rank of a collective restore there."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
-    with reader or CheckpointReader(resolve_step_dir(path)) as reader:
-        saved = _Saved(reader, rank)
-        # torch gives an optimizer without state some (a zero-lr step) so that there is something to
-        # load into: wanted only when the checkpoint has optimizer state to load
-        init = nullcontext() if saved.optim_state else no_optimizer_init()
-        if optim is not None:
-            with init:
-                msd, osd = get_state_dict(model, optim)
-            target_root: dict[str, Any] = {"model": msd, "optim": osd}
-        else:
-            target_root = {"model": get_model_state_dict(model)}
+    reader: CheckpointReader | None = None
+    try:
+        refuse_meta(model, optim)
+        target_root = _target_root(model, optim)
+        reader = opener() if opener is not None else CheckpointReader(resolve_step_dir(path))
+        pending = stale_check(reader.path, reader.manifest)  # reads the step before's manifest beside the copies
+    except Exception as e:  # every rank hears of it at the check-in it would have made
+        if reader is not None:
+            reader.close()
+        fail_early(e, strict)
+    with reader:
         got: dict[str, Any] = {}
 
         def read_extra() -> None:  # its tensors too: a corrupt one is every rank's failure (all fall back to disk)
@@ -434,11 +413,8 @@ def restore_state(
             extra_tree = (tree.get("extra") or {}).get(str(saved_rank))
             got["extra"] = unflatten(extra_tree, reader.read_full) if extra_tree is not None else {}
 
-        pending = stale_check(reader.path, reader.manifest)  # reads the step before's manifest beside the copies
         loaded, missing, unexpected = load_into(reader, target_root, rank, strict=strict, cast=dtype, also=read_extra)
-        stale = pending()
-        if stale:
-            warnings.warn(stale, stacklevel=3)
+        _stale(pending)
         extra = got["extra"]
     # the match was checked above; torch's own strictness would refuse a parameter left without state
     opts = StateDictOptions(strict=False)

@@ -12,6 +12,7 @@ import logging
 import math
 import mmap
 import os
+import stat
 import threading
 import traceback
 import warnings
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 
 from .. import shm
+from ..coverage import check_coverage
 from ..errors import CheckpointError, FormatError
 from ..format import digest, dtype_from_name
 from ..layout import MANIFEST, is_complete
@@ -79,6 +81,7 @@ class CheckpointReader:
         else:
             self.manifest = validate_manifest(manifest, os.path.join(path, MANIFEST), memory=memory)
         self._files = dict(files or {})
+        self._check_step()
         self._fds: dict[str, int] = {}
         self._maps: dict[str, tuple[mmap.mmap, torch.Tensor]] = {}  # segments mapped read-only (hot)
         self._scratch = torch.empty(0, dtype=torch.uint8)  # disk reads into a CPU destination
@@ -132,18 +135,45 @@ class CheckpointReader:
             _forget_locals(exc)
         self.close()
 
+    def _check_step(self) -> None:
+        """What the manifest's validation cannot tell, checked once, before any caller allocates a tensor of a
+        shape the manifest gives: every tensor's chunks cover it exactly once (:func:`ckptd.coverage.check_coverage`,
+        linear in the chunks: an overlap would leave part of a region unread, a gap unfilled), and every shard
+        is a regular file of the size the manifest says (its chunks' byte ranges lie within that size), so a
+        tensor is never larger than the files hold. A :class:`FormatError` naming the file otherwise."""
+        try:
+            check_coverage(self.manifest["tensors"])
+        except CheckpointError as e:
+            raise FormatError(f"{os.path.join(self.path, MANIFEST)}: {e}: the checkpoint is corrupt or was altered") from None
+        for name in self.manifest["files"]:
+            try:
+                st = os.stat(self.where(name))  # a stat, not an open: a FIFO cannot block it, and no descriptor is held
+            except FileNotFoundError:
+                raise FormatError(f"{self.where(name)} is missing: the checkpoint is incomplete") from None
+            self._refuse_file(name, st)
+
+    def _refuse_file(self, name: str, st: os.stat_result) -> None:
+        """Raise :class:`FormatError` unless shard ``name`` is a regular file of the manifest's size (a
+        segment of the daemon's: at least that size). The manifest's byte ranges lie within that size."""
+        path, want = self.where(name), self.manifest["files"][name]["size"]
+        if not stat.S_ISREG(st.st_mode):
+            raise FormatError(f"{path} is not a regular file (a FIFO, a device or a directory): the checkpoint is corrupt")
+        if st.st_size < want or (st.st_size != want and name not in self._files):
+            raise FormatError(f"{path} is {st.st_size} bytes, the manifest says {want}: truncated or corrupt")
+
     def _fd(self, name: str) -> int:
         if name not in self._fds:
             path = self.where(name)
-            want = self.manifest["files"][name]["size"]
-            try:
-                fd = os.open(path, os.O_RDONLY)
+            try:  # O_NONBLOCK: a FIFO put in the file's place cannot block the open (checked below)
+                fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
             except FileNotFoundError:
                 raise FormatError(f"{path} is missing: the checkpoint is incomplete") from None
-            size = os.fstat(fd).st_size
-            if size < want or (size != want and name not in self._files):
+            try:
+                self._refuse_file(name, os.fstat(fd))
+                os.set_blocking(fd, True)
+            except BaseException:
                 os.close(fd)
-                raise FormatError(f"{path} is {size} bytes, the manifest says {want}: truncated or corrupt")
+                raise
             self._fds[name] = fd
         return self._fds[name]
 

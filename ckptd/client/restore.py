@@ -12,13 +12,16 @@ conversation with the daemon that decides it. The reading itself is :mod:`.reade
   in its bucket, downloading it into the root first if only the bucket has it
   (:attr:`Source.DISK` / :attr:`Source.BUCKET`).
 
-Runs on the calling (training) thread. Every rank restores on its own: no collectives.
+Runs on the calling (training) thread. Every rank asks the daemon on its own: no collectives, except that
+a failure before the restore reads anything is shared with the other ranks of a collective restore
+(:func:`.agree.fail_early`), so that none waits for a rank that gave up.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +30,7 @@ import torch
 from .. import shm
 from ..errors import CheckpointError, FormatError
 from ..protocol import Source
+from .agree import fail_early
 from .load import Restored, restore_state
 from .reader import CheckpointReader
 from .rpc import Channel
@@ -141,12 +145,19 @@ def open_step(rpc: Channel, job: str, step: int | None, *, hot: bool = True) -> 
 def _restore_hot(
     rpc: Channel, held: dict[str, Any], model: torch.nn.Module, optim: torch.optim.Optimizer | None, rank: int, how: dict[str, Any]
 ) -> tuple[Restored, dict[str, Any]]:
-    reader = _hot_reader(held)
-    try:
-        extra = restore_state(held["path"], model, optim, rank, reader=reader, **how)
+    try:  # the reader is opened in there: a malformed manifest fails every rank of a collective restore alike
+        extra = restore_state(held["path"], model, optim, rank, opener=lambda: _hot_reader(held), **how)
     finally:
         rpc.call("hot_close", pin=held["pin"], segments=list(held["segments"].values()))
     return extra, restored(held["step"], held["path"], Source.MEMORY)
+
+
+def _shared(strict: bool, call: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    """``call(*args, **kw)``; what it raises is raised on every rank of a collective restore (:func:`.agree.fail_early`)."""
+    try:
+        return call(*args, **kw)
+    except Exception as e:
+        fail_early(e, strict)
 
 
 def restore_from_daemon(
@@ -161,19 +172,22 @@ def restore_from_daemon(
     how: dict[str, Any],
 ) -> tuple[Restored, dict[str, Any]]:
     """Load the newest complete step of ``job`` (or ``step``) in place; returns ``(extra, last_restore)``.
-    ``how``: :func:`.load.restore_state`'s ``strict`` and ``dtype``."""
-    step = _settle(rpc, job, step, persist=not hot)
+    ``how``: :func:`.load.restore_state`'s ``strict`` and ``dtype``. The daemon's failures before the
+    restore itself (it is gone, the step asked for failed) are shared as :func:`.load.restore_state` shares
+    its own: every rank of a collective restore raises."""
+    strict = how.get("strict", True)
+    step = _shared(strict, _settle, rpc, job, step, persist=not hot)
     if hot:
-        held = rpc.call("hot_open", job=job, step=step, pid=os.getpid())
+        held = _shared(strict, rpc.call, "hot_open", job=job, step=step, pid=os.getpid())
         if held["step"] is not None:
             try:
                 return _restore_hot(rpc, held, model, optim, rank, how)
             except FormatError as e:  # a segment reused or not what the manifest says: the disk has the step
                 log.warning("hot restore of step %s failed (%s): restoring from disk", held["step"], e)
-                step = settled(rpc, job, held["step"], persist=True)
+                step = _shared(strict, settled, rpc, job, held["step"], persist=True)
         else:
             log.info("restoring from disk: %s", held["reason"])
-    rep = fetch(rpc, job, step)
+    rep = _shared(strict, fetch, rpc, job, step)
     try:
         extra = restore_state(rep["path"], model, optim, rank, **how)
     finally:
