@@ -291,3 +291,26 @@ def test_extra_with_keys_1_and_the_string_1_holding_tensors_round_trips(daemon) 
         got = c.restore(torch.nn.Linear(2, 2))["k"]
     assert set(got) == {1, "1", (2, 3)}
     assert torch.equal(got[1], torch.ones(2)) and torch.equal(got["1"], torch.zeros(2)) and torch.equal(got[(2, 3)], torch.full((1,), 5.0))
+
+
+def test_a_background_copy_failure_is_not_lost_when_the_next_snapshot_is_refused_for_its_step(daemon, monkeypatch) -> None:  # noqa: ANN001
+    """After a rollback restore, saving a step number again is refused; that refusal came after the previous
+    background copy's failure was taken from the guard, and the failure was never raised anywhere."""
+    import ckptd.client.client as cc
+
+    real = cc.copy_tensors
+
+    def flaky(*a: Any) -> Any:
+        if threading.current_thread().name == "ckptd-copy-6":
+            raise RuntimeError("injected failure of step 6's background copy")
+        return real(*a)
+
+    monkeypatch.setattr(cc, "copy_tensors", flaky)
+    model, opt = _stepped()
+    with daemon.client("lost", overlap="always") as c:
+        c.snapshot(model, opt, step=1, blocking=True).wait(30)
+        c.restore(model, opt, step=1)
+        c.snapshot(model, opt, step=5, blocking=True).wait(30)
+        c.snapshot(model, opt, step=6)
+        with pytest.raises(CheckpointError, match=r"step 5 .* already saved .*; and before it: background copy of step 6 failed"):
+            c.snapshot(model, opt, step=5)

@@ -138,7 +138,12 @@ class Client:
     ) -> SnapshotHandle:
         optim = torch_optimizer(optim)
         prior = self._guard.settle()  # the previous copy must end before we reuse the layout or slot; its error goes to the plan
-        check_not_saved(self, step)
+        try:
+            check_not_saved(self, step)
+        except CheckpointError as e:
+            if prior is None:
+                raise
+            raise CheckpointError(f"{e}; and before it: {prior}") from prior  # the copy's failure is not lost with it
         rank, world = dist_rank_world()
         early = self._early_copy(rank, world, step) if prior is None and (blocking or self.overlap != "always") else None
         try:
