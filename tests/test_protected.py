@@ -10,9 +10,11 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
-from _models import make, train_step
+from _models import full_state, make, train_step
 from _poll import until
 from conftest import REPO, DaemonProc
 from test_daemon import Raw
@@ -21,7 +23,7 @@ from test_remote import remote_toml, wait_uploaded
 from ckptd.errors import CheckpointError
 from ckptd.layout import is_complete, step_dir
 from ckptd.protocol import request
-from ckptd.storage.local import complete_steps
+from ckptd.storage.local import committed_at, complete_steps
 from ckptd.storage.remote import remote_steps
 from ckptd.storage.s3 import S3Store
 
@@ -221,3 +223,177 @@ def test_the_bucket_keeps_a_protected_step_too(make_daemon, short_tmp, s3_bucket
         _save(d, range(4, 5))
         wait_uploaded(d, JOB, 4)
         until(lambda: remote_steps(store, JOB)[0] == [4], 30, "bucket retention: step 4 only")
+
+
+# found by a review of the first version: each failed before its fix
+
+SLOW_LISTING = """import sys, threading, time, ckptd.storage.local as L
+orig = L.steps_by_commit
+def slow(root, job):
+    if threading.current_thread().name.startswith("ckptd-persist") and job == "p":
+        time.sleep(1.5)  # a retention pass between reading its policy and renaming what it dooms (many steps, a slow disk)
+    return orig(root, job)
+L.steps_by_commit = slow
+from ckptd.cli import main
+raise SystemExit(main(sys.argv[1:]))"""
+
+
+def test_a_protect_during_a_retention_pass_that_removes_the_step_is_refused_not_answered_ok(make_daemon) -> None:  # noqa: ANN001
+    """The step was checked on the loop while a retention pass that had read its policy before the protect was
+    about to rename it: the protect was answered OK and recorded, and the step was deleted anyway."""
+    d = make_daemon("--keep", "1", start=False)
+    d.launcher = ["-c", SLOW_LISTING]
+    d.start()
+    model, optim = make()
+    with d.client(JOB) as c:
+        train_step(model, optim, 1)
+        c.snapshot(model, optim, step=1).wait()
+        train_step(model, optim, 2)
+        h = c.snapshot(model, optim, step=2, blocking=True)
+        time.sleep(0.6)  # step 2 is complete; its retention pass is listing the steps
+        try:
+            c.protect(1, "best")
+            accepted = True
+        except CheckpointError as e:
+            assert "nothing to protect" in str(e)
+            accepted = False
+        h.wait()
+    if accepted:
+        _settled(d, [1, 2])
+    else:
+        _settled(d, [2])
+        with d.client(JOB) as c:
+            assert "protected" not in c.status()["jobs"][JOB]
+
+
+def test_a_rolled_back_re_save_of_a_protected_step_number_is_persisted(make_daemon) -> None:  # noqa: ANN001
+    """A name protects step 2. A rolled-back run re-saves 2 with a memory tier: the old step 2 left the disk
+    when the re-save was sealed, and the new one, memory-only, was dropped at step 3: the name protected nothing."""
+    d = make_daemon("--keep", "1")
+    model, optim = make()
+    with d.client(JOB, persist_every=100) as c:
+        for s in (1, 2):
+            train_step(model, optim, s)
+            c.snapshot(model, optim, step=s).wait()
+            c.protect(s, f"/ckpts/{s}.ckpt")
+    model, optim = make()
+    with d.client(JOB, persist_every=100) as c:
+        c.restore(model, optim, step=1)
+        for s in (2, 3):
+            train_step(model, optim, s)
+            c.snapshot(model, optim, step=s, blocking=True)
+        want = full_state(model, optim)  # after step 3: step 2's state is the one before
+        until(
+            lambda: is_complete(step_dir(d.root, JOB, 2)) and committed_at(step_dir(d.root, JOB, 2)) > 0, 30, "the re-saved step 2 on disk"
+        )
+        m2, o2 = make(seed=5)
+        c.restore(m2, o2, step=2, hot=False)
+        assert c.last_restore["source"] == "disk"
+    assert want  # the restore of 2 read the disk: the new line's step 2, kept for its name
+
+
+def test_the_loop_answers_other_requests_while_a_protect_is_being_written(make_daemon) -> None:  # noqa: ANN001
+    """The writer thread held the lock the loop takes during its fsync: a second protect (and with it every
+    other request) waited for a slow disk."""
+    d = make_daemon(start=False)
+    d.launcher = ["-c", SLOW_WRITE]
+    d.start()
+    _save(d, range(1, 2))
+    done: list[str] = []
+    with d.client(JOB) as c1, d.client(JOB) as c2, d.client("other") as c3:
+        t = threading.Thread(target=lambda: (c1.protect(1, "slow"), done.append("first")))
+        t.start()
+        until(lambda: os.path.exists(os.path.join(d.base, "writing")), 30, "the first protect's write under way")
+        t2 = threading.Thread(target=lambda: (c2.protect(1, "second"), done.append("second")))
+        t2.start()
+        time.sleep(0.3)  # the second protect is queued behind the first write
+        assert c3.latest() is None and done == []  # answered while both protects wait for the disk
+        os.unlink(os.path.join(d.base, "writing"))
+        t.join(30)
+        t2.join(30)
+    assert done == ["first", "second"]
+
+
+SLOW_WRITE = """import os, sys, time, ckptd.daemon.protected as P
+orig = P.write_durable
+def slow(path, data):
+    if b'"slow"' in data and b'"second"' not in data:
+        flag = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(path))), "writing")
+        open(flag, "w").close()
+        while os.path.exists(flag):  # the disk is slow until the test lets it go
+            time.sleep(0.05)
+    return orig(path, data)
+P.write_durable = slow
+from ckptd.cli import main
+raise SystemExit(main(sys.argv[1:]))"""
+
+
+def test_protecting_a_step_the_bucket_no_longer_holds_uploads_it_again(make_daemon, short_tmp, s3_bucket) -> None:  # noqa: ANN001
+    """Local keep 3, bucket keep 1: step 2 is on the disk, no longer in the bucket. A name that protects it had it
+    kept on the disk only: the node's loss lost it."""
+    d = make_daemon("--config", remote_toml(short_tmp / "r.toml", s3_bucket, keep=1), "--keep", "3")
+    _save(d, range(1, 4))
+    wait_uploaded(d, JOB, 3)
+    with S3Store(s3_bucket) as store:
+        until(lambda: remote_steps(store, JOB)[0] == [3], 30, "bucket retention: step 3 only")
+        with d.client(JOB) as c:
+            c.protect(2, "best")
+        until(lambda: remote_steps(store, JOB)[0] == [2, 3], 60, "step 2 uploaded again")
+        _save(d, range(4, 5))
+        wait_uploaded(d, JOB, 4)
+        until(lambda: remote_steps(store, JOB)[0] == [2, 4], 30, "bucket retention keeps the protected step")
+
+
+def test_protections_forget_the_steps_of_answered_requests(tmp_path) -> None:  # noqa: ANN001
+    """Every step ever protected stayed in the count of protects being written, walked on the loop at each request."""
+    import zmq
+
+    from ckptd.daemon.events import EventQueue
+    from ckptd.daemon.protected import Protections
+
+    ctx = zmq.Context()
+    events = EventQueue(ctx)
+    try:
+        p = Protections(str(tmp_path), events, retain=lambda job: None)
+        for step in range(50):
+            p.submit(b"x", step, JOB, "last.ckpt", step, live=True)  # last.ckpt follows the newest save
+        p.shutdown()
+        assert p._coming == {} and p._queued == 0 and p.names(JOB) == {"last.ckpt": 49}
+        assert p.policy(JOB).keeps(list(range(50))) == {49}
+    finally:
+        events.close()
+        ctx.term()
+
+
+SLOW_DELETE = """import os, shutil, sys, threading, time
+orig = shutil.rmtree
+def slow(path, *a, **k):
+    if threading.current_thread().name.startswith("ckptd-protect"):
+        flag = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(path))), "deleting")
+        open(flag, "w").close()
+        while os.path.exists(flag):  # deleting GBs of a step let go
+            time.sleep(0.05)
+    return orig(path, *a, **k)
+shutil.rmtree = slow
+from ckptd.cli import main
+raise SystemExit(main(sys.argv[1:]))"""
+
+
+def test_a_step_let_go_is_deleted_without_holding_up_the_jobs_next_commit(make_daemon) -> None:  # noqa: ANN001
+    """Retention deleted under the job's lock, which the loop takes to count a committed shard: while an unprotect's
+    retention pass deleted a big step, the job's next commit (and the whole daemon) waited for it."""
+    d = make_daemon("--keep", "1", start=False)
+    d.launcher = ["-c", SLOW_DELETE]
+    d.start()
+    _save(d, range(1, 2))
+    with d.client(JOB) as c:
+        c.protect(1, "best")
+    _save(d, range(2, 3))
+    with d.client(JOB) as c:
+        assert c.unprotect("best")
+        until(lambda: os.path.exists(os.path.join(d.base, "deleting")), 30, "step 1 being deleted")
+        model, optim = make()
+        c.snapshot(model, optim, step=3, blocking=True)  # committed while the deletion goes on
+        assert os.path.exists(os.path.join(d.base, "deleting"))
+        os.unlink(os.path.join(d.base, "deleting"))
+    _settled(d, [3])

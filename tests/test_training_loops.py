@@ -186,3 +186,47 @@ def test_prepare_before_the_first_step_sizes_slots_for_the_state_that_step_makes
         c.snapshot(model, optim, step=1, blocking=True).wait(30)
         assert c._stager.layout.file_size <= min(sizes.values()), (c._stager.layout.file_size, sizes)
         assert c._maps.made_on_path == 0  # the snapshot found a prepared slot, mapped already
+
+
+def _ddp_prepare_then_snapshot(rank: int, world: int, endpoint: str) -> dict[str, int]:
+    from ckptd.client import Client
+
+    torch.manual_seed(0)
+    dims = [256, 1000, 1000, 256]  # replicated chunks: the plan spreads them, the optimizer state among them
+    m = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in zip(dims, dims[1:])]))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    with Client(endpoint=endpoint, job="ddp-fresh") as c:
+        c.prepare(m, opt)
+        m(torch.randn(4, 256)).sum().backward()
+        opt.step()
+        c.snapshot(m, opt, step=1, blocking=True).wait(60)
+        return {"on_path": c._maps.made_on_path}
+
+
+@pytest.mark.multiproc
+def test_prepare_before_the_first_step_under_ddp_sizes_each_ranks_share_of_the_state(daemon) -> None:  # noqa: ANN001
+    """Under DDP every chunk is replicated and the plan spreads them over the ranks: the state the first step makes
+    changes each rank's share, so sizing the state of the chunks a rank wrote before gave one rank slots too small."""
+    from _dist import run_ranks
+
+    outs = run_ranks(2, _ddp_prepare_then_snapshot, daemon.endpoint)
+    assert [o["on_path"] for o in outs] == [0, 0]
+
+
+def test_prepare_runs_no_optimizer_step_hook_for_its_shadow_optimizer(daemon) -> None:  # noqa: ANN001
+    """The shadow optimizer's step ran the process-wide optimizer hooks: a user's EMA or step counter saw a step."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    seen: list[str] = []
+    handles = [
+        register_optimizer_step_pre_hook(lambda o, a, k: seen.append("pre")),
+        register_optimizer_step_post_hook(lambda o, a, k: seen.append("post")),
+    ]
+    try:
+        model, optim = make()
+        with daemon.client("hooks") as c:
+            c.prepare(model, optim)
+        assert seen == [] and optim.state_dict()["state"] == {}
+    finally:
+        for h in handles:
+            h.remove()

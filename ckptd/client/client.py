@@ -24,7 +24,6 @@ import torch
 
 from ..config import ALLOC_TIMEOUT_S, CLIENT_TIMEOUT_S, default_endpoint, default_job, env_float, validate_job
 from ..errors import CheckpointError, DaemonUnavailable
-from ..format import build_layout
 from ..protocol import MAX_MESSAGE_BYTES, reply_fields
 from .copy import CopyGuard, EarlyCopy, EventGroup, Pairs, SlotMaps, copy_tensors, fill, hookable, optimizer_storages, torch_optimizer
 from .handle import Pending, SnapshotHandle
@@ -84,7 +83,7 @@ class Client:
         self._guard = CopyGuard()
         self._guarded: tuple[Any, set[int]] = (lambda: None, set())  # optimizer-owned storages, for the stage (weakly) they are of
         self._pending = Pending(self.job)  # a DCP writer's thread adds to it too
-        self._snapping = threading.Lock()  # one snapshot() at a time: the copy guard follows one background copy
+        self._snapping = threading.RLock()  # one snapshot() / prepare() / staging at a time: the guard follows one copy
         self._closed = False
         self.early_copies = 0  # snapshots copied before returning whose copy overlapped the capture check (and held)
         self.last_restore: dict[str, Any] | None = None  # {step, path, source: memory | disk | bucket}
@@ -221,11 +220,14 @@ class Client:
         """
         if slots is None:
             slots = 3 if self._memory_tier() else 2
+        with self._snapping:
+            self._prepare(model, torch_optimizer(optim), slots)
+
+    def _prepare(self, model: torch.nn.Module, optim: torch.optim.Optimizer | None, slots: int) -> None:
         prior = self._guard.settle()  # raised by the plan below, with every rank
         rank, world = dist_rank_world()
-        optim = torch_optimizer(optim)
         staged = self._stager.run(model, optim, None, rank, None, prior)
-        nbytes = build_layout(projected_items(self._stager.layout_items(), model, optim)).file_size
+        nbytes = self._stager.projected_size(lambda items: projected_items(items, model, optim))  # a collective too
         leased: list[str] = []
         try:  # the slots are asked for, made, mapped (and page-locked for CUDA) side by side
             short = lease_many(lambda: self._alloc(rank, world, 0, nbytes, wait=False, warm=True), slots, leased)

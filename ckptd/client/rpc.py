@@ -123,7 +123,8 @@ def _refuse(endpoint: str, problem: str, st: os.stat_result, hint: str | None = 
     raise CheckpointError(f"refusing to connect to {endpoint}: {problem} ({owner}, {mode}), so it may not be your ckptd daemon; {hint}")
 
 
-_RESENDABLE = frozenset({"hello", "status", "latest", "wait", "promote"})  # asked again of a restarted daemon: no harm twice
+# asked again of a restarted daemon: no harm twice (protecting a name moves it to the same step again)
+_RESENDABLE = frozenset({"hello", "status", "latest", "wait", "promote", "protect", "unprotect"})
 
 
 def _close(ctx: zmq.Context, sockets: list[tuple[threading.Thread, zmq.Socket]], lock: threading.Lock) -> None:

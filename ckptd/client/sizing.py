@@ -31,6 +31,11 @@ def projected_items(items: list[Item], model: torch.nn.Module, optim: torch.opti
     parameters among them; ``items`` alone when the optimizer has state already or its shadow cannot step."""
     if optim is None or optim.state or not items:
         return items
+    if not type(optim).__module__.startswith("torch.optim"):  # its constructor or step may do anything (collectives)
+        log.info(
+            "prepare(): %s has no state yet; slots fit the parameters only (call prepare() after its first step)", type(optim).__name__
+        )
+        return items
     try:
         state = _shadow_state(optim)
     except Exception as e:  # an optimizer whose step needs real data (a closure, .item() on a gradient)
@@ -40,8 +45,11 @@ def projected_items(items: list[Item], model: torch.nn.Module, optim: torch.opti
 
     by_key: dict[str, list[tuple[str, str, torch.Tensor]]] = {}  # model key -> (fqn, state name, meta value)
     for name, p in model.named_parameters():
-        for fqn in _get_fqns(model, name):
-            by_key[join_key(("model", fqn))] = [(fqn, k, v) for k, v in state.get(id(p), {}).items()]
+        fqns = _get_fqns(model, name)
+        if len(fqns) != 1:  # a flat parameter (FSDP1 without use_orig_params): its state is split in ways not foreseen here
+            continue
+        (fqn,) = fqns
+        by_key[join_key(("model", fqn))] = [(fqn, k, v) for k, v in state.get(id(p), {}).items()]
     out = list(items)
     scalars: set[str] = set()
     for name, key, _, sizes, gshape, offsets in items:
@@ -72,6 +80,7 @@ def _shadow_state(optim: torch.optim.Optimizer) -> dict[int, dict[str, torch.Ten
             {**{k: v for k, v in g.items() if k != "params"}, **{f: v for f, v in _FLAGS_OFF.items() if f in g}, "params": shadows}
         )
     shadow: Any = type(optim)(groups)
+    step = getattr(type(shadow).step, "__wrapped__", type(shadow).step)  # without the step hooks: no hook sees a shadow's step
     with torch.no_grad():
-        shadow.step()
+        step(shadow)
     return {id(real[id(sp)]): {k: v for k, v in st.items() if isinstance(v, torch.Tensor)} for sp, st in shadow.state.items()}

@@ -8,7 +8,9 @@ collective, so every rank calls it, in the foreground, never from the background
 
 from __future__ import annotations
 
+import math
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -216,9 +218,17 @@ class Stager:
         self.stage = Stage(chunks, extra_sig, items, layout, sources, extra_slots, any_cuda, mine)
         return self.stage
 
-    def layout_items(self) -> list[Any]:
-        """The newest layout's items, as :func:`ckptd.format.build_layout` takes them."""
-        return list(self._layout_key or ())
+    def projected_size(self, project: Callable[[list[Any]], list[Any]]) -> int:
+        """``prepare()``: the shard size of what ``project`` makes of every chunk this rank holds (the state the
+        optimizer's first step adds, :mod:`.sizing`), with the chunks it writes planned afresh over every rank's
+        projection (a collective: replicated chunks, the new state among them, are spread again)."""
+        st = self.stage
+        assert st is not None, "staged before"
+        held = [(c.name, c.key, c.tensor.dtype, c.sizes, c.global_shape, c.offsets) for c in st.chunks]
+        items = project(held)
+        mine, _ = self._plan.mine([((key, offs, sizes), math.prod(sizes) * dtype.itemsize) for _, key, dtype, sizes, _, offs in items])
+        slack = 4096 + 128 * (len(items) - len(held))  # the header's real names of the state to come may be longer
+        return build_layout([it for it in items if (it[1], it[5], it[3]) in mine]).file_size + (slack if len(items) > len(held) else 0)
 
     def _layout_for(self, chunks: list[LocalChunk]) -> ShardLayout:
         key = tuple((c.name, c.key, c.tensor.dtype, c.sizes, c.global_shape, c.offsets) for c in chunks)

@@ -131,8 +131,7 @@ class Completion:
     def uploaded(self, res: Uploaded) -> None:
         """Upload thread: a step's upload ended. Local steps it protected may go now."""
         if res.error is None and not res.multi_node:
-            with self.persister.job_lock(res.job):
-                self.persister.retain(res.job)
+            self.persister.retain(res.job)  # takes the job's lock to choose, not to delete
         self._events.post(res)
 
     def on_uploaded(self, res: Uploaded) -> None:

@@ -83,13 +83,16 @@ class MemoryTier:
         self._last_check = 0.0
         pool.reclaim, pool.soon = self.reclaim, self.sealing
         pool.want_spare = lambda job: tiering.policy_of(job).lagging == "wait"
+        self.protected: Callable[[str, int], bool] = lambda job, step: False  # a name keeps the step (set by the daemon)
 
     # ------------------------------------------------------------------ committing
 
-    def decide(self, job: str, track: StepTrack, multi_node: bool) -> None:
-        """A step's first commit: its tier (a crash-recovered step is always persisted)."""
+    def decide(self, job: str, step: int, track: StepTrack, multi_node: bool) -> None:
+        """A step's first commit: its tier (a crash-recovered step is always persisted, and so is a number a name
+        protects: a rolled-back run's re-save of it replaces the old step on disk, :mod:`.protected`)."""
         if not track.committed:
-            tier = self.tiering.decide(job, disk_busy=self.steps.disk_busy(job), multi_node=multi_node or track.recovered)
+            always = multi_node or track.recovered or self.protected(job, step)
+            tier = self.tiering.decide(job, disk_busy=self.steps.disk_busy(job), multi_node=always)
             track.tier = tier.value
 
     def seal(self, slot: Slot) -> None:

@@ -112,9 +112,9 @@ class Persister:
 
     def retain(self, job: str) -> None:
         """Keep the newest ``keep`` local steps and those ``protect`` keeps (still to be uploaded, read by a
-        restore, named by a user). Any thread: the protected steps are asked under the job's lock, where a fetch holds a step."""
-        with self.job_lock(job):
-            removed = local.apply_retention(self.root, job, AnyOf((KeepLatest(self.keep), self._protect(job))))
+        restore, named by a user). Any thread: the protected steps are asked under the job's lock, where a fetch holds a
+        step; the doomed steps are deleted outside it (the loop takes it to count a shard: it must not wait for an rmtree)."""
+        removed = local.apply_retention(self.root, job, lambda: AnyOf((KeepLatest(self.keep), self._protect(job))))
         if removed:
             log.info("retention: removed steps %s of job %s", removed, job)
 
@@ -174,19 +174,18 @@ class Persister:
             present = fragments_present(self.root, job, step)
             if lws < ws:
                 # multi-node: this node's part is durable; the upload thread completes it in the bucket
-                if len(present) == lws:
-                    return None, None, local.hand_over(self.root, job, step)
-            elif present >= set(range(ws)) and os.path.isdir(tmp_dir(self.root, job, step)):
-                path = local.finalize_step(self.root, job, step, ws)
-                # kept in memory for hot restores (they read no disk): the manifest just written under the
-                # daemon's own root, so parsed, not validated again (~0.2 s per 10,000 tensors); read here,
-                # under the lock, before retention (this call's or another thread's) may remove the step
-                manifest = _own_manifest(path)
-                # here, off the main loop (deleting GBs takes a while), and before wait() is answered;
-                # the step is complete whatever retention meets
-                try:
-                    self.retain(job)
-                except OSError as e:
-                    log.error("retention of job %s after step %s failed: %s", job, step, e)
-                return path, manifest, None
-        return None, None, None
+                return None, None, local.hand_over(self.root, job, step) if len(present) == lws else None
+            if not (present >= set(range(ws)) and os.path.isdir(tmp_dir(self.root, job, step))):
+                return None, None, None
+            path = local.finalize_step(self.root, job, step, ws)
+            # kept in memory for hot restores (they read no disk): the manifest just written under the
+            # daemon's own root, so parsed, not validated again (~0.2 s per 10,000 tensors); read here,
+            # under the lock, before retention (this call's or another thread's) may remove the step
+            manifest = _own_manifest(path)
+        # here, off the main loop and outside the job's lock (deleting GBs takes a while), and before wait() is
+        # answered; the step is complete whatever retention meets
+        try:
+            self.retain(job)
+        except OSError as e:
+            log.error("retention of job %s after step %s failed: %s", job, step, e)
+        return path, manifest, None

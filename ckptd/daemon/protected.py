@@ -31,7 +31,9 @@ from typing import Any
 
 from ..config import MAX_PROTECTED_NAME, MAX_STEP
 from ..errors import CheckpointError
-from ..storage.files import fsync_dir, write_json_durable
+from ..layout import is_complete, step_dir
+from ..storage.files import fsync_dir, write_durable
+from ..storage.local import job_lock
 from ..storage.retention import KeepLatest, Protect, RetentionPolicy
 from .events import Answered, EventQueue
 
@@ -40,7 +42,7 @@ log = logging.getLogger("ckptd.daemon")
 FILE = "protected.json"
 MAX_NAMES = 10_000  # per job
 MAX_QUEUED = 256  # requests being recorded at once (each rewrites its job's file)
-MAX_FILE_BYTES = MAX_NAMES * (MAX_PROTECTED_NAME + 64)
+MAX_FILE_BYTES = 64 << 20  # a job's file: a protect that would make it larger is refused (it must read back at start-up)
 
 _NONE = Protect(frozenset())
 _ALL = KeepLatest(0)  # every step: what an unreadable file protects
@@ -50,8 +52,10 @@ class Protections:
     def __init__(
         self, root: str, events: EventQueue, *, retain: Callable[[str], None], initializer: Callable[[], None] | None = None
     ) -> None:
-        """``retain(job)``: a local retention pass, run once a step is let go."""
+        """``retain(job)``: a local retention pass, run once a step is let go. :attr:`upload` ``(job, step)``: have a
+        complete local step the bucket may lack uploaded (the daemon's uploader, with a bucket)."""
         self.root, self._events, self._retain = root, events, retain
+        self.upload: Callable[[str, int], None] | None = None
         self._names: dict[str, dict[str, int]] = {}  # job -> name -> step; replaced whole under the lock
         self._policy: dict[str, RetentionPolicy] = {}  # job -> what retention keeps for it (read by any thread)
         self._broken: dict[str, str] = {}  # job -> why its file could not be read
@@ -85,64 +89,87 @@ class Protections:
         """``job``'s names and the step each protects (``ckptd status``)."""
         return dict(self._names.get(job, {}))
 
-    def submit(self, ident: bytes, req_id: Any, job: str, name: str, step: int | None, known: Callable[[int], bool]) -> None:
+    def submit(self, ident: bytes, req_id: Any, job: str, name: str, step: int | None, live: bool = False) -> None:
         """Main thread: protect ``step`` under ``name`` (``None``: unprotect ``name``); answered once durable.
-        Retention keeps the step from now on; ``known(step)``: it is being saved or is complete on disk."""
+        Retention keeps the step from now on. ``live``: the step is being saved or held in memory (else it must
+        be complete on disk, which the writer thread checks under the job's lock)."""
         if job in self._broken:
             raise CheckpointError(self._broken[job])
         if self._queued >= MAX_QUEUED:
             raise CheckpointError(f"{MAX_QUEUED} protect/unprotect requests are being recorded already: try again")
-        self._arrived(job, step, +1)  # first: retention cannot remove the step between the check and the write
-        if step is not None and not known(step):
-            self._arrived(job, step, -1)
-            raise CheckpointError(
-                f"step {step} of job {job} is neither being saved nor complete on this node's disk"
-                " (never saved, or removed by retention already): nothing to protect"
-            )
-        self._pool.submit(self._write, ident, req_id, job, name, step)
+        self._arrived(job, step, +1)  # first: a retention pass that starts from now on keeps the step
+        self._pool.submit(self._write, ident, req_id, job, name, step, live)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
 
-    def _write(self, ident: bytes, req_id: Any, job: str, name: str, step: int | None) -> None:
+    def _write(self, ident: bytes, req_id: Any, job: str, name: str, step: int | None, live: bool) -> None:
+        """The writer thread (one: the only one that changes ``_names``)."""
+        on_disk = False
         try:
-            with self._lock:
-                names = dict(self._names.get(job, {}))
-                before = names.pop(name, None)
-                if step is not None:
-                    if len(names) >= MAX_NAMES:
-                        raise CheckpointError(f"job {job} protects {MAX_NAMES} names already: unprotect some first")
-                    names[name] = step
-                if step is not None or before is not None:
-                    if not os.path.isdir(d := os.path.join(self.root, job)):
-                        os.makedirs(d, exist_ok=True)
-                        fsync_dir(self.root)
-                    write_json_durable(self.path(job), {"names": names})
-                    self._set(job, names)
+            if step is not None and not live:
+                with job_lock(self.root, job):  # a retention pass under way ends first; those after it keep the step
+                    on_disk = is_complete(step_dir(self.root, job, step))
+                if not on_disk:
+                    raise CheckpointError(
+                        f"step {step} of job {job} is neither being saved nor complete on this node's disk"
+                        " (never saved, or removed by retention already): nothing to protect"
+                    )
+            names = dict(self._names.get(job, {}))
+            before = names.pop(name, None)
+            if step is not None:
+                if len(names) >= MAX_NAMES:
+                    raise CheckpointError(f"job {job} protects {MAX_NAMES} names already: unprotect some first")
+                names[name] = step
+            if step is not None or before is not None:
+                self._record(job, names)
             answer = {"protected": step, "before": before}
         except (OSError, CheckpointError) as e:
             what = f"protect step {step} as" if step is not None else "unprotect"
             answer = {"error": f"could not {what} {name!r} of job {job}: {e}"}
         self._arrived(job, step, -1)
         self._events.post(Answered(ident, req_id, answer))
-        if answer.get("before") is not None and answer["before"] not in self._names.get(job, {}).values():
-            try:  # let go: removed now if no other rule keeps it, not at the job's next step
+        self._after(job, answer, on_disk)
+
+    def _record(self, job: str, names: dict[str, int]) -> None:
+        """Write ``job``'s file (no lock held: the loop may take it meanwhile), then take ``names`` as its names."""
+        data = json.dumps({"names": names}, separators=(",", ":")).encode()
+        if len(data) > MAX_FILE_BYTES:
+            raise CheckpointError(f"the job's protected names would take {len(data)} bytes, over {MAX_FILE_BYTES}: unprotect some first")
+        if not os.path.isdir(d := os.path.join(self.root, job)):
+            os.makedirs(d, exist_ok=True)
+            fsync_dir(self.root)
+        write_durable(self.path(job), data)
+        with self._lock:
+            self._set(job, names)
+
+    def _after(self, job: str, answer: dict[str, Any], on_disk: bool) -> None:
+        """A step let go goes to retention now, not at the job's next step; one protected on disk to the bucket too."""
+        try:
+            if answer.get("before") is not None and answer["before"] not in self._names.get(job, {}).values():
                 self._retain(job)
-            except Exception as e:
-                log.error("retention of job %s after step %s was let go failed: %s", job, answer["before"], e)
+            if on_disk and answer.get("protected") is not None and self.upload is not None:
+                self.upload(job, answer["protected"])  # skipped if the bucket has it (a newer step may have passed it by)
+        except Exception as e:
+            log.error("after protecting a step of job %s: %s", job, e)
 
     def _arrived(self, job: str, step: int | None, n: int) -> None:
         """A request came in (``n`` 1) or was answered (-1): its step is kept meanwhile."""
         with self._lock:
             self._queued += n
             if step is not None:
-                self._coming[job][step] += n
+                coming = self._coming[job]
+                coming[step] += n
+                if coming[step] <= 0:
+                    del coming[step]
+                    if not coming:
+                        del self._coming[job]
                 self._set(job, self._names.get(job, {}))
 
     def _set(self, job: str, names: dict[str, int]) -> None:
         """Under the lock, or before the loop runs."""
         self._names[job] = names
-        steps = set(names.values()) | {s for s, n in self._coming.get(job, {}).items() if n > 0}
+        steps = set(names.values()) | set(self._coming.get(job, ()))
         self._policy[job] = Protect(frozenset(steps)) if steps else _NONE
 
 

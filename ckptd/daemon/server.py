@@ -116,6 +116,7 @@ class Daemon:
         if self.uploader is not None:
             self.admission.give_up = self.uploader.give_up  # a relaunch takes over a dead run's multi-node step
             self.uploader.protected = self.protections.policy
+            self.protections.upload = lambda job, step: self.uploader.submit(job, step, 0, catch_up=True)  # type: ignore[union-attr]
         self.tiering = Tiering(TierPolicy(config.persist_every, config.persist_interval, config.lagging))
         self.memtier = self.completion.memory = MemoryTier(
             self.steps, self.pool, self.catalog, self.tiering, self.counters, self.events, persist=self.completion.persist,
@@ -123,6 +124,7 @@ class Daemon:
             answer=self._answer,
         )  # fmt: skip
         self.admission.drop_memory = self.memtier.drop
+        self.memtier.protected = lambda job, step: bool(self.protections.policy(job).keeps([step]))
         self._ops: dict[str, Handler] = {
             "hello": self._op_hello,
             "status": self._op_status,
@@ -357,7 +359,7 @@ class Daemon:
             )
         track = self.admission.admit(job, step, rank, ws, lws, msg["peer"], msg["after"], msg["run"])
         self.tiering.set_job(job, msg["persist_every"], msg["persist_interval"])
-        self.memtier.decide(job, track, lws < ws)
+        self.memtier.decide(job, step, track, lws < ws)
         record = {k: msg[k] for k in ("job", "rank", "world_size", "local_world_size", "step", "nbytes", "replicas")}
         restored = 0 if msg["after"] is None else committed_at(step_dir(self.root, job, msg["after"]))  # maybe another node's clock
         record["committed_at"] = self.clock.stamp(job, max(track.replaces_at, restored))
@@ -400,8 +402,7 @@ class Daemon:
     def _op_protect(self, ident: bytes, msg: dict[str, Any]) -> None:
         """``protect`` / ``unprotect`` (:mod:`.protected`): a step kept by name is kept on disk; answered once recorded."""
         job, step = msg["job"], msg["step"] if msg["op"] == "protect" else None
-        known = lambda s: self.steps.live((job, s)) or self.catalog.complete_path(job, s) is not None  # noqa: E731
-        self.protections.submit(ident, msg["id"], job, msg["name"], step, known)
+        self.protections.submit(ident, msg["id"], job, msg["name"], step, step is not None and self.steps.live((job, step)))
         if step is not None:
             self.memtier.want_durable(job, step)
 

@@ -422,14 +422,12 @@ def remove_partial(root: str, job: str, step: int) -> None:
     shutil.rmtree(tmp_dir(root, job, step), ignore_errors=True)
 
 
-def apply_retention(root: str, job: str, policy: RetentionPolicy) -> list[int]:
-    """Remove the complete steps of ``job`` that ``policy`` does not keep (given them in commit order),
-    never the one ``latest`` names; returns them.
-
-    Each step is first renamed to ``step-N.del`` (one atomic step out of the committed namespace),
-    then deleted. Partial steps are not touched here: the daemon removes those it knows can no longer complete.
-    """
+def apply_retention(root: str, job: str, policy: RetentionPolicy | Callable[[], RetentionPolicy]) -> list[int]:
+    """Remove the complete steps of ``job`` that ``policy`` (a callable: asked under the job's lock) does not keep
+    (given them in commit order), never the one ``latest`` names; returns them. Each is renamed to ``step-N.del``
+    under the job's lock, then deleted outside it. Partial steps are left to the daemon."""
     with job_lock(root, job):
+        policy = policy() if callable(policy) else policy
         latest, _ = latest_step(root, job)
         keep_latest = Protect(frozenset([latest] if latest is not None else []))
         removed = [s for s in doomed(policy, steps_by_commit(root, job)) if not keep_latest.keeps([s])]
