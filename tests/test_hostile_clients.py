@@ -228,7 +228,7 @@ def test_a_failed_step_still_being_written_is_not_started_afresh_by_a_relaunch(t
 ONE_COMMIT = """
 import sys
 sys.path.insert(0, {tests!r})
-from test_daemon_review import Wire
+from test_hostile_clients import Wire
 endpoint, job, step, ws, data, every = sys.argv[1:]
 w = Wire(endpoint)
 rep = w.save(job, int(step), bytes.fromhex(data), ws=int(ws), persist_every=int(every))
