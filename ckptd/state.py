@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,7 +143,7 @@ def flatten(root: dict[str, Any], *, ordered: bool = False) -> tuple[Any, list[L
     def pairs(v: dict[Any, Any], path: tuple[str, ...], depth: int) -> list[Any]:
         if depth + 2 > MAX_TREE_DEPTH:  # its item list and [key, value] pairs nest two levels further
             raise _too_deep(path)
-        return [[enc(k, path + ("<key>",), depth + 3), enc(x, path + (n,), depth + 3)] for n, (k, x) in zip(_key_names(v), v.items())]
+        return [[enc(k, path + ("<key>",), depth + 3), enc(x, path + (n,), depth + 3)] for n, (k, x) in zip(key_names(v), v.items())]
 
     def enc(v: Any, path: tuple[str, ...], depth: int) -> Any:
         """``v`` encoded as the JSON it becomes ``depth`` levels down in the tree."""
@@ -184,12 +184,14 @@ def flatten(root: dict[str, Any], *, ordered: bool = False) -> tuple[Any, list[L
     return tree, chunks
 
 
-def _key_names(v: dict[Any, Any]) -> list[str]:
-    """The path part of each value of a dict stored as pairs: ``str(key)``, unless two keys share it (1 and "1":
-    their tensors would share a state key), then the type's name before each key that is not a string."""
-    names = [str(k) for k in v]
+def key_names(keys: Iterable[Any]) -> list[str]:
+    """The path part of each value of a dict stored as pairs (``keys`` in order): ``str(key)``, unless two keys
+    share it (1 and "1": their tensors would share a state key), then the type's name before each key that is not
+    a string. Saving and restoring both name them so."""
+    keys = list(keys)
+    names = [str(k) for k in keys]
     if len(set(names)) < len(names):
-        names = [k if isinstance(k, str) else f"<{type(k).__name__}>{k}" for k in v]
+        names = [k if isinstance(k, str) else f"<{type(k).__name__}>{k}" for k in keys]
     return names
 
 

@@ -388,3 +388,116 @@ def test_a_rank_failing_before_the_check_in_fails_every_rank_and_the_retry_works
     assert "restore failed on rank(s) [1]" in outs[0]["path"] and "nothing was loaded" in outs[0]["path"], outs
     assert outs[1]["daemon"] and "restore failed on rank(s) [1]" in outs[0]["daemon"], outs
     assert [o["good"] for o in outs] == [None, None] and [o["good daemon"] for o in outs] == [None, None], outs
+
+
+# ----------------------------------------------------------------------------- found by a review of the fixes above
+
+
+class _Extra(torch.nn.Module):
+    """A module whose extra state holds tensors, in a dict with the keys 1 and "1" among others."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3).to(dtype)
+        self.st: dict[Any, Any] = {"t": torch.zeros(5, dtype=dtype), 1: torch.zeros(2), "1": torch.zeros(2), "n": 0}
+
+    def get_extra_state(self) -> dict[Any, Any]:
+        return self.st
+
+    def set_extra_state(self, s: dict[Any, Any]) -> None:
+        self.st = s
+
+
+def test_dtype_converts_tensors_inside_extra_state_and_keys_1_and_the_string_1_stay_apart(daemon) -> None:  # noqa: ANN001
+    """dtype= converted tensors read into the target's own, but not those nested in a module's extra state (a
+    bf16 tensor came back into an fp32 model); and of the keys 1 and "1", both came back with the value of "1"."""
+    saved = _Extra(torch.bfloat16)
+    saved.st = {"t": torch.arange(5, dtype=torch.bfloat16) + 0.5, 1: torch.ones(2), "1": torch.full((2,), 2.0), "n": 9}
+    _save(daemon, "extra-dtype", saved)
+    with daemon.client("extra-dtype") as c:
+        target = _Extra(torch.float32)
+        c.restore(target, dtype=torch.float32)
+    st = target.st
+    assert st["t"].dtype == torch.float32 and st["t"].tolist() == [0.5, 1.5, 2.5, 3.5, 4.5] and st["n"] == 9
+    assert st[1].tolist() == [1.0, 1.0] and st["1"].tolist() == [2.0, 2.0]
+
+
+def test_a_fresh_optimizer_restored_with_dtype_gets_its_state_in_that_dtype_once(daemon, monkeypatch) -> None:  # noqa: ANN001
+    """With torch no longer stepping a fresh optimizer, its buffers were made in the saved dtype (fp32 for a bf16
+    model restored with dtype=bf16), and load_state_dict then copied them again: three times the state's memory."""
+    model, optim = _trained()
+    _save(daemon, "opt-dtype", model, optim)
+    handed: list[dict[str, torch.dtype]] = []
+    real = torch.optim.Optimizer.load_state_dict
+
+    def spy(self: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        handed.extend({k: v.dtype for k, v in st.items() if isinstance(v, torch.Tensor)} for st in state_dict["state"].values())
+        return real(self, state_dict)
+
+    monkeypatch.setattr(torch.optim.Optimizer, "load_state_dict", spy)
+    torch.manual_seed(1)
+    m2 = Net().to(torch.bfloat16)
+    o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)
+    with daemon.client("opt-dtype") as c:
+        c.restore(m2, o2, dtype=torch.bfloat16)
+    assert handed and all(d["exp_avg"] == d["exp_avg_sq"] == torch.bfloat16 and d["step"] == torch.float32 for d in handed)
+    want = optim.state_dict()["state"][0]["exp_avg"].to(torch.bfloat16)
+    assert torch.equal(o2.state_dict()["state"][0]["exp_avg"], want)
+
+
+def _mixed_hot_restore(rank: int, world: int, step_dir: str) -> dict[str, Any]:
+    """Rank 0's daemon says the step is in memory but its segment is gone (a FormatError when the hot reader
+    opens); rank 1's says it is not: rank 0 falls back to the disk."""
+    import logging
+
+    from ckptd.client.restore import restore_from_daemon
+
+    logging.disable(logging.WARNING)
+
+    class Rpc:
+        timeout = 5.0
+
+        def call(self, op: str, **kw: Any) -> dict[str, Any]:
+            if op == "promote":
+                return {"step": None}
+            if op == "hot_open":
+                if rank == 1:
+                    return {"step": None, "reason": "not in memory here"}
+                manifest = json.loads((Path(step_dir) / MANIFEST).read_text())
+                gone = "ckptd-0-0000000000000000/" + "0" * 32
+                return {"step": 1, "path": step_dir, "manifest": manifest, "segments": {shard_name(0): gone}, "pin": "0" * 32,
+                        "tier": "disk", "reason": None}  # fmt: skip
+            if op == "fetch":
+                return {"fetch": 1}
+            if op == "fetch_wait":
+                return {"state": "done", "path": step_dir, "step": 1, "source": "local"}
+            return {}
+
+    torch.manual_seed(3)
+    model = Net()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    out: dict[str, Any] = {}
+    for attempt in range(2):
+        try:
+            if attempt == 0:
+                restore_from_daemon(Rpc(), "mixed", model, optim, rank, step=None, hot=True, how={"strict": True})  # type: ignore[arg-type]
+            else:
+                ckptd.restore(model, optim, path=step_dir)  # the next restore of every rank, together
+            out[f"attempt{attempt}"] = "ok"
+        except Exception as e:
+            out[f"attempt{attempt}"] = f"{type(e).__name__}: {e}"
+    out["weight"] = model.lin.weight.tolist()
+    return out
+
+
+@pytest.mark.multiproc
+def test_a_hot_restore_that_falls_back_to_disk_on_one_rank_keeps_the_ranks_paired(daemon, monkeypatch) -> None:  # noqa: ANN001
+    """One rank's hot reader failed (a FormatError), and it read the step from disk again: a second check-in that
+    the other rank, which had read the disk from the start and raised the shared failure, never made. The first
+    rank then waited out the collective timeout, or paired with the other's next restore."""
+    model, optim = _trained()
+    path = _save(daemon, "mixed", model, optim)
+    monkeypatch.setenv("CKPTD_COLLECTIVE_TIMEOUT", "20")
+    outs = run_ranks(2, _mixed_hot_restore, path, timeout=120)
+    assert [o["attempt0"] for o in outs] == ["ok", "ok"] and [o["attempt1"] for o in outs] == ["ok", "ok"], outs
+    assert all(o["weight"] == model.lin.weight.tolist() for o in outs)

@@ -16,7 +16,7 @@ from ..errors import CheckpointError, FormatError
 from .plan import Arrivals
 
 ARRIVALS = Arrivals("restore")  # one count per process: every rank restores as often as the others
-Failure = tuple[int, str, bool]  # a failed rank, its error, and whether that was a FormatError (a bad file)
+Failure = tuple[int, str, bool, bool]  # a failed rank, its error, whether a FormatError (a bad file), whether read hot
 
 
 def collective(strict: bool) -> bool:
@@ -26,12 +26,12 @@ def collective(strict: bool) -> bool:
     return strict and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def gather(error: BaseException | None, *more: Any) -> list[Any]:
-    """Every rank's ``(error, *more)``, the error as ``(text, is a FormatError)`` or ``None``."""
+def gather(error: BaseException | None, *more: Any, hot: bool = False) -> list[Any]:
+    """Every rank's ``(error, *more)``, the error as ``(text, is a FormatError, read from the daemon's memory)`` or ``None``."""
     import torch.distributed as dist
 
     every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (None if error is None else (str(error), isinstance(error, FormatError)), *more))
+    dist.all_gather_object(every, (None if error is None else (str(error), isinstance(error, FormatError), hot), *more))
     return every
 
 
@@ -40,7 +40,7 @@ def failed(every: list[Any]) -> list[Failure]:
 
 
 def agree(
-    missing: list[str], unexpected: list[str], error: BaseException | None, strict: bool
+    missing: list[str], unexpected: list[str], error: BaseException | None, strict: bool, hot: bool = False
 ) -> tuple[list[str], list[str], list[Failure]]:
     """Every rank's view, when the restore is :func:`collective`: the union of missing keys, the saved
     keys no rank's target has (those every rank found unexpected), and the ranks that failed. One
@@ -49,35 +49,41 @@ def agree(
     if not collective(strict):
         return missing, unexpected, []
     ARRIVALS.check("ckptd.restore()")
-    every = gather(error, sorted(missing), sorted(unexpected))
+    every = gather(error, sorted(missing), sorted(unexpected), hot=hot)
     all_missing = sorted({k for _, m, _ in every for k in m})
     common = set(every[0][2]).intersection(*(u for _, _, u in every[1:]))
     return all_missing, [k for k in unexpected if k in common], failed(every)
 
 
-def raise_failure(error: BaseException | None, failures: list[Failure], then: str, *, mine_too: bool = False) -> None:
+def raise_failure(error: BaseException | None, failures: list[Failure], then: str, *, mine_too: bool = False, hot: bool = False) -> None:
     """Raise this rank's error, or (it had none) one naming the ranks that failed and saying ``then``
     (``mine_too``: this rank's own error says it as well, its type kept). A FormatError only where every
-    failure was one, on every rank alike: a hot restore then reads the step from disk on every rank
-    together, or on none."""
+    failure was one, on every rank alike, with ``fall_back`` true where one of them read the daemon's memory
+    (``hot``: this rank did): then every rank reads the step from disk again, together (:mod:`.restore`),
+    the ranks that read the disk already as well, so that their collectives stay paired; else none does."""
     if error is None and not failures:
         return
-    bad_file = all(f for _, _, f in failures)
+    bad_file = all(f for _, _, f, _ in failures)
+    fall_back = bad_file and (any(h for *_, h in failures) if failures else hot)
     if error is not None and (bad_file or not isinstance(error, FormatError)):
         if not mine_too:
+            error.fall_back = fall_back  # type: ignore[attr-defined]
             raise error
         said = type(error) if isinstance(error, CheckpointError) else CheckpointError
-        raise said(f"{error}; {then}") from error
+        out = said(f"{error}; {then}")
+        out.fall_back = fall_back  # type: ignore[attr-defined]
+        raise out from error
     first = failures[0][1] if len(failures[0][1]) <= 300 else failures[0][1][:300] + "..."
-    exc = (FormatError if bad_file else CheckpointError)(f"restore failed on rank(s) {[r for r, _, _ in failures][:8]} ({first}); {then}")
+    exc = (FormatError if bad_file else CheckpointError)(f"restore failed on rank(s) {[r for r, *_ in failures][:8]} ({first}); {then}")
+    exc.fall_back = fall_back  # type: ignore[attr-defined]
     raise exc from error
 
 
-def fail_early(error: BaseException, strict: bool) -> NoReturn:
+def fail_early(error: BaseException, strict: bool, hot: bool = False) -> NoReturn:
     """Raise ``error``, which this rank met before the restore's check-in (no checkpoint at the path, a
     malformed manifest, a model on the meta device), after the other ranks heard of it at that check-in:
     each of them raises too, rather than wait for this one, and the next attempt of every rank checks in
     afresh, together."""
-    _, _, failures = agree([], [], error, strict)
-    raise_failure(error, failures, "nothing was loaded on this rank")
+    _, _, failures = agree([], [], error, strict, hot)
+    raise_failure(error, failures, "nothing was loaded on this rank", hot=hot)
     raise error  # not reached: raise_failure raises whenever this rank has an error

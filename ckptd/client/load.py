@@ -38,7 +38,7 @@ import torch
 
 from ..errors import CheckpointError, FormatError
 from ..format import dtype_from_name
-from ..state import TAG, join_key, keys_tagged, local_chunks, split_key, unflatten
+from ..state import TAG, join_key, key_names, keys_tagged, local_chunks, split_key, unflatten
 from ..tools.verify import stale_check
 from ..validate import gc_paused
 from .agree import agree, collective, fail_early, failed, gather, raise_failure
@@ -65,7 +65,7 @@ class Restored(dict):  # type: ignore[type-arg]
 def _items(v: Any) -> dict[str, Any]:
     """A target container's items by the path part ``flatten`` names them with."""
     if isinstance(v, dict):
-        return {str(k): x for k, x in v.items()}
+        return dict(zip(key_names(v), v.values()))
     return {str(i): x for i, x in enumerate(v)} if isinstance(v, (list, tuple)) else {}
 
 
@@ -87,9 +87,10 @@ class _Loader:
         self.unexpected: list[str] = []
         self.pieces: list[Piece] = []  # what the tensors take, read in one pass once every region is checked
 
-    def _tensor(self, v: torch.Tensor, path: tuple[str, ...]) -> torch.Tensor:
-        """The target's tensor ``v``, to be filled from the saved one at ``path`` (missing: kept as it is)."""
-        key = join_key(path)
+    def _tensor(self, v: torch.Tensor, path: tuple[str, ...], key: str | None = None) -> torch.Tensor:
+        """The target's tensor ``v``, to be filled from the saved one at ``path`` (``key``: the saved tree's
+        reference to it; missing: kept as it is)."""
+        key = key or join_key(path)
         ent = self.saved.tensors.get(key)
         if ent is None:
             self.missing.append(key)  # the target keeps its own value
@@ -100,6 +101,10 @@ class _Loader:
                 raise CheckpointError(f"size mismatch for {key}: the checkpoint holds {ent['shape']}, the target {want}")
             self.pieces += self.reader.pieces(key, ch.tensor, ch.offsets, cast=self.cast)
         return v
+
+    def _fits(self, saved: torch.dtype, target: torch.dtype) -> bool:
+        """Whether a saved tensor of dtype ``saved`` is read into a target's of dtype ``target`` (``dtype=`` converts)."""
+        return saved == target or (self.cast == target and saved.is_floating_point and target.is_floating_point)
 
     def _fresh(self, key: str) -> torch.Tensor:
         """A new CPU tensor for saved tensor ``key``, read with the others (``load_state_dict`` moves it)."""
@@ -139,9 +144,9 @@ class _Loader:
         target has go, as ``load_state_dict`` would have it); a saved tensor where ``v`` has a tensor of its
         shape and dtype at the same place is read into ``v``'s (else into a new one, as saved)."""
         if isinstance(v, torch.Tensor) and isinstance(node, dict) and node.get(TAG) == "tensor":
-            ent = self.saved.tensors.get(join_key(path))
-            if ent is not None and ent["shape"] == list(v.shape) and dtype_from_name(ent["dtype"]) == v.dtype:
-                return self._tensor(v, path)
+            ent = self.saved.tensors.get(node.get("key"))
+            if ent is not None and ent["shape"] == list(v.shape) and self._fits(dtype_from_name(ent["dtype"]), v.dtype):
+                return self._tensor(v, path, node["key"])
         items = children(node) if holds_tensor(v) else None
         if items is None:  # no tensor of the target's to fill here: the saved value whole
             return self._as_saved(node)
@@ -196,6 +201,8 @@ class _Loader:
                 out[name] = None
                 continue
             dtype, shape = dtype_from_name(ent["dtype"]), ent["shape"]
+            if self.cast is not None and dtype.is_floating_point and shape:  # not a step counter: it counts in its own dtype
+                dtype = self.cast  # the buffer the restore converts into (torch would copy one of another dtype again)
             key = join_key(("optim", "state", fqn, name))
             if not shape:
                 out[name] = torch.zeros((), dtype=dtype)
@@ -307,8 +314,9 @@ def load_into(
             out = _plan(loader, target_root, strict)
         except Exception as e:  # any error (an EIO, an out-of-memory): the other ranks hear of it rather than wait
             error = e
-        missing, unexpected, failures = agree(loader.missing if loader else [], loader.unexpected if loader else [], error, strict)
-        raise_failure(error, failures, "nothing was loaded on this rank")
+        hot = reader.hot
+        missing, unexpected, failures = agree(loader.missing if loader else [], loader.unexpected if loader else [], error, strict, hot)
+        raise_failure(error, failures, "nothing was loaded on this rank", hot=hot)
         assert loader is not None  # else this rank's error was raised
         unexpected = _collapse(unexpected, loader.saved)
         if strict:
@@ -320,8 +328,8 @@ def load_into(
         except Exception as e:  # any error (an EIO from the disk too): the other ranks hear of it rather than wait
             error = e
     if collective(strict):
-        failures = failed(gather(error))
-    raise_failure(error, failures, "this rank's model and optimizer may be partly overwritten: restore again", mine_too=True)
+        failures = failed(gather(error, hot=hot))
+    raise_failure(error, failures, "this rank's model and optimizer may be partly overwritten: restore again", mine_too=True, hot=hot)
     return out, missing, unexpected
 
 
@@ -404,7 +412,7 @@ def restore_state(
     except Exception as e:  # every rank hears of it at the check-in it would have made
         if reader is not None:
             reader.close()
-        fail_early(e, strict)
+        fail_early(e, strict, hot=opener is not None)
     with reader:
         got: dict[str, Any] = {}
 

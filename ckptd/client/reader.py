@@ -81,6 +81,7 @@ class CheckpointReader:
         else:
             self.manifest = validate_manifest(manifest, os.path.join(path, MANIFEST), memory=memory)
         self._files = dict(files or {})
+        self.hot = bool(self._files)  # it reads the daemon's segments (a hot restore), not the disk
         self._check_step()
         self._fds: dict[str, int] = {}
         self._maps: dict[str, tuple[mmap.mmap, torch.Tensor]] = {}  # segments mapped read-only (hot)

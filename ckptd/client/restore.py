@@ -183,13 +183,22 @@ def restore_from_daemon(
             try:
                 return _restore_hot(rpc, held, model, optim, rank, how)
             except FormatError as e:  # a segment reused or not what the manifest says: the disk has the step
+                if not getattr(e, "fall_back", True):  # another rank's file on disk is bad: every rank raises
+                    raise
                 log.warning("hot restore of step %s failed (%s): restoring from disk", held["step"], e)
                 step = _shared(strict, settled, rpc, job, held["step"], persist=True)
         else:
             log.info("restoring from disk: %s", held["reason"])
     rep = _shared(strict, fetch, rpc, job, step)
     try:
-        extra = restore_state(rep["path"], model, optim, rank, **how)
+        try:
+            extra = restore_state(rep["path"], model, optim, rank, **how)
+        except FormatError as e:
+            if not getattr(e, "fall_back", False):
+                raise
+            # another rank's hot restore failed, and it reads the step from disk now: so does this one, again, with it
+            log.warning("restore of step %s again from disk, with a rank whose hot restore failed (%s)", rep["step"], e)
+            extra = restore_state(rep["path"], model, optim, rank, **how)
     finally:
         close_fetch(rpc, rep["fetch"])
     return extra, restored(rep["step"], rep["path"], Source.from_wire(rep["source"]))

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..errors import FormatError
-from ..state import TAG, unflatten
+from ..state import TAG, key_names, unflatten
 
 MISSING = object()  # no value at that path in any saved tree
 
@@ -26,7 +26,7 @@ def lookup(tree: Any, path: tuple[str, ...]) -> Any:
             if node[TAG] == "tuple":
                 node = node["items"]
             elif node[TAG] in ("dict", "odict"):
-                node = {str(unflatten(k, lambda key: key)): v for k, v in node["items"]}
+                node = dict(zip(key_names(unflatten(k, lambda key: key) for k, _ in node["items"]), (v for _, v in node["items"])))
             else:
                 return MISSING
         if isinstance(node, dict):
@@ -54,7 +54,8 @@ def children(node: Any) -> list[tuple[str, Any, Any]] | None:
     if node[TAG] == "tuple":
         return [(str(i), i, x) for i, x in enumerate(node["items"])]
     if node[TAG] in ("dict", "odict"):
-        return [(str(unflatten(k, lambda key: key)), k, x) for k, x in node["items"]]
+        names = key_names(unflatten(k, lambda key: key) for k, _ in node["items"])
+        return [(n, k, x) for n, (k, x) in zip(names, node["items"])]
     return None
 
 
