@@ -4,6 +4,7 @@ training it protects, restore is strict by default and can load a subset or anot
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -188,7 +189,9 @@ def test_prepare_before_the_first_step_sizes_slots_for_the_state_that_step_makes
         assert c._maps.made_on_path == 0  # the snapshot found a prepared slot, mapped already
 
 
-def _ddp_prepare_then_snapshot(rank: int, world: int, endpoint: str) -> dict[str, int]:
+def _ddp_prepare_then_snapshot(rank: int, world: int, endpoint: str, root: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
     from ckptd.client import Client
 
     torch.manual_seed(0)
@@ -197,10 +200,12 @@ def _ddp_prepare_then_snapshot(rank: int, world: int, endpoint: str) -> dict[str
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
     with Client(endpoint=endpoint, job="ddp-fresh") as c:
         c.prepare(m, opt)
+        dist.barrier()  # both ranks' slots made
+        prepared = [os.path.getsize(os.path.join(shm.SHM_DIR, seg)) for seg in shm.segments_of(root)]
         m(torch.randn(4, 256)).sum().backward()
         opt.step()
         c.snapshot(m, opt, step=1, blocking=True).wait(60)
-        return {"on_path": c._maps.made_on_path}
+        return {"prepared": prepared, "needed": c._stager.layout.file_size}
 
 
 @pytest.mark.multiproc
@@ -209,8 +214,9 @@ def test_prepare_before_the_first_step_under_ddp_sizes_each_ranks_share_of_the_s
     changes each rank's share, so sizing the state of the chunks a rank wrote before gave one rank slots too small."""
     from _dist import run_ranks
 
-    outs = run_ranks(2, _ddp_prepare_then_snapshot, daemon.endpoint)
-    assert [o["on_path"] for o in outs] == [0, 0]
+    outs = run_ranks(2, _ddp_prepare_then_snapshot, daemon.endpoint, daemon.root)
+    for o in outs:
+        assert len(o["prepared"]) == 4 and o["needed"] <= min(o["prepared"]), outs  # every prepared slot fits either rank's shard
 
 
 def test_prepare_runs_no_optimizer_step_hook_for_its_shadow_optimizer(daemon) -> None:  # noqa: ANN001
