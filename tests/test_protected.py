@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import pytest
 from _models import full_state, make, train_step
@@ -28,6 +29,13 @@ from ckptd.storage.remote import remote_steps
 from ckptd.storage.s3 import S3Store
 
 JOB = "p"
+
+
+def _patched(make_daemon: Any, code: str, *args: str) -> DaemonProc:
+    """A daemon started by ``code`` (a part of it replaced by a slow double, then ``ckptd.cli.main``)."""
+    d = make_daemon(*args, start=False)
+    d.launcher = ["-c", code]
+    return d.start()
 
 
 def _save(d: DaemonProc, steps: range, **kw: object) -> None:
@@ -241,9 +249,7 @@ raise SystemExit(main(sys.argv[1:]))"""
 def test_a_protect_during_a_retention_pass_that_removes_the_step_is_refused_not_answered_ok(make_daemon) -> None:  # noqa: ANN001
     """The step was checked on the loop while a retention pass that had read its policy before the protect was
     about to rename it: the protect was answered OK and recorded, and the step was deleted anyway."""
-    d = make_daemon("--keep", "1", start=False)
-    d.launcher = ["-c", SLOW_LISTING]
-    d.start()
+    d = _patched(make_daemon, SLOW_LISTING, "--keep", "1")
     model, optim = make()
     with d.client(JOB) as c:
         train_step(model, optim, 1)
@@ -295,9 +301,7 @@ def test_a_rolled_back_re_save_of_a_protected_step_number_is_persisted(make_daem
 def test_the_loop_answers_other_requests_while_a_protect_is_being_written(make_daemon) -> None:  # noqa: ANN001
     """The writer thread held the lock the loop takes during its fsync: a second protect (and with it every
     other request) waited for a slow disk."""
-    d = make_daemon(start=False)
-    d.launcher = ["-c", SLOW_WRITE]
-    d.start()
+    d = _patched(make_daemon, SLOW_WRITE)
     _save(d, range(1, 2))
     done: list[str] = []
     with d.client(JOB) as c1, d.client(JOB) as c2, d.client("other") as c3:
@@ -382,9 +386,7 @@ raise SystemExit(main(sys.argv[1:]))"""
 def test_a_step_let_go_is_deleted_without_holding_up_the_jobs_next_commit(make_daemon) -> None:  # noqa: ANN001
     """Retention deleted under the job's lock, which the loop takes to count a committed shard: while an unprotect's
     retention pass deleted a big step, the job's next commit (and the whole daemon) waited for it."""
-    d = make_daemon("--keep", "1", start=False)
-    d.launcher = ["-c", SLOW_DELETE]
-    d.start()
+    d = _patched(make_daemon, SLOW_DELETE, "--keep", "1")
     _save(d, range(1, 2))
     with d.client(JOB) as c:
         c.protect(1, "best")
