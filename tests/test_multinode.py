@@ -57,7 +57,9 @@ def test_a_rolled_back_launch_saving_a_step_again_replaces_it_in_the_bucket(make
     from ckptd.layout import MANIFEST, bucket_key
 
     conf = remote_toml(short_tmp / "r.toml", s3_bucket, commit_timeout=120)
-    slow = remote_toml(short_tmp / "slow.toml", s3_bucket, commit_timeout=120, max_bandwidth=200_000)  # bytes/s: node 1 lags
+    slow = remote_toml(
+        short_tmp / "slow.toml", s3_bucket, commit_timeout=120, max_bandwidth=1_000_000
+    )  # bytes/s: node 1 lags (about 9 s for its 8.8 MB)
     nodes = [make_daemon("--config", conf, sub="node0"), make_daemon("--config", conf, sub="node1")]
     expected = str(short_tmp / "expected.safetensors")
     run_ranks(4, save_multinode, "fsdp2", [n.endpoint for n in nodes], "rb", expected)
