@@ -35,7 +35,7 @@ def env(tmp_path: Path) -> Iterator[dict[str, Any]]:
 
     def make(budget: int) -> SlotPool:
         grant = lambda i, m, r: grants.append((i, m, r))  # noqa: E731
-        return SlotPool(segments, budget, on_grant=grant, clock=clock, alive=lambda pid: pid not in dead, lease_timeout=100.0)
+        return SlotPool(segments, budget, on_grant=grant, clock=clock, alive=lambda pid, born: pid not in dead, lease_timeout=100.0)
 
     try:
         yield {"make": make, "grants": grants, "dead": dead, "clock": clock, "root": str(tmp_path)}
@@ -188,7 +188,7 @@ def test_a_pin_lapses_even_if_its_pid_lives(env: dict[str, Any]) -> None:
     pool.pin([slot], pid=os.getpid())
     env["clock"].now += HOT_PIN_MAX_S / 2 + 1
     pool.reap(env["clock"].now)
-    assert [pid for pid, _ in slot.pins.values()] == [os.getpid()]  # pid 1's pin is past its deadline
+    assert [pid for pid, _, _ in slot.pins.values()] == [os.getpid()]  # pid 1's pin is past its deadline
     env["dead"].add(os.getpid())
     pool.reap(env["clock"].now)
     assert slot.pins == {}  # a reader that died
@@ -311,9 +311,41 @@ def test_deferred_allocations_are_bounded(env: dict[str, Any], monkeypatch: pyte
 
 
 def test_a_pid_that_is_no_pid_reads_as_dead() -> None:
-    from ckptd.daemon.slots import pid_alive
+    from ckptd.daemon.slot import is_running, pid_alive, started
 
     assert pid_alive(os.getpid()) and not pid_alive(2**64) and not pid_alive(-5)
+    born = started(os.getpid())
+    assert born is not None and is_running(os.getpid(), born) and is_running(os.getpid(), None)
+    assert not is_running(os.getpid(), born - 60)  # the pid now names a process that started later: another one
+
+
+def test_a_dead_trainers_lease_is_freed_although_its_pid_was_reused_or_it_is_a_zombie(tmp_path: Path) -> None:
+    """The trainer that leased a slot died and its pid now names another process (or the dead trainer is a
+    zombie nobody reaped: the kernel still answers for its pid). With the pid alone the slot stayed leased
+    until the lease timeout and its memory stayed out of the budget; the daemon records who asked by pid and
+    start time, so the next reap frees it."""
+    import subprocess
+    import sys
+
+    segments = shm.SegmentDir(str(tmp_path))
+    pool = SlotPool(segments, 8 * MiB, lease_timeout=1e9)  # the real liveness check
+    try:
+        reused = pool.lease(_req(rank=0))  # this process, as if it had started after the lessee
+        assert reused is not None and reused.born is not None
+        reused.born -= 60
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        zombie = pool.request(b"z", _req(rank=1, pid=child.pid))
+        assert zombie is not None and zombie.born is not None
+        child.kill()
+        while (child_status := open(f"/proc/{child.pid}/stat").read().split(") ")[1][0]) != "Z":
+            pass  # killed, not reaped yet: a zombie
+        alive = pool.lease(_req(rank=2))
+        pool.reap(1.0)
+        assert reused.state is SlotState.FREE and zombie.state is SlotState.FREE, child_status
+        assert alive is not None and alive.state is SlotState.LEASED  # a living lessee keeps its lease
+        child.wait()
+    finally:
+        shm.purge(str(tmp_path))
 
 
 def test_a_lease_of_a_process_the_kernel_cannot_name_waits_for_the_timeout(env: dict[str, Any]) -> None:
@@ -561,7 +593,7 @@ def test_a_snapshot_gets_its_ranks_spare_when_the_trainer_mapping_it_gives_up(en
 def test_a_snapshot_gets_its_ranks_spare_when_the_trainer_mapping_it_dies(env: dict[str, Any]) -> None:
     pool, _, spare = _spare_and_snapshot_wait(env)
     pool.get(spare).pid = 4242  # the process that leased it to map it ahead is gone
-    pool._alive = lambda pid: pid != 4242
+    pool._alive = lambda pid, born: pid != 4242
     pool.reap(env["clock"]())
     assert _granted(env) == [(b"w", spare), (b"s3", spare)] and pool.get(spare).lease["step"] == 3 and not pool.deferred
 

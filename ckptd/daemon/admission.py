@@ -35,28 +35,17 @@ import logging
 import os
 from collections.abc import Callable
 
-import psutil
-
 from ..errors import ProtocolError
 from ..layout import step_dir
 from ..storage import local
 from ..storage.local import committed_at
+from .slot import started
 from .slots import SlotPool
 from .steps import StepKey, StepState, StepTable, StepTrack
 
 log = logging.getLogger("ckptd.daemon")
 
 MAX_COMMITTERS = 256  # processes remembered per job's run before those gone are forgotten (each is checked for liveness)
-
-
-def started(pid: int) -> float | None:
-    """When live process ``pid`` started (its identity with the pid: pids are reused), or ``None`` if it
-    is gone or a zombie (a dead worker nobody reaped)."""
-    try:
-        p = psutil.Process(pid)
-        return None if p.status() == psutil.STATUS_ZOMBIE else p.create_time()
-    except (psutil.Error, ValueError, OverflowError):
-        return None
 
 
 def _another(track: StepTrack, run: int | None) -> bool:

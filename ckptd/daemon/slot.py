@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+import psutil
+
 from ..errors import CheckpointError
 
 LEASE_FIELDS = ("job", "rank", "world_size", "step")
@@ -28,6 +30,7 @@ class Slot:
     state: SlotState = SlotState.FREE
     owner: tuple[str, int] | None = None  # (job, rank) that used it last: reused first by them
     pid: int | None = None  # the lessee's process
+    born: float | None = None  # its start time (a pid is reused: the lessee is (pid, born)); None where unknown
     token: str | None = None  # leased: the secret only the lessee got; it must name it to commit or release
     leased_at: float = 0.0
     lease: dict[str, Any] | None = None  # leased: the lease's fields; committed: the commit record
@@ -36,10 +39,27 @@ class Slot:
     holds: tuple[str, int, int] | None = None  # (job, step, rank) a free slot still holds, persisted
     exposed: bool = False  # its name went to a hot restore's reader: renamed before it is leased again
     spare: bool = False  # made as a spare for ``owner`` and not leased since: its trainer may warm it
-    pins: dict[str, tuple[int, float]] = field(default_factory=dict)  # pin token -> (reader pid, deadline)
+    pins: dict[str, tuple[int, float | None, float]] = field(default_factory=dict)  # pin token -> (reader pid, born, deadline)
 
 
 Grant = Callable[[bytes, Any, "Slot | CheckpointError"], None]  # (ident, request, slot or refusal)
+
+
+def started(pid: int) -> float | None:
+    """When live process ``pid`` started (its identity with the pid: pids are reused), or ``None`` if it
+    is gone or a zombie (a dead worker nobody reaped)."""
+    try:
+        p = psutil.Process(pid)
+        return None if p.status() == psutil.STATUS_ZOMBIE else p.create_time()
+    except (psutil.Error, ValueError, OverflowError):
+        return None
+
+
+def is_running(pid: int, born: float | None) -> bool:
+    """Process ``pid`` that started at ``born`` is still running: a pid since reused by another process is
+    not (a lease or pin of a dead trainer would otherwise stay held until it lapses). ``born`` None (the
+    start time could not be read when the pid was recorded): the pid alone."""
+    return pid_alive(pid) if born is None else started(pid) == born
 
 
 def pid_alive(pid: int) -> bool:

@@ -19,6 +19,7 @@ pool needs no socket: a test passes a list's ``append``.
 
 from __future__ import annotations
 
+import collections
 import hmac
 import logging
 import secrets
@@ -30,7 +31,7 @@ from .. import shm
 from ..config import HOT_PIN_MAX_S, LEASE_TIMEOUT_S, MAX_DEFERRED_ALLOCS, MAX_PINS_PER_READER, MAX_PINS_UNNAMED
 from ..errors import CheckpointError, ProtocolError
 from .budget import aligned, check_fits, noted
-from .slot import LEASE_FIELDS, Grant, Slot, SlotState, pid_alive
+from .slot import LEASE_FIELDS, Grant, Slot, SlotState, is_running, started
 
 log = logging.getLogger("ckptd.daemon")
 
@@ -43,7 +44,7 @@ class SlotPool:
         *,
         on_grant: Grant | None = None,
         clock: Callable[[], float] = time.monotonic,
-        alive: Callable[[int], bool] = pid_alive,
+        alive: Callable[[int, float | None], bool] = is_running,
         lease_timeout: float = LEASE_TIMEOUT_S,
         grow: Callable[[int, int], None] | None = None,
         reclaim: Callable[[str, int | None], bool] | None = None,
@@ -78,6 +79,7 @@ class SlotPool:
     def request(self, ident: bytes, msg: dict[str, Any]) -> Slot | None:
         """An ``alloc``: a leased slot now, or ``None`` and the request deferred until memory frees up."""
         check_fits(msg["nbytes"], self.budget)  # its segment, in whole units: refused before anything is dropped for it
+        msg["_born"] = started(msg["pid"]) if msg["pid"] else None  # who asks: see _take
         slot = self.lease(msg)
         if slot is None:
             if not msg.get("wait", True) and "_growing" not in msg:
@@ -133,8 +135,11 @@ class SlotPool:
         return self._take(slot, owner, msg)
 
     def _take(self, slot: Slot, owner: tuple[str, int], msg: dict[str, Any]) -> Slot:
-        slot.state, slot.owner, slot.pid, slot.used_at = SlotState.LEASED, owner, msg["pid"] or None, self._clock()
-        slot.holds, slot.token, slot.leased_at, slot.spare = None, secrets.token_hex(16), slot.used_at, False
+        if "_born" not in msg:  # the lessee's start time, noted when it asked (request()): a pid is reused
+            msg["_born"] = started(msg["pid"]) if msg["pid"] else None
+        slot.state, slot.owner, slot.pid, slot.born = SlotState.LEASED, owner, msg["pid"] or None, msg["_born"]
+        slot.holds, slot.token, slot.spare, slot.used_at = None, secrets.token_hex(16), False, self._clock()
+        slot.leased_at = slot.used_at
         slot.lease = {k: msg[k] for k in LEASE_FIELDS}
         return slot
 
@@ -292,7 +297,7 @@ class SlotPool:
         self.retry_deferred()
 
     def _reset(self, slot: Slot) -> None:
-        slot.state, slot.pid, slot.lease, slot.used_at = SlotState.FREE, None, None, self._clock()
+        slot.state, slot.pid, slot.born, slot.lease, slot.used_at = SlotState.FREE, None, None, None, self._clock()
         slot.token, slot.tree_bytes, slot.spare = None, 0, False
 
     def created(self, token: int, name: str | None, size: int, error: str | None = None) -> None:
@@ -360,18 +365,17 @@ class SlotPool:
                 s.holds = None
 
     def pin(self, slots: list[Slot], pid: int) -> str:
-        """Keep ``slots`` from reuse while ``pid`` reads them: until :meth:`unpin` with the returned
-        token, the reader's death, or HOT_PIN_MAX_S. A reader holds at most ``MAX_PINS_PER_READER``
-        pins on a slot (a client that opens and never closes would otherwise pile up pins, each checked
-        on the loop every housekeeping pass); readers the kernel cannot name (pid 0) share ``MAX_PINS_UNNAMED``."""
+        """Keep ``slots`` from reuse while ``pid`` reads them: until :meth:`unpin` with the returned token, the reader's
+        death, or HOT_PIN_MAX_S. A reader holds at most ``MAX_PINS_PER_READER`` pins on a slot (a client that opens and
+        never closes would pile up pins, each checked every housekeeping pass); pid 0 (unnamed) shares ``MAX_PINS_UNNAMED``."""
         limit = MAX_PINS_PER_READER if pid else MAX_PINS_UNNAMED
         for slot in slots:
-            if sum(1 for p, _ in slot.pins.values() if p == pid) >= limit:
+            if sum(1 for p, _, _ in slot.pins.values() if p == pid) >= limit:
                 who = f"process {pid}" if pid else "processes outside this PID namespace"
                 raise CheckpointError(f"{who} already holds {limit} open hot restores of {slot.name}: close them (hot_close) first")
-        token, deadline = secrets.token_hex(16), self._clock() + HOT_PIN_MAX_S
+        token, deadline, born = secrets.token_hex(16), self._clock() + HOT_PIN_MAX_S, started(pid) if pid else None
         for slot in slots:
-            slot.pins[token] = (pid, deadline)
+            slot.pins[token] = (pid, born, deadline)
             slot.exposed = True
         return token
 
@@ -387,11 +391,10 @@ class SlotPool:
     # ------------------------------------------------------------------ housekeeping
 
     def reap(self, now: float) -> None:
-        """Free slots whose lessee died or held them past the lease timeout (a pid the daemon cannot
-        see, in another PID namespace, never dies for it), lapse pins of dead readers or past their
-        deadline, drop deferred requests of dead processes."""
+        """Free slots whose lessee died (a process is its pid and start time; one the daemon cannot see, in another PID
+        namespace, never dies for it) or lapse them past the lease timeout; drop pins and deferred requests of the dead."""
         # first: a freed slot must not go to the dead (pid 0: unknown, kept), nor to a client that gave up
-        self.deferred = [(i, m) for i, m in self.deferred if not m["pid"] or self._alive(m["pid"])]
+        self.deferred = [(i, m) for i, m in self.deferred if not m["pid"] or self._alive(m["pid"], m.get("_born"))]
         # a request waiting for its own segment is not timed out (that segment is coming), one warming a spare is
         late = [d for d in self.deferred if d[1].get("_deadline", now + 1) < now and ("_growing" not in d[1] or d[1].get("spare"))]
         for ident, msg in late:
@@ -399,7 +402,7 @@ class SlotPool:
             self._on_grant(ident, msg, CheckpointError(self._short(msg["nbytes"], msg["timeout"])))
         lapsed = False
         for slot in list(self.slots.values()):
-            if slot.state is SlotState.LEASED and slot.pid is not None and not self._alive(slot.pid):
+            if slot.state is SlotState.LEASED and slot.pid is not None and not self._alive(slot.pid, slot.born):
                 log.warning("trainer pid %s died holding %s uncommitted: slot freed, nothing of it is persisted", slot.pid, slot.name)
                 self.free(slot)
             elif slot.state is SlotState.LEASED and now - slot.leased_at > self.lease_timeout:
@@ -410,8 +413,8 @@ class SlotPool:
                 )
                 self.unlink(slot)
                 lapsed = True
-            for token, (pid, deadline) in list(slot.pins.items()):
-                if deadline < now or (pid and not self._alive(pid)):
+            for token, (pid, born, deadline) in list(slot.pins.items()):
+                if deadline < now or (pid and not self._alive(pid, born)):
                     slot.pins.pop(token)  # a hot restore's reader died, or holds the slot longer than any restore takes
                     lapsed = True
         if lapsed:
@@ -427,22 +430,19 @@ class SlotPool:
     # ------------------------------------------------------------------ for status
 
     def bytes_held(self) -> int:
-        """Segments (also those being made), and the trees of committed slots the daemon holds until they
-        are persisted."""
+        """Segments (also those being made), and the trees of committed slots the daemon holds until persisted."""
         return sum(s.size + s.tree_bytes for s in self.slots.values()) + sum(self.growing.values())
 
     def summary(self) -> dict[str, Any]:
-        states: dict[str, int] = {}
-        for s in self.slots.values():
-            states[s.state.value] = states.get(s.state.value, 0) + 1
+        states = collections.Counter(s.state.value for s in self.slots.values())
         return {
             "shm_budget": self.budget,
             "shm_bytes": self.bytes_held(),
             "staged_bytes": sum((s.lease or {}).get("nbytes", 0) for s in self.slots.values() if s.state is SlotState.COMMITTED),
-            "slots": states,
+            "slots": dict(states),
             "deferred_allocs": len(self.deferred),
             "allocs_waited": self.allocs_waited,
-            "hot_pins": {s.name: sorted(pid for pid, _ in s.pins.values()) for s in self.slots.values() if s.pins},
+            "hot_pins": {s.name: sorted(pid for pid, _, _ in s.pins.values()) for s in self.slots.values() if s.pins},
         }
 
     def steps_held(self) -> set[tuple[str, int]]:
