@@ -67,6 +67,56 @@ def test_a_background_copy_failure_on_one_rank_fails_the_next_snapshot_on_every_
     assert r0["latest"] == r1["latest"] == 3
 
 
+def _copy_fails_then_every_rank_restores(rank: int, world: int, endpoint: str) -> dict[str, Any]:
+    """Step 1 is saved; rank 0's background copy of step 2 fails; then the job restores (a rollback after a
+    loss spike), on every rank, twice."""
+    import ckptd.client.client as cc
+
+    if rank == 0:
+        real = cc.copy_tensors
+
+        def flaky(*a: Any) -> Any:
+            if threading.current_thread().name == "ckptd-copy-2":
+                raise RuntimeError("injected failure of rank 0's background copy")
+            return real(*a)
+
+        cc.copy_tensors = flaky
+    torch.manual_seed(0)
+    m = torch.nn.Linear(64, 64)
+    o = torch.optim.AdamW(m.parameters())
+    m(torch.randn(2, 64)).sum().backward()
+    o.step()
+    with cc.Client(endpoint=endpoint, job="rest", overlap="always") as c:
+        c.snapshot(m, o, step=1, blocking=True).wait(60)
+        saved = full_state(m, o)
+        o.step()
+        c.snapshot(m, o, step=2)
+        m(torch.randn(2, 64)).sum().backward()
+        o.step()
+        t0 = time.monotonic()
+        try:
+            c.restore(m, o, step=1)
+            error = None
+        except CheckpointError as e:
+            error = str(e)
+        waited = time.monotonic() - t0
+        again = c.restore(m, o, step=1).step  # the ranks' next restore pairs with each other, not with a stale attempt
+        assert_same(full_state(m, o), saved)
+        return {"error": error, "waited": waited, "again": again}
+
+
+@pytest.mark.multiproc
+def test_a_background_copy_failure_on_one_rank_fails_a_restore_on_every_rank_together(daemon, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """restore() raised rank 0's pending copy failure before the restore's check-in, while rank 1 waited there
+    for CKPTD_COLLECTIVE_TIMEOUT (30 minutes by default) and then blamed the user ("only 1 of 2 ranks called
+    it"). Now every rank fails that restore at once, naming rank 0, and the next restore works on both."""
+    monkeypatch.setenv("CKPTD_COLLECTIVE_TIMEOUT", "60")
+    r0, r1 = run_ranks(2, _copy_fails_then_every_rank_restores, daemon.endpoint, timeout=240)
+    assert r0["error"].startswith("background copy of step 2 failed: injected failure"), r0
+    assert "restore failed on rank(s) [0]" in r1["error"] and "only 1 of 2 ranks" not in r1["error"], r1
+    assert r0["again"] == r1["again"] == 1
+
+
 def test_an_optimizer_from_accelerate_prepare_is_snapshotted_behind_the_next_step(daemon, cpu_accelerator) -> None:  # noqa: ANN001
     """``accelerator.prepare`` returns an ``AcceleratedOptimizer`` (no step pre-hooks of its own): every overlapped
     snapshot failed with an AttributeError after its slot was filled, and the slot was never given back. The

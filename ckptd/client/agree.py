@@ -10,6 +10,7 @@ earlier attempt's collective.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from ..errors import CheckpointError, FormatError
@@ -87,3 +88,11 @@ def fail_early(error: BaseException, strict: bool, hot: bool = False) -> NoRetur
     _, _, failures = agree([], [], error, strict, hot)
     raise_failure(error, failures, "nothing was loaded on this rank", hot=hot)
     raise error  # not reached: raise_failure raises whenever this rank has an error
+
+
+def shared(strict: bool, call: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    """``call(*args, **kw)``; what it raises is raised on every rank of a collective restore (:func:`fail_early`)."""
+    try:
+        return call(*args, **kw)
+    except Exception as e:
+        fail_early(e, strict)

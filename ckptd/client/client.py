@@ -25,6 +25,7 @@ import torch
 from ..config import ALLOC_TIMEOUT_S, CLIENT_TIMEOUT_S, default_endpoint, default_job, env_float, validate_job
 from ..errors import CheckpointError, DaemonUnavailable
 from ..protocol import MAX_MESSAGE_BYTES, reply_fields
+from .agree import shared
 from .copy import CopyGuard, EarlyCopy, EventGroup, Pairs, SlotMaps, copy_tensors, fill, hookable, optimizer_storages, torch_optimizer
 from .handle import Pending, SnapshotHandle
 from .load import Restored, restore_state
@@ -395,9 +396,11 @@ class Client:
         its bucket, downloading it into the root first if only the bucket has it. :attr:`last_restore`
         says which it was: ``"memory"``, ``"disk"`` or ``"bucket"``.
         """
-        self._guard.finish()
+        # an earlier snapshot's failed background copy (or a list of optimizers) fails every rank of a collective
+        # restore together: raised on this rank alone, the others waited for it at the check-in until the timeout
+        shared(strict, self._guard.finish)
         rank, _ = dist_rank_world()
-        optim = torch_optimizer(optim)
+        optim = shared(strict, torch_optimizer, optim)
         how = {"strict": strict, "dtype": dtype}
         if path is not None:
             extra = restore_state(path, model, optim, rank, **how)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +29,7 @@ import torch
 from .. import shm
 from ..errors import CheckpointError, FormatError
 from ..protocol import Source
-from .agree import fail_early
+from .agree import shared
 from .load import Restored, restore_state
 from .reader import CheckpointReader
 from .rpc import Channel
@@ -152,14 +151,6 @@ def _restore_hot(
     return extra, restored(held["step"], held["path"], Source.MEMORY)
 
 
-def _shared(strict: bool, call: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-    """``call(*args, **kw)``; what it raises is raised on every rank of a collective restore (:func:`.agree.fail_early`)."""
-    try:
-        return call(*args, **kw)
-    except Exception as e:
-        fail_early(e, strict)
-
-
 def restore_from_daemon(
     rpc: Channel,
     job: str,
@@ -176,9 +167,9 @@ def restore_from_daemon(
     restore itself (it is gone, the step asked for failed) are shared as :func:`.load.restore_state` shares
     its own: every rank of a collective restore raises."""
     strict = how.get("strict", True)
-    step = _shared(strict, _settle, rpc, job, step, persist=not hot)
+    step = shared(strict, _settle, rpc, job, step, persist=not hot)
     if hot:
-        held = _shared(strict, rpc.call, "hot_open", job=job, step=step, pid=os.getpid())
+        held = shared(strict, rpc.call, "hot_open", job=job, step=step, pid=os.getpid())
         if held["step"] is not None:
             try:
                 return _restore_hot(rpc, held, model, optim, rank, how)
@@ -186,10 +177,10 @@ def restore_from_daemon(
                 if not getattr(e, "fall_back", True):  # another rank's file on disk is bad: every rank raises
                     raise
                 log.warning("hot restore of step %s failed (%s): restoring from disk", held["step"], e)
-                step = _shared(strict, settled, rpc, job, held["step"], persist=True)
+                step = shared(strict, settled, rpc, job, held["step"], persist=True)
         else:
             log.info("restoring from disk: %s", held["reason"])
-    rep = _shared(strict, fetch, rpc, job, step)
+    rep = shared(strict, fetch, rpc, job, step)
     try:
         try:
             extra = restore_state(rep["path"], model, optim, rank, **how)
