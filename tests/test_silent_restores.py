@@ -323,6 +323,49 @@ def test_lbfgs_resumes_with_its_whole_history_into_a_fresh_or_a_stepped_optimize
         assert _same(_params(m), _params(model))
 
 
+class WiderLinear(torch.nn.Module):
+    """``_lbfgs``'s model with one more parameter: a new head, trained from the old model's weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(1, 3))
+        self.bias = torch.nn.Parameter(torch.zeros(1))
+        self.head = torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.weight.T + self.bias) * self.head
+
+
+@pytest.mark.parametrize("stepped", [False, True])
+def test_lbfgs_history_of_a_smaller_model_is_left_out_of_a_non_strict_restore_never_loaded_to_fail_the_next_step(
+    daemon, stepped: bool
+) -> None:  # noqa: ANN001
+    """The user's mistake: strict=False into a wider model (a new head) with L-BFGS. Its history vectors span
+    every parameter (4 elements saved, 5 now). Into a fresh optimizer they were loaded as saved and the next
+    ``optim.step()`` failed deep in torch with a size mismatch; into a stepped one the restore raised. Now
+    that history is one of the unexpected keys either way (the optimizer starts without it) and training goes on."""
+    model, optim = _lbfgs(0, max_iter=4)
+    _lbfgs_step(model, optim)
+    path = _save(daemon, "lbfgs-wider", model, optim)
+    torch.manual_seed(1)
+    wider = WiderLinear()
+    o = torch.optim.LBFGS(wider.parameters(), history_size=5, max_iter=4)
+    if stepped:
+        _lbfgs_step(wider, o)  # type: ignore[arg-type]
+    with pytest.warns(UserWarning, match=r"L-BFGS history .* 4 elements, .* parameters 5"):
+        restored = ckptd.restore(wider, o, path=path, strict=False)
+    assert "model/head" in restored.missing_keys
+    assert restored.unexpected_keys == ["optim/state/weight"]  # every entry of it
+    assert torch.equal(wider.weight.detach(), model.weight.detach()) and not o.state.get(wider.weight)
+    _lbfgs_step(wider, o)  # type: ignore[arg-type]
+    again = WiderLinear()
+    with (
+        pytest.raises(CheckpointError, match=r"in the checkpoint but not in the model or optimizer: optim/state/weight\."),
+        pytest.warns(UserWarning, match="L-BFGS history"),
+    ):
+        ckptd.restore(again, torch.optim.LBFGS(again.parameters()), path=path)  # strict: refused, naming it
+
+
 class Vocab(torch.nn.Module):
     """A module with extra state (``get_extra_state``) that grows as it sees data."""
 

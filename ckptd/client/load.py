@@ -81,8 +81,8 @@ class _Loader:
     below them a value is the saved one, as saved (a module's extra state, L-BFGS's history lists), its
     tensors read into the target's own where the target has one at the same place (:meth:`_merge`)."""
 
-    def __init__(self, reader: CheckpointReader, saved: Saved, cast: torch.dtype | None) -> None:
-        self.reader, self.saved, self.cast = reader, saved, cast
+    def __init__(self, reader: CheckpointReader, saved: Saved, cast: torch.dtype | None, flat: int | None = None) -> None:
+        self.reader, self.saved, self.cast, self.flat = reader, saved, cast, flat  # flat: an L-BFGS target's parameters' size
         self.missing: list[str] = []
         self.unexpected: list[str] = []
         self.pieces: list[Piece] = []  # what the tensors take, read in one pass once every region is checked
@@ -174,6 +174,8 @@ class _Loader:
         state = {}
         for fqn in dict.fromkeys([*osd.get("state", {}), *params]):  # the target's order
             entries = osd.get("state", {}).get(fqn)
+            if fqn in saved.optim_state and self.flat is not None and self._misfit(fqn):
+                continue
             if fqn in saved.optim_state:
                 if entries is None:  # no state in the target yet (never stepped: ckptd never has torch step it)
                     entries = self._fresh_entries(fqn, msd.get(fqn))
@@ -188,6 +190,17 @@ class _Loader:
                 self.unexpected += [join_key(("optim", "state", f, n)) for n in saved.entries(f)] or [join_key(("optim", "state", f))]
         groups = [self._group(i, g) for i, g in enumerate(osd.get("param_groups", []))]
         return {**{k: v for k, v in osd.items() if k not in ("state", "param_groups")}, "state": state, "param_groups": groups}
+
+    def _misfit(self, fqn: str) -> bool:
+        """L-BFGS history saved for another model's parameters: unexpected, left out (the optimizer starts without it)."""
+        size = self.saved.flat_size(fqn, self.flat or 0)
+        if size is not None:
+            self.unexpected += [join_key(("optim", "state", fqn, n)) for n in self.saved.entries(fqn)]
+            warnings.warn(
+                f"the L-BFGS history saved under {fqn} spans {size} elements, the optimizer's parameters {self.flat}: left out",
+                stacklevel=2,
+            )
+        return size is not None
 
     def _fresh_entries(self, fqn: str, param: Any) -> dict[str, Any]:
         """Target buffers for the saved state of a parameter that has none yet: zeros of the saved dtype,
@@ -295,6 +308,7 @@ def load_into(
     strict: bool = True,
     cast: torch.dtype | None = None,
     also: Callable[[], None] | None = None,
+    flat: int | None = None,
 ) -> tuple[dict[str, Any], list[str], list[str]]:
     """Fill ``target_root`` (``model`` and optionally ``optim`` state dicts in the caller's layout)
     from the checkpoint, in place; return it with the missing and unexpected keys. ``also``: more reading
@@ -310,7 +324,7 @@ def load_into(
     error: BaseException | None = None
     with gc_paused():  # until read: the pieces stay alive
         try:
-            loader = _Loader(reader, Saved(reader.manifest, reader.path, rank), cast)
+            loader = _Loader(reader, Saved(reader.manifest, reader.path, rank), cast, flat)
             out = _plan(loader, target_root, strict)
         except Exception as e:  # any error (an EIO, an out-of-memory): the other ranks hear of it rather than wait
             error = e
@@ -421,7 +435,8 @@ def restore_state(
             extra_tree = (tree.get("extra") or {}).get(str(saved_rank))
             got["extra"] = unflatten(extra_tree, reader.read_full) if extra_tree is not None else {}
 
-        loaded, missing, unexpected = load_into(reader, target_root, rank, strict=strict, cast=dtype, also=read_extra)
+        flat = sum(local_tensor(p).numel() for p in optim.param_groups[0]["params"]) if isinstance(optim, torch.optim.LBFGS) else None
+        loaded, missing, unexpected = load_into(reader, target_root, rank, strict=strict, cast=dtype, also=read_extra, flat=flat)
         _stale(pending)
         extra = got["extra"]
     # the match was checked above; torch's own strictness would refuse a parameter left without state

@@ -8,14 +8,16 @@ manifest (:mod:`ckptd.validate`: depth, tags); what a restore relies on beyond t
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
 from ..errors import FormatError
-from ..state import TAG, key_names, unflatten
+from ..state import TAG, key_names, keys_tagged, unflatten
 
 MISSING = object()  # no value at that path in any saved tree
+LBFGS_FLAT = ("d", "prev_flat_grad", "old_dirs", "old_stps")  # L-BFGS's vectors: all of its parameters, flattened
 
 
 def lookup(tree: Any, path: tuple[str, ...]) -> Any:
@@ -120,3 +122,14 @@ class Saved:
     def entries(self, fqn: str) -> dict[str, Any]:
         have = self.optim_state.get(fqn)
         return have if isinstance(have, dict) and TAG not in have else {}
+
+    def flat_size(self, fqn: str, numel: int) -> int | None:
+        """The size of the L-BFGS vectors saved under ``fqn`` where one is not ``numel`` (the target optimizer's
+        parameters, flattened: another model's history, which its next step cannot use), else ``None``."""
+        entries = self.entries(fqn)
+        for name in LBFGS_FLAT:
+            for key in sorted(keys_tagged(entries.get(name), "tensor")):
+                ent = self.tensors.get(key)
+                if ent is not None and math.prod(ent["shape"]) != numel:
+                    return math.prod(ent["shape"])
+        return None
