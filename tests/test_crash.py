@@ -49,7 +49,7 @@ def _kill_mid_persist(daemon, job: str, step: int) -> None:  # noqa: ANN001
 
 def test_trainer_killed_after_blocking_snapshot_still_commits(make_daemon, short_tmp) -> None:  # noqa: ANN001
     # a slow disk: the trainer is dead long before the daemon has made the step durable
-    daemon = make_daemon("--write-rate-limit", "2k")
+    daemon = make_daemon("--write-rate-limit", "8k")  # the shard persists in seconds, long after the kill
     expected = str(short_tmp / "expected.safetensors")
     proc = subprocess.run(
         [sys.executable, str(REPO / "tests" / "_trainer.py"), expected, "3"], env=env_for(daemon, "crash"), cwd=REPO / "tests", timeout=120
@@ -65,7 +65,7 @@ def test_trainer_killed_after_blocking_snapshot_still_commits(make_daemon, short
 
 @pytest.mark.multiproc
 def test_two_fsdp2_ranks_killed_after_blocking_snapshot(make_daemon, short_tmp) -> None:  # noqa: ANN001
-    daemon = make_daemon("--write-rate-limit", "2k")
+    daemon = make_daemon("--write-rate-limit", "8k")
     expected = str(short_tmp / "expected.safetensors")
     run_ranks(2, snapshot_then_die, "fsdp2", daemon.endpoint, "crash2", expected, expect_exit=-9)
     assert {open(f"{expected}.state-{r}").read() for r in range(2)} == {"pending"}
