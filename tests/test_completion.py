@@ -136,6 +136,41 @@ def test_local_retention_keeps_the_newest_and_the_protected_steps(make_rig: Call
     assert rig.counters.steps_committed == 4
 
 
+def test_a_step_completed_while_the_loop_is_busy_is_not_removed_before_its_upload_is_queued(make_rig: Callable[..., Rig]) -> None:
+    """keep 1 and a bucket: step 2 completes on one persist thread; before the loop has handled its event (and so
+    queued its upload), another thread completes step 3 and runs retention. Step 2 was neither the newest nor
+    pending upload then, and was removed: its upload failed on a missing directory, and a keep_every step never
+    reached the bucket. Found by a review of the persist path (the loop lags whenever a thread deletes a big step)."""
+
+    class Bucket(FakeUploader):
+        def __init__(self) -> None:
+            super().__init__()
+            self.queued: set[int] = set()
+
+        def submit(self, job: str, step: int, world_size: int, ranks: list[int] | None = None, **kw: Any) -> None:
+            assert os.path.isdir(step_dir(rig.root, job, step)), f"step {step} was removed before its upload was queued"
+            super().submit(job, step, world_size, ranks, **kw)
+            self.queued.add(step)
+
+        def pending(self, job: str) -> set[int]:
+            return set(self.queued)
+
+    up = Bucket()
+    rig = make_rig(keep=1, uploader=up, protect=lambda job: Protect(frozenset(up.pending(job))))
+    rig.commit(2, 0, 1, shard(2, 0, 1))
+    (two,) = rig.collect(1)  # complete on disk; the loop has not handled it yet
+    rig.commit(3, 0, 1, shard(3, 0, 1))
+    (three,) = rig.collect(1)
+    for ev in (two, three):
+        rig.handle(ev)
+    assert [s for _, s, _, _ in up.submitted] == [2, 3]
+    assert verify_checkpoint(step_dir(rig.root, JOB, 2)) == []
+    up.queued.clear()  # both uploaded: the next completion's retention removes step 2 (and 3)
+    rig.commit(4, 0, 1, shard(4, 0, 1))
+    rig.pump(1)
+    assert [s for s in range(1, 5) if os.path.isdir(step_dir(rig.root, JOB, s))] == [4]
+
+
 # ---------------------------------------------------------------------------- errors
 
 

@@ -67,6 +67,13 @@ class Completion:
     def on_persisted(self, ev: ShardPersisted) -> None:
         """A persist thread is done with a shard: its slot is freed (remembering the shard for hot restores),
         or, for a step persisted from the memory tier, held until the step is durable; then the step moves on."""
+        try:
+            self._on_persisted(ev)
+        finally:
+            if ev.path is not None:  # its upload is queued now (:meth:`.Persister.reported`)
+                self.persister.reported(ev.job, ev.step)
+
+    def _on_persisted(self, ev: ShardPersisted) -> None:
         key = (ev.job, ev.step)
         track = self.steps.get(key)
         slot = self.pool.get(ev.segment)

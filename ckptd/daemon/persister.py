@@ -91,6 +91,9 @@ class Persister:
         self.keep, self.write_rate_limit, self._protect = keep, write_rate_limit, protect
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptd-persist", initializer=initializer)
         self._writing: dict[tuple[str, int], int] = {}  # (job, step) -> its shards being written or queued (job's lock)
+        # job -> steps completed here whose event the loop has not handled yet (job's lock): retention keeps them, since
+        # until then no upload of theirs is queued, and another thread's retention would otherwise remove one unsent
+        self._unreported: dict[str, set[int]] = {}
 
     def job_lock(self, job: str) -> threading.RLock:
         """Serializes completing and pruning a job's steps and moving its ``latest`` across persist,
@@ -114,7 +117,8 @@ class Persister:
         """Keep the newest ``keep`` local steps and those ``protect`` keeps (still to be uploaded, read by a
         restore, named by a user). Any thread: the protected steps are asked under the job's lock, where a fetch holds a
         step; the doomed steps are deleted outside it (the loop takes it to count a shard: it must not wait for an rmtree)."""
-        removed = local.apply_retention(self.root, job, lambda: AnyOf((KeepLatest(self.keep), self._protect(job))))
+        unsent = lambda: Protect(frozenset(self._unreported.get(job, ())))  # noqa: E731
+        removed = local.apply_retention(self.root, job, lambda: AnyOf((KeepLatest(self.keep), self._protect(job), unsent())))
         if removed:
             log.info("retention: removed steps %s of job %s", removed, job)
 
@@ -149,6 +153,14 @@ class Persister:
             event = ShardPersisted(slot.name, job, step, rank, 0, 0.0, f"{e}", attempt=attempt)
         self._events.post(event)
 
+    def reported(self, job: str, step: int) -> None:
+        """Main thread: the completion of ``step`` was handled (its upload queued): retention judges it as any step."""
+        with self.job_lock(job):
+            left = self._unreported.get(job, set())
+            left.discard(step)
+            if not left:
+                self._unreported.pop(job, None)
+
     def writing(self, job: str, step: int) -> int:
         """Any thread: how many shards of ``step`` are being written into its ``step-N.tmp``, or queued to be."""
         with self.job_lock(job):
@@ -178,6 +190,7 @@ class Persister:
             if not (present >= set(range(ws)) and os.path.isdir(tmp_dir(self.root, job, step))):
                 return None, None, None
             path = local.finalize_step(self.root, job, step, ws)
+            self._unreported.setdefault(job, set()).add(step)
             # kept in memory for hot restores (they read no disk): the manifest just written under the
             # daemon's own root, so parsed, not validated again (~0.2 s per 10,000 tensors); read here,
             # under the lock, before retention (this call's or another thread's) may remove the step
