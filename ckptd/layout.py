@@ -44,6 +44,7 @@ _STEP_RE = re.compile(r"step-(\d+)")
 _TMP_RE = re.compile(r"step-(\d+)\.tmp")
 _DEL_RE = re.compile(r"step-(\d+)\.del")
 _OLD_RE = re.compile(r"step-(\d+)\.old")
+_FETCH_RE = re.compile(r"step-(\d+)\.fetch")
 _NODE_RE = re.compile(r"step-(\d+)\.node-([0-9a-f]{8})")
 GONE = ".gone"  # a node part's suffix once its attempt was given up: removed, never uploaded again
 _FRAGMENT_RE = re.compile(r"rank-(\d{5,})\.json")
@@ -165,6 +166,11 @@ def partial_steps(root: str, job: str) -> list[int]:
 def trashed_steps(root: str, job: str) -> list[int]:
     """Steps of ``job`` with a ``step-N.del`` directory (retention was deleting it), ascending."""
     return _steps_named(root, job, _DEL_RE, "step-{}.del")
+
+
+def fetching_steps(root: str, job: str) -> list[int]:
+    """Steps of ``job`` with a ``step-N.fetch`` directory (a download under way, or one a crash cut short), ascending."""
+    return _steps_named(root, job, _FETCH_RE, "step-{}.fetch")
 
 
 def replaced_steps(root: str, job: str) -> list[int]:

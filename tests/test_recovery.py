@@ -512,6 +512,19 @@ def test_a_half_deleted_step_is_never_moved_back_even_beside_a_partial_step_of_i
     assert not os.path.exists(path) and _trash(node.root) == []
 
 
+def test_a_download_the_daemon_was_killed_in_is_removed_at_start_up(node: Node) -> None:
+    """The daemon was killed while it downloaded step 5 from the bucket for a restore: ``step-5.fetch`` (up to a whole
+    step's size) was left for good, shown by no listing and judged by no retention. Found by a review of the storage
+    path. It is removed at start-up (no download is under way then); the complete step 3 beside it stays."""
+    path = complete_step(node.root, 3, 1)
+    partial = os.path.join(node.root, JOB, "step-5.fetch")
+    os.makedirs(partial)
+    with open(os.path.join(partial, shard_name(0)), "wb") as f:
+        f.write(b"\0" * 4096)
+    node.recover()
+    assert not os.path.exists(partial) and verify_checkpoint(path) == []
+
+
 def test_a_replacement_whose_rename_fails_puts_the_old_step_back(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
     path = complete_step(node.root, 5, 1)
     write_fragment(node.root, 5, 0, 1, at=NEW_AT)

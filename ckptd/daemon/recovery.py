@@ -27,7 +27,17 @@ from typing import Any
 from .. import shm
 from ..errors import CheckpointError, FormatError, ProtocolError
 from ..format import commit_time
-from ..layout import fragments_present, is_complete, node_parts, partial_steps, replaced_steps, shard_name, step_dir
+from ..layout import (
+    fetch_dir,
+    fetching_steps,
+    fragments_present,
+    is_complete,
+    node_parts,
+    partial_steps,
+    replaced_steps,
+    shard_name,
+    step_dir,
+)
 from ..protocol import validate_record
 from ..storage import local
 from .persister import Persister
@@ -196,6 +206,9 @@ def recover(
     for job in jobs:
         for step in local.empty_trash(root, job):
             log.info("finished deleting step %s of job %s (retention was interrupted)", step, job)
+        for step in fetching_steps(root, job):  # a download a crash cut short: none is under way before the daemon serves
+            log.info("removing %s: its download was cut short", fetch_dir(root, job, step))
+            shutil.rmtree(fetch_dir(root, job, step), ignore_errors=True)
         finish_node_parts(root, job, steps, uploader)
         for step in partial_steps(root, job):
             finish_partial_step(root, job, step, steps, persister, uploader)
