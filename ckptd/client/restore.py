@@ -125,7 +125,9 @@ def open_step(rpc: Channel, job: str, step: int | None, *, hot: bool = True) -> 
     step = _settle(rpc, job, step, persist=not hot)
     if hot:
         held = rpc.call("hot_open", job=job, step=step, pid=os.getpid())
-        if held["step"] is not None:
+        if held["step"] is None:
+            step = _settle(rpc, job, step, persist=True)  # as in restore_from_daemon
+        else:
             try:
                 return OpenStep(_hot_reader(held), restored(held["step"], held["path"], Source.MEMORY), rpc, held)
             except FormatError as e:
@@ -180,6 +182,9 @@ def restore_from_daemon(
                 step = shared(strict, settled, rpc, job, held["step"], persist=True)
         else:
             log.info("restoring from disk: %s", held["reason"])
+            # the step settled on (or one the daemon holds in memory only) may not be on disk yet: it is made durable
+            # first, so the restore reads exactly that step, never an older one the disk already has
+            step = shared(strict, _settle, rpc, job, step, persist=True)
     rep = shared(strict, fetch, rpc, job, step)
     try:
         try:

@@ -367,23 +367,25 @@ class MemoryTier:
     def hot_open(self, job: str, want: int | None, pid: int) -> dict[str, Any]:
         """The ``hot_open`` reply: the job's newest complete step (or ``want``) if this daemon holds every
         rank's shard of it in shared memory, pinned for the reader; else ``step`` null and a reason."""
-        newest = self.catalog.in_memory(job)
-        if newest is None:
+        entry = self.catalog.in_memory(job)
+        if entry is None:
             return {"step": None, "reason": f"this daemon holds no step of job {job!r} in memory (none completed since it started)"}
-        if want is not None and want != newest.step:
-            return {"step": None, "reason": f"the daemon holds only step {newest.step} of job {job!r} in memory"}
+        if want is not None:  # any step held here: a memory-only one while a newer step is on its way to disk too
+            entry = next((e for e in self.catalog.in_memory_all(job) if e.step == want), None)
+            if entry is None:
+                return {"step": None, "reason": f"the daemon does not hold step {want} of job {job!r} in memory"}
         latest, path = self.catalog.latest(job)
-        if want is None and path is not None and latest != newest.step and committed_at(path) >= commit_time(newest.manifest):
-            return {"step": None, "reason": f"step {newest.step} of job {job!r} is in memory, but the latest step is {latest}"}
-        if newest.manifest is None or (newest.tier is Tier.DISK and not os.path.isdir(newest.path)):
-            return {"step": None, "reason": f"step {newest.step} of job {job!r} is no longer on disk"}
-        held = self.pool.held(job, newest.step)
-        missing = sorted(set(range(newest.manifest["world_size"])) - set(held))
+        if want is None and path is not None and latest != entry.step and committed_at(path) >= commit_time(entry.manifest):
+            return {"step": None, "reason": f"step {entry.step} of job {job!r} is in memory, but the latest step is {latest}"}
+        if entry.manifest is None or (entry.tier is Tier.DISK and not os.path.isdir(entry.path)):
+            return {"step": None, "reason": f"step {entry.step} of job {job!r} is no longer on disk"}
+        held = self.pool.held(job, entry.step)
+        missing = sorted(set(range(entry.manifest["world_size"])) - set(held))
         if missing:
-            return {"step": None, "reason": f"the shards of ranks {missing[:8]} of step {newest.step} are no longer in memory"}
+            return {"step": None, "reason": f"the shards of ranks {missing[:8]} of step {entry.step} are no longer in memory"}
         pin = self.pool.pin(list(held.values()), pid)
         segments = {shard_name(rank): slot.name for rank, slot in held.items()}
         return {
-            "step": newest.step, "path": newest.path, "manifest": newest.manifest, "segments": segments, "pin": pin, "reason": None,
-            "tier": newest.tier.value,
+            "step": entry.step, "path": entry.path, "manifest": entry.manifest, "segments": segments, "pin": pin, "reason": None,
+            "tier": entry.tier.value,
         }  # fmt: skip
