@@ -323,6 +323,13 @@ class MemoryTier:
                 for slot in self.pool.held_now(job, held[-1]):
                     self.pool.unhold(slot)
                 log.warning("job %s step %s could not be persisted: kept in shared memory for the next start", job, held[-1])
+        # a memory-tier step some ranks had committed and others not yet: its shards are the only copy, and the other
+        # ranks commit to the next daemon (the step stays open for its launch): kept with their records, for it to adopt
+        partial = {s.holds[:2] for s in self.pool if s.state is SlotState.HELD and s.holds is not None}
+        for key in sorted(k for k in partial if (t := self.steps.get(k)) is not None and t.state is StepState.PENDING):
+            for slot in self.pool.held_now(*key):
+                self.pool.unhold(slot)
+            log.warning("job %s step %s: not every rank had committed it; its shards stay in shared memory for the next start", *key)
 
     def disk_free(self, job: str) -> None:
         """A persisted step of ``job`` left pending: persist its newest memory-only step if one is owed."""

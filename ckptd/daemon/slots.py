@@ -1,20 +1,19 @@
 """The slot pool: the daemon's shared-memory staging segments, who leases them, and what they hold.
 
-A slot is ``free`` (reusable; it may still hold a persisted shard that a hot restore can read),
-``leased`` to a trainer rank that is filling it, ``committed``: it holds a rank's complete shard
-that a persist thread is writing to disk (or a seal thread is reading the header of), or ``held``:
-it holds the only copy of a memory-tier step's shard (:mod:`.memtier`), kept until that step is
-dropped or persisted. Leasing prefers the rank's own previous slot (the trainer keeps a warm mapping of
-it), then creates a segment if the budget allows, evicting free slots least recently used first, else
-reuses the smallest free slot that fits; when nothing fits the request is deferred (backpressure) and
-granted as soon as a slot frees up, unless ``reclaim`` can drop a memory-tier step of the job to make
-room. A request that a seal under way will serve in milliseconds (``soon``: the step it completes makes
-an older memory-only step stale) waits for it rather than for a new segment. A rank that took its last
-free slot while the disk lags gets a spare made off the loop (:mod:`.growth`, like every new segment),
-which its trainer maps ahead before a snapshot of that rank may take it. Hot restores pin what they read.
+A slot is ``free`` (reusable; it may still hold a persisted shard that a hot restore can read), ``leased`` to a
+trainer rank that is filling it, ``committed``: it holds a rank's complete shard that a persist thread is writing to
+disk (or a seal thread is reading the header of), or ``held``: it holds the only copy of a memory-tier step's shard
+(:mod:`.memtier`), kept until that step is dropped or persisted. Leasing prefers the rank's own previous slot (the
+trainer keeps a warm mapping of it), then creates a segment if the budget allows, evicting free slots least recently
+used first, else reuses the smallest free slot that fits; when nothing fits the request is deferred (backpressure) and
+granted as soon as a slot frees up, unless ``reclaim`` can drop a memory-tier step of the job to make room. A request
+that a seal under way will serve in milliseconds (``soon``: the step it completes makes an older memory-only step
+stale) waits for it rather than for a new segment. A rank that took its last free slot while the disk lags gets a
+spare made off the loop (:mod:`.growth`, like every new segment), which its trainer maps ahead before a snapshot of
+that rank may take it. Hot restores pin what they read.
 
-Main thread only (the daemon's loop). Grants of deferred requests go out through ``on_grant``, so the
-pool needs no socket: a test passes a list's ``append``.
+Main thread only (the daemon's loop). Grants of deferred requests go out through ``on_grant``, so the pool needs no
+socket: a test passes a list's ``append``.
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ from .budget import aligned, check_fits, noted
 from .slot import LEASE_FIELDS, Grant, Slot, SlotState, is_running, started
 
 log = logging.getLogger("ckptd.daemon")
+_UNSAFE = (SlotState.COMMITTED, SlotState.HELD)  # what a crash of the node would lose: shards being persisted, memory-only ones
 
 
 class SlotPool:
@@ -438,7 +438,7 @@ class SlotPool:
         return {
             "shm_budget": self.budget,
             "shm_bytes": self.bytes_held(),
-            "staged_bytes": sum((s.lease or {}).get("nbytes", 0) for s in self.slots.values() if s.state is SlotState.COMMITTED),
+            "staged_bytes": sum((s.lease or {}).get("nbytes", 0) for s in self.slots.values() if s.state in _UNSAFE),
             "slots": dict(states),
             "deferred_allocs": len(self.deferred),
             "allocs_waited": self.allocs_waited,
