@@ -15,7 +15,8 @@ The trainer writes exactly these bytes into the daemon's shared-memory slot, so 
 is one sequential write and the daemon never deserializes tensors.
 
 Manifest (``manifest.json``, written last; a step directory without it is not a checkpoint):
-a JSON object with ``format_version`` (integer, this module's :data:`FORMAT_VERSION`), ``kind``
+a JSON object with ``format_version`` (integer, :data:`MANIFEST_VERSION`; 1 before manifests carried
+``digest``, the checksum of the rest, last: :func:`encode_manifest`), ``kind``
 ``"ckptd-manifest"``, ``job``, ``step``, ``world_size``, ``created_unix``, ``files`` (file name →
 ``{"rank", "size", "header_xxh3_64"}``), ``committed_at`` (integer, nanoseconds since the epoch when
 the daemon accepted the step's last commit; 0 in checkpoints written before it existed: it orders
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
     import torch
 
 FORMAT_VERSION = 1
+MANIFEST_VERSION = 2  # a manifest ending with its own digest (:func:`encode_manifest`); version 1 ones are read as before
 HEADER_ALIGN = 64
 MAX_HEADER_BYTES = 256 << 20  # refuse absurd headers from untrusted shared memory or disk
 MAX_DIMS = 64  # torch allows at most 64 dimensions; more is hostile (and math.prod over them slow)
@@ -97,6 +99,26 @@ def itemsize(name: str) -> int:
 def digest(buf: Any) -> str:
     """XXH3-64 of a buffer, as 16 hex digits (releases the GIL: safe to run on worker threads)."""
     return xxhash.xxh3_64_hexdigest(buf)
+
+
+def encode_manifest(manifest: dict[str, Any]) -> bytes:
+    """A manifest's bytes as written: compact JSON, ``format_version`` :data:`MANIFEST_VERSION`, and last ``digest``,
+    XXH3-64 of the same JSON without it. The non-tensor state (``extra``, hyperparameters, scheduler and RNG state)
+    lives only here: a damaged digit must fail a restore and ``verify``, not come back as another value."""
+    body = {**{k: v for k, v in manifest.items() if k != "digest"}, "format_version": MANIFEST_VERSION}
+    raw = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+    return raw[:-1] + b',"digest":"' + digest(raw).encode() + b'"}'
+
+
+def check_manifest_digest(raw: bytes, manifest: dict[str, Any], where: str) -> None:
+    """Raise :class:`FormatError` unless ``raw`` (the parsed ``manifest``'s bytes) ends with the digest of the rest
+    (a version-1 manifest has none; another version is refused by validation)."""
+    if manifest.get("format_version") != MANIFEST_VERSION:
+        return
+    d = manifest.get("digest")
+    tail = b',"digest":"' + d.encode() + b'"}' if type(d) is str and d.isascii() else b""
+    if not tail or not raw.endswith(tail) or digest(raw[: -len(tail)] + b"}") != d:
+        raise FormatError(f"{where}: its contents do not match the digest it ends with: the manifest is damaged or was altered")
 
 
 def digester() -> Any:

@@ -31,7 +31,7 @@ from typing import Any, NoReturn
 
 from .config import MAX_STEP, MAX_TREE_DEPTH, MAX_WORLD_SIZE, validate_job
 from .errors import FormatError
-from .format import FORMAT_VERSION, MAX_DIMS, itemsize
+from .format import FORMAT_VERSION, MANIFEST_VERSION, MAX_DIMS, check_manifest_digest, itemsize
 from .layout import MANIFEST, shard_name
 
 _MAX_RUN = (1 << 63) - 1  # a launch id (protocol.MAX_ID)
@@ -198,9 +198,9 @@ def _envelope(obj: Any, where: str, kind: str) -> dict[str, Any]:
     """The fields every manifest and fragment has: kind, version, job, step, world size, commit time."""
     if type(obj) is not dict or obj.get("kind") != kind:
         raise FormatError(f"{where} is not a {kind.replace('-', ' ')}")
-    version = obj.get("format_version")
-    if type(version) is not int or version != FORMAT_VERSION:
-        raise FormatError(f"{where}: format_version {_short.repr(version)} is not supported (this ckptd reads {FORMAT_VERSION})")
+    version, known = obj.get("format_version"), (FORMAT_VERSION, MANIFEST_VERSION) if kind == "ckptd-manifest" else (FORMAT_VERSION,)
+    if type(version) is not int or version not in known:
+        raise FormatError(f"{where}: format_version {_short.repr(version)} is not supported (this ckptd reads {known[-1]})")
     try:
         validate_job(obj.get("job"))
     except ValueError as e:
@@ -294,7 +294,10 @@ def read_manifest(step_dir: str) -> dict[str, Any]:
 def parse_manifest(raw: bytes, where: str) -> dict[str, Any]:
     """A manifest's bytes from anywhere (a bucket object), parsed and validated; ``where`` names it in errors."""
     with gc_paused():
-        return validate_manifest(load_json(raw, where), where)
+        obj = load_json(raw, where)
+        if type(obj) is dict:
+            check_manifest_digest(raw, obj, where)
+        return validate_manifest(obj, where)
 
 
 def validate_manifest(obj: Any, path: str, *, memory: bool = False) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from _shards import Chunk, shard_bytes
 from doubles import FaultyStore, MemoryStore
 
 from ckptd.errors import CheckpointError, FormatError
+from ckptd.format import encode_manifest
 from ckptd.layout import (
     FETCHED,
     MANIFEST,
@@ -411,7 +412,7 @@ def test_a_manifest_pointing_its_files_elsewhere_is_refused(
     manifest.update(change)
     if manifest["run"] is None:
         del manifest["run"]
-    store.objects[bucket_key(JOB, 6, MANIFEST)] = json.dumps(manifest).encode()
+    store.objects[bucket_key(JOB, 6, MANIFEST)] = encode_manifest(manifest)
     with pytest.raises(FormatError, match=msg):
         download_step(store, dst, JOB, 6)
     assert_nothing_left(dst, JOB, 6)
@@ -536,7 +537,7 @@ def _flip(store: MemoryStore, key: str, pos: int) -> None:
 
 
 def _set_manifest(store: MemoryStore, job: str, step: int, manifest: dict) -> None:
-    store.objects[bucket_key(job, step, MANIFEST)] = json.dumps(manifest).encode()
+    store.objects[bucket_key(job, step, MANIFEST)] = encode_manifest(manifest)
 
 
 def test_download_step_rejects_a_corrupt_object_and_leaves_nothing(store: MemoryStore, src: str, dst: str) -> None:

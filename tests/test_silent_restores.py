@@ -23,7 +23,7 @@ from ckptd import coverage
 from ckptd.client.reader import CheckpointReader
 from ckptd.coverage import check_coverage
 from ckptd.errors import CheckpointError, FormatError
-from ckptd.format import digest
+from ckptd.format import digest, encode_manifest
 from ckptd.layout import MANIFEST, shard_name
 
 
@@ -61,7 +61,7 @@ def _copy(path: str, where: Path) -> Path:
 def _alter(step: Path, change: Any) -> None:
     m = json.loads((step / MANIFEST).read_text())
     change(m)
-    (step / MANIFEST).write_text(json.dumps(m))
+    (step / MANIFEST).write_bytes(encode_manifest(m))  # with its digest again: altered, not damaged
 
 
 def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -123,6 +123,33 @@ def test_a_manifest_whose_chunks_overlap_is_refused_and_nothing_is_loaded(daemon
     with pytest.raises(FormatError, match=r"tensor 'model/lin.weight': chunks at offsets \[0, 0\] .* overlap"):
         ckptd.restore(target, path=str(step))
     assert _same(_params(target), before)
+
+
+def test_a_damaged_digit_of_the_manifest_fails_the_restore_and_verify_instead_of_restoring_another_value(daemon, tmp_path: Path) -> None:  # noqa: ANN001
+    """The non-tensor state (``extra``, hyperparameters, scheduler and RNG state) lives only in the manifest, which
+    had no checksum: one flipped bit on disk turned ``data_pos`` 1234 into 9234, ``ckptd verify`` said OK and the
+    restore returned 9234. Found by a review of the tools. A manifest now ends with its own digest."""
+    import subprocess
+    import sys
+
+    from ckptd.validate import read_manifest
+
+    model, optim = _trained()
+    with daemon.client("digest") as c:
+        path = c.snapshot(model, optim, step=1, extra={"data_pos": 1234}, blocking=True).wait(30)
+    step = _copy(path, tmp_path)
+    raw = (step / MANIFEST).read_bytes()
+    assert raw.count(b'"data_pos":1234') == 1
+    (step / MANIFEST).write_bytes(raw.replace(b'"data_pos":1234', b'"data_pos":9234'))  # '1' -> '9': one bit
+    m2, o2 = _trained(seed=1)
+    with pytest.raises(FormatError, match="do not match the digest it ends with: the manifest is damaged"):
+        ckptd.restore(m2, o2, path=str(step))
+    verify = subprocess.run([sys.executable, "-m", "ckptd", "verify", str(step)], capture_output=True, text=True, timeout=120)
+    assert verify.returncode != 0 and "digest" in verify.stdout + verify.stderr, verify
+    # a manifest written before manifests carried a digest (format_version 1) is read as before
+    old = {k: v for k, v in read_manifest(path).items() if k != "digest"} | {"format_version": 1}
+    (step / MANIFEST).write_text(json.dumps(old))
+    assert ckptd.restore(m2, o2, path=str(step)) == {"data_pos": 1234}
 
 
 def _staircase(n: int) -> list[dict[str, Any]]:

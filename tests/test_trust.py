@@ -20,6 +20,7 @@ from test_remote import remote_toml
 
 from ckptd import shm
 from ckptd.errors import ProtocolError
+from ckptd.format import encode_manifest
 from ckptd.layout import complete_steps, step_dir
 from ckptd.protocol import request
 from ckptd.storage.s3 import RemoteConfig
@@ -382,8 +383,8 @@ def test_a_clock_stepped_back_across_a_restart_does_not_order_new_steps_first(ma
     manifest_path = os.path.join(path, "manifest.json")
     manifest = json.loads(open(manifest_path).read())
     manifest["committed_at"] = time.time_ns() + 600 * 10**9
-    with open(manifest_path, "w") as f:
-        json.dump(manifest, f)
+    with open(manifest_path, "wb") as f:
+        f.write(encode_manifest(manifest))
     d.start()
     with d.client("clk") as c:
         train_step(model, optim, 2)
@@ -411,8 +412,8 @@ def test_a_relaunch_resuming_a_step_another_nodes_clock_stamped_ahead_orders_its
     manifest_path = os.path.join(path, "manifest.json")
     manifest = json.loads(open(manifest_path).read())
     manifest["committed_at"] = stamp()
-    with open(manifest_path + ".new", "w") as f:
-        json.dump(manifest, f)
+    with open(manifest_path + ".new", "wb") as f:
+        f.write(encode_manifest(manifest))
     os.replace(manifest_path + ".new", manifest_path)
     relaunched, optim2 = make()
     with d.client("skew") as c:

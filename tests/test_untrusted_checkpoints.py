@@ -25,7 +25,7 @@ from conftest import REPO
 from ckptd.config import MAX_TREE_DEPTH
 from ckptd.coverage import check_coverage
 from ckptd.errors import CheckpointError, FormatError
-from ckptd.format import build_fragment, build_manifest, parse_header
+from ckptd.format import build_fragment, build_manifest, digest, parse_header
 from ckptd.layout import MANIFEST, shard_name, step_dir
 from ckptd.state import TAG, flatten, unflatten
 from ckptd.tools.verify import verify_checkpoint
@@ -49,10 +49,12 @@ def _shards_and_fragments() -> list[tuple[bytes, dict[str, Any]]]:
 
 def _write_manifest(step: Path, manifest: dict[str, Any], tree_json: str | None = None) -> None:
     """``tree_json``: raw JSON for rank 0's tree (deeper than ``json.dumps`` could write)."""
-    text = json.dumps(manifest)
+    manifest = {k: v for k, v in manifest.items() if k != "digest"}
+    text = json.dumps(manifest, separators=(",", ":"))
     if tree_json is not None:
-        text = text.replace(json.dumps(manifest["ranks"][0]["tree"]), tree_json, 1)
-    (step / MANIFEST).write_text(text)
+        text = text.replace(json.dumps(manifest["ranks"][0]["tree"], separators=(",", ":")), tree_json, 1)
+    # ended with the digest of what it holds, as its writer would: a hostile manifest, not a damaged one
+    (step / MANIFEST).write_text(text[:-1] + ',"digest":"' + digest(text.encode()) + '"}')
 
 
 def _manifest(step: Path) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from typing import Any
 
 import xxhash
 
+from .. import format as fmt
 from ..errors import CheckpointError, FormatError
 from ..format import MAX_HEADER_BYTES, ShardLayout, attempt_of, build_fragment, build_manifest, commit_time, digest, parse_header
 from ..layout import (
@@ -257,7 +258,7 @@ def finalize_step(root: str, job: str, step: int, world_size: int) -> str:
     old = os.path.exists(final)
     if old and manifest["committed_at"] <= committed_at(final):
         raise CheckpointError(f"{final} already exists: a complete checkpoint is never overwritten")
-    write_json_durable(os.path.join(d, MANIFEST), manifest)
+    write_durable(os.path.join(d, MANIFEST), fmt.encode_manifest(manifest))
     if old:  # saved again by a run rolled back past it (admitted by the daemon): the newer commit replaces it
         _swap(root, job, step)
     else:

@@ -28,7 +28,7 @@ from typing import Any
 
 from ..config import MAX_DOCUMENT_BYTES
 from ..errors import CheckpointError, FormatError
-from ..format import Attempt, attempt_of, build_manifest, commit_time, objects_folder
+from ..format import Attempt, attempt_of, build_manifest, commit_time, encode_manifest, objects_folder
 from ..layout import (
     FETCHED,
     MANIFEST,
@@ -224,7 +224,7 @@ def try_complete(store: ObjectStore, job: str, step: int, world_size: int, attem
         manifest["attempt_objects"] = True
         if complete and (why := _refusal(job, step, attempt, manifest["committed_at"], doc)) is not None:
             raise CheckpointError(why)
-    if not store.put_bytes_if(bucket_key(job, step, MANIFEST), json.dumps(manifest, separators=(",", ":")).encode(), tag):
+    if not store.put_bytes_if(bucket_key(job, step, MANIFEST), encode_manifest(manifest), tag):
         return False  # another writer came first: the next poll reads what it wrote
     _forget_commit(store, job, step)
     log.info("step %s of job %s is complete in the bucket: wrote its manifest (attempt %s)", step, job, attempt_of(manifest))
