@@ -81,6 +81,27 @@ def test_import_a_model_only_and_a_flattened_optimizer(daemon, short_tmp) -> Non
     assert_same(full_state(fresh, fopt), full_state(model, optim))
 
 
+def test_import_of_torchtitans_layout_keeps_its_optimizer_and_a_plain_optimizer_state_dict_is_refused(daemon, short_tmp) -> None:  # noqa: ANN001
+    """torchtitan 0.3.0 saves its model's tensors at the top level beside ``optimizer``, ``lr_scheduler`` and
+    ``train_state``: the import put the optimizer into ``extra``, and ``restore(model, optim)`` then failed on a step
+    with "no optim state". A plain ``optimizer.state_dict()`` (parameters by number) imported with exit 0 and every
+    restore then called the step corrupt. Both found by a review of the tools."""
+    model, optim, _ = _trained()
+    msd, fosd = get_state_dict(model, optim, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    titan, plain = str(short_tmp / "titan"), str(short_tmp / "plain")
+    dcp.save({**msd, "optimizer": fosd, "train_state": {"step": 3}}, checkpoint_id=titan, no_dist=True)
+    import_dcp(titan, job="titan0", step=3, endpoint=daemon.endpoint)
+    fresh, fopt = make(seed=9)
+    with daemon.client("titan0") as c:
+        assert c.restore(fresh, fopt) == {"train_state": {"step": 3}}
+    assert_same(full_state(fresh, fopt), full_state(model, optim))
+    dcp.save({"model": model.state_dict(), "optim": optim.state_dict()}, checkpoint_id=plain, no_dist=True)
+    out = _cli("import", plain, "--job", "plain", "--step", "1", "--endpoint", daemon.endpoint)
+    assert out.returncode == 1 and "by number (a plain optimizer.state_dict())" in out.stderr and "get_state_dict" in out.stderr
+    with daemon.client("plain") as c:
+        assert c.latest() is None  # nothing was committed
+
+
 def test_import_refuses_what_is_not_a_dcp_checkpoint(daemon, short_tmp) -> None:  # noqa: ANN001
     with pytest.raises(CheckpointError, match="is not a directory"):
         load_dcp(str(short_tmp / "nowhere"))

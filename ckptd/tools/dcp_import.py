@@ -1,8 +1,9 @@
 """``ckptd import``: turn an existing ``torch.distributed.checkpoint`` directory into a ckptd step.
 
 The DCP checkpoint is read whole into this process's memory (every tensor at its full shape), mapped
-onto ckptd's state — ``model`` and ``optim`` (or ``optimizer``) when the state dict has them, else
-every top-level tensor is the model; an optimizer state dict in DCP's flattened form
+onto ckptd's state — ``model`` when the state dict has it, else every top-level tensor is the model
+(torchtitan's layout), and ``optim`` (or ``optimizer``) when it has one, keyed by parameter name (a plain
+``optimizer.state_dict()``, keyed by number, is refused); an optimizer state dict in DCP's flattened form
 (``state.<fqn>.<name>`` / ``param_groups.<fqn>.<key>``) is nested as ``get_state_dict`` gives it;
 everything else becomes rank 0's ``extra`` — and committed through the daemon as an ordinary step,
 which then restores into any layout.
@@ -143,18 +144,35 @@ def _nest_optimizer(osd: dict[str, Any]) -> dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
+def _by_name(osd: dict[str, Any]) -> dict[str, Any]:
+    """``osd``, if its parameter groups list parameters by name, as ckptd restores them; else a clear refusal (a plain
+    ``optimizer.state_dict()`` numbers them: the step would import and then fail every restore as corrupt)."""
+    params = [p for g in osd.get("param_groups") or [] if isinstance(g, dict) for p in g.get("params") or []]
+    if not all(isinstance(p, str) for p in params):
+        raise CheckpointError(
+            "the optimizer state lists its parameters by number (a plain optimizer.state_dict()), not by name: ckptd"
+            " restores optimizer state by parameter name, into any layout. Save the checkpoint with"
+            " torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer) (or get_optimizer_state_dict),"
+            " or leave the optimizer out of the DCP state dict to import the model alone"
+        )
+    return osd
+
+
 def ckptd_state(sd: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``({"model": ..., "optim": ...}, extra)`` for a DCP state dict (see the module's docstring)."""
+    """``({"model": ..., "optim": ...}, extra)`` for a DCP state dict (see the module's docstring): a ``model`` entry,
+    or the top-level tensors (torchtitan keeps its model's there), and the optimizer under ``optim`` or ``optimizer``."""
+    okey = "optim" if isinstance(sd.get("optim"), dict) else "optimizer" if isinstance(sd.get("optimizer"), dict) else None
     if isinstance(sd.get("model"), dict):
         state = {"model": sd["model"]}
-        okey = "optim" if isinstance(sd.get("optim"), dict) else "optimizer" if isinstance(sd.get("optimizer"), dict) else None
-        if okey is not None:
-            state["optim"] = _nest_optimizer(sd[okey])
-        return state, {k: v for k, v in sd.items() if k not in ("model", okey)}
-    model = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
-    if not model:
-        raise CheckpointError("the DCP checkpoint holds no model: neither a 'model' entry nor top-level tensors")
-    return {"model": model}, {k: v for k, v in sd.items() if k not in model}
+        taken = {"model", okey}
+    else:
+        state = {"model": {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}}
+        if not state["model"]:
+            raise CheckpointError("the DCP checkpoint holds no model: neither a 'model' entry nor top-level tensors")
+        taken = {*state["model"], okey}
+    if okey is not None:
+        state["optim"] = _by_name(_nest_optimizer(sd[okey]))
+    return state, {k: v for k, v in sd.items() if k not in taken}
 
 
 def import_dcp(path: str, *, job: str, step: int, endpoint: str | None = None) -> str:
