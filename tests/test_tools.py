@@ -171,6 +171,42 @@ def test_export_streams_and_loads_with_safetensors(daemon, short_tmp) -> None:  
         del got
 
 
+@pytest.mark.parametrize("layout", ["torchtitan", "lightning"])
+def test_export_finds_the_model_and_optimizer_of_an_integrations_step(daemon, short_tmp, layout: str) -> None:  # noqa: ANN001
+    """Steps saved through ckptd.dcp.Writer by torchtitan (the model's tensors at the top level, ``optimizer``) or by
+    Lightning's CkptdCheckpointIO (``state_dict``, ``optimizer_states``) exported nothing with --what model or optim
+    ("holds no model tensors"), though README says export treats every step alike. Found by a review of the tools."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    import ckptd.dcp
+    from ckptd.dcp import shared
+
+    model, optim = make()
+    train_step(model, optim, 0)
+    msd, osd = get_state_dict(model, optim, options=StateDictOptions(flatten_optimizer_state_dict=layout == "torchtitan"))
+    if layout == "torchtitan":
+        state = {**msd, "optimizer": osd, "train_state": {"step": 5}}
+    else:
+        state = {"state_dict": msd, "optimizer_states": [osd], "epoch": 1}
+    try:
+        dcp.save(state, storage_writer=ckptd.dcp.Writer(layout, endpoint=daemon.endpoint, durable=True), checkpoint_id="5", no_dist=True)
+    finally:
+        for c in shared._clients.values():
+            c.close()
+        shared._clients.clear()
+    path = os.path.join(daemon.root, layout, "step-5")
+    for what in ("model", "optim"):
+        out = _cli("export", path, "--out", str(short_tmp / f"{what}.safetensors"), "--what", what)
+        assert out.returncode == 0, out.stderr
+    got = load_file(str(short_tmp / "model.safetensors"))
+    want = model.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    optim_keys = load_file(str(short_tmp / "optim.safetensors")).keys()
+    assert any(k.endswith("exp_avg_sq") for k in optim_keys), sorted(optim_keys)[:4]
+
+
 def test_export_torch_format_and_errors(ckpt: str, short_tmp) -> None:  # noqa: ANN001
     out = str(short_tmp / "m.pt")
     r = _cli("export", ckpt, "--out", out, "--format", "torch")

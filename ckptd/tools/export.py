@@ -55,14 +55,23 @@ def _check_replaceable(out: str) -> None:
         raise CheckpointError(f"{out} is {what}: the export writes a new file there (give a file's path)")
 
 
-def output_name(key: str, what: str) -> str | None:
-    """The exported name of a state key: model FQNs as ``model.load_state_dict`` wants them by default."""
-    parts = split_key(key)
-    if parts[0] == "extra" or (what != "all" and parts[0] != what):
-        return None
+MODEL_ROOTS = ("model", "state_dict")  # snapshot() and most DCP steps; Lightning's CkptdCheckpointIO
+OPTIM_ROOTS = ("optim", "optimizer", "optimizer_states")  # snapshot(); DCP steps (torchtitan); Lightning
+
+
+def output_names(keys: list[str], what: str) -> dict[str, str]:
+    """The exported name of each state key ``what`` selects, in the step's layout: model FQNs as ``load_state_dict``
+    wants them, under the first of :data:`MODEL_ROOTS` the step has, else its top-level tensors (a DCP state dict
+    holding the model's at its top level, as torchtitan saves); optimizer entries under the first of
+    :data:`OPTIM_ROOTS`; ``all``: every key but ``extra``'s, its parts joined by dots."""
+    parts = {k: split_key(k) for k in keys}
     if what == "all":
-        return ".".join(parts)
-    return ".".join(parts[1:])
+        return {k: ".".join(p) for k, p in parts.items() if p[0] != "extra"}
+    firsts = {p[0] for p in parts.values() if len(p) > 1}
+    root = next((r for r in (MODEL_ROOTS if what == "model" else OPTIM_ROOTS) if r in firsts), None)
+    if root is not None:
+        return {k: ".".join(p[1:]) for k, p in parts.items() if p[0] == root and len(p) > 1}
+    return {k: p[0] for k, p in parts.items() if len(p) == 1} if what == "model" else {}
 
 
 def _progress_printer(total: int) -> Callable[[int], None]:
@@ -105,9 +114,12 @@ def export_checkpoint(
     step_dir = resolve_step_dir(path)
     with CheckpointReader(step_dir) as reader:
         tensors = reader.manifest["tensors"]
-        names = {k: n for k in sorted(tensors) if (n := output_name(k, what)) is not None}
+        names = output_names(sorted(tensors), what)
         if not names:
-            raise CheckpointError(f"{step_dir} holds no {what} tensors")
+            where = f"under {' or '.join(MODEL_ROOTS if what == 'model' else OPTIM_ROOTS)}" + (
+                " nor at the top level" if what == "model" else ""
+            )
+            raise CheckpointError(f"{step_dir} holds no {what} tensors ({where}): --what all exports every tensor it holds")
         meta = {"format": "pt", "ckptd_step": str(reader.manifest["step"])}
         total = sum(_nbytes(tensors[k]) for k in names)
         show = progress or _progress_printer(total)
