@@ -313,6 +313,10 @@ def _ls(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"ckptd ls: {e}", file=sys.stderr)
             return 1
+        if args.job not in list_jobs(root) and not memory.get(args.job):
+            known = ", ".join(sorted(list_jobs(root))[:10]) or "none"
+            print(f"ckptd ls: no job {args.job!r} under {root} (jobs there: {known})", file=sys.stderr)
+            return 1
     print(f"{'job':<20} {'step':>8} {'size':>10} {'ranks':>5}  {'layout':<34} created")
     for j in [args.job] if args.job else sorted(set(list_jobs(root)) | {j for j, steps in memory.items() if steps}):
         for step in memory.get(j, []):

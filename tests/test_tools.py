@@ -125,6 +125,8 @@ def test_ls(daemon, ckpt: str) -> None:  # noqa: ANN001
     assert r.returncode == 1 and "is not a directory" in r.stderr and r.stdout == ""
     r = _cli("ls", "--root", daemon.root, "--job", "../etc")
     assert r.returncode == 1 and "invalid job name" in r.stderr
+    r = _cli("ls", "--root", daemon.root, "--job", "k")  # a typo of the job's name: an empty table and exit 0 before
+    assert r.returncode == 1 and "no job 'k' under" in r.stderr and "(jobs there: j)" in r.stderr and r.stdout == ""
 
 
 def _big_model() -> torch.nn.Module:
