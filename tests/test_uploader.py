@@ -243,6 +243,26 @@ def test_queued_step_skipped_when_a_newer_one_of_the_job_is_queued(tmp_path: Pat
     assert up.pending(JOB) == set() and up.backlog() == []
 
 
+def test_after_a_rollback_a_queued_step_is_skipped_only_for_a_step_committed_later_not_a_higher_number(tmp_path: Path) -> None:
+    """A run rolled back from step 8 to 4 saves 5; step 8 of the abandoned line is queued again behind it (a name
+    protects it, so it goes up again). Skipping compared step numbers: 8 > 5 skipped the new line's newest step, and
+    the bucket lacked it. Newer means committed later (found by a review of the storage path)."""
+    root = str(tmp_path / "root")
+    for s, at in ((8, 100), (4, 200), (5, 300)):
+        write_step(root, JOB, s, at=at)
+    store, results = GatedStore(), Results()
+    up = make_uploader(store, root, results)
+    try:
+        hold_first_upload(up, store, JOB, 4)
+        up.submit(JOB, 5, 1)
+        up.submit(JOB, 8, 1, catch_up=True)
+        store.gate.set()
+    finally:
+        store.gate.set()
+        up.close()
+    assert results.steps() == [(JOB, 4), (JOB, 5), (JOB, 8)]
+
+
 def test_keep_every_steps_and_other_jobs_are_not_skipped(tmp_path: Path) -> None:
     root = str(tmp_path / "root")
     for s in (1, 2, 3, 5):
