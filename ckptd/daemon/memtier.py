@@ -317,12 +317,12 @@ class MemoryTier:
     def keep_for_restart(self) -> None:
         """Shutdown, after the last persists: a job's newest memory-only step that could not be persisted keeps
         its slots and commit records (committed again), so that the next start persists it."""
-        for job, held in self.steps.memory_steps().items():
-            track = self.steps.get((job, held[-1]))
-            if track is not None and track.persist_failures:
-                for slot in self.pool.held_now(job, held[-1]):
+        for job in self.steps.memory_steps():
+            step, track = self.steps.of_job(job, StepState.MEMORY)[-1]  # the newest by commit order (a rollback saves lower numbers later)
+            if track.persist_failures:
+                for slot in self.pool.held_now(job, step):
                     self.pool.unhold(slot)
-                log.warning("job %s step %s could not be persisted: kept in shared memory for the next start", job, held[-1])
+                log.warning("job %s step %s could not be persisted: kept in shared memory for the next start", job, step)
         # a memory-tier step some ranks had committed and others not yet: its shards are the only copy, and the other
         # ranks commit to the next daemon (the step stays open for its launch): kept with their records, for it to adopt
         partial = {s.holds[:2] for s in self.pool if s.state is SlotState.HELD and s.holds is not None}
