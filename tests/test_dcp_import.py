@@ -130,6 +130,29 @@ def test_a_hostile_dcp_metadata_pickle_is_refused_not_run(daemon, short_tmp) -> 
     assert not Path(_Boom.marker).exists()
 
 
+def test_numpy_state_imports_and_a_hostile_object_array_is_refused_not_run(daemon, short_tmp) -> None:  # noqa: ANN001
+    """``np.random.get_state()`` in a DCP checkpoint (a data loader's RNG, as trainers save it) failed the import with
+    torch's "Weights only load failed"; numpy arrays and scalars now import (snapshots store them too). An object
+    array holding anything else is still refused, never run. Found by a review of the tools."""
+    model, optim, _ = _trained(1)
+    msd, osd = get_state_dict(model, optim)
+    rng, arr, scalar = np.random.RandomState(3).get_state(), np.arange(5, dtype=np.int16), np.float32(1.5)
+    good = str(short_tmp / "numpy")
+    dcp.save({"model": msd, "optim": osd, "rng": rng, "arr": arr, "scalar": scalar}, checkpoint_id=good, no_dist=True)
+    import_dcp(good, job="np", step=1, endpoint=daemon.endpoint)
+    fresh, fopt = make(seed=9)
+    with daemon.client("np") as c:
+        extra = c.restore(fresh, fopt)
+    assert extra["rng"][0] == rng[0] and np.array_equal(extra["rng"][1], rng[1]) and extra["rng"][2:] == rng[2:]
+    assert np.array_equal(extra["arr"], arr) and extra["arr"].dtype == np.int16 and extra["scalar"] == scalar
+    _Boom.marker = str(short_tmp / "pwned-array")
+    bad = str(short_tmp / "hostile-array")
+    dcp.save({"model": msd, "x": np.array([_Boom()], dtype=object)}, checkpoint_id=bad, no_dist=True)
+    with pytest.raises(FormatError, match="value 'x' is not plain data"):
+        load_dcp(bad)
+    assert not Path(_Boom.marker).exists()
+
+
 def test_the_extra_of_a_ckptd_step_is_readable_through_dcp(daemon) -> None:  # noqa: ANN001
     model, optim, sched = _trained()
     extra = {"sched": sched.state_dict(), "rng": torch.get_rng_state(), "steps": np.arange(4)}

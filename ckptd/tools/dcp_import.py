@@ -10,7 +10,7 @@ which then restores into any layout.
 
 A DCP directory is untrusted input: its ``.metadata`` is a pickle, read here by an unpickler that
 builds only DCP's own metadata classes (anything else is refused, never run), and its non-tensor
-values are loaded with ``torch.load(weights_only=True)``.
+values are loaded with ``torch.load(weights_only=True)`` (numpy arrays and scalars allowed too).
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ def load_dcp(path: str) -> dict[str, Any]:
     class Planner(_EmptyStateDictLoadPlanner):
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
             try:
-                obj = torch.load(value, weights_only=True)
+                with torch.serialization.safe_globals(_numpy_globals()):
+                    obj = torch.load(value, weights_only=True)
             except Exception as e:  # the restricted unpickler refuses anything but plain data
                 raise FormatError(f"{path}: value {read_item.dest_index.fqn!r} is not plain data: {e}") from None
             from torch.distributed.checkpoint._nested_dict import set_element
@@ -110,6 +111,19 @@ def _read_metadata(path: str) -> Any:
             raise FormatError(f"{md_path} points outside the checkpoint directory ({rel!r}): refusing to read it")
         _plain_file(os.path.join(path, rel))
     return md
+
+
+def _numpy_globals() -> list[Any]:
+    """What numpy arrays and scalars (``np.random.get_state()``, a data loader's position) need from the restricted
+    unpickler besides plain data: their reconstructors and types, which build nothing else (as torch documents)."""
+    import numpy as np
+
+    try:
+        from numpy._core import multiarray
+    except ImportError:  # numpy 1
+        from numpy.core import multiarray  # type: ignore[no-redef]
+    kinds = [getattr(np.dtypes, n) for n in getattr(np.dtypes, "__all__", ())]  # Int64DType...: numpy >= 1.25
+    return [multiarray._reconstruct, multiarray.scalar, np.ndarray, np.dtype, *kinds]
 
 
 def _plain_file(path: str) -> None:
