@@ -82,6 +82,8 @@ def _format_jobs(jobs: dict[str, Any]) -> list[str]:
         flight = ", ".join(map(str, sorted(info.get("in_flight") or []))) or "-"
         only = info.get("memory_only") or []
         flight += f"  (memory only: {', '.join(map(str, only))})" if only else ""
+        kept = info.get("protected") or []
+        flight += f"  (protected: {', '.join(map(str, kept[:8]))}{' ...' if len(kept) > 8 else ''})" if kept else ""
         lines.append(f"{job:<24} {cell['latest']:>8} {cell['uploaded']:>9} {cell['in_memory']:>10}  {flight}")
     return lines
 

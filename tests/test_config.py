@@ -600,3 +600,16 @@ def test_an_empty_group_means_no_group_and_a_private_umask(tmp_path: Path) -> No
     cfg_file.write_text(f'root = "{tmp_path}"\ngroup = ""\nlog_level = "debug"\n')
     cfg = daemon_config({}, str(cfg_file))
     assert cfg.group is None and cfg.log_level == "DEBUG"
+
+
+def test_every_setting_is_listed_in_the_shipped_config_file() -> None:
+    """README: "Every key is listed in systemd/ckptd.toml" (lease_timeout and the memory tier's were not)."""
+    import re
+
+    from ckptd.config import SERVE_KEYS
+    from ckptd.storage.s3config import RemoteConfig
+
+    text = (Path(__file__).resolve().parents[1] / "systemd" / "ckptd.toml").read_text()
+    listed = set(re.findall(r"^#?\s*([a-z_]+)\s*=", text, re.M))
+    remote = {"keep", "keep_every", "commit_timeout"} | set(RemoteConfig.__dataclass_fields__)
+    assert set(SERVE_KEYS) - listed == set() and remote - listed == set(), (set(SERVE_KEYS) | remote) - listed

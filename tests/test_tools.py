@@ -276,3 +276,6 @@ def test_status_shows_an_upload_in_progress_as_a_bar() -> None:
     assert "up 1h02m" in text and "1 queued" in text
     assert "uploading   job j step 4: [############............]  50% 0.50 GB / 1.00 GB, 100 MB/s" in text
     assert text.splitlines()[-1].split() == ["j", "4", "3", "4", "5"]
+    # steps protected by name (Lightning's kept checkpoints): README said status lists them; only --json did
+    st["jobs"]["j"]["protected"] = [2, 4]
+    assert format_status(st).splitlines()[-1].endswith("5  (protected: 2, 4)")
