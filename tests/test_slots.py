@@ -319,6 +319,20 @@ def test_a_pid_that_is_no_pid_reads_as_dead() -> None:
     assert not is_running(os.getpid(), born - 60)  # the pid now names a process that started later: another one
 
 
+def test_a_step_of_the_wall_clock_does_not_make_live_processes_look_dead(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An NTP step (or a VM resumed) moves the boot time psutil adds to a process's start: with psutil's create_time
+    as the identity, every live trainer's lease and every reader's pin would be dropped at the next reap. Found by a
+    review of the pid-and-start-time change."""
+    import psutil._pslinux as linux
+
+    from ckptd.daemon.slot import is_running, started
+
+    born = started(os.getpid())
+    real = linux.boot_time  # what psutil re-reads from /proc/stat's btime, derived from the wall clock
+    monkeypatch.setattr(linux, "boot_time", lambda: real() + 1.0)
+    assert is_running(os.getpid(), born) and started(os.getpid()) == born
+
+
 def test_a_dead_trainers_lease_is_freed_although_its_pid_was_reused_or_it_is_a_zombie(tmp_path: Path) -> None:
     """The trainer that leased a slot died and its pid now names another process (or the dead trainer is a
     zombie nobody reaped: the kernel still answers for its pid). With the pid alone the slot stayed leased

@@ -45,14 +45,29 @@ class Slot:
 Grant = Callable[[bytes, Any, "Slot | CheckpointError"], None]  # (ident, request, slot or refusal)
 
 
+_PROC = os.path.exists("/proc/self/stat")
+
+
 def started(pid: int) -> float | None:
-    """When live process ``pid`` started (its identity with the pid: pids are reused), or ``None`` if it
-    is gone or a zombie (a dead worker nobody reaped)."""
+    """When live process ``pid`` started (its identity with the pid: pids are reused), or ``None`` if it is gone or a
+    zombie (a dead worker nobody reaped). Linux: the kernel's start time in clock ticks since boot, which no change
+    of the wall clock moves (psutil's ``create_time`` adds the boot time, re-read from the wall clock each call: an
+    NTP step would make every live trainer look dead)."""
+    if not _PROC:
+        try:
+            p = psutil.Process(pid)
+            return None if p.status() == psutil.STATUS_ZOMBIE else p.create_time()
+        except (psutil.Error, ValueError, OverflowError):
+            return None
     try:
-        p = psutil.Process(pid)
-        return None if p.status() == psutil.STATUS_ZOMBIE else p.create_time()
-    except (psutil.Error, ValueError, OverflowError):
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            stat = f.read()
+    except (OSError, ValueError, OverflowError):
         return None
+    fields = stat[stat.rfind(b")") + 2 :].split()  # after the command name, which may hold anything: state, ...
+    if len(fields) < 20 or fields[0] in (b"Z", b"X"):
+        return None
+    return float(fields[19])  # field 22, starttime
 
 
 def is_running(pid: int, born: float | None) -> bool:
