@@ -349,7 +349,9 @@ def check_replicas(frags: list[dict[str, Any]]) -> None:
             if cid in seen and seen[cid][0] != dig:
                 raise CheckpointError(
                     f"{_region(cid)}: ranks {seen[cid][1]} and {fr['rank']} hold different bytes under the same name;"
-                    " state keys (FQNs) must be globally unique, e.g. name experts by their global index"
+                    " state keys (FQNs) must be globally unique, e.g. name experts by their global index (module buffers,"
+                    " whose ranks may differ, are exempt through snapshot(); a DCP state dict carries no model to tell them:"
+                    " make such buffers equal on every rank first, e.g. SyncBatchNorm)"
                 )
             seen.setdefault(cid, (dig, fr["rank"]))
 

@@ -28,3 +28,13 @@ def test_sub_group_holders() -> None:
     assert ("model/e0", (0,), (8,)) in out[0] | out[1]
     assert ("model/e1", (0,), (8,)) in out[2] | out[3]
     assert sum(len(o) for o in out) == 3
+
+
+def test_buffers_go_to_their_lowest_rank_holder_whatever_the_load() -> None:
+    """A buffer's holders may hold different bytes (BatchNorm statistics under DDP): the lowest-rank holder's copy
+    is written, the one DDP broadcasts at the next forward; a buffer of ranks 2 and 3 only goes to rank 2."""
+    big, bn = (("model/w", (0,), (100,)), 400), (("model/bn.running_mean", (0,), (10,)), 40)
+    sub = (("model/e.running_mean", (0,), (10,)), 40)
+    out = assign([[big, bn], [big, bn], [big, bn, sub], [big, bn, sub]], lowest={bn[0], sub[0]})
+    assert big[0] in out[0] and bn[0] in out[0] and sub[0] in out[2]  # rank 0 holds the big chunk already, yet takes bn
+    assert assign([[big, bn], [big, bn]])[1] == {bn[0]}  # without the flag: spread by load, as before

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..state import TAG, LocalChunk, flatten
+from ..state import TAG, LocalChunk, flatten, join_key
 
 _no_init_lock = threading.Lock()
 _no_init_depth = 0
@@ -198,3 +198,12 @@ class StateCapture:
         groups = [{k: v for k, v in g.items() if k != "params"} for g in optim.param_groups]
         enc, chunks = flatten({"g": groups})
         return None if chunks else [{**g, "params": p} for g, p in zip(enc["g"], params)]
+
+
+def buffer_keys(model: torch.nn.Module) -> frozenset[str]:
+    """The state keys of ``model``'s buffers (``model/<fqn>``, wrapper prefixes dropped as ``get_state_dict`` drops
+    them). Ranks may hold different bytes under them legitimately: DDP broadcasts rank 0's buffers at each forward,
+    then BatchNorm updates each rank's running statistics from its own batch; FSDP never syncs them."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    return frozenset(join_key(("model", fqn)) for name, _ in model.named_buffers() for fqn in _get_fqns(model, name))

@@ -43,11 +43,12 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def assign(per_rank: list[list[tuple[ChunkId, int]]]) -> list[set[ChunkId]]:
+def assign(per_rank: list[list[tuple[ChunkId, int]]], lowest: set[ChunkId] | frozenset[ChunkId] = frozenset()) -> list[set[ChunkId]]:
     """Given each rank's ``(chunk id, nbytes)`` list, the set of chunk ids each rank writes.
 
     Each distinct chunk goes to the holder with the fewest bytes assigned so far (ties: lowest
-    rank), largest chunks first.
+    rank), largest chunks first; a chunk in ``lowest`` (a buffer, whose holders' bytes may differ) to its
+    lowest-rank holder: rank 0's under DDP, the copy its next forward broadcasts.
     """
     holders: dict[ChunkId, list[int]] = {}
     size: dict[ChunkId, int] = {}
@@ -58,7 +59,7 @@ def assign(per_rank: list[list[tuple[ChunkId, int]]]) -> list[set[ChunkId]]:
     load = [0] * len(per_rank)
     out: list[set[ChunkId]] = [set() for _ in per_rank]
     for cid in sorted(holders, key=lambda c: (-size[c], c)):
-        r = min(holders[cid], key=lambda h: (load[h], h))
+        r = holders[cid][0] if cid in lowest else min(holders[cid], key=lambda h: (load[h], h))
         load[r] += size[cid]
         out[r].add(cid)
     return out
@@ -131,11 +132,17 @@ class WritePlan:
         self.after, self.run = step, secrets.randbits(62) + 1
 
     def mine(
-        self, items: list[tuple[ChunkId, int]], step: int | None = None, failed: bool = False, solo: bool = False
+        self,
+        items: list[tuple[ChunkId, int]],
+        step: int | None = None,
+        failed: bool = False,
+        solo: bool = False,
+        lowest: frozenset[ChunkId] = frozenset(),
     ) -> tuple[set[ChunkId], set[ChunkId]]:
         """This rank's chunks to write, and those of its chunks that other ranks hold too. ``step``:
         the snapshot's (``None`` for ``prepare``); every rank must pass the same. ``failed``: this rank
-        could not stage its state; every rank then raises (this one its own error, by its caller).
+        could not stage its state; every rank then raises (this one its own error, by its caller). ``lowest``:
+        of ``items``, those written by their lowest-rank holder (:func:`assign`), exchanged with the rest.
 
         Collective over the default group: call on every rank; ``solo``: this process saves a step of its
         own, alone (a framework that saves from rank 0 only), and nothing is exchanged.
@@ -147,7 +154,8 @@ class WritePlan:
                 self._items, self._mine, self._hashes = items, ({cid for cid, _ in items}, set()), None
             return self._mine
         if items is not self._items or not self._blob:  # the client passes the same list while its layout holds
-            self._blob = json.dumps([[list(c[0:1]) + [list(c[1]), list(c[2])], n] for c, n in items], separators=(",", ":")).encode()
+            entries = [[list(c[0:1]) + [list(c[1]), list(c[2])], n, *([1] if c in lowest else [])] for c, n in items]
+            self._blob = json.dumps(entries, separators=(",", ":")).encode()
             self._items = items
         blob = self._blob
         h = xxhash.xxh3_64_intdigest(blob) & 0x7FFFFFFFFFFFFFFF
@@ -167,13 +175,15 @@ class WritePlan:
         hashes = [int(t[0].item()) for t in gathered]
         if hashes == self._hashes and self._mine is not None:
             return self._mine
-        per_rank = [[((e[0][0], tuple(e[0][1]), tuple(e[0][2])), e[1]) for e in json.loads(b)] for b in _all_gather_bytes(blob, dev, world)]
+        gathered_entries = [json.loads(b) for b in _all_gather_bytes(blob, dev, world)]
+        per_rank = [[((e[0][0], tuple(e[0][1]), tuple(e[0][2])), e[1]) for e in es] for es in gathered_entries]
+        flagged = {(e[0][0], tuple(e[0][1]), tuple(e[0][2])) for es in gathered_entries for e in es if len(e) > 2}
         counts: dict[ChunkId, int] = {}
         for its in per_rank:
             for cid, _ in its:
                 counts[cid] = counts.get(cid, 0) + 1
         shared = {cid for cid, _ in items if counts[cid] > 1}
-        self._mine = (assign(per_rank)[dist.get_rank()], shared)
+        self._mine = (assign(per_rank, flagged)[dist.get_rank()], shared)
         self._hashes = hashes
         return self._mine
 

@@ -20,7 +20,7 @@ from ..errors import CheckpointError, UnsupportedState
 from ..format import ShardLayout, build_layout
 from ..protocol import MAX_MESSAGE_BYTES, encode
 from ..state import LocalChunk, flatten, replica_id, sample_digest
-from .capture import StateCapture
+from .capture import StateCapture, buffer_keys
 from .plan import ChunkId, WritePlan
 
 COPYABLE = {
@@ -80,6 +80,8 @@ class Stager:
         self.stage: Stage | None = None
         self.layout: ShardLayout | None = None  # the newest layout built
         self._layout_key: Any = None
+        self._buffers: frozenset[str] = frozenset()  # the captured model's buffer keys (:func:`.capture.buffer_keys`)
+        self._lowest: tuple[Any, frozenset[ChunkId]] = (None, frozenset())  # (items, the buffer chunks among them)
 
     @property
     def run_id(self) -> int:
@@ -116,6 +118,7 @@ class Stager:
                 tree, chunks, reused = self.capture.capture(model, optim)
                 if not reused:
                     _forget_when_gone(self, model, optim)
+                    self._buffers = buffer_keys(model)
             except (CheckpointError, TypeError, ValueError, RuntimeError) as e:
                 error = e
         return self._staged(tree, chunks, reused, extra, rank, step, error=error)
@@ -178,7 +181,10 @@ class Stager:
         except (CheckpointError, TypeError, ValueError) as e:
             error = e
         try:
-            mine, shared = self._plan.mine(items, step, failed=error is not None, solo=solo)  # every rank, every snapshot: the collective
+            if self._lowest[0] is not items:  # buffers: written by their lowest-rank holder, never compared across ranks
+                self._lowest = (items, frozenset(cid for cid, _ in items if cid[0] in self._buffers) if self._buffers else frozenset())
+            lowest = self._lowest[1]
+            mine, shared = self._plan.mine(items, step, failed=error is not None, solo=solo, lowest=lowest)  # the collective
         except CheckpointError:
             if error is not None:
                 raise error from None
@@ -188,9 +194,14 @@ class Stager:
         if cached is not None and mine is not cached.mine:
             cached = None  # another rank's layout changed and the plan with it: what this rank writes may differ
         # every holder of a replicated chunk reports a digest of its copy: the daemon refuses a step whose
-        # "replicas" differ (FQNs that are not globally unique, e.g. per-group expert names)
+        # "replicas" differ (FQNs that are not globally unique, e.g. per-group expert names); not buffers, whose
+        # holders may differ (BatchNorm statistics under DDP or FSDP)
         all_chunks = chunks + extra_chunks if shared else []
-        replicas = {replica_id(c): sample_digest(c.tensor) for c in all_chunks if (c.key, c.offsets, c.sizes) in shared}
+        replicas = {
+            replica_id(c): sample_digest(c.tensor)
+            for c in all_chunks
+            if (cid := (c.key, c.offsets, c.sizes)) in shared and cid not in lowest
+        }
         stage = cached or self._new_stage(chunks, extra_chunks, extra_sig, items, mine)
         srcs = list(stage.sources)
         if stage.extra_slots:
