@@ -146,6 +146,11 @@ def test_a_damaged_digit_of_the_manifest_fails_the_restore_and_verify_instead_of
         ckptd.restore(m2, o2, path=str(step))
     verify = subprocess.run([sys.executable, "-m", "ckptd", "verify", str(step)], capture_output=True, text=True, timeout=120)
     assert verify.returncode != 0 and "digest" in verify.stdout + verify.stderr, verify
+    # the version digit itself damaged, 2 -> 1 ("2" is 0x32, "1" 0x31): a version-1 manifest never had a digest
+    assert raw.count(b'"format_version":2') == 1
+    (step / MANIFEST).write_bytes(raw.replace(b'"format_version":2', b'"format_version":1'))
+    with pytest.raises(FormatError, match="do not match the digest"):
+        ckptd.restore(m2, o2, path=str(step))
     # a manifest written before manifests carried a digest (format_version 1) is read as before
     old = {k: v for k, v in read_manifest(path).items() if k != "digest"} | {"format_version": 1}
     (step / MANIFEST).write_text(json.dumps(old))

@@ -190,15 +190,15 @@ class Persister:
             if not (present >= set(range(ws)) and os.path.isdir(tmp_dir(self.root, job, step))):
                 return None, None, None
             path = local.finalize_step(self.root, job, step, ws)
-            self._unreported.setdefault(job, set()).add(step)
             # kept in memory for hot restores (they read no disk): the manifest just written under the
             # daemon's own root, so parsed, not validated again (~0.2 s per 10,000 tensors); read here,
             # under the lock, before retention (this call's or another thread's) may remove the step
             manifest = _own_manifest(path)
+            self._unreported.setdefault(job, set()).add(step)  # until the loop handles this call's event (reported())
         # here, off the main loop and outside the job's lock (deleting GBs takes a while), and before wait() is
-        # answered; the step is complete whatever retention meets
+        # answered; the step is complete whatever retention meets (its failure is logged: the event must go out)
         try:
             self.retain(job)
-        except OSError as e:
+        except Exception as e:
             log.error("retention of job %s after step %s failed: %s", job, step, e)
         return path, manifest, None

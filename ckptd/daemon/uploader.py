@@ -179,8 +179,10 @@ class Uploader:
             while self._queue:
                 u = self._queue.pop(0)
                 # newer: committed later (a rolled-back run saves lower numbers later), by the local steps' manifests
+                # (cached per manifest: retention has read each one already to order the job's steps)
                 order = lambda q: (local_committed_at(step_dir(self.root, q.job, q.step)), q.step)  # noqa: E731
-                newer = u.ranks is None and any(q.job == u.job and order(q) > order(u) for q in self._queue)
+                mine = order(u) if u.ranks is None and any(q.job == u.job for q in self._queue) else None
+                newer = mine is not None and any(q.job == u.job and order(q) > mine for q in self._queue)
                 if u.ranks is None and newer and not self.forever(u.job).keeps([u.step]):
                     log.info("upload of job %s step %s skipped: a newer step is queued", u.job, u.step)
                     continue
