@@ -237,7 +237,8 @@ class Stager:
         assert st is not None, "staged before"
         held = [(c.name, c.key, c.tensor.dtype, c.sizes, c.global_shape, c.offsets) for c in st.chunks]
         items = project(held)
-        mine, _ = self._plan.mine([((key, offs, sizes), math.prod(sizes) * dtype.itemsize) for _, key, dtype, sizes, _, offs in items])
+        planned = [((key, offs, sizes), math.prod(sizes) * dtype.itemsize) for _, key, dtype, sizes, _, offs in items]
+        mine, _ = self._plan.mine(planned, lowest=frozenset(cid for cid, _ in planned if cid[0] in self._buffers))  # as snapshots plan
         slack = 4096 + 128 * (len(items) - len(held))  # the header's real names of the state to come may be longer
         return build_layout([it for it in items if (it[1], it[5], it[3]) in mine]).file_size + (slack if len(items) > len(held) else 0)
 
