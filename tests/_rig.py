@@ -93,7 +93,7 @@ class Rig:
         self.pool = SlotPool(shm.SegmentDir(root), 64 * MiB)
         self.catalog = StepCatalog(root)
         self.steps = StepTable(self.catalog.complete_path)
-        self.persister = Persister(root, self.events, workers=workers, keep=keep, protect=protect)
+        self.persister = Persister(root, self.events, workers=workers, keep=keep, protect=protect, uploads=uploader is not None)
         self.uploader = uploader
         self.answers: list[tuple[Waiter, dict[str, Any]]] = []
         self.completion = Completion(

@@ -84,9 +84,11 @@ class Persister:
         protect: Callable[[str], RetentionPolicy] = lambda job: Protect(frozenset()),
         initializer: Callable[[], None] | None = None,
         open_segment: Callable[[str], int] | None = None,
+        uploads: bool = False,
     ) -> None:
         """``keep``: complete local steps kept per job, besides those ``protect(job)`` keeps (not uploaded yet, named...).
-        ``open_segment``: a read-only fd of a segment, checked to be the daemon's own file."""
+        ``open_segment``: a read-only fd of a segment, checked to be the daemon's own file. ``uploads``: steps go to a
+        bucket, so a step completed here is kept from retention until the loop has queued its upload (:meth:`reported`)."""
         self.root, self._events, self._open_segment = root, events, open_segment
         self.keep, self.write_rate_limit, self._protect = keep, write_rate_limit, protect
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptd-persist", initializer=initializer)
@@ -94,6 +96,7 @@ class Persister:
         # job -> steps completed here whose event the loop has not handled yet (job's lock): retention keeps them, since
         # until then no upload of theirs is queued, and another thread's retention would otherwise remove one unsent
         self._unreported: dict[str, set[int]] = {}
+        self._uploads = uploads
 
     def job_lock(self, job: str) -> threading.RLock:
         """Serializes completing and pruning a job's steps and moving its ``latest`` across persist,
@@ -194,7 +197,8 @@ class Persister:
             # daemon's own root, so parsed, not validated again (~0.2 s per 10,000 tensors); read here,
             # under the lock, before retention (this call's or another thread's) may remove the step
             manifest = _own_manifest(path)
-            self._unreported.setdefault(job, set()).add(step)  # until the loop handles this call's event (reported())
+            if self._uploads:  # until the loop handles this call's event (reported()), which queues its upload
+                self._unreported.setdefault(job, set()).add(step)
         # here, off the main loop and outside the job's lock (deleting GBs takes a while), and before wait() is
         # answered; the step is complete whatever retention meets (its failure is logged: the event must go out)
         try:

@@ -104,7 +104,7 @@ class Daemon:
             )  # fmt: skip
         self.persister = Persister(
             self.root, self.events, workers=config.workers, keep=config.keep, write_rate_limit=config.write_rate_limit,
-            protect=self._protected, initializer=background, open_segment=segments.open_owned,
+            protect=self._protected, initializer=background, open_segment=segments.open_owned, uploads=self.uploader is not None,
         )  # fmt: skip
         self.fetcher = Fetcher(self.catalog, self.events, retain=self.persister.retain)
         self.protections = Protections(self.root, self.events, retain=self.persister.retain, initializer=background)
