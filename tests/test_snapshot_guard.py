@@ -16,16 +16,16 @@ from _models import assert_same, full_state
 from ckptd.errors import CheckpointError, UnsupportedState
 
 
-def _copy_fails_once_on_rank_0(rank: int, world: int, endpoint: str) -> dict[str, Any]:
-    """Rank 0's background copy of step 1 fails (its daemon restarted mid-commit, a CUDA error at the event);
-    what does every rank's snapshot of step 2 do?"""
+def _trained_with_copy_failing(rank: int, step: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A stepped Linear + AdamW; on rank 0 the background copy of ``step`` fails (its daemon restarted mid-commit,
+    a CUDA error at the event)."""
     import ckptd.client.client as cc
 
     if rank == 0:
         real = cc.copy_tensors
 
         def flaky(*a: Any) -> Any:
-            if threading.current_thread().name == "ckptd-copy-1":
+            if threading.current_thread().name == f"ckptd-copy-{step}":
                 raise RuntimeError("injected failure of rank 0's background copy")
             return real(*a)
 
@@ -35,6 +35,15 @@ def _copy_fails_once_on_rank_0(rank: int, world: int, endpoint: str) -> dict[str
     o = torch.optim.AdamW(m.parameters())
     m(torch.randn(2, 64)).sum().backward()
     o.step()
+    return m, o
+
+
+def _copy_fails_once_on_rank_0(rank: int, world: int, endpoint: str) -> dict[str, Any]:
+    """Rank 0's background copy of step 1 fails (its daemon restarted mid-commit, a CUDA error at the event);
+    what does every rank's snapshot of step 2 do?"""
+    import ckptd.client.client as cc
+
+    m, o = _trained_with_copy_failing(rank, 1)
     with cc.Client(endpoint=endpoint, job="asym", overlap="always") as c:
         c.snapshot(m, o, step=1)
         o.step()
@@ -72,20 +81,7 @@ def _copy_fails_then_every_rank_restores(rank: int, world: int, endpoint: str) -
     loss spike), on every rank, twice."""
     import ckptd.client.client as cc
 
-    if rank == 0:
-        real = cc.copy_tensors
-
-        def flaky(*a: Any) -> Any:
-            if threading.current_thread().name == "ckptd-copy-2":
-                raise RuntimeError("injected failure of rank 0's background copy")
-            return real(*a)
-
-        cc.copy_tensors = flaky
-    torch.manual_seed(0)
-    m = torch.nn.Linear(64, 64)
-    o = torch.optim.AdamW(m.parameters())
-    m(torch.randn(2, 64)).sum().backward()
-    o.step()
+    m, o = _trained_with_copy_failing(rank, 2)
     with cc.Client(endpoint=endpoint, job="rest", overlap="always") as c:
         c.snapshot(m, o, step=1, blocking=True).wait(60)
         saved = full_state(m, o)
