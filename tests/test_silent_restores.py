@@ -576,3 +576,11 @@ def test_a_hot_restore_that_falls_back_to_disk_on_one_rank_keeps_the_ranks_paire
     outs = run_ranks(2, _mixed_hot_restore, path, timeout=120)
     assert [o["attempt0"] for o in outs] == ["ok", "ok"] and [o["attempt1"] for o in outs] == ["ok", "ok"], outs
     assert all(o["weight"] == model.lin.weight.tolist() for o in outs)
+
+
+def test_a_tensor_sharded_two_ways_by_two_groups_of_holders_is_refused_naming_it() -> None:
+    """README: a tensor sharded 2-way on some ranks and 3-way on others has chunks that overlap without being the
+    same chunk (not replicas), refused at commit rather than saved twice over."""
+    chunk = lambda o, n: {"offsets": [o], "sizes": [n], "file": "f"}  # noqa: E731
+    with pytest.raises(CheckpointError, match="tensor 'model/w': chunks at offsets .* overlap"):
+        check_coverage({"model/w": {"shape": [6], "chunks": [chunk(0, 3), chunk(3, 3), chunk(0, 2), chunk(2, 2), chunk(4, 2)]}})
