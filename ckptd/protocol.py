@@ -294,10 +294,12 @@ def request(op: str, req_id: int, **fields: Any) -> bytes:
 
 
 def reply_ok(req_id: Any, **fields: Any) -> bytes:
+    """An answer; the daemon adds ``instance`` (its id, drawn at start: a client tells a daemon that replaced the one it
+    talked to on the endpoint by it)."""
     return encode({"v": PROTOCOL_VERSION, "id": req_id, "ok": True, **fields})
 
 
-REPLY_ENVELOPE = frozenset({"v", "id", "ok"})
+REPLY_ENVELOPE = frozenset({"v", "id", "ok", "instance"})
 
 
 def reply_fields(reply: dict[str, Any]) -> dict[str, Any]:
@@ -311,6 +313,13 @@ def reply_error(req_id: Any, code: str, error: str) -> bytes:
 
 def endpoint_answers(ctx: Any, endpoint: str, timeout: float) -> bool:
     """Whether a daemon answers ``hello`` at ``endpoint`` within ``timeout`` seconds (a fresh socket)."""
+    return hello_reply(ctx, endpoint, timeout) is not None
+
+
+def hello_reply(ctx: Any, endpoint: str, timeout: float) -> dict[str, Any] | None:
+    """The ``hello`` reply of the daemon at ``endpoint`` (its root, pid and ``instance``, an id drawn at each start),
+    on a fresh socket, or ``None`` when none comes within ``timeout`` seconds; an answer that is not a reply counts as
+    one (a daemon answers), with no fields."""
     import zmq
 
     s = ctx.socket(zmq.DEALER)
@@ -318,7 +327,12 @@ def endpoint_answers(ctx: Any, endpoint: str, timeout: float) -> bool:
     try:
         s.connect(endpoint)
         s.send(request("hello", 0))
-        return bool(s.poll(int(timeout * 1000)))
+        if not s.poll(int(timeout * 1000)):
+            return None
+        try:
+            return decode_reply(s.recv())
+        except ProtocolError:
+            return {}
     finally:
         s.close(0)
 

@@ -420,3 +420,57 @@ def test_a_channel_dropped_in_a_reference_cycle_without_close_does_not_hang_the_
     )
     r = subprocess.run([sys.executable, "-c", code, daemon.endpoint], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "collected" in r.stdout, r.stderr[-2000:]
+
+
+def test_a_snapshot_whose_alloc_waits_across_a_daemon_restart_asks_the_new_daemon(make_daemon) -> None:  # noqa: ANN001
+    """The budget is full, a snapshot's alloc waits, and the daemon is restarted (``systemctl restart``): the old
+    daemon took the request with it, and the new one answered hello, so the client waited out alloc_timeout (10
+    minutes by default) and then said the daemon was not running. It now sees another instance answer and asks it
+    (found by a review of the client–daemon conversation)."""
+    import torch
+
+    d = make_daemon("--shm-budget", "4M")
+    holder = d.client("other", timeout=2)
+    holder._alloc(0, 1, 0, 4 << 20, wait=False)  # the whole budget
+    c = d.client("t", timeout=2, alloc_timeout=300)
+    out: dict[str, Any] = {}
+
+    def snap() -> None:
+        try:
+            out["path"] = c.snapshot(torch.nn.Linear(64, 64), step=1, blocking=True).wait(60)
+        except Exception as e:  # reported below
+            out["error"] = f"{type(e).__name__}: {e}"
+
+    t = threading.Thread(target=snap)
+    t.start()
+    try:
+        with d.client("probe", timeout=2) as probe:
+            _until(lambda: probe.status()["deferred_allocs"] == 1)
+        assert d.stop() == 0
+        d.start()
+        up = time.monotonic()
+        t.join(60)
+        assert not t.is_alive() and out.get("path", "").endswith("step-1"), out
+        assert time.monotonic() - up < 30  # not alloc_timeout
+    finally:
+        holder._leases.clear()
+        holder.close()
+        t.join(60)
+        c.close()
+
+
+def test_a_daemon_of_another_root_taking_the_endpoint_over_is_refused_not_followed(make_daemon) -> None:  # noqa: ANN001
+    """Another daemon (another root) took the endpoint over: the client went on with it, latest() said None (a resume
+    would start the job over) and new steps landed in the other root. It is refused now, naming both roots."""
+    a = make_daemon(sub="a")
+    c = a.client("job1", timeout=3)
+    try:
+        assert c.latest() is None
+        a.stop()
+        b = make_daemon(start=False, sub="b")
+        b.endpoint = a.endpoint
+        b.start()
+        with pytest.raises(CheckpointError, match=rf"now serves root {b.root}, not {a.root} \(another daemon took the endpoint over\)"):
+            c.latest()
+    finally:
+        c.close()

@@ -25,7 +25,7 @@ import zmq
 
 from ..config import trusted_group, validate_endpoint
 from ..errors import CheckpointError, DaemonUnavailable, ProtocolError
-from ..protocol import decode_reply, endpoint_answers, request
+from ..protocol import decode_reply, hello_reply, request
 
 
 def check_socket(endpoint: str, op: str | None = None) -> None:
@@ -148,6 +148,7 @@ class Channel:
         self._sockets: list[tuple[threading.Thread, zmq.Socket]] = []  # each thread's socket, with its thread
         self._sock_lock = threading.Lock()
         self._ids = itertools.count(1)
+        self.daemon: dict[str, Any] | None = None  # the first daemon's root, and the instance last seen (hello)
         self.closed = False
         # a channel never closed and collected in a reference cycle (a client dropped with an exception's frames):
         # zmq's own Context.__del__ would term() the context while the cycle's sockets, already unreachable to it,
@@ -171,6 +172,11 @@ class Channel:
     def _call(self, op: str, rpc_timeout: float | None, frames: tuple[bytes, ...], fields: dict[str, Any]) -> dict[str, Any]:
         timeout = self.timeout if rpc_timeout is None else rpc_timeout
         req_id = next(self._ids)
+        if self.daemon is None and timeout > self.timeout:
+            # a request that may wait long (an alloc under backpressure, a wait): which daemon has it, so that a
+            # restart that loses it is told by the instance that answers later (briefly: a live daemon answers at once)
+            self._who(min(self.timeout, 2.0))
+        known = (self.daemon or {}).get("instance")
         s = self._socket(op)
         s.send_multipart([request(op, req_id, **fields), *frames])
         t0 = sent = time.monotonic()
@@ -182,10 +188,19 @@ class Channel:
             slice_s = min(left, self.timeout)
             if left > 0 and not s.poll(int(slice_s * 1000) + 1):
                 lost = op in _RESENDABLE and resent < 3 and time.monotonic() - sent > held + 1.0
-                if (lost or slice_s < left) and self.alive():
-                    if lost:  # the daemon answers, but not this request: it restarted and lost it; ask the new one
+                now = self._who() if lost or slice_s < left else None
+                if now is not None:
+                    # a daemon answers; another instance than the one asked (a restart) has lost this request
+                    moved = known is not None and now.get("instance") not in (None, known) and resent < 3
+                    if moved and op not in _RESENDABLE and op != "alloc":  # an alloc never granted is asked again
                         self._drop_socket()
-                        s, req_id, resent = self._socket(op), next(self._ids), resent + 1
+                        raise DaemonUnavailable(
+                            f"the ckptd daemon at {self.endpoint} restarted while {op} waited for its answer (pid"
+                            f" {now.get('pid')} now): the request was lost with the daemon that had it"
+                        )
+                    if lost or moved:  # ask the daemon that answers now
+                        self._drop_socket()
+                        s, req_id, resent, known = self._socket(op), next(self._ids), resent + 1, now.get("instance")
                         s.send_multipart([request(op, req_id, **fields), *frames])
                         sent = time.monotonic()
                         deadline = max(deadline, sent + held + self.timeout)
@@ -202,16 +217,33 @@ class Channel:
                 continue  # stale reply to an earlier, abandoned request
             if not rep["ok"]:
                 raise ProtocolError(f"daemon refused {op}: {rep.get('error')}")
+            if rep.get("instance") not in (None, (self.daemon or {}).get("instance")):
+                self._who()  # the first answer, or one from a daemon that replaced the one before: of the same root?
             return rep
 
     def alive(self) -> bool:
         """Whether the daemon answers ``hello`` on a fresh socket within ``timeout``; ``False`` at once
         when its socket file is gone, :class:`CheckpointError` when the socket is not to be trusted."""
+        return self._who() is not None
+
+    def _who(self, timeout: float | None = None) -> dict[str, Any] | None:
+        """The ``hello`` of the daemon answering now (:meth:`alive`), noted in :attr:`daemon`; a daemon of another root
+        than the first one this channel talked to (it replaced that one on the endpoint) is refused, never followed:
+        new steps would land in the other root and ``latest()`` would start the job over."""
         try:
             check_socket(self.endpoint)
         except DaemonUnavailable:
-            return False
-        return endpoint_answers(self._ctx, self.endpoint, self.timeout)
+            return None
+        rep = hello_reply(self._ctx, self.endpoint, self.timeout if timeout is None else timeout)
+        if rep is None or "root" not in rep:
+            return rep
+        if self.daemon is not None and rep["root"] != self.daemon["root"]:
+            raise CheckpointError(
+                f"the ckptd daemon at {self.endpoint} now serves root {rep['root']}, not {self.daemon['root']} (another"
+                " daemon took the endpoint over): refusing to go on with it; restart the trainer to use it"
+            )
+        self.daemon = {"root": rep["root"], "instance": rep.get("instance"), "pid": rep.get("pid")}
+        return rep
 
     def _socket(self, op: str) -> zmq.Socket:
         s = getattr(self._tls, "sock", None)

@@ -15,6 +15,7 @@ import collections
 import dataclasses
 import logging
 import os
+import secrets
 import signal
 import threading
 import time
@@ -64,6 +65,7 @@ class Daemon:
         self.config = config
         self.access = Access(config.group)
         self.root = os.path.abspath(config.root)
+        self.instance = secrets.token_hex(8)  # in hello: a client tells a restarted daemon from the one it asked
         self._root_lock = self.access.make_root(self.root)  # one daemon per root: refused here if another holds it
         try:
             self._build(config, store)
@@ -297,7 +299,7 @@ class Daemon:
             self._send(ident, reply_error(msg["id"], "internal", f"{type(e).__name__}: {e}"))
             return
         if out is not None:
-            self._send(ident, reply_ok(msg["id"], **out))
+            self._send(ident, reply_ok(msg["id"], instance=self.instance, **out))
 
     def _send(self, ident: bytes, data: bytes) -> None:
         try:
@@ -310,7 +312,7 @@ class Daemon:
         if report is not None:
             self.counters.error(report)
         for w, fields in replies:
-            self._send(w.ident, reply_ok(w.req_id, **fields))
+            self._send(w.ident, reply_ok(w.req_id, instance=self.instance, **fields))
 
     def _protected(self, job: str) -> RetentionPolicy:
         """Local steps of ``job`` retention must keep: those still to be uploaded, those restores read, those named (any thread)."""
@@ -322,7 +324,7 @@ class Daemon:
         if isinstance(result, CheckpointError):
             self._send(ident, reply_error(msg["id"], "refused", str(result)))
         else:
-            self._send(ident, reply_ok(msg["id"], **self._leased(result, msg)))
+            self._send(ident, reply_ok(msg["id"], instance=self.instance, **self._leased(result, msg)))
 
     def _leased(self, slot: Slot, msg: dict[str, Any]) -> dict[str, Any]:
         """An ``alloc``'s answer; ``spare``: a spare slot is being made for this rank, which it may warm."""
@@ -331,7 +333,7 @@ class Daemon:
 
     def _op_hello(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
         tiering = dataclasses.asdict(self.tiering.policy)  # prepare() sizes the slot pool by it
-        return {"server_version": __version__, "root": self.root, "pid": os.getpid(), "tiering": tiering}
+        return {"server_version": __version__, "root": self.root, "pid": os.getpid(), "tiering": tiering}  # and instance
 
     def _op_status(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
         return build_status(self)
@@ -391,7 +393,10 @@ class Daemon:
 
     def _on_answered(self, ev: Answered) -> None:
         err = ev.answer.get("error")
-        self._send(ev.ident, reply_error(ev.req_id, "refused", err) if err is not None else reply_ok(ev.req_id, **ev.answer))
+        self._send(
+            ev.ident,
+            reply_error(ev.req_id, "refused", err) if err is not None else reply_ok(ev.req_id, instance=self.instance, **ev.answer),
+        )
 
     def _op_hot_open(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
         return self.memtier.hot_open(msg["job"], msg["step"], msg["pid"])
