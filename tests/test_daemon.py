@@ -179,6 +179,24 @@ def test_second_daemon_on_same_endpoint_refuses(daemon, make_daemon) -> None:  #
     assert rc.returncode == 1 and "already serving" in rc.stderr
 
 
+def test_a_daemon_still_starting_on_the_endpoint_keeps_a_second_one_off_it(short_tmp) -> None:  # noqa: ANN001
+    """A daemon that bound its socket but is still recovering (deleting a big half-removed step) answers no hello;
+    a second daemon with another root took the socket over, and the first one served nobody while it kept its
+    root. Found by a review of the daemon's life cycle. The endpoint's lock, held from the check on, keeps it off."""
+    import fcntl
+
+    sock_dir = short_tmp / "e"
+    sock_dir.mkdir(mode=0o700)
+    endpoint = f"ipc://{sock_dir}/d.sock"
+    with open(sock_dir / "d.sock.lock", "w") as held:  # what the first daemon holds from its start on
+        fcntl.flock(held, fcntl.LOCK_EX)
+        rc = subprocess.run(
+            [sys.executable, "-m", "ckptd", "serve", "--root", str(short_tmp / "other"), "--endpoint", endpoint],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+    assert rc.returncode == 1 and "or starting on it" in rc.stderr, rc.stderr
+
+
 def test_clean_stop_unlinks_segments(daemon) -> None:  # noqa: ANN001
     with daemon.rpc() as rpc:
         rep = rpc.call("alloc", job="j", rank=0, world_size=1, step=1, nbytes=100, pid=os.getpid())

@@ -10,6 +10,7 @@ whole in memory before the loop sees it). Main thread only.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 
 import zmq
@@ -28,15 +29,26 @@ def ipc_path(endpoint: str) -> str | None:
     return endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else None
 
 
-def check_endpoint(access: Access, ctx: zmq.Context, endpoint: str) -> None:
-    """Refuse an endpoint ckptd does not speak, an ipc endpoint whose directory is not the daemon's own,
-    or one a live daemon serves."""
+def check_endpoint(access: Access, ctx: zmq.Context, endpoint: str) -> int | None:
+    """Refuse an endpoint ckptd does not speak, an ipc endpoint whose directory is not the daemon's own, or one
+    another daemon serves or is starting on. Returns the endpoint's lock, held for the daemon's life (``<socket>.lock``
+    beside it, ``flock``ed): a daemon still recovering answers no ``hello`` yet, and a second one would otherwise take
+    its socket over (with another root: ranks split between two daemons)."""
     if not validate_endpoint(endpoint).startswith("ipc://"):
-        return
+        return None
     path = endpoint[len("ipc://") :]
     access.make_socket_dir(path)
-    if os.path.exists(path) and endpoint_answers(ctx, endpoint, 0.5):
+    with access.file_umask():
+        fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, access.file_mode)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise CheckpointError(f"another daemon is already serving {endpoint}, or starting on it (it holds {path}.lock)") from None
+    if os.path.exists(path) and endpoint_answers(ctx, endpoint, 0.5):  # one that predates the lock
+        os.close(fd)
         raise CheckpointError(f"another daemon is already serving {endpoint}")
+    return fd
 
 
 def bind(access: Access, ctx: zmq.Context, endpoint: str) -> zmq.Socket:

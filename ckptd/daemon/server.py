@@ -1,12 +1,11 @@
-"""The node daemon's loop: a ZeroMQ ROUTER socket, an explicit op table, the events its worker
-threads report, housekeeping, and its lifecycle (bind, recover, serve, shut down).
+"""The node daemon's loop: a ZeroMQ ROUTER socket, an explicit op table, the events its worker threads report,
+housekeeping, and its lifecycle (bind, recover, serve, shut down).
 
-Threads: the main thread runs this loop and owns every table — the slot pool (:mod:`.slots`), the
-step table (:mod:`.steps`), fetches (:mod:`.fetcher`) — and never blocks on disk or network. Persist
-threads (:mod:`.persister`), the upload thread (:mod:`.uploader`) and the fetch thread report back
-through :mod:`.events`. Nothing here talks to the trainers' process groups, and nothing in this
-package imports torch. Which step is complete, and which one a restore reads, is the catalog's
-(:mod:`.catalog`) answer.
+Threads: the main thread runs this loop and owns every table — the slot pool (:mod:`.slots`), the step table
+(:mod:`.steps`), fetches (:mod:`.fetcher`) — and never blocks on disk or network. Persist threads (:mod:`.persister`),
+the upload thread (:mod:`.uploader`) and the fetch thread report back through :mod:`.events`. Nothing here talks to
+the trainers' process groups, and nothing in this package imports torch. Which step is complete, and which one a
+restore reads, is the catalog's (:mod:`.catalog`) answer.
 """
 
 from __future__ import annotations
@@ -67,10 +66,11 @@ class Daemon:
         self.root = os.path.abspath(config.root)
         self.instance = secrets.token_hex(8)  # in hello: a client tells a restarted daemon from the one it asked
         self._root_lock = self.access.make_root(self.root)  # one daemon per root: refused here if another holds it
+        self._endpoint_lock: int | None = None
         try:
             self._build(config, store)
         except BaseException:
-            os.close(self._root_lock)
+            self._unlock()
             raise
 
     def _build(self, config: DaemonConfig, store: ObjectStore | None) -> None:
@@ -78,7 +78,11 @@ class Daemon:
         self.started = time.monotonic()
         self.counters = Counters()
         self._ctx = zmq.Context()
-        self._check_endpoint()  # before anything is created in /dev/shm: a refused start leaves nothing behind
+        try:  # before anything is created in /dev/shm: a refused start leaves nothing behind
+            self._endpoint_lock = check_endpoint(self.access, self._ctx, self.endpoint)
+        except BaseException:
+            self._ctx.term()
+            raise
         self._sock: zmq.Socket | None = None
         self._sock_id: tuple[int, int] | None = None  # the bound socket file (device, inode)
         self._running = False
@@ -212,8 +216,7 @@ class Daemon:
 
     @staticmethod
     def _guarded(fn: Callable[..., None], *args: Any) -> None:
-        """Run one unit of the loop's work; whatever it raises is logged, and the loop (every other job's
-        checkpoints) goes on."""
+        """Run one unit of the loop's work; whatever it raises is logged, and the loop (every other job's checkpoints) goes on."""
         try:
             fn(*args)
         except Exception:
@@ -225,13 +228,6 @@ class Daemon:
 
             self._status_snapshot = build_status(self)
             self._metrics = metrics.serve(self.config.metrics_port, lambda: self._status_snapshot)
-
-    def _check_endpoint(self) -> None:
-        try:
-            check_endpoint(self.access, self._ctx, self.endpoint)
-        except BaseException:
-            self._ctx.term()
-            raise
 
     def _shutdown(self, started: bool = True) -> None:
         """Persist what is staged, finish uploads (a start that failed leaves its queued catch-up to the next
@@ -262,7 +258,12 @@ class Daemon:
             unlink_own(self.endpoint, self._sock_id)
         self.events.close()
         self._ctx.term()
-        os.close(self._root_lock)  # last: the next daemon on this root starts once this one is done with it
+        self._unlock()  # last: the next daemon on this root or endpoint starts once this one is done with it
+
+    def _unlock(self) -> None:
+        for fd in (self._endpoint_lock, self._root_lock):
+            if fd is not None:
+                os.close(fd)
 
     # ------------------------------------------------------------------ requests
 
