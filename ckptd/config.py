@@ -354,6 +354,8 @@ def daemon_config(flags: dict[str, Any] | None = None, config_file: str | None =
         raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {cfg['log_level']!r}")
     if cfg.get("lagging") not in (None, "memory", "wait"):
         raise ValueError(f"lagging must be 'memory' or 'wait', got {cfg['lagging']!r}")
+    if not 0 <= cfg.get("nice", NICE) <= 19:  # the threads yield to training; a negative value would raise them above it
+        raise ValueError(f"nice must be 0..19 (0: unchanged), got {cfg.get('nice')}")
     if not 0 <= cfg["metrics_port"] <= 65535:
         raise ValueError(f"metrics_port must be a TCP port (0 = off), got {cfg['metrics_port']}")
     if cfg.get("group") is not None:

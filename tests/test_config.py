@@ -613,3 +613,12 @@ def test_every_setting_is_listed_in_the_shipped_config_file() -> None:
     listed = set(re.findall(r"^#?\s*([a-z_]+)\s*=", text, re.M))
     remote = {"keep", "keep_every", "commit_timeout"} | set(RemoteConfig.__dataclass_fields__)
     assert set(SERVE_KEYS) - listed == set() and remote - listed == set(), (set(SERVE_KEYS) | remote) - listed
+
+
+@pytest.mark.parametrize("nice", [-20, -1, 20])
+def test_a_nice_value_that_would_not_yield_to_training_is_refused(tmp_path: Path, nice: int) -> None:
+    """``nice = -20`` was accepted: a daemon run as root would raise its persist and upload threads above training."""
+    from ckptd.config import daemon_config
+
+    with pytest.raises(ValueError, match=r"nice must be 0\.\.19"):
+        daemon_config({"root": str(tmp_path), "nice": nice}, None)
