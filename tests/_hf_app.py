@@ -51,9 +51,10 @@ def main(endpoint: str, job: str, output_dir: str, mode: str, out: str) -> None:
     args = transformers.TrainingArguments(
         output_dir=output_dir, max_steps=STEPS, per_device_train_batch_size=4, learning_rate=1e-3, lr_scheduler_type="linear",
         warmup_steps=2, save_strategy="no", logging_strategy="no", report_to=[], seed=0, use_cpu=True, dataloader_num_workers=0,
-        disable_tqdm=True,
+        disable_tqdm=True, eval_strategy="steps", eval_steps=4, metric_for_best_model="eval_loss",
     )  # fmt: skip
-    trainer = transformers.Trainer(model=model(), args=args, train_dataset=dataset(), callbacks=callbacks)
+    # evaluated at every save step: the snapshot must hold that evaluation (the best metric, the log, the eval loader's RNG draw)
+    trainer = transformers.Trainer(model=model(), args=args, train_dataset=dataset(), eval_dataset=dataset()[:8], callbacks=callbacks)
     trainer.train(resume_from_checkpoint=ckpt.resume_checkpoint(output_dir) if mode == "resume" else None)
     if not trainer.is_world_process_zero():
         return
@@ -64,6 +65,8 @@ def main(endpoint: str, job: str, output_dir: str, mode: str, out: str) -> None:
             state[f"optim/{i}/{k}"] = v.reshape(-1) if v.dim() == 0 else v
     state["lr"] = torch.tensor([optim.param_groups[0]["lr"]])
     state["rng"] = torch.get_rng_state()
+    state["best_metric"] = torch.tensor([trainer.state.best_metric])
+    state["evaluated_at"] = torch.tensor([h["step"] for h in trainer.state.log_history if "eval_loss" in h])
     save_file({k: v.contiguous() for k, v in state.items()}, out)
 
 

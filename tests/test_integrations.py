@@ -242,8 +242,8 @@ def _hf_save(job: str, endpoint: str, args, model, optim, step: int) -> None:  #
     from ckptd.integrations.hf import CkptdCallback
 
     cb, state = CkptdCallback(job, save_steps=step, endpoint=endpoint), TrainerState(global_step=step)
-    cb.on_step_end(args, state, TrainerControl(), model=model, optimizer=optim)
-    cb.on_train_end(args, state, TrainerControl())  # the step durable
+    cb.on_step_end(args, state, TrainerControl(), model=model, optimizer=optim)  # the step is due: taken at the next
+    cb.on_train_end(args, state, TrainerControl(), model=model, optimizer=optim)  # begin, or here (every event has them)
     shared._clients.pop((endpoint, job)).close()  # the relaunch is a new process, with a new client
 
 

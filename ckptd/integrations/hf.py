@@ -7,8 +7,9 @@
     trainer = Trainer(model, args, train_dataset=..., callbacks=[ckpt])
     trainer.train(resume_from_checkpoint=ckpt.resume_checkpoint(args.output_dir))   # None: a fresh start
 
-Every ``save_steps`` optimizer steps, :meth:`CkptdCallback.on_step_end` takes a ``ckptd.snapshot`` of the model
-and optimizer (on every rank; the default mode: on a GPU the copy overlaps the next forward and
+Every ``save_steps`` optimizer steps a ``ckptd.snapshot`` is taken of the model and optimizer, when the next step
+begins (:meth:`CkptdCallback.on_step_begin`; the run's last one at :meth:`on_train_end`): after the Trainer logged and
+evaluated that step and, at an epoch's end, started the next epoch's data loader, as its own checkpoint would be; (on every rank; the default mode: on a GPU the copy overlaps the next forward and
 backward) with the LR scheduler's state, the ``TrainerState``, the RNG states and, under fp16 AMP, the
 gradient scaler's state (loss scale and growth tracker: the Trainer's own ``scaler.pt``) as ``extra``: step
 ``global_step`` of the job. Nothing is written under ``output_dir`` while training.
@@ -18,8 +19,8 @@ weights file and ``trainer_state.json``, from which it fast-forwards the data lo
 writes that directory once, at the restart, for the newest step of the job (``checkpoint-<step>``: the
 model's weights as ``model.safetensors``, ``trainer_state.json`` and a ``ckptd.json`` pointer). Then
 :meth:`on_train_begin` restores the model, the optimizer, the scheduler and the gradient scaler in place
-from the ckptd step itself (the optimizer never goes through a file), and the RNG states are restored where
-the Trainer restores its own, before the first step's forward. fp16 turned off at the restart: the step's
+from the ckptd step itself (the optimizer never goes through a file), and the RNG states are restored where they
+were taken, when the first step after the resume begins. fp16 turned off at the restart: the step's
 scaler state is not used (logged at INFO). Turned on, from a step without scaler state: the scaler starts
 afresh from its ``init_scale``, with a warning.
 """
@@ -104,6 +105,7 @@ class CkptdCallback(TrainerCallback):
         self.last: Any = None  # the newest SnapshotHandle
         self._rng: dict[str, Any] | None = None  # RNG states to restore before the first step after a resume
         self._resume_step: int | None = None  # the step resume_checkpoint() chose (on every rank)
+        self._due: int | None = None  # a step that ended due for a snapshot, taken when the next one begins
 
     @property
     def client(self) -> Any:
@@ -117,11 +119,14 @@ class CkptdCallback(TrainerCallback):
             raise ValueError(f"CkptdCallback needs save_steps (an int >= 1): TrainingArguments.save_steps is {every!r}")
         return every
 
-    def on_step_end(
-        self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, lr_scheduler: Any = None, **kw: Any
-    ) -> None:
-        if state.global_step % self._every(args):
-            return
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if state.global_step % self._every(args) == 0:
+            # taken when the next step begins: the Trainer logs, evaluates (a new best metric, the eval loader's RNG
+            # draw) and, at an epoch's end, starts the next epoch's loader after on_step_end; its own checkpoint
+            # holds all of that, and the resume puts the RNG back exactly there (on_step_begin)
+            self._due = state.global_step
+
+    def _snapshot(self, state: Any, model: Any = None, optimizer: Any = None, lr_scheduler: Any = None, **kw: Any) -> None:
         extra = {
             "trainer_state": json.dumps(_state_dict(state)),
             "scheduler": _inner(lr_scheduler, "scheduler").state_dict() if lr_scheduler is not None else None,
@@ -132,6 +137,9 @@ class CkptdCallback(TrainerCallback):
         self.last = self.client.snapshot(model, _inner(optimizer, "optimizer"), step=state.global_step, extra=extra, blocking=self.blocking)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if self._due is not None:  # the run's last step: no next step begins
+            self._due = None
+            self._snapshot(state, **kw)
         self.client.wait()  # every snapshot of the run durable before train() returns
 
     def resume_checkpoint(self, output_dir: str | os.PathLike[str]) -> str | None:
@@ -197,9 +205,12 @@ class CkptdCallback(TrainerCallback):
         self._rng = extra.get("rng")
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        if self._rng is not None:  # where the Trainer restores its own RNG file: after fast-forwarding the data
+        if self._rng is not None:  # where the step's snapshot was taken: after the data was fast-forwarded
             _set_rng(self._rng)
             self._rng = None
+        if self._due is not None:  # the step that ended last (global_step still names it): see on_step_end
+            self._due = None
+            self._snapshot(state, **kw)
 
 
 def read_pointer_at(directory: str) -> tuple[str, int] | None:
