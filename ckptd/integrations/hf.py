@@ -8,11 +8,12 @@
     trainer.train(resume_from_checkpoint=ckpt.resume_checkpoint(args.output_dir))   # None: a fresh start
 
 Every ``save_steps`` optimizer steps a ``ckptd.snapshot`` is taken of the model and optimizer, when the next step
-begins (:meth:`CkptdCallback.on_step_begin`; the run's last one at :meth:`on_train_end`): after the Trainer logged and
-evaluated that step and, at an epoch's end, started the next epoch's data loader, as its own checkpoint would be; (on every rank; the default mode: on a GPU the copy overlaps the next forward and
-backward) with the LR scheduler's state, the ``TrainerState``, the RNG states and, under fp16 AMP, the
-gradient scaler's state (loss scale and growth tracker: the Trainer's own ``scaler.pt``) as ``extra``: step
-``global_step`` of the job. Nothing is written under ``output_dir`` while training.
+begins (:meth:`CkptdCallback.on_step_begin`; the run's last one at :meth:`on_train_end`): after the Trainer logged
+and evaluated that step and, at an epoch's end, started the next epoch's data loader, as its own checkpoint would
+be (on every rank; the default mode: on a GPU the copy overlaps the next forward and backward), with the LR
+scheduler's state, the ``TrainerState``, the RNG states and, under fp16 AMP, the gradient scaler's state (loss
+scale and growth tracker: the Trainer's own ``scaler.pt``) as ``extra``: step ``global_step`` of the job. Nothing
+is written under ``output_dir`` while training.
 
 Resuming: the Trainer loads ``resume_from_checkpoint`` from a checkpoint directory — at least a model
 weights file and ``trainer_state.json``, from which it fast-forwards the data loader. :meth:`resume_checkpoint`
