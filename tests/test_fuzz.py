@@ -257,7 +257,8 @@ def _end_clean(d: DaemonProc, peer: Peer, shm_dir: str, jobs: frozenset[str] = f
     assert d.stop() == 0, d.log.read_text()[-3000:]
     assert d.segments() == []
     assert not os.path.exists(os.path.join(SHM_DIR, shm_dir))
-    assert set(os.listdir(d.base)) == {"root", "daemon.log"}
+    assert set(os.listdir(d.base)) == {"root", "daemon.log", "d.sock.lock"}  # the endpoint's (empty) lock file
+    assert os.path.getsize(os.path.join(d.base, "d.sock.lock")) == 0
     assert set(os.listdir(d.root)) <= jobs | {ROOT_LOCK}, os.listdir(d.root)
     assert os.path.getsize(os.path.join(d.root, ROOT_LOCK)) == 0
     assert _escapes(d) == []
