@@ -38,6 +38,16 @@ def _trained_with_copy_failing(rank: int, step: int) -> tuple[torch.nn.Module, t
     return m, o
 
 
+def _refused(call: Any) -> tuple[str | None, float]:
+    """``call()``'s CheckpointError text (``None`` if it went through), and how long it took."""
+    t0 = time.monotonic()
+    try:
+        call()
+        return None, time.monotonic() - t0
+    except CheckpointError as e:
+        return str(e), time.monotonic() - t0
+
+
 def _copy_fails_once_on_rank_0(rank: int, world: int, endpoint: str) -> dict[str, Any]:
     """Rank 0's background copy of step 1 fails (its daemon restarted mid-commit, a CUDA error at the event);
     what does every rank's snapshot of step 2 do?"""
@@ -47,13 +57,7 @@ def _copy_fails_once_on_rank_0(rank: int, world: int, endpoint: str) -> dict[str
     with cc.Client(endpoint=endpoint, job="asym", overlap="always") as c:
         c.snapshot(m, o, step=1)
         o.step()
-        t0 = time.monotonic()
-        try:
-            c.snapshot(m, o, step=2)
-            error = None
-        except CheckpointError as e:
-            error = str(e)
-        waited = time.monotonic() - t0
+        error, waited = _refused(lambda: c.snapshot(m, o, step=2))
         m(torch.randn(2, 64)).sum().backward()
         o.step()
         c.snapshot(m, o, step=3, blocking=True).wait(60)  # the run goes on, every rank together
@@ -89,13 +93,7 @@ def _copy_fails_then_every_rank_restores(rank: int, world: int, endpoint: str) -
         c.snapshot(m, o, step=2)
         m(torch.randn(2, 64)).sum().backward()
         o.step()
-        t0 = time.monotonic()
-        try:
-            c.restore(m, o, step=1)
-            error = None
-        except CheckpointError as e:
-            error = str(e)
-        waited = time.monotonic() - t0
+        error, waited = _refused(lambda: c.restore(m, o, step=1))
         again = c.restore(m, o, step=1).step  # the ranks' next restore pairs with each other, not with a stale attempt
         assert_same(full_state(m, o), saved)
         return {"error": error, "waited": waited, "again": again}
