@@ -176,8 +176,9 @@ class WritePlan:
         if hashes == self._hashes and self._mine is not None:
             return self._mine
         gathered_entries = [json.loads(b) for b in _all_gather_bytes(blob, dev, world)]
-        per_rank = [[((e[0][0], tuple(e[0][1]), tuple(e[0][2])), e[1]) for e in es] for es in gathered_entries]
-        flagged = {(e[0][0], tuple(e[0][1]), tuple(e[0][2])) for es in gathered_entries for e in es if len(e) > 2}
+        cid = lambda e: (e[0][0], tuple(e[0][1]), tuple(e[0][2]))  # noqa: E731
+        per_rank = [[(cid(e), e[1]) for e in es] for es in gathered_entries]
+        flagged = {cid(e) for es in gathered_entries for e in es if len(e) > 2}  # buffers: written by their lowest holder
         counts: dict[ChunkId, int] = {}
         for its in per_rank:
             for cid, _ in its:

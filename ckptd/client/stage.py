@@ -182,7 +182,7 @@ class Stager:
             error = e
         try:
             if self._lowest[0] is not items:  # buffers: written by their lowest-rank holder, never compared across ranks
-                self._lowest = (items, frozenset(cid for cid, _ in items if cid[0] in self._buffers) if self._buffers else frozenset())
+                self._lowest = (items, self._buffer_chunks(items))
             lowest = self._lowest[1]
             mine, shared = self._plan.mine(items, step, failed=error is not None, solo=solo, lowest=lowest)  # the collective
         except CheckpointError:
@@ -229,6 +229,10 @@ class Stager:
         self.stage = Stage(chunks, extra_sig, items, layout, sources, extra_slots, any_cuda, mine)
         return self.stage
 
+    def _buffer_chunks(self, items: list[tuple[ChunkId, int]]) -> frozenset[ChunkId]:
+        """Of ``items``, the chunks of the model's buffers: written by their lowest-rank holder, never compared."""
+        return frozenset(cid for cid, _ in items if cid[0] in self._buffers) if self._buffers else frozenset()
+
     def projected_size(self, project: Callable[[list[Any]], list[Any]]) -> int:
         """``prepare()``: the shard size of what ``project`` makes of every chunk this rank holds (the state the
         optimizer's first step adds, :mod:`.sizing`), with the chunks it writes planned afresh over every rank's
@@ -238,7 +242,7 @@ class Stager:
         held = [(c.name, c.key, c.tensor.dtype, c.sizes, c.global_shape, c.offsets) for c in st.chunks]
         items = project(held)
         planned = [((key, offs, sizes), math.prod(sizes) * dtype.itemsize) for _, key, dtype, sizes, _, offs in items]
-        mine, _ = self._plan.mine(planned, lowest=frozenset(cid for cid, _ in planned if cid[0] in self._buffers))  # as snapshots plan
+        mine, _ = self._plan.mine(planned, lowest=self._buffer_chunks(planned))  # as snapshots plan
         slack = 4096 + 128 * (len(items) - len(held))  # the header's real names of the state to come may be longer
         return build_layout([it for it in items if (it[1], it[5], it[3]) in mine]).file_size + (slack if len(items) > len(held) else 0)
 
