@@ -1,9 +1,11 @@
 """A tiny Lightning run for tests/test_integrations.py, in a process of its own.
 
-python _lightning_app.py ENDPOINT JOB CKPT_DIR EPOCHS MODE OUT [DEVICES]     MODE: full | kill-at-N | resume | best
+python _lightning_app.py ENDPOINT JOB CKPT_DIR EPOCHS MODE OUT [DEVICES]
+    MODE: full | kill-at-N | resume | best | best-first | best-first-resume
 
-best: one ``ModelCheckpoint`` keeps the top-1 epoch by ``train_loss`` (``mode="max"``: an early epoch wins, as the
-best validation score often is), another the newest epoch and ``last.ckpt``.
+best: one ``ModelCheckpoint`` keeps the newest epoch and ``last.ckpt``, another the top-1 epoch by ``train_loss``
+(``mode="max"``: an early epoch wins, as the best validation score often is). best-first: the same callbacks, the
+top-1 one first and by ``mode="min"`` (so it saves first at every epoch's step); best-first-resume: resumed from ``last.ckpt``.
 
 DEVICES > 1: Lightning's own DDP launcher on CPU (it starts the other ranks by running this script again).
 """
@@ -57,11 +59,12 @@ class KillAt(pl.Callback):
 
 
 def main(endpoint: str, job: str, ckpt_dir: str, epochs: str, mode: str, out: str, devices: str = "1") -> None:
-    callbacks: list[pl.Callback] = [
-        ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_epochs=1, save_top_k=1 if mode == "best" else -1)
-    ]
-    if mode == "best":
-        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, monitor="train_loss", mode="max", save_top_k=1, filename="best-{epoch}-{step}"))
+    best = mode.startswith("best")
+    callbacks: list[pl.Callback] = [ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_epochs=1, save_top_k=1 if best else -1)]
+    if best:
+        how = "max" if mode == "best" else "min"  # best-first: a new best (and its save first) at every epoch
+        top = ModelCheckpoint(dirpath=ckpt_dir, monitor="train_loss", mode=how, save_top_k=1, filename="best-{epoch}-{step}")
+        callbacks.insert(len(callbacks) if mode == "best" else 0, top)
     if mode.startswith("kill-at-"):
         callbacks.append(KillAt(int(mode.removeprefix("kill-at-"))))
     trainer = pl.Trainer(
@@ -70,7 +73,7 @@ def main(endpoint: str, job: str, ckpt_dir: str, epochs: str, mode: str, out: st
         enable_model_summary=False, deterministic=True, plugins=[CkptdCheckpointIO(job, endpoint=endpoint)], callbacks=callbacks,
     )  # fmt: skip
     model = Tiny()
-    trainer.fit(model, data(), ckpt_path="last" if mode == "resume" else None)
+    trainer.fit(model, data(), ckpt_path="last" if mode.endswith("resume") else None)
     if trainer.global_rank != 0:
         return
     optim = trainer.optimizers[0]

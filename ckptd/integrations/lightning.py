@@ -11,7 +11,9 @@ committed as step ``global_step`` of the job, and ``save_checkpoint`` returns â€
 disk (and its bucket) while training goes on, and finishes it if the trainer is killed. At the path
 Lightning chose (``epoch=1-step=20.ckpt``, ``last.ckpt``) a small JSON pointer names the job and step, so
 ``ModelCheckpoint``'s bookkeeping and ``ckpt_path="last"`` work as with files; ``load_checkpoint`` reads the
-step the pointer names, on every rank, from the daemon's memory or disk. A path that holds an ordinary
+step the pointer names, on every rank, from the daemon's memory or disk. A second save at one step (``last.ckpt``,
+another ``ModelCheckpoint``) points at the first and carries what it changed (callback and loop state:
+:mod:`ckptd.integrations.overlay`), so each path loads what Lightning handed for it. A path that holds an ordinary
 Lightning checkpoint (a run that started without ckptd) is loaded by Lightning's ``TorchCheckpointIO``.
 
 For strategies that save through ``CheckpointIO`` (one device, DDP, FSDP with a full state dict). A sharded
@@ -34,7 +36,8 @@ from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 from ..client.staged import commit_staged, stage_state
 from ..dcp.shared import client_for
 from ..errors import CheckpointError, FormatError
-from .pointer import read_pointer, read_state, write_pointer
+from .overlay import ENTRY_BYTES, SKIP, Record, apply, changed, record
+from .pointer import load_pointer, read_pointer, read_state, write_pointer
 
 log = logging.getLogger("ckptd.integrations")
 
@@ -60,6 +63,7 @@ class CkptdCheckpointIO(CheckpointIO):
         self._tiering = (persist_every, persist_interval)
         # steps this process saved, with the keys saved: a second path for one (last.ckpt) is a pointer only
         self._steps: dict[int, frozenset[str]] = {}
+        self._first: Record | None = None  # the newest step's first save, which later saves of that step point at
 
     @property
     def client(self) -> Any:
@@ -77,34 +81,50 @@ class CkptdCheckpointIO(CheckpointIO):
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CheckpointError(f"a Lightning checkpoint names its step in 'global_step'; this one has {step!r}")
         client = self.client
+        overlay: list[Any] = []
         if step not in self._steps:
             handle = commit_staged(stage_state(client, checkpoint, step=step, any_keys=True, solo=True))
-            self._steps[step] = frozenset(checkpoint)
+            self._steps[step], self._first = frozenset(checkpoint), record(step, checkpoint)
             if self.durable:
                 handle.wait()
-        elif lacking := sorted(set(checkpoint) - self._steps[step]):
+        else:
+            overlay = self._changes(step, checkpoint, os.fspath(path))
+        client.protect(step, os.path.abspath(path))  # first: no pointer ever names a step retention may remove
+        write_pointer(path, client.job, step, overlay)
+
+    def _changes(self, step: int, checkpoint: dict[str, Any], path: str) -> list[Any]:
+        """What a later save of ``step`` changed, for its pointer; refused if that cannot be carried."""
+        first = self._first if self._first is not None and self._first.step == step else None  # None: saved before a resume
+        overlay, too_large = changed(first, checkpoint) if first is not None else ([], [])
+        new = set(checkpoint) - self._steps[step]
+        if lacking := sorted(k for k in new if first is None or k in SKIP or any(p[0] == k for p in too_large)):
             # a weights-only save came first at this step: a pointer to it would lose the rest on resume
             raise CheckpointError(
                 f"step {step} was saved already without {lacking} (a save_weights_only checkpoint at the same"
-                f" global_step?): ckptd keeps one checkpoint per step, and {os.fspath(path)} would point to it."
+                f" global_step?): ckptd keeps one checkpoint per step, and {path} would point to it."
                 " Let the weights-only ModelCheckpoint save at other steps, or save the full state first"
             )
-        client.protect(step, os.path.abspath(path))  # first: no pointer ever names a step retention may remove
-        write_pointer(path, client.job, step)
+        if too_large:
+            log.warning(
+                "%s: %s changed since the first save of step %s but hold over %s bytes of tensors: loading it gives"
+                " the first save's", path, ", ".join("/".join(p) for p in too_large), step, ENTRY_BYTES,
+            )  # fmt: skip
+        return overlay
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
-        pointer = read_pointer(path)
+        pointer = load_pointer(path)
         if pointer is None:  # an ordinary Lightning checkpoint: Lightning reads it
             from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 
             return TorchCheckpointIO().load_checkpoint(path, weights_only=weights_only)
-        job, step = pointer
+        job, step = pointer["job"], pointer["step"]
         client = client_for(job, self.endpoint)
         import torch.distributed as dist
 
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        state = read_state(client, step, rank)
+        state = apply(read_state(client, step, rank), pointer.get("overlay", []), os.fspath(path))
         self._steps.clear()  # a relaunch that resumed may save the steps after this one again
+        self._first = None
         return state
 
     def remove_checkpoint(self, path: Any) -> None:
