@@ -221,7 +221,34 @@ def test_export_torch_format_and_errors(ckpt: str, short_tmp) -> None:  # noqa: 
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in sd.items())
     r = _cli("export", str(short_tmp / "nothing"), "--out", out)
     assert r.returncode == 1 and "neither a committed" in r.stderr
-    assert not os.path.exists(out + ".tmp")
+    assert not [n for n in os.listdir(short_tmp) if n.startswith(".") or n.endswith(".tmp")]  # no temporary left
+
+
+def test_export_never_writes_through_a_link_planted_beside_its_output(ckpt: str, short_tmp) -> None:  # noqa: ANN001
+    """Whoever can write in --out's directory planted OUT.tmp -> a file of the exporting user's (root: any file):
+    the export truncated that file and wrote the checkpoint into it, then renamed the link over OUT."""
+    victim = short_tmp / "authorized_keys"
+    victim.write_text("ssh-ed25519 AAAA legit\n")
+    for fmt, out in (("safetensors", short_tmp / "m.safetensors"), ("torch", short_tmp / "m.pt")):
+        for planted in (f"{out}.tmp", f"{out}.st.tmp"):
+            os.symlink(victim, planted)
+        r = _cli("export", ckpt, "--out", str(out), "--format", fmt)
+        assert r.returncode == 0, r.stderr
+        assert victim.read_text() == "ssh-ed25519 AAAA legit\n" and out.is_file() and not out.is_symlink()
+        assert stat.S_IMODE(os.stat(out).st_mode) == 0o666 & ~_umask()  # as a plain open() makes it
+    hf = short_tmp / "hf"
+    os.symlink(short_tmp / "elsewhere", f"{hf}.tmp")  # the hf export's old temporary directory name
+    assert _cli("export", ckpt, "--out", str(hf), "--format", "hf").returncode == 0
+    assert sorted(os.listdir(hf)) == ["model.safetensors"] and not (short_tmp / "elsewhere").exists()
+    assert stat.S_IMODE(os.stat(hf).st_mode) == 0o777 & ~_umask()
+    left = sorted(n for n in os.listdir(short_tmp) if n.startswith("."))
+    assert left == [], left  # no temporary of the exports left
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def test_export_refuses_to_replace_what_is_not_a_regular_file(ckpt: str, short_tmp) -> None:  # noqa: ANN001
@@ -233,7 +260,7 @@ def test_export_refuses_to_replace_what_is_not_a_regular_file(ckpt: str, short_t
         r = _cli("export", ckpt, "--out", out)
         assert r.returncode == 1 and f"{out} is {why}" in r.stderr, r.stderr
     assert stat.S_ISFIFO(os.stat(fifo).st_mode) and stat.S_ISCHR(os.stat("/dev/null").st_mode)
-    assert os.listdir(short_tmp / "adir") == [] and not os.path.exists(fifo + ".tmp")
+    assert os.listdir(short_tmp / "adir") == [] and not [n for n in os.listdir(short_tmp) if n.startswith(".")]
     link = short_tmp / "link.safetensors"
     link.symlink_to(short_tmp / "target.safetensors")  # dangling: the export replaces the link
     assert _cli("export", ckpt, "--out", str(link)).returncode == 0 and link.is_file() and not link.is_symlink()

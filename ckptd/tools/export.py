@@ -11,6 +11,7 @@ anywhere (no daemon, no process group).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import mmap
@@ -19,8 +20,9 @@ import shutil
 import stat
 import struct
 import sys
+import tempfile
 from collections.abc import Callable
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -101,8 +103,8 @@ def export_checkpoint(
 
     ``what``: ``model`` (keys are model FQNs, loadable by ``model.load_state_dict``), ``optim``
     (``state.<fqn>.<name>``, tensors only) or ``all`` (``model.<fqn>``, ``optim.state.<fqn>.<name>``).
-    The file appears atomically (written to ``out.tmp``, then renamed). ``fmt="hf"``: ``out`` is a new
-    directory (see the module's docstring; the model only), made as ``out.tmp`` and renamed.
+    The file appears atomically (written to a new hidden file beside it, then renamed). ``fmt="hf"``: ``out``
+    is a new directory (see the module's docstring; the model only), made under a new hidden name and renamed.
     """
     if fmt not in FORMATS or what not in WHAT:
         raise ValueError(f"format must be one of {FORMATS} and what one of {WHAT}")
@@ -125,17 +127,31 @@ def export_checkpoint(
         show = progress or _progress_printer(total)
         if fmt == "hf":
             return _export_hf(reader, names, out, meta, show, max_shard_size, config_from)
-        tmp = out + ".tmp"
+        temps: list[str] = []
         try:
-            _write_safetensors(reader, names, tmp if fmt == "safetensors" else out + ".st.tmp", meta, show, 0)
+            with _temp_beside(out, temps) as f:
+                _write_safetensors(reader, names, f, meta, show, 0)
             if fmt == "torch":
-                _safetensors_to_torch(out + ".st.tmp", tmp)
-            os.replace(tmp, out)
+                with _temp_beside(out, temps) as f:
+                    _safetensors_to_torch(temps[0], f)
+            os.replace(temps[-1], out)
         finally:
-            for p in (tmp, out + ".st.tmp"):
-                if os.path.exists(p):
+            for p in temps:
+                with contextlib.suppress(FileNotFoundError):
                     os.unlink(p)
     return {"tensors": len(names), "bytes": total}
+
+
+def _temp_beside(out: str, made: list[str]) -> IO[bytes]:
+    """A new file beside ``out``, open for writing, its path appended to ``made``: a fresh name made with O_EXCL
+    (never a file or link someone planted there, in a directory others can write), with the mode a plain
+    ``open`` would give it (the umask's)."""
+    fd, path = tempfile.mkstemp(dir=os.path.dirname(out) or ".", prefix=f".{os.path.basename(out)}.", suffix=".tmp")
+    made.append(path)
+    mask = os.umask(0)
+    os.umask(mask)
+    os.fchmod(fd, 0o666 & ~mask)
+    return os.fdopen(fd, "wb")
 
 
 def _nbytes(ent: dict[str, Any]) -> int:
@@ -143,9 +159,9 @@ def _nbytes(ent: dict[str, Any]) -> int:
 
 
 def _write_safetensors(
-    reader: CheckpointReader, names: dict[str, str], path: str, meta: dict[str, str], show: Callable[[int], None], done: int
+    reader: CheckpointReader, names: dict[str, str], f: IO[bytes], meta: dict[str, str], show: Callable[[int], None], done: int
 ) -> int:
-    """Write the tensors ``names`` (state key -> name in the file) to safetensors file ``path``, one at a
+    """Write the tensors ``names`` (state key -> name in the file) as a safetensors file to ``f``, one at a
     time, fsynced; returns ``done`` plus the bytes written (for progress across files)."""
     tensors = reader.manifest["tensors"]
     header: dict[str, object] = {"__metadata__": meta}
@@ -156,16 +172,15 @@ def _write_safetensors(
         pos += nbytes
     body = json.dumps(header, separators=(",", ":")).encode()
     body += b" " * (-len(body) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(body)) + body)
-        for k in names:
-            full = reader.read_full(k)
-            f.write(memoryview(full.reshape(-1).view(torch.uint8).numpy()))
-            done += full.numel() * full.element_size()
-            del full
-            show(done)
-        f.flush()
-        os.fsync(f.fileno())
+    f.write(struct.pack("<Q", len(body)) + body)
+    for k in names:
+        full = reader.read_full(k)
+        f.write(memoryview(full.reshape(-1).view(torch.uint8).numpy()))
+        done += full.numel() * full.element_size()
+        del full
+        show(done)
+    f.flush()
+    os.fsync(f.fileno())
     return done
 
 
@@ -195,23 +210,35 @@ def _export_hf(
     files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     if len(shards) == 1:
         files = ["model.safetensors"]  # what save_pretrained writes for a model that fits one file
-    tmp = out + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)  # a torn earlier export
-    os.makedirs(tmp)
+    # a fresh directory (0700 until renamed): its files are made inside it through its descriptor, never through
+    # a link someone put in its place in a directory others can write
+    tmp = tempfile.mkdtemp(dir=os.path.dirname(out) or ".", prefix=f".{os.path.basename(out)}.", suffix=".tmp")
+    dfd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+
+    def new(name: str) -> IO[bytes]:
+        return os.fdopen(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666, dir_fd=dfd), "wb")
+
     try:
         done = 0
         for file, shard in zip(files, shards):
-            done = _write_safetensors(reader, shard, os.path.join(tmp, file), meta, show, done)
+            with new(file) as f:
+                done = _write_safetensors(reader, shard, f, meta, show, done)
         if len(shards) > 1:
             index = {"metadata": {"total_size": done}, "weight_map": {n: f for f, sh in zip(files, shards) for n in sh.values()}}
-            with open(os.path.join(tmp, HF_INDEX), "w") as f:
-                json.dump(index, f, indent=2, sort_keys=True)
+            with new(HF_INDEX) as f:
+                f.write(json.dumps(index, indent=2, sort_keys=True).encode())
         for src in side:
-            shutil.copyfile(src, os.path.join(tmp, os.path.basename(src)))
+            with open(src, "rb") as s, new(os.path.basename(src)) as f:
+                shutil.copyfileobj(s, f)
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(dfd, 0o777 & ~mask)  # as os.makedirs would have made it
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        os.close(dfd)
     return {"tensors": len(names), "bytes": done, "files": len(files)}
 
 
@@ -226,8 +253,8 @@ def _side_files(config_from: str) -> list[str]:
     return [p for name in HF_SIDE_FILES if os.path.isfile(p := os.path.join(config_from, name))]
 
 
-def _safetensors_to_torch(src: str, dst: str) -> None:
-    """Re-write a safetensors file as ``torch.save`` output.
+def _safetensors_to_torch(src: str, dst: IO[bytes]) -> None:
+    """Re-write a safetensors file as ``torch.save`` output, to ``dst``.
 
     ``torch.save`` needs every tensor alive at once, with storages of its own: this format holds the
     selected state in memory (the safetensors format is the streaming one).
@@ -246,6 +273,8 @@ def _safetensors_to_torch(src: str, dst: str) -> None:
             # cloned first: a safetensors body is packed, so a tensor may start off its dtype's alignment
             sd[name] = data[b:e].clone().view(dtype_from_name(ent["dtype"])).view(ent["shape"])
         torch.save(sd, dst)
+        dst.flush()
+        os.fsync(dst.fileno())
         del sd, data
     finally:
         mm.close()
