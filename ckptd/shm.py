@@ -225,9 +225,10 @@ class SegmentDir:
         went to hot restores' readers, who must not open it for writing now). Returns its name."""
         if self.sealed_mode == self.file_mode:
             return name
-        os.chmod(self._path(name), self.file_mode)
         if not rename:
+            os.chmod(self._path(name), self.file_mode)
             return name
+        # renamed first, writable after: an open of the old name racing this must never find it 0660
         while True:
             new = f"{self.name}/{secrets.token_hex(16)}"
             try:
@@ -240,6 +241,7 @@ class SegmentDir:
         except OSError:
             os.unlink(self._path(new))  # one name, the old one, which the caller then retires
             raise
+        os.chmod(self._path(new), self.file_mode)
         return new
 
     def size_of(self, name: str) -> int:

@@ -179,6 +179,74 @@ def test_a_group_member_cannot_rewrite_another_jobs_committed_shard(short_tmp: P
         d.cleanup()
 
 
+_KEEPER = r"""
+import json, mmap, os, struct, sys, zmq
+os.setgroups([int(sys.argv[2])]); os.setgid(int(sys.argv[2])); os.setuid(int(sys.argv[3]))
+s = zmq.Context().socket(zmq.DEALER); s.setsockopt(zmq.LINGER, 0); s.connect(sys.argv[1])
+def call(**kw):
+    s.send(json.dumps({"v": 1, "id": 1, **kw}).encode())
+    assert s.poll(10000), "no answer"
+    return json.loads(s.recv())
+# a lease under the victim's job and rank, its segment kept open for writing, then given back to the pool
+rep = call(op="alloc", job="victim", rank=0, world_size=1, step=None, nbytes=1 << 16, pid=os.getpid())
+leased = os.open("/dev/shm/" + rep["segment"], os.O_RDWR)
+assert call(op="release", segment=rep["segment"], lease=rep["lease"])["ok"]
+print("ready", flush=True)
+sys.stdin.readline()  # the victim snapshotted step 1 (memory only)
+rep = call(op="hot_open", job="victim", step=None, pid=os.getpid())
+read = os.open("/dev/shm/" + next(iter(rep["segments"].values())), os.O_RDONLY)  # a reader's fd, kept
+call(op="hot_close", pin=rep["pin"], segments=list(rep["segments"].values()))
+print("read", flush=True)
+sys.stdin.readline()  # the victim snapshotted step 2 (memory only) into its slot again
+for fd in (leased, os.open(f"/proc/self/fd/{read}", os.O_RDWR) if os.access(f"/proc/self/fd/{read}", os.W_OK) else None):
+    if fd is not None:
+        with mmap.mmap(fd, os.fstat(fd).st_size) as m:
+            m[:] = m[:].replace(struct.pack("<f", 1.0), struct.pack("<f", 666.0))
+print("reopened" if os.access(f"/proc/self/fd/{read}", os.W_OK) else "read-only", flush=True)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as other users")
+def test_a_group_member_keeps_no_write_access_to_a_segment_it_leased_or_read(short_tmp: Path) -> None:
+    """Two attacks by a member of the group (another user) on a victim job's memory-only steps: it leases a slot
+    under the victim's job name and rank, keeps the segment open for writing and gives it back, so the victim's
+    rank is handed that very segment as its own; or it reads the victim's step (hot_open) and keeps the fd, which it
+    reopens for writing through /proc/self/fd once the segment is leased (0660) again under whatever name. Either
+    way its writes changed the victim's shards. A segment whose name went to another user is now retired instead."""
+    try:
+        gid = grp.getgrnam(GROUP).gr_gid
+    except KeyError:
+        pytest.skip(f"no group {GROUP!r} here")
+    os.chmod(short_tmp, 0o755)
+    d = DaemonProc(short_tmp, ["--group", GROUP])
+    att = None
+    try:
+        d.start()
+        att = subprocess.Popen([sys.executable, "-c", _KEEPER, d.endpoint, str(gid), str(NOBODY)], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")  # fmt: skip
+        assert att.stdout.readline() == "ready\n", att.stderr.read() if att.poll() is not None else ""
+        m = torch.nn.Linear(4, 4, bias=False)
+        with torch.no_grad():
+            m.weight.fill_(1.0)
+        with d.client("victim", persist_every=100) as c:
+            c.snapshot(m, step=1, blocking=True)
+            att.stdin.write("go\n"), att.stdin.flush()
+            assert att.stdout.readline() == "read\n", att.stderr.read() if att.poll() is not None else ""
+            c.snapshot(m, step=2, blocking=True)
+            att.stdin.write("go\n"), att.stdin.flush()
+            assert att.stdout.readline() == "read-only\n", att.stderr.read() if att.poll() is not None else ""
+            assert att.wait(30) == 0, att.stderr.read()
+            c.wait()
+        m2 = torch.nn.Linear(4, 4, bias=False)
+        with d.client("victim") as c:
+            c.restore(m2, hot=False)
+        assert torch.equal(m2.weight, torch.ones(4, 4))
+    finally:
+        if att is not None and att.poll() is None:
+            att.kill()
+        d.cleanup()
+
+
 @pytest.mark.parametrize("change", ["group-added", "group-dropped"])
 def test_a_restart_with_another_group_setting_keeps_the_committed_shard(short_tmp: Path, change: str) -> None:
     """The daemon is killed with a committed shard not yet durable and restarted with ``--group`` added (or

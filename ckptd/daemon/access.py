@@ -159,12 +159,14 @@ def _fix(path: str) -> str:
     return f"set XDG_RUNTIME_DIR or --endpoint to a directory only the daemon's user can write, or remove {path} if it should not be there"
 
 
-def peer_pid(frame: zmq.Frame) -> int | None:
-    """The sender's pid from an ipc message's metadata (libzmq reads it with ``SO_PEERCRED``:
-    ``Peer-Address`` is ``host:uid:gid:pid``); 0 for an ipc peer outside the daemon's PID namespace
+def peer_cred(frame: zmq.Frame) -> tuple[int | None, int | None]:
+    """The sender's pid and uid from an ipc message's metadata (libzmq reads them with ``SO_PEERCRED``:
+    ``Peer-Address`` is ``host:uid:gid:pid``); pid 0 for an ipc peer outside the daemon's PID namespace
     (the kernel cannot name it there); ``None`` over tcp or where the transport gives nothing."""
     try:
         parts = frame.get("Peer-Address").rsplit(":", 3)
     except (zmq.ZMQError, AttributeError, UnicodeDecodeError):
-        return None
-    return int(parts[3]) if len(parts) == 4 and parts[3].isdigit() else None
+        return None, None
+    if len(parts) != 4:
+        return None, None
+    return (int(parts[3]) if parts[3].isdigit() else None), (int(parts[1]) if parts[1].isdigit() else None)

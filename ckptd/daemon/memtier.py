@@ -371,7 +371,7 @@ class MemoryTier:
 
     # ------------------------------------------------------------------ hot restores
 
-    def hot_open(self, job: str, want: int | None, pid: int) -> dict[str, Any]:
+    def hot_open(self, job: str, want: int | None, pid: int, uid: int | None = None) -> dict[str, Any]:
         """The ``hot_open`` reply: the job's newest complete step (or ``want``) if this daemon holds every
         rank's shard of it in shared memory, pinned for the reader; else ``step`` null and a reason."""
         entry = self.catalog.in_memory(job)
@@ -390,7 +390,7 @@ class MemoryTier:
         missing = sorted(set(range(entry.manifest["world_size"])) - set(held))
         if missing:
             return {"step": None, "reason": f"the shards of ranks {missing[:8]} of step {entry.step} are no longer in memory"}
-        pin = self.pool.pin(list(held.values()), pid)
+        pin = self.pool.pin(list(held.values()), pid, uid)
         segments = {shard_name(rank): slot.name for rank, slot in held.items()}
         return {
             "step": entry.step, "path": entry.path, "manifest": entry.manifest, "segments": segments, "pin": pin, "reason": None,

@@ -32,7 +32,7 @@ from ..storage.local import committed_at
 from ..storage.retention import AnyOf, Protect, RetentionPolicy
 from ..storage.store import ObjectStore, open_store
 from . import inbox, recovery
-from .access import Access, peer_pid
+from .access import Access, peer_cred
 from .admission import Admission
 from .catalog import CommitClock, StepCatalog
 from .completion import Completion
@@ -204,7 +204,7 @@ class Daemon:
                     except zmq.Again:
                         break
                     # no message, however malformed, may take the daemon down; none is copied here (see _handle)
-                    self._guarded(self._handle, parts, peer_pid(parts[-1]))
+                    self._guarded(self._handle, parts, *peer_cred(parts[-1]))
                     del parts  # its frames' memory goes back now, not when the next message comes
             now = time.monotonic()
             if watchdog is not None and now - last_ping >= watchdog:
@@ -267,9 +267,9 @@ class Daemon:
 
     # ------------------------------------------------------------------ requests
 
-    def _handle(self, parts: list[Any], peer: int | None = None) -> None:
-        """One request as received (``zmq.Frame`` objects, or bytes): its frames are copied only once their number is
-        checked (:mod:`.inbox`: a frame may be 64 MiB); ``peer``: the sender's pid as the kernel reports it (ipc), or ``None``."""
+    def _handle(self, parts: list[Any], peer: int | None = None, uid: int | None = None) -> None:
+        """One request as received (``zmq.Frame`` objects, or bytes): its frames are copied only once their number is checked
+        (:mod:`.inbox`: a frame may be 64 MiB); ``peer``, ``uid``: the sender's pid and user per the kernel (ipc), or ``None``."""
         ident, body = inbox.unwrap(parts, self._req_peers)
         try:
             frames = [ident, *inbox.copy(body)]
@@ -277,7 +277,7 @@ class Daemon:
             want = 2 + EXTRA_FRAMES.get(msg["op"], 0)
             if len(frames) != want:
                 raise ProtocolError(f"op {msg['op']!r} takes {want - 1} frame(s), got {len(frames) - 1}")
-            msg["frames"], msg["peer"] = frames[2:], peer
+            msg["frames"], msg["peer"], msg["uid"] = frames[2:], peer, uid
             if peer is not None and "pid" in msg:
                 # liveness by the transport: the kernel's pid of the sender, in this daemon's PID namespace
                 # (a trainer in a container reports its own namespace's pid; a hostile client, any pid);
@@ -400,7 +400,7 @@ class Daemon:
         )
 
     def _op_hot_open(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
-        return self.memtier.hot_open(msg["job"], msg["step"], msg["pid"])
+        return self.memtier.hot_open(msg["job"], msg["step"], msg["pid"], msg["uid"])
 
     def _op_promote(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
         return {"step": self.memtier.newest(msg["job"], msg["step"], msg["persist"])}

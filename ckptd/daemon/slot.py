@@ -14,6 +14,7 @@ import psutil
 from ..errors import CheckpointError
 
 LEASE_FIELDS = ("job", "rank", "world_size", "step")
+ADOPTED = -1  # in Slot.uids: the segment comes from an earlier run, whose readers are unknown
 
 
 class SlotState(StrEnum):
@@ -38,11 +39,22 @@ class Slot:
     used_at: float = 0.0
     holds: tuple[str, int, int] | None = None  # (job, step, rank) a free slot still holds, persisted
     exposed: bool = False  # its name went to a hot restore's reader: renamed before it is leased again
+    # the users whose processes learned its name (lessees, hot restores' readers; ADOPTED: a daemon before this
+    # one's): with a group, an fd one of them kept open is writable again whenever the segment is (0660)
+    uids: set[int | None] = field(default_factory=set)
     spare: bool = False  # made as a spare for ``owner`` and not leased since: its trainer may warm it
     pins: dict[str, tuple[int, float | None, float]] = field(default_factory=dict)  # pin token -> (reader pid, born, deadline)
 
 
 Grant = Callable[[bytes, Any, "Slot | CheckpointError"], None]  # (ident, request, slot or refusal)
+
+
+def foreign(slot: Slot, msg: dict[str, Any]) -> bool:
+    """With a group (segments 0660 while leased), a free slot that must be retired rather than leased for ``msg``: it
+    was another job's, or its name went to a process of another user than the lessee's (one that leased it under this
+    job's name, or read it). Such a process may still hold a writable mapping of it, or an fd it can reopen for
+    writing (``/proc/self/fd``) once it is 0660 again, which no mode or name change takes back."""
+    return (slot.owner is not None and slot.owner[0] != msg["job"]) or bool(slot.uids - {msg.get("uid")})
 
 
 _PROC = os.path.exists("/proc/self/stat")

@@ -12,8 +12,7 @@ stale) waits for it rather than for a new segment. A rank that took its last fre
 spare made off the loop (:mod:`.growth`, like every new segment), which its trainer maps ahead before a snapshot of
 that rank may take it. Hot restores pin what they read.
 
-Main thread only (the daemon's loop). Grants of deferred requests go out through ``on_grant``, so the pool needs no
-socket: a test passes a list's ``append``.
+Main thread only (the daemon's loop). Deferred grants go out through ``on_grant`` (a test passes a list's ``append``).
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from .. import shm
 from ..config import HOT_PIN_MAX_S, LEASE_TIMEOUT_S, MAX_DEFERRED_ALLOCS, MAX_PINS_PER_READER, MAX_PINS_UNNAMED
 from ..errors import CheckpointError, ProtocolError
 from .budget import aligned, check_fits, noted
-from .slot import LEASE_FIELDS, Grant, Slot, SlotState, is_running, started
+from .slot import ADOPTED, LEASE_FIELDS, Grant, Slot, SlotState, foreign, is_running, started
 
 log = logging.getLogger("ckptd.daemon")
 _UNSAFE = (SlotState.COMMITTED, SlotState.HELD)  # what a crash of the node would lose: shards being persisted, memory-only ones
@@ -119,7 +118,7 @@ class SlotPool:
             # over budget, or this request's own segment is still being made (another request of the same
             # rank took the one that came first): any free slot that fits
             slot = min(free, key=lambda s: s.size, default=None)
-        if slot is not None and not self._writable(slot, msg["job"]):
+        if slot is not None and not self._writable(slot, msg):
             return self.lease(msg)  # retired: another slot, or a new one
         if slot is None:
             slot = self._create(need, rounded, used, msg)
@@ -141,6 +140,7 @@ class SlotPool:
         slot.holds, slot.token, slot.spare, slot.used_at = None, secrets.token_hex(16), False, self._clock()
         slot.leased_at = slot.used_at
         slot.lease = {k: msg[k] for k in LEASE_FIELDS}
+        slot.uids.add(msg.get("uid"))
         return slot
 
     def _lease_spare(self, msg: dict[str, Any]) -> Slot | None:
@@ -152,7 +152,7 @@ class SlotPool:
             raise CheckpointError("the spare slot is left to a snapshot that waits for memory")
         slot = self._free_spare(owner, msg["nbytes"])
         if slot is not None:
-            if not self._writable(slot, owner[0]):
+            if not self._writable(slot, msg):
                 raise CheckpointError("the spare slot could not be made writable")
             self._take(slot, owner, msg).spare = True  # still a spare while its trainer maps it: see _spare_room
             return slot
@@ -199,13 +199,11 @@ class SlotPool:
         self.growing[token], self.spares[token] = rounded, owner
         self._grow(size, token)
 
-    def _writable(self, slot: Slot, job: str) -> bool:
-        """A free slot about to be leased to ``job``, made writable for its lessee (``--group``: committed
-        segments are read-only to the group), under a new name if a reader learned the old one; False (the
-        slot retired) if that failed, or if (``--group``) it was another job's: that job's processes may still
-        hold a writable mapping of it, which no mode or name change takes back."""
-        if self.segments.sealed_mode != self.segments.file_mode and slot.owner is not None and slot.owner[0] != job:
-            log.info("segment %s of job %s retired rather than leased to job %s", slot.name, slot.owner[0], job)
+    def _writable(self, slot: Slot, msg: dict[str, Any]) -> bool:
+        """A free slot about to be leased for ``msg``, made writable (``--group``: committed segments are read-only), renamed
+        if a reader learned its name; False (retired) if that failed or another job or user may write it (``foreign``)."""
+        if self.segments.sealed_mode != self.segments.file_mode and foreign(slot, msg):
+            log.info("segment %s of job %s retired rather than leased to job %s", slot.name, slot.owner and slot.owner[0], msg["job"])
             self.unlink(slot)
             return False
         try:
@@ -342,6 +340,7 @@ class SlotPool:
         """Take over a segment a previous run committed (its commit ``record`` read back, checked)."""
         slot = Slot(name, size, state=SlotState.COMMITTED, owner=(record["job"], record["rank"]), lease=record)
         slot.exposed = True  # the daemon before this one may have given its name to readers
+        slot.uids.add(ADOPTED)
         slot.tree_bytes = len(record.get("tree") or b"")
         self.slots[name] = slot
         return slot
@@ -364,7 +363,7 @@ class SlotPool:
             if s.holds is not None and s.holds[:2] == (job, step):
                 s.holds = None
 
-    def pin(self, slots: list[Slot], pid: int) -> str:
+    def pin(self, slots: list[Slot], pid: int, uid: int | None = None) -> str:
         """Keep ``slots`` from reuse while ``pid`` reads them: until :meth:`unpin` with the returned token, the reader's
         death, or HOT_PIN_MAX_S. A reader holds at most ``MAX_PINS_PER_READER`` pins on a slot (a client that opens and
         never closes would pile up pins, each checked every housekeeping pass); pid 0 (unnamed) shares ``MAX_PINS_UNNAMED``."""
@@ -377,6 +376,7 @@ class SlotPool:
         for slot in slots:
             slot.pins[token] = (pid, born, deadline)
             slot.exposed = True
+            slot.uids.add(uid)
         return token
 
     def unpin(self, names: list[Any], token: str, peer: int | None = None) -> None:
