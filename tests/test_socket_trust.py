@@ -118,6 +118,26 @@ def test_daemon_refuses_a_socket_directory_others_can_write(short_tmp: Path, mod
     assert os.listdir(run) == []
 
 
+@pytest.mark.parametrize("how", ["0o777", "0o775", "0o1777", "other user's"])
+def test_daemon_refuses_a_checkpoint_root_others_can_write(short_tmp: Path, how: str) -> None:
+    """A root someone else made (under /tmp, on a shared disk): whoever owns or can write it renamed a job's
+    directory away and put a forged one in its place, and a restore loaded the forged weights. Refused, before
+    anything is written there."""
+    root = short_tmp / "root"
+    root.mkdir(mode=0o755)
+    if how == "other user's":
+        if os.geteuid() != 0:
+            pytest.skip("needs root to give the directory to another user")
+        os.chown(root, 65534, 65534)
+    else:
+        os.chmod(root, int(how, 8))
+    run = short_tmp / "run"
+    run.mkdir(mode=0o700)
+    r = _serve(f"ipc://{run}/d.sock", root)
+    _refused(r, f"checkpoint root {root}", "belongs to another user" if how == "other user's" else "is writable by other users")
+    assert os.listdir(root) == []
+
+
 @pytest.mark.parametrize("kind", ["symlink", "file"])
 def test_daemon_never_removes_what_is_not_its_socket(short_tmp: Path, kind: str) -> None:
     """The daemon removes a stale socket before binding; a symlink or a plain file in its place is left

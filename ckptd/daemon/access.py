@@ -68,14 +68,22 @@ class Access:
             os.chown(path, -1, self.gid)
 
     def make_root(self, root: str) -> int:
-        """Create the checkpoint root with the right mode (warn if an existing one is open to everyone) and take
-        its lock: one daemon per root, whatever its endpoint, also while another still drains or recovers
-        (two would persist the same segments into the same files). Returns the lock's fd: held until closed."""
+        """Create the checkpoint root with the right mode, or check an existing one: the daemon's user's (or root's)
+        and writable by no one else, who could otherwise put a forged job directory in a job's place (a warning if
+        everyone may read it). Then take its lock: one daemon per root, whatever its endpoint, also while another
+        still drains or recovers (two would persist the same segments into the same files). Returns the lock's fd."""
         if not os.path.isdir(root):
             os.makedirs(root)
             self.restrict(root, self.root_mode)
-        elif (mode := os.stat(root).st_mode) & 0o007:
-            log.warning("checkpoint root %s is accessible to every user on this node (mode %o)", root, mode & 0o7777)
+        st = os.stat(root)  # a link to the root is followed: its target is checked
+        if st.st_uid not in (os.geteuid(), 0) or st.st_mode & 0o022:
+            raise CheckpointError(
+                f"checkpoint root {root} {'is writable by other users' if st.st_uid in (os.geteuid(), 0) else 'belongs to another user'}"
+                f" ({_owned(st)}; the daemon runs as {describe_owner(os.geteuid())}): whoever can write in it can replace a job's"
+                f" checkpoints with their own; chown it to the daemon's user and chmod go-w, or choose another --root"
+            )
+        if st.st_mode & 0o007:
+            log.warning("checkpoint root %s is accessible to every user on this node (mode %o)", root, st.st_mode & 0o7777)
         fd = os.open(os.path.join(root, ROOT_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
