@@ -19,7 +19,7 @@ from ckptd.errors import CheckpointError, UnsupportedState
 def _trained_with_copy_failing(rank: int, step: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """A stepped Linear + AdamW; on rank 0 the background copy of ``step`` fails (its daemon restarted mid-commit,
     a CUDA error at the event)."""
-    import ckptd.client.client as cc
+    import ckptd.client.copy as cc
 
     if rank == 0:
         real = cc.copy_tensors
@@ -205,7 +205,7 @@ def test_the_background_copy_leaves_the_thread_count_of_threads_made_later_alone
 
 def _slow_background_copy(monkeypatch: pytest.MonkeyPatch, delays: dict[str, float]) -> None:
     """The background copy of the named threads starts that many seconds late (a large state on a busy host)."""
-    import ckptd.client.client as cc
+    import ckptd.client.copy as cc
 
     real = cc.copy_tensors
 
@@ -340,7 +340,7 @@ def test_extra_with_keys_1_and_the_string_1_holding_tensors_round_trips(daemon) 
 def test_a_background_copy_failure_is_not_lost_when_the_next_snapshot_is_refused_for_its_step(daemon, monkeypatch) -> None:  # noqa: ANN001
     """After a rollback restore, saving a step number again is refused; that refusal came after the previous
     background copy's failure was taken from the guard, and the failure was never raised anywhere."""
-    import ckptd.client.client as cc
+    import ckptd.client.copy as cc
 
     real = cc.copy_tensors
 
@@ -358,3 +358,44 @@ def test_a_background_copy_failure_is_not_lost_when_the_next_snapshot_is_refused
         c.snapshot(model, opt, step=6)
         with pytest.raises(CheckpointError, match=r"step 5 .* already saved .*; and before it: background copy of step 6 failed"):
             c.snapshot(model, opt, step=5)
+
+
+def test_a_write_outside_optimizer_step_during_the_background_copy_fails_the_snapshot(daemon, monkeypatch) -> None:  # noqa: ANN001
+    """Only optimizer.step() waits for the background copy. A clamp after the step (or EMA weights swapped in for an
+    evaluation, a load_state_dict) wrote the parameters while the copy ran, and the step was committed with bytes
+    of before and after: a torn checkpoint, silently. The snapshot now fails, naming the tensors and what to do."""
+    _slow_background_copy(monkeypatch, {"ckptd-copy-1": 0.5, "ckptd-copy-2": 0.2})
+    model, opt = _stepped()
+    with daemon.client("torn", overlap="always") as c:
+        h = c.snapshot(model, opt, step=1)
+        with torch.no_grad():
+            model[0].weight.clamp_(-0.01, 0.01)  # outside the step: nothing waits for the copy
+        torn = r"1 tensor\(s\) of step 1 were written in place while its background copy ran \(model/0.weight\).*blocking=True"
+        with pytest.raises(CheckpointError, match=torn):
+            h.wait(60)
+        want = {k: v.clone() for k, v in model.state_dict().items()}
+        h = c.snapshot(model, opt, step=2)  # left alone: committed, as before
+        opt.step()  # waits for the copy
+        h.wait(60)
+        assert_same(_restored(c, 2), want)
+        assert c.latest() == 2
+
+
+def test_an_embedding_with_max_norm_is_copied_before_snapshot_returns(daemon, monkeypatch) -> None:  # noqa: ANN001
+    """nn.Embedding(max_norm=...) renormalizes the rows it looks up in place, in forward: its weight went to the
+    background copy like any parameter and the next forward tore it. It is copied before snapshot() returns."""
+    _slow_background_copy(monkeypatch, {"ckptd-copy-1": 0.5})
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 8, max_norm=0.5), torch.nn.Linear(8, 8))
+    with torch.no_grad():
+        model[0].weight.mul_(10)  # rows over the norm: the next lookup renormalizes them
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    with daemon.client("renorm", overlap="always") as c:
+        h = c.snapshot(model, opt, step=1)
+        model(torch.arange(16)).sum().backward()  # the next forward, while the rest is copied
+        assert not torch.equal(model[0].weight, want["0.weight"])
+        h.wait(60)
+        m2 = torch.nn.Sequential(torch.nn.Embedding(16, 8, max_norm=0.5), torch.nn.Linear(8, 8))
+        c.restore(m2, step=1)
+        assert_same({k: v.clone() for k, v in m2.state_dict().items()}, want)

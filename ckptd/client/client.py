@@ -26,7 +26,8 @@ from ..config import ALLOC_TIMEOUT_S, CLIENT_TIMEOUT_S, default_endpoint, defaul
 from ..errors import CheckpointError, DaemonUnavailable
 from ..protocol import MAX_MESSAGE_BYTES, reply_fields
 from .agree import shared
-from .copy import CopyGuard, EarlyCopy, EventGroup, Pairs, SlotMaps, copy_tensors, fill, hookable, optimizer_storages, torch_optimizer
+from .copy import Behind, CopyGuard, EarlyCopy, SlotMaps, fill
+from .guarded import hookable, optimizer_storages, torch_optimizer
 from .handle import Pending, SnapshotHandle
 from .load import Restored, restore_state
 from .options import check_not_saved, check_step, dist_rank_world, local_world_size, overlap_setting, tier_settings
@@ -161,22 +162,21 @@ class Client:
             except Exception:  # refused again by the commit, which gives the slot back and says why
                 tree_json = None
             segment = self._finish_early(early, staged)
-        later: Pairs = ([], [])
-        event = None
+        behind = Behind()
         if segment is None:  # no early copy, or it did not hold (an optimizer that cannot be hooked: copied now)
-            segment, later, event = self._fill(
-                optim, rank, world, step, staged, blocking or not self._overlaps(staged) or not hookable(optim)
+            segment, behind = self._fill(
+                optim, rank, world, step, staged, blocking or not self._overlaps(staged) or not hookable(optim), model
             )
         try:
             commit = self._commit_fields(rank, world, step, segment, staged)
         except BaseException:
             self._release(segment)
             raise
-        if not later[0] and event is None:
+        if not behind.pending:
             self._commit_now(handle, commit, tree_json or staged.tree)
         else:
             self._guard.hook()
-            self._guard.start(step, lambda: self._background(handle, later, commit, staged.tree, event), handle._unreported)
+            self._guard.start(step, lambda: self._background(handle, behind, commit, staged.tree), handle._unreported)
         self._pending.track(handle)
         self._spare.start(torch.cuda.current_device() if staged.any_cuda else None)  # a spare announced: mapped ahead
         return handle
@@ -303,25 +303,25 @@ class Client:
         return early.segment
 
     def _fill(
-        self, optim: torch.optim.Optimizer | None, rank: int, world: int, step: int | None, staged: Staged, blocking: bool
-    ) -> tuple[str, Pairs, EventGroup | None]:
+        self, optim: Any, rank: int, world: int, step: int | None, staged: Staged, blocking: bool, model: Any = None
+    ) -> tuple[str, Behind]:
         """Lease a slot and copy into it what must be copied before ``snapshot()`` returns; return the
-        segment, the pairs left for the background thread, and the CUDA event to wait for."""
+        segment and what is left for the background thread."""
         segment = self._alloc(rank, world, step, staged.layout.file_size)
         try:
-            guarded = self._guarded_storages(optim) if (optim is not None and not blocking) else set()
-            later, event = fill(self._maps, segment, staged, guarded, blocking)
+            guarded = self._guarded_storages(optim, model) if (optim is not None and not blocking) else set()
+            behind = fill(self._maps, segment, staged, guarded, blocking)
         except BaseException:
             self._release(segment)
             raise
-        return segment, later, event
+        return segment, behind
 
-    def _guarded_storages(self, optim: torch.optim.Optimizer) -> set[int]:
+    def _guarded_storages(self, optim: torch.optim.Optimizer, model: Any) -> set[int]:
         """The optimizer's storages, recomputed only when the stage is: a reused stage means the
         capture cache's fingerprint (which covers every parameter and optimizer-state tensor) held."""
         stage = self._stager.stage
         if self._guarded[0]() is not stage or stage is None:
-            self._guarded = (weakref.ref(stage) if stage is not None else lambda: None, optimizer_storages(optim))
+            self._guarded = (weakref.ref(stage) if stage is not None else lambda: None, optimizer_storages(optim, model))
         return self._guarded[1]
 
     def _commit(self, handle: SnapshotHandle, commit: dict[str, Any], tree: bytes | dict[str, Any]) -> None:
@@ -343,24 +343,15 @@ class Client:
         finally:
             handle._copied.set()
 
-    def _background(
-        self, handle: SnapshotHandle, later: Pairs, commit: dict[str, Any], tree: dict[str, Any], event: EventGroup | None
-    ) -> None:
-        # off the main thread: no collectives, only the copy and the socket. One intra-op thread for
-        # this thread only, so the copy does not start a second OpenMP team beside the training step's
-        threads = torch.get_num_threads()  # put back after: the setting is also the default of threads made later
-        torch.set_num_threads(1)
+    def _background(self, handle: SnapshotHandle, behind: Behind, commit: dict[str, Any], tree: dict[str, Any]) -> None:
+        # off the main thread: no collectives, only the copy and the socket
         try:
-            copy_tensors(*later)
-            if event is not None:
-                event.synchronize()  # the device-to-host copies have landed in the slot
+            behind.run(commit["step"])
         except BaseException as e:
             handle._error = e
             self._release(commit["segment"])
             handle._copied.set()
             return
-        finally:
-            torch.set_num_threads(threads)
         self._commit(handle, commit, tree)
 
     # ------------------------------------------------------------------ wait / restore

@@ -23,14 +23,15 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from .. import shm
-from ..errors import CheckpointError, UnsupportedState
+from ..errors import CheckpointError
 from ..format import ShardLayout, dtype_from_name
-from .capture import local_tensor
+from .guarded import Watch, storage_of
 from .stage import Stage, Staged
 
 log = logging.getLogger("ckptd.client")
@@ -46,49 +47,6 @@ def copy_tensors(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
     if dsts:
         with torch.no_grad():  # parameters are sources: skip autograd's per-tensor bookkeeping
             torch._foreach_copy_(dsts, srcs)
-
-
-def storage_of(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
-
-
-def torch_optimizer(optim: Any) -> Any:
-    """The torch optimizer inside a framework's wrapper (accelerate's ``AcceleratedOptimizer.optimizer``,
-    Lightning's ``LightningOptimizer._optimizer``): the one whose ``step()`` runs the pre-hooks that guard a
-    background copy, and whose state is the same. Anything else is returned as it is; several optimizers (a
-    list, as torch's ``get_state_dict`` takes them) are refused, saying what to do instead."""
-    if isinstance(optim, (list, tuple)):
-        raise UnsupportedState(
-            f"ckptd takes one optimizer per model, got a {type(optim).__name__} of {len(optim)}: snapshot each model with"
-            " its own optimizer as a job of its own (Client(job=...)), or pass the others' state_dict() in extra"
-        )
-    for _ in range(4):
-        if optim is None or hasattr(optim, "_optimizer_step_pre_hooks"):
-            break
-        inner = getattr(optim, "optimizer", None) or getattr(optim, "_optimizer", None)
-        if inner is None:
-            break
-        optim = inner
-    return optim
-
-
-def hookable(optim: Any) -> bool:
-    """Whether ``optim.step()`` can be made to wait for a background copy (a ``torch.optim.Optimizer``)."""
-    return optim is None or hasattr(optim, "_optimizer_step_pre_hooks")
-
-
-def optimizer_storages(optim: torch.optim.Optimizer) -> set[int]:
-    """Storages that only ``optim.step()`` mutates: its parameters and its state tensors."""
-    out = set()
-    for group in optim.param_groups:
-        for p in group["params"]:
-            out.add(storage_of(local_tensor(p)))
-    for st in optim.state.values():
-        for v in st.values():
-            if isinstance(v, torch.Tensor):
-                out.add(storage_of(local_tensor(v)))
-    out.discard(0)
-    return out
 
 
 class EventGroup:
@@ -232,7 +190,7 @@ class SlotMaps:
 
 
 def copy_cuda(
-    dsts: list[torch.Tensor], srcs: list[torch.Tensor], guarded: set[int]
+    dsts: list[torch.Tensor], srcs: list[torch.Tensor], guarded: list[bool]
 ) -> tuple[EventGroup, list[torch.Tensor], list[torch.Tensor]]:
     """Enqueue the CUDA sources' copies; return their event and the pairs left to copy on the CPU.
 
@@ -246,7 +204,7 @@ def copy_cuda(
     for i, src in enumerate(srcs):
         if src.is_cuda:
             first, second = by_device.setdefault(src.device, ([], []))
-            (second if storage_of(src) in guarded else first).append(i)
+            (second if guarded and guarded[i] else first).append(i)
     events = []
     for first, second in by_device.values():
         if first:
@@ -259,30 +217,64 @@ def copy_cuda(
     return EventGroup(events), [dsts[i] for i in rest], [srcs[i] for i in rest]
 
 
-def fill(maps: SlotMaps, segment: str, staged: Staged, guarded: set[int], blocking: bool) -> tuple[Pairs, EventGroup | None]:
+@dataclass
+class Behind:
+    """What a snapshot leaves for its background thread: pairs to copy, device copies to wait for, sources to watch."""
+
+    pairs: Pairs = field(default_factory=lambda: ([], []))
+    event: EventGroup | None = None
+    watch: Watch | None = None
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.pairs[0]) or self.event is not None
+
+    def run(self, step: int | None) -> None:
+        """Finish the copy (background thread: no collectives); raise if a watched source moved meanwhile."""
+        # one intra-op thread for this thread only, so the copy does not start a second OpenMP team beside the
+        # training step's; put back after: the setting is also the default of threads made later
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            copy_tensors(*self.pairs)
+            if self.event is not None:
+                self.event.synchronize()  # the device-to-host copies have landed in the slot
+        finally:
+            torch.set_num_threads(threads)
+        if self.watch is not None:
+            self.watch.check(step)  # nothing wrote them meanwhile: the copy is of the snapshot's moment
+
+
+def fill(maps: SlotMaps, segment: str, staged: Staged, guarded: set[int], blocking: bool) -> Behind:
     """Write the header and copy into ``segment`` what must be copied before ``snapshot()`` returns;
-    return the pairs left for the background thread and the CUDA event it must wait for."""
+    return what is left for the background thread."""
     m, dsts = maps.prepared(segment, staged.layout)
     srcs = staged.sources
+    marks = [storage_of(s) in guarded for s in srcs] if guarded else []  # copied behind the next step
+    watch = None
+    if any(marks):
+        picked = [i for i, g in enumerate(marks) if g]
+        watch = Watch([staged.layout.chunks[i].key for i in picked], [srcs[i] for i in picked])
     event = None
     if staged.any_cuda:
         # GPU path: device-to-host copies on a side stream into the page-locked slot, now
         maps.pin(m)
-        event, dsts, srcs = copy_cuda(dsts, srcs, guarded)
+        event, dsts, srcs = copy_cuda(dsts, srcs, marks)
+        marks = [storage_of(s) in guarded for s in srcs] if guarded else []
     now: Pairs = ([], [])
     later: Pairs = ([], [])
-    if not guarded:
+    if not marks:
         now = (dsts, srcs)
     else:
-        for dst, src in zip(dsts, srcs):
-            side = later if storage_of(src) in guarded else now
+        for dst, src, g in zip(dsts, srcs, marks):
+            side = later if g else now
             side[0].append(dst)
             side[1].append(src)
     copy_tensors(*now)
     if blocking and event is not None:
         event.synchronize()
         event = None
-    return later, event
+    return Behind(later, event, watch)
 
 
 class EarlyCopy:

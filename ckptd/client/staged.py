@@ -60,7 +60,7 @@ def stage_state(
         prior = client._guard.settle()  # a snapshot()'s background copy of this client ends first; its error, with every rank
         rank, world = (0, 1) if solo else dist_rank_world()
         staged = client._stager.run_state(state, extra, rank, step, any_keys=any_keys, solo=solo, prior=prior)
-        segment, _, _ = client._fill(None, rank, world, step, staged, True)
+        segment, _ = client._fill(None, rank, world, step, staged, True)
     try:
         fields = client._commit_fields(rank, world, step, segment, staged)
         tree_json = client._trees.encode(staged.tree)
