@@ -101,9 +101,11 @@ def restore(
 
     The daemon's shared memory is read instead of the disk while it still holds the step (``hot``)."""
     if path is not None and _default is None:
+        from .client.copy import join_all
         from .client.load import restore_state
         from .client.options import dist_rank_world
 
+        join_all()  # a Client(job=...)'s background copy of these tensors ends first
         return restore_state(path, model, optim, dist_rank_world()[0], strict=strict, dtype=dtype)  # no daemon needed
     return _client().restore(model, optim, step=step, path=path, hot=hot, strict=strict, dtype=dtype)
 

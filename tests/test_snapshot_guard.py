@@ -4,6 +4,7 @@ written as the user's situation; each failed on the code before (found by a revi
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -399,3 +400,20 @@ def test_an_embedding_with_max_norm_is_copied_before_snapshot_returns(daemon, mo
         m2 = torch.nn.Sequential(torch.nn.Embedding(16, 8, max_norm=0.5), torch.nn.Linear(8, 8))
         c.restore(m2, step=1)
         assert_same({k: v.clone() for k, v in m2.state_dict().items()}, want)
+
+
+def test_a_restore_from_a_path_waits_for_another_clients_background_copy(daemon, monkeypatch) -> None:  # noqa: ANN001
+    """A second job's Client snapshots the model; the module-level ckptd.restore(path=...) (no default client)
+    then wrote into the parameters while that client's copy still read them: the step held restored bytes."""
+    import ckptd
+
+    _slow_background_copy(monkeypatch, {"ckptd-copy-2": 0.5})
+    model, opt = _stepped()
+    with daemon.client("other", overlap="always") as c:
+        c.snapshot(model, opt, step=1, blocking=True).wait(60)
+        opt.step()
+        want = {k: v.clone() for k, v in model.state_dict().items()}
+        h = c.snapshot(model, opt, step=2)
+        ckptd.restore(model, opt, path=os.path.join(daemon.root, "other", "step-1"))
+        h.wait(60)
+        assert_same(_restored(c, 2), want)

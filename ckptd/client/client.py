@@ -26,7 +26,7 @@ from ..config import ALLOC_TIMEOUT_S, CLIENT_TIMEOUT_S, default_endpoint, defaul
 from ..errors import CheckpointError, DaemonUnavailable
 from ..protocol import MAX_MESSAGE_BYTES, reply_fields
 from .agree import shared
-from .copy import Behind, CopyGuard, EarlyCopy, SlotMaps, fill
+from .copy import Behind, CopyGuard, EarlyCopy, SlotMaps, fill, join_all
 from .guarded import hookable, optimizer_storages, torch_optimizer
 from .handle import Pending, SnapshotHandle
 from .load import Restored, restore_state
@@ -390,6 +390,7 @@ class Client:
         # an earlier snapshot's failed background copy (or a list of optimizers) fails every rank of a collective
         # restore together: raised on this rank alone, the others waited for it at the check-in until the timeout
         shared(strict, self._guard.finish)
+        join_all()  # and another client's (a second job's) copy of these tensors
         rank, _ = dist_rank_world()
         optim = shared(strict, torch_optimizer, optim)
         how = {"strict": strict, "dtype": dtype}

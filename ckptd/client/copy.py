@@ -328,10 +328,21 @@ class EarlyCopy:
         return True
 
 
+_GUARDS: weakref.WeakSet[CopyGuard] = weakref.WeakSet()  # every client's, in this process
+
+
+def join_all() -> None:
+    """Wait for every client's background copy in flight (a restore writes into tensors another client of this
+    process may still be copying; their errors stay theirs)."""
+    for guard in list(_GUARDS):
+        guard.join()
+
+
 class CopyGuard:
     """At most one background copy per client, and the optimizer pre-hook that waits for it."""
 
     def __init__(self) -> None:
+        _GUARDS.add(self)
         self._thread: threading.Thread | None = None
         self._error: Callable[[], BaseException | None] = lambda: None
         self._step: int | None = None

@@ -105,6 +105,9 @@ class Reader(StorageReader):
                     opened.close()
                 self._reader, self.path = opened.reader, opened.reader.path
             else:
+                from ..client.copy import join_all
+
+                join_all()  # DCP then loads into tensors a client of this process may still be copying
                 self._reader = CheckpointReader(self.path)  # type: ignore[arg-type]
                 self._index(self._reader)
         return self._reader
