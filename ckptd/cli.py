@@ -282,8 +282,8 @@ def _protected(root: str, job: str) -> dict[int, str]:
         print(f"ckptd ls: {job}/{FILE} cannot be read ({e}): the daemon keeps every step of {job}", file=sys.stderr)
         return {}
     by_step: dict[int, list[str]] = {}
-    for name, step in sorted(names.items()):
-        by_step.setdefault(step, []).append(name)
+    for name, step in sorted(names.items()):  # escaped: a file an older ckptd wrote may hold control characters
+        by_step.setdefault(step, []).append("".join(c if c.isprintable() else ascii(c)[1:-1] for c in name))
     return {step: ", ".join(n) if len(n) < 3 else f"{n[0]} and {len(n) - 1} more" for step, n in by_step.items()}
 
 

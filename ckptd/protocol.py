@@ -263,8 +263,9 @@ def _check_value(what: str, name: str, val: Any) -> None:  # noqa: C901 - one ca
         raise ProtocolError(f"{what}: field 'persist_interval' must be a number of seconds in 0..1e9")
     elif name in ("lease", "pin") and not _TOKEN_RE.fullmatch(val):
         raise ProtocolError(f"{what}: field {name!r} is not a token this daemon hands out")
-    elif name == "name" and (not 0 < len(val) <= MAX_PROTECTED_NAME or "\0" in val):
-        raise ProtocolError(f"{what}: field 'name' must be 1..{MAX_PROTECTED_NAME} characters, without NUL")
+    elif name == "name" and (not 0 < len(val) <= MAX_PROTECTED_NAME or any(c < " " or "\x7f" <= c < "\xa0" for c in val)):
+        # control characters: a name is printed by ckptd ls, where they would drive the operator's terminal
+        raise ProtocolError(f"{what}: field 'name' must be 1..{MAX_PROTECTED_NAME} characters, without control characters")
     elif name == "segment" and len(val) > MAX_NAME_BYTES:
         raise ProtocolError(f"{what}: field 'segment' is longer than {MAX_NAME_BYTES} characters")
     elif name == "segments" and (len(val) > MAX_LOCAL_WORLD_SIZE or not all(isinstance(v, str) and len(v) <= MAX_NAME_BYTES for v in val)):

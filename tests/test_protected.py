@@ -90,6 +90,16 @@ def test_protections_survive_a_daemon_restart_and_a_kill(make_daemon) -> None:  
     _settled(d, [1, 5])
     r = subprocess.run([sys.executable, "-m", "ckptd", "ls", "--root", d.root], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert r.returncode == 0 and "protected by best" in next(line for line in r.stdout.splitlines() if line.split()[:2] == [JOB, "1"])
+    # a name with terminal escapes, recorded by a ckptd that still took them: printed escaped, never sent to the terminal
+    assert d.stop() == 0
+    path = os.path.join(d.root, JOB, "protected.json")
+    with open(path) as f:
+        doc = json.load(f)
+    doc["names"]["\x1b[2J\x1b]0;owned\x07x"] = 5
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    r = subprocess.run([sys.executable, "-m", "ckptd", "ls", "--root", d.root], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert r.returncode == 0 and "\x1b" not in r.stdout and "\x07" not in r.stdout and "protected by \\x1b[2J" in r.stdout, r.stdout
 
 
 @pytest.mark.parametrize("damage", ["garbage", "a planted symlink", "a step that is not a number"])
@@ -163,6 +173,8 @@ BAD = [
     ("an empty name", dict(job=JOB, step=1, name="")),
     ("a name of 4097 characters", dict(job=JOB, step=1, name="x" * 4097)),
     ("a NUL in the name", dict(job=JOB, step=1, name="a\0b")),
+    ("terminal escapes in the name", dict(job=JOB, step=1, name="\x1b[2J\x1b]0;owned\x07ckpt\n7  <- latest")),
+    ("a C1 control in the name", dict(job=JOB, step=1, name="a\x9bb")),
     ("a negative step", dict(job=JOB, step=-1, name="a")),
     ("a step that is a bool", dict(job=JOB, step=True, name="a")),
     ("a name that is a number", dict(job=JOB, step=1, name=7)),
@@ -177,7 +189,8 @@ def test_malformed_protect_requests_are_refused_and_change_nothing(daemon, field
         rep = raw.ask(request("protect", 1, **fields))
         assert rep["ok"] is False and rep["code"] == "bad_request" and rep["error"]
         rep = raw.ask(request("unprotect", 2, job=fields["job"], name=fields["name"]))
-        if fields["job"] == JOB and isinstance(fields["name"], str) and 0 < len(fields["name"]) <= 4096 and "\0" not in fields["name"]:
+        name = fields["name"]
+        if fields["job"] == JOB and isinstance(name, str) and 0 < len(name) <= 4096 and name.isprintable():
             assert rep["ok"] is True and rep["before"] is None
         else:
             assert rep["ok"] is False and rep["code"] == "bad_request"
