@@ -25,6 +25,7 @@ import math
 import os
 import re
 import reprlib
+import stat
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, NoReturn
@@ -280,14 +281,36 @@ def _tree(tree: Any, where: str, field: str) -> None:
 # ----------------------------------------------------------------------------- manifest
 
 
+MAX_FILE_READ = 1 << 31  # a manifest, fragment or small file read whole: over this it is not one ckptd wrote
+
+
+def read_regular(path: str, limit: int = MAX_FILE_READ) -> bytes:
+    """The bytes of the regular file at ``path`` (a link to one is followed): a FIFO put in its place cannot block
+    the open (``O_NONBLOCK``) and, like a device (a link to ``/dev/zero``) or a file over ``limit``, is refused with
+    :class:`FormatError` before anything is read."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise FormatError(f"{path} is not a regular file (a FIFO, a device or a directory): the checkpoint is corrupt or hostile")
+        if st.st_size > limit:
+            raise FormatError(f"{path} is {st.st_size} bytes, over the {limit} a ckptd file of its kind can be")
+        os.set_blocking(fd, True)
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read(limit + 1)
+    finally:
+        os.close(fd)
+
+
 def read_manifest(step_dir: str) -> dict[str, Any]:
     """Read and validate ``step_dir/manifest.json``; raise :class:`FormatError` naming what is wrong."""
     path = os.path.join(step_dir, MANIFEST)
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
+        raw = read_regular(path)
     except FileNotFoundError:
         raise FormatError(f"{step_dir} has no {MANIFEST}: not a complete ckptd checkpoint") from None
+    except IsADirectoryError:
+        raise FormatError(f"{path} is not a regular file (a FIFO, a device or a directory): the checkpoint is corrupt") from None
     return parse_manifest(raw, path)
 
 

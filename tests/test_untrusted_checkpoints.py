@@ -166,6 +166,24 @@ def test_verify_does_not_hang_on_a_fifo_in_place_of_a_shard(step: Path) -> None:
     assert any(p.endswith(f"{shard_name(1)}: not a regular file") for p in problems), problems
 
 
+@pytest.mark.parametrize("what", ["a FIFO", "a link to /dev/zero"])
+def test_the_cli_does_not_hang_on_a_manifest_that_is_not_a_file(step: Path, what: str) -> None:
+    """In a directory another user controls, a FIFO (or a link to /dev/zero, read until memory ran out) put in
+    place of manifest.json or latest hung ckptd verify and ckptd ls --root for good."""
+    os.unlink(step / MANIFEST)
+    if what == "a FIFO":
+        os.mkfifo(step / MANIFEST)
+        os.mkfifo(step.parent / "latest")
+    else:
+        os.symlink("/dev/zero", step / MANIFEST)
+        os.symlink("/dev/zero", step.parent / "latest")
+    for args in (["verify", str(step)], ["ls", "--root", str(step.parent.parent)]):
+        r = subprocess.run([sys.executable, "-m", "ckptd", *args], capture_output=True, text=True, cwd=REPO, timeout=60)
+        assert "Traceback" not in r.stderr, r.stderr
+        if args[0] == "verify":
+            assert r.returncode == 1 and "is not a regular file" in r.stdout + r.stderr, (r.stdout, r.stderr)
+
+
 # ----------------------------------------------------------------------------- fields of a manifest
 
 

@@ -48,7 +48,7 @@ from ..layout import (
     trash_dir,
     trashed_steps,
 )
-from ..validate import parse_fragment
+from ..validate import parse_fragment, read_regular
 from .files import create_new, fsync_dir, write_durable, write_json_durable
 from .retention import Protect, RetentionPolicy, doomed
 
@@ -203,8 +203,7 @@ def write_shard(
 
 def read_fragment(root: str, job: str, step: int, rank: int, directory: str | None = None) -> dict[str, Any]:
     path = os.path.join(directory or tmp_dir(root, job, step), fragment_name(rank))
-    with open(path, "rb") as f:
-        return parse_fragment(f.read(), path)
+    return parse_fragment(read_regular(path), path)
 
 
 def fragment_sizes(root: str, job: str, step: int, ranks: set[int]) -> tuple[int | None, int | None]:
@@ -360,9 +359,8 @@ def retire_now(root: str, job: str, step: int, committed: int) -> str | None:
 def read_latest(root: str, job: str) -> int | None:
     """The step number in ``latest``, or ``None`` (missing or unreadable). Not checked for completeness."""
     try:
-        with open(latest_file(root, job), "rb") as f:
-            text = f.read(64).decode("ascii").strip()
-    except (OSError, UnicodeDecodeError):
+        text = read_regular(latest_file(root, job), 64).decode("ascii").strip()
+    except (OSError, UnicodeDecodeError, FormatError):
         return None  # missing, unreadable, a directory: latest_step() falls back to the manifests
     return int(text) if text.isdigit() else None
 
@@ -378,9 +376,8 @@ def committed_at(path: str) -> int:
     key = (man, st.st_ino, st.st_mtime_ns)
     if key not in _order_cache:
         try:
-            with open(man, "rb") as f:
-                value = commit_time(f.read())
-        except OSError:
+            value = commit_time(read_regular(man))
+        except (OSError, FormatError):
             value = 0
         if len(_order_cache) > 65536:
             _order_cache.clear()
