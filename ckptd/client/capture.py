@@ -5,11 +5,16 @@ time, then a validated cache.
 copying small tensors. When every chunk it produced is a view of a live tensor — a parameter, a
 buffer or optimizer state, as for plain modules, DDP and FSDP2 — the same views keep showing the
 current values, so later snapshots reuse them as long as a fingerprint of the live tensors (data
-pointer and size of each, the optimizer's groups) is unchanged. Replacing a parameter
-(``p.data = ...``), resizing one, loading optimizer state or adding a parameter changes the
+pointer and size of each, the optimizer's groups) and of the names they are saved under is unchanged.
+Replacing a parameter (``p.data = ...``), resizing one, loading optimizer state, adding a parameter,
+renaming a submodule, registering a parametrization or making a buffer non-persistent changes the
 fingerprint and the next snapshot captures afresh. Chunks that are not live views (FSDP1's
 sharded state dict clones them) disable the cache, as does non-tensor state outside the
 optimizer's hyperparameters. Runs on the trainer's main thread.
+
+A snapshot and a restore both refuse, naming it, state that has no key to go under (:func:`refuse_unnamed`: a
+lazy module not initialized yet, an optimizer parameter outside the model) and a restore state with no memory to
+load into (:func:`refuse_meta`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ..errors import CheckpointError
 from ..state import TAG, LocalChunk, flatten, join_key
 
 _no_init_lock = threading.Lock()
@@ -88,16 +94,25 @@ _DATA_PTR = torch.Tensor.data_ptr
 _NUMEL = torch.Tensor.numel
 _STRIDE = torch.Tensor.stride
 _DTYPE = operator.attrgetter("dtype")
+_PARAMS = operator.attrgetter("_parameters")
+_BUFFERS = operator.attrgetter("_buffers")
+_CHILDREN = operator.attrgetter("_modules")
+_NON_PERSISTENT = operator.attrgetter("_non_persistent_buffers_set")
 
 
 def _fingerprint(model: torch.nn.Module, optim: torch.optim.Optimizer | None) -> list[Any] | None:
-    """Size of each optimizer group and the identity of each parameter in it, then data pointer, element
-    count, strides and dtype of every parameter, buffer and optimizer-state tensor (a DTensor's local shard),
-    and the shapes of the empty ones (which all have data pointer 0). This runs on every snapshot, so it maps
-    C methods over flat lists instead of looping in Python: ~0.4 us per tensor. ``None`` if some optimizer
-    state is not a tensor."""
-    ts = [t for m in model.modules() for d in (m._parameters, m._buffers) for t in d.values() if t is not None]
-    fp: list[Any] = []
+    """Size of each optimizer group and the identity of each parameter in it, the names each module gives its
+    parameters, buffers and children and which buffers it does not save, then data pointer, element count,
+    strides and dtype of every parameter, buffer and optimizer-state tensor (a DTensor's local shard), and the
+    shapes of the empty ones (which all have data pointer 0). This runs on every snapshot, so it maps C methods
+    over flat lists instead of looping in Python: ~0.4 us per tensor, ~0.4 us per module. ``None`` if some
+    optimizer state is not a tensor."""
+    mods = list(model.modules())
+    ts = [t for m in mods for d in (m._parameters, m._buffers) for t in d.values() if t is not None]
+    # the keys the state is saved under: a renamed submodule, a parametrization (``weight`` becomes
+    # ``parametrizations.weight.original``, the same tensor) or a buffer made non-persistent keep every tensor
+    fp: list[Any] = [*map(tuple, map(_PARAMS, mods)), *map(tuple, map(_BUFFERS, mods)), *map(tuple, map(_CHILDREN, mods))]
+    fp += map(frozenset, map(_NON_PERSISTENT, mods))
     if optim is not None:
         fp += [len(g["params"]) for g in optim.param_groups]
         fp += map(id, itertools.chain.from_iterable(g["params"] for g in optim.param_groups))  # groups reordered or regrouped
@@ -109,7 +124,7 @@ def _fingerprint(model: torch.nn.Module, optim: torch.optim.Optimizer | None) ->
         ts = [local_tensor(t) for t in ts]
     try:
         fp += map(_DATA_PTR, ts)
-    except RuntimeError:  # a tensor without storage (sparse): no fingerprint; staging names it
+    except (RuntimeError, ValueError):  # a tensor without storage (sparse), or a lazy one not initialized: the capture names it
         return None
     numels = list(map(_NUMEL, ts))  # with the strides, the shape of every tensor but an empty one (torch.Size is 20x dearer)
     fp += numels
@@ -171,6 +186,7 @@ class StateCapture:
     def _full(model: torch.nn.Module, optim: torch.optim.Optimizer | None) -> tuple[dict[str, Any], list[LocalChunk]]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
+        refuse_unnamed(model, optim, "snapshot")
         if optim is not None:
             with no_optimizer_init():
                 msd, osd = get_state_dict(model, optim)
@@ -207,3 +223,49 @@ def buffer_keys(model: torch.nn.Module) -> frozenset[str]:
     from torch.distributed.checkpoint.state_dict import _get_fqns
 
     return frozenset(join_key(("model", fqn)) for name, _ in model.named_buffers() for fqn in _get_fqns(model, name))
+
+
+def refuse_unnamed(model: torch.nn.Module, optim: torch.optim.Optimizer | None, doing: str) -> None:
+    """Raise :class:`CheckpointError` for state that has no key to be saved or restored under: a parameter or
+    buffer of a lazy module not initialized yet (it has no shape; torch's own load would materialize it, which a
+    restore refused later could not undo), or an optimizer parameter that is not one of the model's (SAC's
+    ``log_alpha`` beside the model, or one made on the meta device before the model was materialized: torch's
+    ``get_state_dict`` names state by model FQN and fails with a bare ``KeyError``). ``doing``: the verb for the
+    message (``"snapshot"``, ``"restore into"``). Costs a pass over the model's tensors: run it on a full capture only."""
+    from torch.nn.parameter import UninitializedTensorMixin
+
+    if any(isinstance(t, UninitializedTensorMixin) for m in model.modules() for d in (m._parameters, m._buffers) for t in d.values()):
+        name = next(
+            n for n, t in itertools.chain(model.named_parameters(), model.named_buffers()) if isinstance(t, UninitializedTensorMixin)
+        )
+        raise CheckpointError(
+            f"cannot {doing} {join_key(('model', name))}: it belongs to a lazy module that is not initialized yet and has no shape."
+            " Run one forward pass (a batch of the real input shape) first, then call this again"
+        )
+    if optim is None:
+        return
+    mine = set(map(id, itertools.chain(model.parameters(), model.buffers())))  # what get_state_dict can name
+    for i, group in enumerate(optim.param_groups):
+        for j, p in enumerate(group["params"]):
+            if id(p) not in mine:
+                on_meta = " It is on the meta device: create the optimizer after materializing the model." if p.is_meta else ""
+                raise CheckpointError(
+                    f"cannot {doing} the optimizer: parameter {j} of its param group {i} (shape {list(p.shape)}) is not a parameter"
+                    f" of the model, so its state has no name to go under.{on_meta} Register it on a module of the model (an"
+                    " nn.Parameter attribute), or give it an optimizer of its own and save that one's state_dict() and the tensor in extra"
+                )
+
+
+def refuse_meta(model: torch.nn.Module, optim: torch.optim.Optimizer | None) -> None:
+    """Raise :class:`CheckpointError` naming the first parameter, buffer or optimizer state of ``model``
+    and ``optim`` on the ``meta`` device: it has no memory to load into (torch's own load would skip it
+    with a warning, and the model would train from nothing)."""
+    named = [(f"parameter {n!r}", t) for n, t in model.named_parameters()] + [(f"buffer {n!r}", t) for n, t in model.named_buffers()]
+    if optim is not None:
+        named += [(f"optimizer state {n!r}", v) for st in optim.state.values() for n, v in st.items() if isinstance(v, torch.Tensor)]
+    for name, t in named:
+        if local_tensor(t).is_meta:
+            raise CheckpointError(
+                f"cannot restore into {name}: it is on the meta device, which holds no data to load into. Materialize the"
+                " model first (model.to_empty(device=...), then restore; FSDP2: after fully_shard), and create the optimizer after that"
+            )

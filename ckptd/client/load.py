@@ -42,11 +42,12 @@ from ..state import TAG, join_key, key_names, keys_tagged, local_chunks, split_k
 from ..tools.verify import stale_check
 from ..validate import gc_paused
 from .agree import agree, collective, fail_early, failed, gather, raise_failure
-from .capture import local_tensor, no_optimizer_init
+from .capture import local_tensor, no_optimizer_init, refuse_meta, refuse_unnamed
 from .reader import CheckpointReader, Piece, resolve_step_dir
 from .saved import MISSING, Saved, children, holds_tensor
 
 log = logging.getLogger("ckptd.client")
+_EXTRA_STATE = torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX  # "_extra_state"
 LISTED = 20  # keys named in an error message; the rest are counted
 
 
@@ -163,9 +164,23 @@ class _Loader:
         return unflatten(shell, lambda key: made[key] if key in made else self._fresh(key))
 
     def model(self, msd: dict[str, Any]) -> dict[str, Any]:
-        out = self.keyed(msd, ("model",))
-        self.unexpected += [k for k in self.saved.tensors if k.startswith("model/") and split_key(k)[1] not in msd]
+        out = {k: self._extra_state(x, ("model", k)) if _is_extra_state(k) else self.value(x, ("model", k)) for k, x in msd.items()}
+        tensors = [(k, split_key(k)[1]) for k in self.saved.tensors if k.startswith("model/")]
+        self.unexpected += [k for k, fqn in tensors if fqn not in msd]
+        held = {fqn for _, fqn in tensors}  # a saved value without tensors (a module's extra state) is unexpected whole
+        self.unexpected += [join_key(("model", k)) for k in self.saved.model_keys() if k not in msd and k not in held]
         return out
+
+    def _extra_state(self, v: Any, path: tuple[str, ...]) -> Any:
+        """A module's extra state (``get_extra_state``): the saved value as saved, whatever its size (TransformerEngine's
+        FP8 metadata, a uint8 tensor of pickled state, empty on a fresh module), read into the target's tensor only
+        where that has its shape and dtype (:meth:`_merge`); missing when nothing is saved there, tensor or not, as
+        ``load_state_dict`` has it."""
+        node = self.saved.node(path)
+        if node is MISSING:
+            self.missing.append(join_key(path))
+            return v
+        return self._merge(v, node, path)
 
     def optim(self, osd: dict[str, Any], msd: dict[str, Any]) -> dict[str, Any]:
         saved = self.saved
@@ -252,19 +267,9 @@ class _Loader:
         return {**target, **out, **{k: target[k] for k in own if k in target}}
 
 
-def _collapse(keys: list[str], saved: Saved) -> list[str]:
-    """``optim/state/<fqn>`` for a parameter all of whose saved entries are listed, else the entries."""
-    out, listed = [], set(keys)
-    for k in keys:
-        parts = split_key(k)
-        if parts[:2] == ["optim", "state"] and len(parts) == 4:
-            whole = join_key(("optim", "state", parts[2]))
-            if all(join_key(("optim", "state", parts[2], n)) in listed for n in saved.entries(parts[2])):
-                if whole not in out:
-                    out.append(whole)
-                continue
-        out.append(k)
-    return out
+def _is_extra_state(fqn: str) -> bool:
+    """Whether model key ``fqn`` is a module's extra state (torch's ``get_state_dict`` takes every key so named for one)."""
+    return fqn.rpartition(".")[2] == _EXTRA_STATE
 
 
 def _listed(keys: list[str]) -> str:
@@ -332,7 +337,7 @@ def load_into(
         missing, unexpected, failures = agree(loader.missing if loader else [], loader.unexpected if loader else [], error, strict, hot)
         raise_failure(error, failures, "nothing was loaded on this rank", hot=hot)
         assert loader is not None  # else this rank's error was raised
-        unexpected = _collapse(unexpected, loader.saved)
+        unexpected = loader.saved.collapse(unexpected)
         if strict:
             _refuse_mismatch(reader.path, missing, unexpected)
         try:
@@ -345,21 +350,6 @@ def load_into(
         failures = failed(gather(error, hot=hot))
     raise_failure(error, failures, "this rank's model and optimizer may be partly overwritten: restore again", mine_too=True, hot=hot)
     return out, missing, unexpected
-
-
-def refuse_meta(model: torch.nn.Module, optim: torch.optim.Optimizer | None) -> None:
-    """Raise :class:`CheckpointError` naming the first parameter, buffer or optimizer state of ``model``
-    and ``optim`` on the ``meta`` device: it has no memory to load into (torch's own load would skip it
-    with a warning, and the model would train from nothing)."""
-    named = [(f"parameter {n!r}", t) for n, t in model.named_parameters()] + [(f"buffer {n!r}", t) for n, t in model.named_buffers()]
-    if optim is not None:
-        named += [(f"optimizer state {n!r}", v) for st in optim.state.values() for n, v in st.items() if isinstance(v, torch.Tensor)]
-    for name, t in named:
-        if local_tensor(t).is_meta:
-            raise CheckpointError(
-                f"cannot restore into {name}: it is on the meta device, which holds no data to load into. Materialize the"
-                " model first (model.to_empty(device=...), then restore; FSDP2: after fully_shard), and create the optimizer after that"
-            )
 
 
 @contextmanager
@@ -419,6 +409,7 @@ def restore_state(
 
     reader: CheckpointReader | None = None
     try:
+        refuse_unnamed(model, optim, "restore into")
         refuse_meta(model, optim)
         target_root = _target_root(model, optim)
         reader = opener() if opener is not None else CheckpointReader(resolve_step_dir(path))

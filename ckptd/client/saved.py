@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..errors import FormatError
-from ..state import TAG, key_names, keys_tagged, unflatten
+from ..state import TAG, join_key, key_names, keys_tagged, split_key, unflatten
 
 MISSING = object()  # no value at that path in any saved tree
 LBFGS_FLAT = ("d", "prev_flat_grad", "old_dirs", "old_stps")  # L-BFGS's vectors: all of its parameters, flattened
@@ -108,6 +108,24 @@ class Saved:
             self.groups = self.groups or groups
             for g in groups:
                 self.optim_params.update(g.get("params") or [])
+
+    def model_keys(self) -> set[str]:
+        """The model state keys (FQNs) any saved tree holds, tensors or not (a module's extra state)."""
+        return {k for t in self.trees if isinstance(m := t.get("model"), dict) and TAG not in m for k in m}
+
+    def collapse(self, keys: list[str]) -> list[str]:
+        """``keys`` with ``optim/state/<fqn>`` for a parameter all of whose saved entries are listed, else the entries."""
+        out, listed = [], set(keys)
+        for k in keys:
+            parts = split_key(k)
+            if parts[:2] == ["optim", "state"] and len(parts) == 4:
+                whole = join_key(("optim", "state", parts[2]))
+                if all(join_key(("optim", "state", parts[2], n)) in listed for n in self.entries(parts[2])):
+                    if whole not in out:
+                        out.append(whole)
+                    continue
+            out.append(k)
+        return out
 
     def has(self, part: str) -> bool:
         return any(part in t for t in self.trees)
