@@ -279,6 +279,46 @@ def test_holds_lapse_and_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyP
         assert fetcher.held(JOB) == {3}  # the new hold lapsed at once; 2 was pushed out by it
 
 
+def test_another_users_fetches_never_drop_a_restores_hold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Holds were capped at MAX_FETCH_HOLDS, the oldest dropped whoever held it: another client fetching 256 times
+    without closing dropped a restore's hold, and retention removed the step under it. A connection now drops
+    its own oldest past MAX_FETCH_HOLDS_PER_CLIENT, and past the total the user holding the most loses one."""
+    monkeypatch.setattr(fetcher_mod, "MAX_FETCH_HOLDS", 4)
+    monkeypatch.setattr(fetcher_mod, "MAX_FETCH_HOLDS_PER_CLIENT", 2)
+    root = str(tmp_path / "root")
+    for s in (1, 2, 3, 4, 5):
+        write_step(root, JOB, s)
+    with running(StepCatalog(root)) as (fetcher, inbox):
+        fetcher.start(JOB, 1, owner=b"victim", uid=1000)
+        fetcher.done(inbox.fetched())
+        for s in (2, 3, 4):  # one connection in a loop: it keeps its newest two
+            fetcher.done((fetcher.start(JOB, s, owner=b"loop", uid=65534), inbox.fetched())[1])
+        assert fetcher.held(JOB) == {1, 3, 4}
+        for i, s in enumerate((5, 2, 5)):  # a connection each: past the total, that user loses its oldest
+            fetcher.done((fetcher.start(JOB, s, owner=b"c%d" % i, uid=65534), inbox.fetched())[1])
+        assert 1 in fetcher.held(JOB) and len(fetcher._holds) == 4
+
+
+def test_one_users_queued_fetches_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One fetch thread serves every restore: 3,000 fetches queued by one client delayed another's by 18 s."""
+    monkeypatch.setattr(fetcher_mod, "MAX_FETCHES_PER_USER", 2)
+    root = str(tmp_path / "root")
+    write_step(root, JOB, 1)
+    gate = threading.Event()
+    with running(StepCatalog(root)) as (fetcher, inbox):
+        fetcher._pool.submit(gate.wait)  # the fetch thread busy: what is asked now stays queued
+        fetcher.start(JOB, 1, owner=b"a", uid=65534)
+        fetcher.start(JOB, 1, owner=b"a", uid=65534)
+        with pytest.raises(CheckpointError, match="2 fetches of this user are queued already"):
+            fetcher.start(JOB, 1, owner=b"b", uid=65534)
+        fetcher.start(JOB, 1, owner=b"v", uid=1000)  # another user's is taken
+        gate.set()
+        for _ in range(3):
+            fetcher.done(inbox.fetched())
+        fetcher.start(JOB, 1, owner=b"b", uid=65534)  # done: room again
+        fetcher.done(inbox.fetched())
+
+
 def test_a_local_step_removed_between_choosing_and_holding_it_is_looked_for_again(tmp_path: Path) -> None:
     """Retention decides under the job's lock; the fetch holds its step under it too. A step retention removed
     after the catalog chose it (and before the hold) is never handed to a restore: the fetch looks again and

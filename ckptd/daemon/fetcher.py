@@ -11,6 +11,7 @@ waits for the network. Answers nobody asked for (a client that died mid-restore)
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import threading
@@ -19,7 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..config import FETCH_HOLD_S, FETCHES_KEPT, MAX_FETCH_HOLDS
+from ..config import FETCH_HOLD_S, FETCHES_KEPT, MAX_FETCH_HOLDS, MAX_FETCH_HOLDS_PER_CLIENT, MAX_FETCHES_PER_USER
 from ..errors import CheckpointError, ProtocolError
 from ..layout import is_complete
 from ..protocol import Source
@@ -36,6 +37,8 @@ class Fetcher:
     def __init__(self, catalog: StepCatalog, events: EventQueue, retain: Callable[[str], None] | None = None) -> None:
         self.catalog, self._events, self._retain = catalog, events, retain
         self._holds: dict[int, tuple[str, int, float, bytes | None]] = {}  # fetch id -> (job, step, when it lapses, owner)
+        self._users: dict[int, int | None] = {}  # fetch id -> the uid that asked, while it is queued or holds a step
+        self._queued: collections.Counter[int | None] = collections.Counter()  # uid -> its fetches and lookups not done yet
         self._owners: dict[int, bytes | None] = {}  # fetch id -> its requester, while its answer is kept
         self._holds_lock = threading.Lock()  # read by persist threads (retention), written by the fetch thread
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-fetch")
@@ -62,10 +65,27 @@ class Fetcher:
 
         self._pool.submit(check)
 
-    def start(self, job: str, step: int | None, owner: bytes | None = None) -> int:
+    def _admit(self, uid: int | None, what: str) -> None:
+        """Main thread: count one more queued fetch or lookup of ``uid``; refused past its share (one thread does
+        them all: a user queueing thousands would delay every other user's restore by their sum)."""
+        with self._holds_lock:
+            if self._queued[uid] >= MAX_FETCHES_PER_USER:
+                raise CheckpointError(f"{MAX_FETCHES_PER_USER} {what}es of this user are queued already: wait for them first")
+            self._queued[uid] += 1
+
+    def _done(self, uid: int | None) -> None:
+        with self._holds_lock:
+            self._queued[uid] -= 1
+            if self._queued[uid] <= 0:
+                del self._queued[uid]
+
+    def start(self, job: str, step: int | None, owner: bytes | None = None, uid: int | None = None) -> int:
         """Main thread: begin a fetch; returns its id. ``owner``: the requester's socket identity; only it may
-        collect the answer and release the hold (fetch ids are sequential: another client could guess them)."""
+        collect the answer and release the hold (fetch ids are sequential: another client could guess them);
+        ``uid``: its user, whose holds are the ones dropped first when there are too many."""
+        self._admit(uid, "fetch")
         fid = next(self._ids)
+        self._users[fid] = uid
         self.answers[fid] = {"state": "pending", "step": None, "path": None, "source": None, "error": None}
         self._owners[fid] = owner
         for old in [f for f, r in self.answers.items() if r["state"] != "pending"][:-FETCHES_KEPT]:
@@ -74,11 +94,13 @@ class Fetcher:
         self._pool.submit(self._run, fid, job, step, owner)
         return fid
 
-    def latest(self, job: str, ident: bytes, req_id: Any) -> None:
+    def latest(self, job: str, ident: bytes, req_id: Any, uid: int | None = None) -> None:
         """Main thread: answer a ``latest`` request from the root and the bucket, on the lookup thread."""
-        self._lookups.submit(self._run_latest, job, ident, req_id)
+        self._admit(uid, "latest lookup")
+        self._lookups.submit(self._run_latest, job, ident, req_id, uid)
 
-    def _run_latest(self, job: str, ident: bytes, req_id: Any) -> None:
+    def _run_latest(self, job: str, ident: bytes, req_id: Any, uid: int | None = None) -> None:
+        self._done(uid)
         try:
             found = self.catalog.latest_anywhere(job)
             answer: dict[str, Any] = {"step": None, "path": None, "source": None}
@@ -122,7 +144,7 @@ class Fetcher:
         now = time.monotonic()
         with self._holds_lock:
             for fid in [f for f, (_, _, until, _) in self._holds.items() if until <= now]:
-                del self._holds[fid]
+                self._drop_hold(fid)
             return {step for (j, step, _, _) in self._holds.values() if j == job}
 
     def release(self, fid: int, owner: bytes | None = None) -> bool:
@@ -133,6 +155,7 @@ class Fetcher:
             if hold is None or hold[3] not in (None, owner):
                 return False
             del self._holds[fid]
+            self._users.pop(fid, None)
             return True
 
     def _find_held(self, fid: int, job: str, step: int | None, owner: bytes | None) -> Found:
@@ -143,12 +166,27 @@ class Fetcher:
             found = self.catalog.find(job, step)
             with job_lock(self.catalog.root, job):
                 with self._holds_lock:
-                    self._holds[fid] = (job, found.step, time.monotonic() + FETCH_HOLD_S, owner)
-                    while len(self._holds) > MAX_FETCH_HOLDS:  # a client fetching in a loop, never closing
-                        del self._holds[next(iter(self._holds))]
+                    self._hold(fid, (job, found.step, time.monotonic() + FETCH_HOLD_S, owner))
                 if found.source is Source.BUCKET or (found.path is not None and is_complete(found.path)):
                     return found
         raise CheckpointError(f"job {job!r}: the step chosen to restore was removed by retention three times while it was chosen")
+
+    def _hold(self, fid: int, hold: tuple[str, int, float, bytes | None]) -> None:
+        """Under the holds lock: record a hold, dropping (oldest first) one of the same connection past its share, and
+        past the total one of the user holding the most: another user's fetches never drop a restore's hold."""
+        self._holds.pop(fid, None)
+        mine = [f for f, h in self._holds.items() if h[3] == hold[3]]
+        if hold[3] is not None and len(mine) >= MAX_FETCH_HOLDS_PER_CLIENT:
+            self._drop_hold(mine[0])
+        if len(self._holds) >= MAX_FETCH_HOLDS:
+            users = collections.Counter(self._users.get(f) for f in self._holds)
+            most = max(users, key=lambda u: (users[u], u == self._users.get(fid)))
+            self._drop_hold(next(f for f in self._holds if self._users.get(f) == most))
+        self._holds[fid] = hold
+
+    def _drop_hold(self, fid: int) -> None:
+        del self._holds[fid]
+        self._users.pop(fid, None)
 
     def progress(self) -> dict[str, Any] | None:
         cur = self.current
@@ -162,6 +200,7 @@ class Fetcher:
         """Fetch thread: the step a restore reads; a step only the bucket holds is downloaded first."""
         want = step  # the step being looked for, once chosen
         report = None
+        self._done(self._users.get(fid))
         try:
             found = self._find_held(fid, job, step, owner)
             want, path = found.step, found.path
@@ -171,6 +210,7 @@ class Fetcher:
             answer = {"state": "done", "step": found.step, "path": path, "source": found.source.to_wire(), "error": None}
         except Exception as e:  # the restore that asked gets it
             self.release(fid, owner)
+            self._users.pop(fid, None)  # no hold: nothing to count it by
             answer = {"state": "failed", "step": step, "path": None, "source": None, "error": str(e)}
             if not isinstance(e, NoStep):
                 log.error("fetch of job %s step %s failed: %s", job, want, e)

@@ -387,7 +387,7 @@ class Daemon:
 
     def _op_latest(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any] | None:
         if self.catalog.store is not None:  # the bucket may hold a later step (a replaced node, a multi-node job)
-            self.fetcher.latest(msg["job"], ident, msg["id"])
+            self.fetcher.latest(msg["job"], ident, msg["id"], msg["uid"])
             return None
         step, path = self.catalog.latest(msg["job"])
         return {"step": step, "path": path, "source": None if step is None else Source.DISK.to_wire()}
@@ -419,7 +419,7 @@ class Daemon:
         return {}
 
     def _op_fetch(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
-        return {"fetch": self.fetcher.start(msg["job"], msg["step"], ident)}
+        return {"fetch": self.fetcher.start(msg["job"], msg["step"], ident, msg["uid"])}
 
     def _op_fetch_wait(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any] | None:
         return self.fetcher.wait(msg["fetch"], ident, msg["id"], self._deadline(msg["timeout"]))
