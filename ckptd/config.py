@@ -97,6 +97,11 @@ def default_endpoint() -> str:
     env = os.environ.get("CKPTD_ENDPOINT")
     if env:
         return env
+    return per_user_endpoint()
+
+
+def per_user_endpoint() -> str:
+    """The endpoint of this user's own daemon: a socket in ``$XDG_RUNTIME_DIR`` or the temp dir named by the uid."""
     base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
     return f"ipc://{os.path.join(base, f'ckptd-{os.getuid()}', 'ckptd.sock')}"
 

@@ -252,6 +252,29 @@ def test_client_refuses_another_users_daemon_unless_told_to_trust_its_group(shor
 
 
 @as_nobody
+def test_a_trusted_group_does_not_let_a_member_squat_the_users_own_default_endpoint(
+    short_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With CKPTD_TRUST_GROUP, any member of the group (not only the daemon's user) made the client's default
+    directory (``ckptd-<uid>`` in a shared temp dir) and bound an impostor there, which the client trusted. The
+    group is trusted for an endpoint named explicitly only; the user's own default is its own daemon's."""
+    from ckptd.client import Client
+
+    assert NOBODY is not None
+    os.chmod(short_tmp, 0o1777)  # a shared temp dir, as /tmp
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(short_tmp))
+    monkeypatch.delenv("CKPTD_ENDPOINT", raising=False)
+    squat = _nobodys_dir(short_tmp / f"ckptd-{os.getuid()}")
+    endpoint = f"ipc://{squat}/ckptd.sock"
+    monkeypatch.setenv("CKPTD_TRUST_GROUP", __import__("grp").getgrgid(NOBODY.pw_gid).gr_name)
+    with _fake_daemon(endpoint) as impostor:
+        with Client(job="t", timeout=5.0) as c, pytest.raises(CheckpointError, match="your own user's default endpoint") as e:
+            c.hello()
+        assert "belongs to another user" in str(e.value)
+        assert _ops_received(impostor) == []
+
+
+@as_nobody
 def test_client_refuses_a_root_socket_in_a_directory_another_user_owns(short_tmp: Path) -> None:
     """The socket is root's, but the directory is nobody's: nobody could swap the socket for its own
     between the check and the connect."""

@@ -23,7 +23,7 @@ from typing import Any, NoReturn
 
 import zmq
 
-from ..config import trusted_group, validate_endpoint
+from ..config import per_user_endpoint, trusted_group, validate_endpoint
 from ..errors import CheckpointError, DaemonUnavailable, ProtocolError
 from ..protocol import decode_reply, hello_reply, request
 
@@ -32,7 +32,8 @@ def check_socket(endpoint: str, op: str | None = None) -> None:
     """Refuse an ``ipc://`` socket this user should not trust; ``tcp://`` and abstract endpoints pass.
 
     Trusted: a socket (not a symlink, not another kind of file) owned by this user or root, or, only
-    when ``CKPTD_TRUST_GROUP`` names a group, one whose group is that group; in a directory (not a
+    when ``CKPTD_TRUST_GROUP`` names a group and the endpoint is not this user's own per-uid default (any member
+    of the group could make that directory and bind there first), one whose group is that group; in a directory (not a
     symlink) owned by this user, root or the socket's owner and writable by nobody else, so that no one
     else can put a socket of their own there between this check and the connect. Raises
     :class:`DaemonUnavailable` at once when the socket does not exist or nobody listens on it (no
@@ -52,8 +53,14 @@ def check_socket(endpoint: str, op: str | None = None) -> None:
     me = os.geteuid()
     if not stat.S_ISSOCK(st.st_mode):
         _refuse(endpoint, f"{path} is {'a symlink' if stat.S_ISLNK(st.st_mode) else 'not a socket'}", st)
-    if st.st_uid not in (me, 0) and st.st_gid != _trusted_gid():
-        hint = f"if a daemon run by that user serves your group, trust the group with CKPTD_TRUST_GROUP={_name('group', st.st_gid)}"
+    group = _trusted_gid() if endpoint != per_user_endpoint() else None
+    if st.st_uid not in (me, 0) and (group is None or st.st_gid != group):
+        hint = (
+            f"if a daemon run by that user serves your group, trust the group with CKPTD_TRUST_GROUP={_name('group', st.st_gid)}"
+            if endpoint != per_user_endpoint()
+            else "this is your own user's default endpoint, where only your daemon belongs: point CKPTD_ENDPOINT at the"
+            " socket of the daemon that serves your group"
+        )
         _refuse(endpoint, f"the socket {path} belongs to another user", st, hint)
     d = os.path.dirname(os.path.abspath(path))
     dst = os.lstat(d)
