@@ -417,3 +417,28 @@ def test_a_restore_from_a_path_waits_for_another_clients_background_copy(daemon,
         ckptd.restore(model, opt, path=os.path.join(daemon.root, "other", "step-1"))
         h.wait(60)
         assert_same(_restored(c, 2), want)
+
+
+def test_a_global_step_pre_hook_registered_first_runs_after_the_copy(daemon, monkeypatch) -> None:  # noqa: ANN001
+    """A user's global optimizer step pre-hook that writes the parameters (a projection before the update), registered
+    before ckptd's: torch runs global hooks in registration order, so it wrote them while the copy read them."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    _slow_background_copy(monkeypatch, {"ckptd-copy-1": 0.5})
+    model, opt = _stepped()
+
+    def project(o: Any, args: Any, kwargs: Any) -> None:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.clamp_(-0.01, 0.01)
+
+    handle = register_optimizer_step_pre_hook(project)
+    try:
+        want = {k: v.clone() for k, v in model.state_dict().items()}
+        with daemon.client("order", overlap="always") as c:
+            h = c.snapshot(model, opt, step=1)
+            opt.step()
+            h.wait(60)
+            assert_same(_restored(c, 1), want)
+    finally:
+        handle.remove()

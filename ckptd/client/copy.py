@@ -396,6 +396,12 @@ class CopyGuard:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         self._hooked = register_optimizer_step_pre_hook(pre_step)
+        # first of the global pre-hooks: one registered before it (a projection, a clamp inside the step) would
+        # otherwise write the parameters while the copy reads them (torch runs them in registration order)
+        with contextlib.suppress(AttributeError, KeyError, TypeError):
+            from torch.optim import optimizer as _optimizer
+
+            _optimizer._global_optimizer_pre_hooks.move_to_end(self._hooked.id, last=False)
         weakref.finalize(self, self._hooked.remove)  # a client never closed leaves no hook behind either
 
     def unhook(self) -> None:
