@@ -45,16 +45,20 @@ def dataset() -> list[dict[str, torch.Tensor]]:
 
 def main(endpoint: str, job: str, output_dir: str, mode: str, out: str) -> None:
     ckpt = CkptdCallback(job, save_steps=4, endpoint=endpoint)
-    callbacks: list[transformers.TrainerCallback] = [ckpt]
+    # never improves by 10: its patience counter grows at every evaluation (4, 8, 12), carried through a resume
+    patience = transformers.EarlyStoppingCallback(early_stopping_patience=100, early_stopping_threshold=10.0)
+    callbacks: list[transformers.TrainerCallback] = [ckpt, patience]
     if mode.startswith("kill-after-"):
         callbacks.append(KillAfter(int(mode.removeprefix("kill-after-"))))
     args = transformers.TrainingArguments(
         output_dir=output_dir, max_steps=STEPS, per_device_train_batch_size=4, learning_rate=1e-3, lr_scheduler_type="linear",
         warmup_steps=2, save_strategy="no", logging_strategy="no", report_to=[], seed=0, use_cpu=True, dataloader_num_workers=0,
         disable_tqdm=True, eval_strategy="steps", eval_steps=4, metric_for_best_model="eval_loss",
+        restore_callback_states_from_checkpoint=True,
     )  # fmt: skip
     # evaluated at every save step: the snapshot must hold that evaluation (the best metric, the log, the eval loader's RNG draw)
     trainer = transformers.Trainer(model=model(), args=args, train_dataset=dataset(), eval_dataset=dataset()[:8], callbacks=callbacks)
+    ckpt.bind(trainer)
     trainer.train(resume_from_checkpoint=ckpt.resume_checkpoint(output_dir) if mode == "resume" else None)
     if not trainer.is_world_process_zero():
         return
@@ -67,6 +71,8 @@ def main(endpoint: str, job: str, output_dir: str, mode: str, out: str) -> None:
     state["rng"] = torch.get_rng_state()
     state["best_metric"] = torch.tensor([trainer.state.best_metric])
     state["evaluated_at"] = torch.tensor([h["step"] for h in trainer.state.log_history if "eval_loss" in h])
+    stopping = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, transformers.EarlyStoppingCallback))
+    state["patience_counter"] = torch.tensor([stopping.early_stopping_patience_counter])  # a resume rebuilds the callback
     save_file({k: v.contiguous() for k, v in state.items()}, out)
 
 

@@ -243,6 +243,24 @@ def test_hf_trainer_under_torchrun_resumes_the_step_rank_0_chose(daemon, short_t
     assert_same(load_file(short_tmp / "resumed.safetensors"), load_file(short_tmp / "full.safetensors"))
 
 
+def test_hf_callback_not_bound_warns_that_other_callbacks_state_is_not_carried(daemon) -> None:  # noqa: ANN001
+    pytest.importorskip("accelerate")
+    import types
+
+    from ckptd.integrations.hf import CkptdCallback
+
+    cb = CkptdCallback("warn", save_steps=4, endpoint=daemon.endpoint)
+    state = types.SimpleNamespace(global_step=0, stateful_callbacks={"TrainerControl": {}, "EarlyStoppingCallback": {}})
+    with pytest.warns(UserWarning, match=r"EarlyStoppingCallback keep state the snapshots do not carry.*bind\(trainer\)"):
+        cb.on_train_begin(None, state, None)
+    cb._handler = lambda: None  # bound (to a Trainer since collected): no warning
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cb.on_train_begin(None, state, None)
+
+
 def test_hf_resume_checkpoint_of_a_new_job_is_none_and_a_foreign_step_is_refused(daemon, short_tmp) -> None:  # noqa: ANN001
     pytest.importorskip("accelerate")
     from _models import make

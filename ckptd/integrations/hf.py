@@ -5,6 +5,7 @@
     ckpt = CkptdCallback("my-job", save_steps=500)
     args = TrainingArguments(output_dir, save_strategy="no", ...)   # the Trainer's own saving off
     trainer = Trainer(model, args, train_dataset=..., callbacks=[ckpt])
+    ckpt.bind(trainer)   # with other stateful callbacks (EarlyStoppingCallback): their state goes in the snapshots
     trainer.train(resume_from_checkpoint=ckpt.resume_checkpoint(args.output_dir))   # None: a fresh start
 
 Every ``save_steps`` optimizer steps a ``ckptd.snapshot`` is taken of the model and optimizer, when the next step
@@ -33,6 +34,7 @@ import logging
 import os
 import random
 import warnings
+import weakref
 from typing import Any
 
 import numpy as np
@@ -107,6 +109,15 @@ class CkptdCallback(TrainerCallback):
         self._rng: dict[str, Any] | None = None  # RNG states to restore before the first step after a resume
         self._resume_step: int | None = None  # the step resume_checkpoint() chose (on every rank)
         self._due: int | None = None  # a step that ended due for a snapshot, taken when the next one begins
+        self._handler: Any = None  # a weak reference to the bound Trainer's callback handler (bind())
+
+    def bind(self, trainer: Any) -> CkptdCallback:
+        """Carry the state of the Trainer's stateful callbacks (``ExportableState``: ``EarlyStoppingCallback``'s
+        patience counter) in every snapshot, as the Trainer's own checkpoints do; a callback gets no reference to its
+        Trainer, so call this once after making it. The Trainer puts them back on a resume when
+        ``restore_callback_states_from_checkpoint=True``. Returns this callback."""
+        self._handler = weakref.ref(trainer.callback_handler)
+        return self
 
     @property
     def client(self) -> Any:
@@ -127,9 +138,12 @@ class CkptdCallback(TrainerCallback):
             # holds all of that, and the resume puts the RNG back exactly there (on_step_begin)
             self._due = state.global_step
 
-    def _snapshot(self, state: Any, model: Any = None, optimizer: Any = None, lr_scheduler: Any = None, **kw: Any) -> None:
+    def _snapshot(self, state: Any, control: Any, model: Any = None, optimizer: Any = None, lr_scheduler: Any = None, **kw: Any) -> None:
+        trainer_state = _state_dict(state)
+        handler = self._handler() if self._handler is not None else None
+        trainer_state["stateful_callbacks"] = _stateful(handler, control, trainer_state.get("stateful_callbacks") or {})
         extra = {
-            "trainer_state": json.dumps(_state_dict(state)),
+            "trainer_state": json.dumps(trainer_state),
             "scheduler": _inner(lr_scheduler, "scheduler").state_dict() if lr_scheduler is not None else None,
             "rng": _rng(),
         }
@@ -140,7 +154,7 @@ class CkptdCallback(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if self._due is not None:  # the run's last step: no next step begins
             self._due = None
-            self._snapshot(state, **kw)
+            self._snapshot(state, control, **kw)
         self.client.wait()  # every snapshot of the run durable before train() returns
 
     def resume_checkpoint(self, output_dir: str | os.PathLike[str]) -> str | None:
@@ -187,6 +201,13 @@ class CkptdCallback(TrainerCallback):
     def on_train_begin(
         self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, lr_scheduler: Any = None, **kw: Any
     ) -> None:
+        others = sorted(set(getattr(state, "stateful_callbacks", None) or {}) - {"TrainerControl"})
+        if others and self._handler is None:
+            warnings.warn(
+                f"{', '.join(others)} keep state the snapshots do not carry (a resume starts them afresh): call"
+                " CkptdCallback.bind(trainer) once after making the Trainer",
+                stacklevel=2,
+            )
         if self._resume_step is not None:  # resume_checkpoint() in this process: the step every rank agreed on
             (job, step), self._resume_step = (self.client.job, self._resume_step), None
         else:
@@ -211,12 +232,28 @@ class CkptdCallback(TrainerCallback):
             self._rng = None
         if self._due is not None:  # the step that ended last (global_step still names it): see on_step_end
             self._due = None
-            self._snapshot(state, **kw)
+            self._snapshot(state, control, **kw)
 
 
 def read_pointer_at(directory: str) -> tuple[str, int] | None:
     path = os.path.join(directory, POINTER)
     return read_pointer(path) if os.path.isfile(path) else None
+
+
+def _stateful(handler: Any, control: Any, saved: dict[str, Any]) -> dict[str, Any]:
+    """``TrainerState.stateful_callbacks`` as of now, as the Trainer writes it at a save: each ``ExportableState``
+    callback's ``state()`` by class name (a list for several of one class), ``TrainerControl``'s included. Without a
+    bound handler the other callbacks' entries stay as the state holds them (from the start of training)."""
+    from transformers.trainer_callback import ExportableState
+
+    callbacks = [*(handler.callbacks if handler is not None else []), control]
+    out = {k: v for k, v in saved.items() if handler is None}
+    groups: dict[str, list[Any]] = {}
+    for cb in callbacks:
+        if isinstance(cb, ExportableState):
+            groups.setdefault(type(cb).__name__, []).append(cb.state())
+    out.update({name: states[0] if len(states) == 1 else states for name, states in groups.items()})
+    return out
 
 
 def _state_dict(state: Any) -> dict[str, Any]:
