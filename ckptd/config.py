@@ -50,6 +50,7 @@ MAX_WORLD_SIZE = 1 << 20  # ranks of one step (a wire field and a recovered reco
 MAX_LOCAL_WORLD_SIZE = 4096  # ranks one daemon serves in one step
 MAX_STEP = (1 << 63) - 1
 MAX_DEFERRED_ALLOCS = 4096  # allocs held back for memory at once; more are refused
+MAX_PREPARED_SLOTS = 16  # prepare(slots=N): a rank alternates between a few; more only waste the budget
 MAX_PINS_PER_READER = 16  # open hot restores of one slot by one process
 MAX_PINS_UNNAMED = 256  # ... by the processes the kernel cannot name here (pid 0), together
 MAX_NAME_BYTES = 256  # segment names and other short strings on the wire

@@ -209,7 +209,7 @@ def small_fs(short_tmp):  # noqa: ANN001, ANN201
     """A 3 MiB tmpfs: a real full disk. Skipped where this process may not mount."""
     mnt = short_tmp / "small"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m,mode=0755", "tmpfs", str(mnt)], capture_output=True, text=True)
     if r.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.strip()}")
     try:

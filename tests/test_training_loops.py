@@ -219,6 +219,86 @@ def test_prepare_before_the_first_step_under_ddp_sizes_each_ranks_share_of_the_s
         assert len(o["prepared"]) == 4 and o["needed"] <= min(o["prepared"]), outs  # every prepared slot fits either rank's shard
 
 
+def _fsdp1_prepare_then_snapshot(rank: int, world: int, endpoint: str, root: str) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from ckptd.client import Client
+
+    torch.manual_seed(0)
+    cpu = torch.device("cpu")
+    layers = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(2)])
+    for i in range(2):
+        layers[i] = FSDP(layers[i], device_id=cpu, use_orig_params=True)  # per layer, as an auto-wrap policy does
+    m = FSDP(layers, device_id=cpu, use_orig_params=True)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    with Client(endpoint=endpoint, job="fsdp1-fresh") as c:
+        c.prepare(m, opt)
+        dist.barrier()
+        prepared = [os.path.getsize(os.path.join(shm.SHM_DIR, seg)) for seg in shm.segments_of(root)]
+        m(torch.randn(4, 1024)).sum().backward()
+        opt.step()
+        c.snapshot(m, opt, step=1, blocking=True).wait(60)
+        return {"prepared": prepared, "needed": c._stager.layout.file_size}
+
+
+@pytest.mark.multiproc
+def test_prepare_before_the_first_step_under_fsdp1_sizes_the_state_of_its_flat_slices(daemon) -> None:  # noqa: ANN001
+    """FSDP1 with use_orig_params: a rank holds a flat 1-D slice of each parameter, saved as row chunks of it. The
+    projected state never matched the chunks' shape, went in once as a "step counter" (and the two ranks' equal
+    slices then looked like one replicated chunk): slots 10 MiB for a 12.6 MB shard, made again on the path."""
+    from _dist import run_ranks
+
+    for o in run_ranks(2, _fsdp1_prepare_then_snapshot, daemon.endpoint, daemon.root):
+        assert o["needed"] <= min(o["prepared"]), o  # every prepared slot fits either rank's shard
+
+
+def test_prepare_sizes_the_state_to_come_of_parameters_a_partial_restore_left_without(daemon) -> None:  # noqa: ANN001
+    """Fine-tuning with a new head: restore(strict=False) gives the body its saved optimizer state and the head none;
+    prepare() saw state and sized the slots for what the optimizer held, and the first snapshot made a slot."""
+    torch.manual_seed(0)
+    body = torch.nn.Sequential(torch.nn.Linear(256, 256))
+    opt = torch.optim.Adam(body.parameters())
+    body(torch.randn(2, 256)).sum().backward()
+    opt.step()
+    with daemon.client("head") as c:
+        c.snapshot(body, opt, step=1, blocking=True).wait(30)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 2048))
+        opt2 = torch.optim.Adam(model.parameters())
+        c.restore(model, opt2, strict=False)
+        c.prepare(model, opt2)
+        made = c._maps.made_on_path  # step 1's snapshot mapped its slot on its path: no prepare() before it
+        assert len(opt2.state) == 2  # the real optimizer untouched: the body's weight and bias have state, the head none
+        model(torch.randn(2, 256)).sum().backward()
+        opt2.step()
+        c.snapshot(model, opt2, step=2, blocking=True, extra={"rng": torch.get_rng_state()}).wait(30)
+        assert c._maps.made_on_path == made
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"persist_every": 2**31 + 1}, "persist_every must be an int in 1..2147483648"),
+        ({"persist_interval": True}, "persist_interval must be a number"),
+        ({"persist_interval": "10"}, "persist_interval must be a number"),
+        ({"persist_interval": float("nan")}, "persist_interval must be a number"),
+    ],
+)
+def test_tiering_values_the_daemon_refuses_are_refused_when_the_client_is_made(daemon, kwargs: dict[str, Any], match: str) -> None:  # noqa: ANN001
+    """They were taken, and every snapshot then copied its state only to be refused at the commit."""
+    from ckptd.client import Client
+
+    with pytest.raises(ValueError, match=match):
+        Client(endpoint=daemon.endpoint, job="tiers", **kwargs)
+
+
+@pytest.mark.parametrize("slots", [-3, 2.5, True, 10**6])
+def test_prepare_refuses_a_slot_count_that_is_not_one(daemon, slots: Any) -> None:  # noqa: ANN001
+    model, optim = make()
+    with daemon.client("slots") as c, pytest.raises(ValueError, match=r"prepare\(slots=...\) takes an int in 0..16"):
+        c.prepare(model, optim, slots=slots)
+
+
 def test_prepare_runs_no_optimizer_step_hook_for_its_shadow_optimizer(daemon) -> None:  # noqa: ANN001
     """The shadow optimizer's step ran the process-wide optimizer hooks: a user's EMA or step counter saw a step."""
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook

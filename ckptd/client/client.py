@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..config import ALLOC_TIMEOUT_S, CLIENT_TIMEOUT_S, default_endpoint, default_job, env_float, validate_job
+from ..config import ALLOC_TIMEOUT_S, CLIENT_TIMEOUT_S, MAX_PREPARED_SLOTS, default_endpoint, default_job, env_float, validate_job
 from ..errors import CheckpointError, DaemonUnavailable
 from ..protocol import MAX_MESSAGE_BYTES, reply_fields
 from .agree import shared
@@ -221,6 +221,8 @@ class Client:
         """
         if slots is None:
             slots = 3 if self._memory_tier() else 2
+        if isinstance(slots, bool) or not isinstance(slots, int) or not 0 <= slots <= MAX_PREPARED_SLOTS:
+            raise ValueError(f"prepare(slots=...) takes an int in 0..{MAX_PREPARED_SLOTS}, got {slots!r}")
         with self._snapping:
             self._prepare(model, torch_optimizer(optim), slots)
 

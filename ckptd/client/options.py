@@ -33,10 +33,11 @@ def tier_settings(every: int | None, interval: float | None) -> dict[str, Any]:
         every = env_int("CKPTD_PERSIST_EVERY", 1)
     if interval is None and os.environ.get("CKPTD_PERSIST_INTERVAL"):
         interval = env_float("CKPTD_PERSIST_INTERVAL", 0.0)
-    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-        raise ValueError(f"persist_every must be an int >= 1, got {every!r}")
-    if interval is not None and not 0 <= interval <= 1e9:
-        raise ValueError(f"persist_interval must be a number of seconds >= 0, got {interval!r}")
+    # the daemon's bounds (protocol): refused here, before a snapshot copies its data only to fail at the commit
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or not 1 <= every <= 1 << 31):
+        raise ValueError(f"persist_every must be an int in 1..{1 << 31}, got {every!r}")
+    if interval is not None and (isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 <= interval <= 1e9):
+        raise ValueError(f"persist_interval must be a number of seconds in 0..1e9, got {interval!r}")
     return {"persist_every": every, "persist_interval": interval}
 
 

@@ -28,8 +28,12 @@ _FLAGS_OFF = {"foreach": False, "fused": False, "capturable": False}  # the plai
 
 def projected_items(items: list[Item], model: torch.nn.Module, optim: torch.optim.Optimizer | None) -> list[Item]:
     """``items`` (this rank's layout) plus the optimizer state entries its first step will make for the
-    parameters among them; ``items`` alone when the optimizer has state already or its shadow cannot step."""
-    if optim is None or optim.state or not items:
+    parameters among them that have none yet (all of them before the first step; a new head's after a
+    ``restore(strict=False)``); ``items`` alone when every parameter has state or the shadow cannot step."""
+    if optim is None or not items:
+        return items
+    lacking = {id(p) for g in optim.param_groups for p in g["params"] if p.requires_grad and not optim.state.get(p)}
+    if not lacking:
         return items
     if not type(optim).__module__.startswith("torch.optim"):  # its constructor or step may do anything (collectives)
         log.info(
@@ -43,19 +47,22 @@ def projected_items(items: list[Item], model: torch.nn.Module, optim: torch.opti
         return items
     from torch.distributed.checkpoint.state_dict import _get_fqns
 
-    by_key: dict[str, list[tuple[str, str, torch.Tensor]]] = {}  # model key -> (fqn, state name, meta value)
+    by_key: dict[str, list[tuple[str, str, torch.Tensor, tuple[int, ...]]]] = {}  # model key -> (fqn, name, meta value, local shape)
     for name, p in model.named_parameters():
         fqns = _get_fqns(model, name)
-        if len(fqns) != 1:  # a flat parameter (FSDP1 without use_orig_params): its state is split in ways not foreseen here
+        if len(fqns) != 1 or id(p) not in lacking:  # a flat parameter (FSDP1 without use_orig_params): not foreseen here
             continue
         (fqn,) = fqns
-        by_key[join_key(("model", fqn))] = [(fqn, k, v) for k, v in state.get(id(p), {}).items()]
+        local = tuple(local_tensor(p).shape)
+        by_key[join_key(("model", fqn))] = [(fqn, k, v, local) for k, v in state.get(id(p), {}).items()]
     out = list(items)
     scalars: set[str] = set()
     for name, key, _, sizes, gshape, offsets in items:
-        for fqn, k, v in by_key.get(key, ()):
+        for fqn, k, v, local in by_key.get(key, ()):
             skey = join_key(("optim", "state", fqn, k))
-            if tuple(v.shape) == sizes:  # shaped like the parameter's chunk: a chunk of its own beside it
+            # shaped like the parameter where this rank holds it (a chunk of it, or FSDP1's flat slice of one): saved
+            # as the parameter is, a chunk beside each of its chunks
+            if tuple(v.shape) in (sizes, local):
                 out.append((name.replace(key, skey, 1), skey, v.dtype, sizes, gshape, offsets))
             elif skey not in scalars:  # a step counter: once
                 scalars.add(skey)

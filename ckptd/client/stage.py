@@ -27,6 +27,7 @@ COPYABLE = {
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
     torch.uint8, torch.bool, torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64,
 }  # fmt: skip
+PREPARE_EXTRA_ROOM = 64 << 10  # prepare()'s slots: room beyond the planned state for extra's small tensors
 
 
 MAX_EXTRA_BYTES = MAX_MESSAGE_BYTES - (16 << 20)  # the rest of the commit (model and optimizer refs) needs room too
@@ -244,7 +245,9 @@ class Stager:
         planned = [((key, offs, sizes), math.prod(sizes) * dtype.itemsize) for _, key, dtype, sizes, _, offs in items]
         mine, _ = self._plan.mine(planned, lowest=self._buffer_chunks(planned))  # as snapshots plan
         slack = 4096 + 128 * (len(items) - len(held))  # the header's real names of the state to come may be longer
-        return build_layout([it for it in items if (it[1], it[5], it[3]) in mine]).file_size + (slack if len(items) > len(held) else 0)
+        # and room for small tensors in extra, which prepare() does not see (an RNG state: 5 KB per generator)
+        room = PREPARE_EXTRA_ROOM + (slack if len(items) > len(held) else 0)
+        return build_layout([it for it in items if (it[1], it[5], it[3]) in mine]).file_size + room
 
     def _layout_for(self, chunks: list[LocalChunk]) -> ShardLayout:
         key = tuple((c.name, c.key, c.tensor.dtype, c.sizes, c.global_shape, c.offsets) for c in chunks)
