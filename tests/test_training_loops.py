@@ -299,6 +299,33 @@ def test_prepare_refuses_a_slot_count_that_is_not_one(daemon, slots: Any) -> Non
         c.prepare(model, optim, slots=slots)
 
 
+def _prepare_with_rank_1s_daemon_down(rank: int, world: int, endpoint: str, short_tmp: str) -> dict[str, Any]:
+    import time
+
+    from ckptd.client import Client
+
+    model, optim = make()
+    where = endpoint if rank == 0 else f"ipc://{short_tmp}/down.sock"  # node 1's daemon is not running
+    t0 = time.monotonic()
+    with Client(endpoint=where, job="down", timeout=5.0) as c:
+        try:
+            c.prepare(model, optim)
+            return {"error": None, "took": time.monotonic() - t0}
+        except CheckpointError as e:
+            return {"error": str(e), "took": time.monotonic() - t0}
+
+
+@pytest.mark.multiproc
+def test_prepare_with_one_ranks_daemon_down_fails_on_every_rank_at_once(daemon, short_tmp, monkeypatch) -> None:  # noqa: ANN001
+    """prepare() asked its daemon for the tiering before the plan's collective: the rank whose daemon was down
+    raised alone, and the others waited in the collective for CKPTD_COLLECTIVE_TIMEOUT (30 minutes)."""
+    from _dist import run_ranks
+
+    monkeypatch.setenv("CKPTD_COLLECTIVE_TIMEOUT", "120")
+    for o in run_ranks(2, _prepare_with_rank_1s_daemon_down, daemon.endpoint, str(short_tmp)):
+        assert o["error"] is not None and ("[1]" in o["error"] or "no ckptd daemon" in o["error"]) and o["took"] < 60, o
+
+
 def test_prepare_runs_no_optimizer_step_hook_for_its_shadow_optimizer(daemon) -> None:  # noqa: ANN001
     """The shadow optimizer's step ran the process-wide optimizer hooks: a user's EMA or step counter saw a step."""
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook

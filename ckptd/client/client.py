@@ -219,15 +219,18 @@ class Client:
         Before the optimizer's first step (no state yet) the slots fit the state that step will make
         (:mod:`.sizing`).
         """
-        if slots is None:
-            slots = 3 if self._memory_tier() else 2
-        if isinstance(slots, bool) or not isinstance(slots, int) or not 0 <= slots <= MAX_PREPARED_SLOTS:
+        if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or not 0 <= slots <= MAX_PREPARED_SLOTS):
             raise ValueError(f"prepare(slots=...) takes an int in 0..{MAX_PREPARED_SLOTS}, got {slots!r}")
         with self._snapping:
             self._prepare(model, torch_optimizer(optim), slots)
 
-    def _prepare(self, model: torch.nn.Module, optim: torch.optim.Optimizer | None, slots: int) -> None:
+    def _prepare(self, model: torch.nn.Module, optim: torch.optim.Optimizer | None, slots: int | None) -> None:
         prior = self._guard.settle()  # raised by the plan below, with every rank
+        if slots is None:
+            try:
+                slots = 3 if self._memory_tier() else 2
+            except CheckpointError as e:  # this rank's daemon is down: every rank fails at the plan, none waits for it
+                prior, slots = prior or e, 0
         rank, world = dist_rank_world()
         staged = self._stager.run(model, optim, None, rank, None, prior)
         nbytes = self._stager.projected_size(lambda items: projected_items(items, model, optim))  # a collective too
