@@ -17,12 +17,15 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn as nn
+
+A = TypeVar("A")
+B = TypeVar("B")
 
 # ---------------------------------------------------------------------------- machine
 
@@ -319,6 +322,37 @@ def write_json(path: str, obj: Any) -> None:
 
 
 # ---------------------------------------------------------------------------- shared by several benchmarks
+
+
+def alternate(i: int, first: Callable[[], A], second: Callable[[], B]) -> tuple[A, B]:
+    """Run a pair of measurements back to back, ``first`` first on even ``i`` and second on odd ``i``; their results
+    in the order ``(first, second)``. Neither then always follows what ran before the pair (the previous snapshot's
+    ``wait()``, a write-back), so a paired ratio carries no order bias."""
+    if i % 2 == 0:
+        a = first()
+        return a, second()
+    b = second()
+    return first(), b
+
+
+def disk_write_rate(directory: str, nbytes: int, block: int = 16 << 20) -> tuple[float, float]:
+    """``(bytes/s, seconds)`` of one sequential write + fsync of ``nbytes`` incompressible bytes to a new file in
+    ``directory`` (removed after): what the disk really sustains for a checkpoint-sized write."""
+    chunk = memoryview(os.urandom(min(block, max(nbytes, 1))))
+    path = os.path.join(directory, f"ckptd-disk-probe-{os.getpid()}.bin")
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        left = nbytes
+        while left > 0:
+            left -= os.write(fd, chunk[: min(left, len(chunk))])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        dt = time.perf_counter() - t0
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    return nbytes / dt, dt
 
 
 def evict(step_dir: str) -> None:

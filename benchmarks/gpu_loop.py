@@ -13,12 +13,12 @@ Through the ``device`` tool, whose machine cannot download: ``make device-wheels
 
 It needs 3.5x the state in /dev/shm (within half of it: the daemon's default budget; else it says so and exits 2)
 and about 5x on the work directory's disk (``--workdir``, default ``$CKPTD_BENCH_DIR`` or the temp dir). It writes
-about 50 copies of the state in all (300 GB at the defaults: every ckptd and DCP checkpoint is made durable before
-the next mode; each daemon keeps its default 3 steps), so the disk sets much of the run time (2.5 minutes of writing at 2 GB/s).
+about 60 copies of the state in all (360 GB at the defaults: every ckptd and DCP checkpoint is made durable before
+the next mode; each daemon keeps its default 3 steps), so the disk sets much of the run time (3 minutes of writing at 2 GB/s).
 On cuda it leaves out the modes not started after ``--max-minutes`` (default 8: a command may run 10 minutes on the
 GPU box), marked skipped, and still ends with the closing baseline and the report; run those in a second call with
-``--modes`` (the floor is always measured), e.g.
-``--modes lag-wait,lag-memory,dcp-thread,dcp-thread-pinned,dcp-process,dcp-process-pinned``.
+``--modes`` (the floor is always measured), e.g. ``--modes lag-wait,lag-memory,dcp-thread,dcp-thread-pinned`` and
+``--modes dcp-thread-pinned-fresh,dcp-process,dcp-process-pinned,dcp-process-pinned-fresh``.
 Progress goes to stderr with timestamps.
 
 Here (no GPU: every code path on the CPU, with a small state):
@@ -47,17 +47,25 @@ step every ``--every`` steps. What each figure means:
   its overhead is per step.
 * **persisting lags**: the default mode against a daemon whose disk writes are throttled
   (``--write-rate-limit``, one persist worker) so that one persist takes ``--lag-factor`` checkpoint
-  intervals, shared memory for three slots. ``--lagging wait``: every snapshot is queued for disk, and
-  once the slots are all taken the next snapshot waits (backpressure); it gets only ``prepare()``'s two
-  slots, so its third is made during the loop (a cold pool). ``--lagging memory``: a snapshot due for
-  disk while the disk is busy stays in memory, the newest is persisted when the disk is free; it gets
-  ``prepare()``'s three slots and a warm-up.
-* **dcp.async_save**: thread mode with its default stager; thread mode with a persistent ``DefaultStager``
-  on pinned memory with asynchronous staging (the optimizer step waits for staging, as torch asks);
-  process mode with the default stager, and with a ``DefaultStager`` on pinned shared memory. One save in
-  flight, as users run it: a checkpoint first waits for the previous save. The process and pinned modes
-  get a warm-up save first (it spawns the checkpoint process, allocates the stager's cached buffers). A mode
-  the installed torch lacks or that raises is reported as failed with the exception's type and message.
+  intervals, and never faster than half the disk's own sequential write rate, measured before these modes
+  (one write + fsync of ``--disk-probe-gb`` in the work directory): a cap above the disk's speed would not
+  throttle at all. Shared memory for three slots, and a loop of more checkpoints than that (``--lag-ckpts``,
+  default the larger of the other loops' count and five), so the pool runs out; each row's notes give the
+  slot count, the checkpoints, and the persist time per checkpoint the daemon measured (its seconds writing /
+  steps persisted). Their overhead is against the baseline scaled to the loop's steps. ``--lagging wait``:
+  every snapshot is queued for disk, and once the slots are all taken the next snapshot waits
+  (backpressure); it gets only ``prepare()``'s two slots, so its third is made during the loop (a cold
+  pool). ``--lagging memory``: a snapshot due for disk while the disk is busy stays in memory, the newest is
+  persisted when the disk is free; it gets ``prepare()``'s three slots and a warm-up.
+* **dcp.async_save**: thread mode with its default stager; thread mode with a ``DefaultStager`` on pinned
+  memory with asynchronous staging (the optimizer step waits for staging, as torch asks); process mode with
+  the default stager, and with a ``DefaultStager`` on pinned shared memory. Each ``DefaultStager`` mode runs
+  twice: one stager reused across saves (its cached buffers are the point of it), and a fresh stager per save
+  (``-fresh``), closed once its save is on disk; a torch that closes a stager after a save fails the reused
+  rows, whose failure then says "stager reused across saves". One save in flight, as users run it: a
+  checkpoint first waits for the previous save. The process and pinned modes get a warm-up save first (it
+  spawns the checkpoint process, allocates the stager's cached buffers). A mode the installed torch lacks or
+  that raises is reported as failed with the exception's type and message.
 * **restore** of the newest step into a fresh model + AdamW on the device, from the daemon's memory
   (``restore()``, hot), from disk (``hot=False``) with the step's files evicted from the page cache, and
   from disk with them in the page cache; against the H2D floors: the whole state copied from one pinned and
@@ -92,9 +100,11 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _dcp_saves import DcpSaves  # noqa: E402
 from _harness import (  # noqa: E402
     Block,
     DaemonProcess,
+    disk_write_rate,
     evict,
     fds_to,
     machine_info,
@@ -110,12 +120,15 @@ import ckptd  # noqa: E402
 
 LOOP_MODES = (
     "floor", "default", "blocking", "memtier", "lag-wait", "lag-memory",
-    "dcp-thread", "dcp-thread-pinned", "dcp-process", "dcp-process-pinned",
+    "dcp-thread", "dcp-thread-pinned", "dcp-thread-pinned-fresh", "dcp-process", "dcp-process-pinned", "dcp-process-pinned-fresh",
 )  # fmt: skip
 ALL_MODES = (*LOOP_MODES, "restore")
 CKPTD_SECTIONS = {"main": ("default", "blocking", "restore"), "memtier": ("memtier",), "lag": ("lag-wait", "lag-memory")}
 SLOT_ROOM = 3.5  # shared memory the ckptd daemons need, in states: three slots (a memory tier's steady pool) and a margin
 SHM_ALIGN = 2 << 20  # the daemon rounds segment sizes up to this (ckptd.shm.ALIGN)
+LAG_SLOTS = 3  # the lagging modes' shared-memory budget holds this many slots
+LAG_DISK_SHARE = 0.5  # the lagging modes' write cap: at most this share of the disk's measured sequential write rate
+REUSED = "stager reused across saves"  # what a failure of the reused-DefaultStager rows is put down to
 # the daemons keep their default 3 steps on disk: with fewer, a persist thread whose step the retention of newer steps
 # (completed by the other persist thread meanwhile) removed before it read back its own manifest reports the step
 # failed (ckptd 0.1.0), and wait() raises for a step that was durable; seen here with --keep 1 and --keep 2
@@ -238,6 +251,8 @@ def pool(client: ckptd.Client) -> dict[str, Any]:
         "memory_steps": st.get("memory_steps", 0),
         "dropped": st.get("memory_steps_dropped", 0),
         "durable": st.get("steps_committed", 0),
+        "persist_seconds": st.get("persist_seconds", 0.0),
+        "persisted_bytes": st.get("persisted_bytes", 0),
         "errors": st.get("errors", 0),
         "last_error": st.get("last_error"),
     }
@@ -293,6 +308,7 @@ class Row:
     name: str
     short: str = ""  # the plot's label
     checkpoints: int = 0
+    steps: int | None = None  # steps of its loop, when not --steps (the lagging modes run more)
     loop_s: float | None = None
     overhead_ms: float | None = None
     x_floor: float | None = None
@@ -320,6 +336,7 @@ class RestoreRow:
 
 def mode_names(args: argparse.Namespace, cuda: bool) -> dict[str, str]:
     k = args.persist_every
+    pin = "pinned" if cuda else "not pinned on cpu"
     return {
         "floor": "D2H floor: whole state into one pinned buffer, side stream, synchronized"
         if cuda
@@ -327,12 +344,14 @@ def mode_names(args: argparse.Namespace, cuda: bool) -> dict[str, str]:
         "default": "ckptd snapshot() default (copy guarded until optimizer.step), warm pool",
         "blocking": "ckptd snapshot(blocking=True), warm pool",
         "memtier": f"ckptd default, memory tier: a snapshot every step, 1 in {k} persisted, --lagging memory (per step)",
-        "lag-wait": "ckptd default, disk throttled, --lagging wait (backpressure), pool from prepare() only (cold)",
-        "lag-memory": "ckptd default, disk throttled, --lagging memory, warm pool",
+        "lag-wait": "ckptd default, disk throttled below its speed, --lagging wait (backpressure), pool from prepare() only (cold)",
+        "lag-memory": "ckptd default, disk throttled below its speed, --lagging memory, warm pool",
         "dcp-thread": "dcp.async_save, thread mode (default stager)",
-        "dcp-thread-pinned": "dcp.async_save, thread mode, DefaultStager (pinned, async staging)",
+        "dcp-thread-pinned": f"dcp.async_save, thread mode, one DefaultStager ({pin}, async staging) reused across saves",
+        "dcp-thread-pinned-fresh": f"dcp.async_save, thread mode, DefaultStager ({pin}, async staging), fresh per save",
         "dcp-process": "dcp.async_save, process mode (default stager)",
-        "dcp-process-pinned": "dcp.async_save, process mode, DefaultStager (pinned, shared memory, async staging)",
+        "dcp-process-pinned": f"dcp.async_save, process mode, one DefaultStager ({pin}, shared memory, async staging) reused across saves",
+        "dcp-process-pinned-fresh": f"dcp.async_save, process mode, DefaultStager ({pin}, shared memory, async staging), fresh per save",
     }
 
 
@@ -344,9 +363,11 @@ SHORT = {
     "lag-wait": "ckptd, slow disk, lagging=wait (cold pool)",
     "lag-memory": "ckptd, slow disk, lagging=memory",
     "dcp-thread": "dcp.async_save thread",
-    "dcp-thread-pinned": "dcp.async_save thread, pinned stager",
+    "dcp-thread-pinned": "dcp.async_save thread, pinned stager reused",
+    "dcp-thread-pinned-fresh": "dcp.async_save thread, pinned stager per save",
     "dcp-process": "dcp.async_save process",
-    "dcp-process-pinned": "dcp.async_save process, pinned shm stager",
+    "dcp-process-pinned": "dcp.async_save process, pinned shm stager reused",
+    "dcp-process-pinned-fresh": "dcp.async_save process, pinned shm stager per save",
     "h2d_pinned": "floor: pinned buffer -> device",
     "h2d_pageable": "floor: pageable buffer -> device",
     "memory": "ckptd.restore, hot (daemon memory)",
@@ -391,6 +412,7 @@ class Bench:
         self.slot_bytes: int | None = None  # one staging slot, as the daemon made it (from the main daemon's pool)
         self.last_step_dir: str | None = None
         self.lag: dict[str, Any] = {}
+        self.disk: dict[str, Any] = {}  # the work directory's disk: its measured sequential write rate
         self.restore_profile: str | None = None
         self.complete = False
         log(f"building the model on {device}")
@@ -531,7 +553,7 @@ class Bench:
                 handles[-1].wait_copied()  # the last copy is the loop's too
 
         r.loop_s = run_loop(self.tr, steps, every, ckpt, finish)
-        r.checkpoints = steps // every
+        r.checkpoints, r.steps = steps // every, steps
         for th in threads:
             th.join()
         if errors:
@@ -637,58 +659,79 @@ class Bench:
             finally:
                 self.stop(dp)
 
-    def lag_settings(self) -> tuple[int, int, float]:
-        """(write rate limit in bytes/s, shm budget in bytes, seconds one persist takes at that rate)."""
+    def probe_disk(self) -> None:
+        """The work directory's disk: one sequential write + fsync of ``--disk-probe-gb`` (the lagging modes' write cap
+        is set below it)."""
+        nbytes = int(self.args.disk_probe_gb * 1e9)
+        rate, took = disk_write_rate(self.work, nbytes)
+        self.disk = {"probe_bytes": nbytes, "seconds": took, "bytes_per_s": rate}
+        log(f"disk: {nbytes / 1e9:.2f} GB written + fsynced in {took:.2f} s = {rate / 1e6:.0f} MB/s")
+
+    def lag_settings(self) -> dict[str, Any]:
+        """The lagging modes' daemon: a write cap below the disk's measured rate (``--lag-factor`` checkpoint intervals a
+        persist, at most ``LAG_DISK_SHARE`` of the disk's rate), shared memory for ``LAG_SLOTS`` slots, and a loop of
+        more checkpoints than that, so the pool runs out."""
         slot = self.slot_bytes or -(-(self.nbytes + (4 << 20)) // SHM_ALIGN) * SHM_ALIGN
         quiet_step = statistics.mean(self.baselines) / self.args.steps
         interval = self.args.every * quiet_step
-        rate = self.args.lag_rate or slot / (self.args.lag_factor * interval)
-        rate = int(max(rate, 1 << 20))
-        budget = int(3 * slot + slot // 2)  # three slots: a fourth does not fit
-        self.lag = {"rate_bytes_per_s": rate, "shm_budget": budget, "slot_bytes": slot, "interval_s": interval, "persist_s": slot / rate}
-        return rate, budget, slot / rate
+        want = self.args.lag_rate or slot / (self.args.lag_factor * interval)
+        cap = LAG_DISK_SHARE * self.disk["bytes_per_s"] if self.disk else None
+        rate = int(max(min(want, cap) if cap else want, 1 << 20))
+        ckpts = self.args.lag_ckpts or max(self.checkpoints, LAG_SLOTS + 2)
+        self.lag = {
+            "rate_bytes_per_s": rate, "capped_by_disk": bool(cap and want > cap), "disk_bytes_per_s": self.disk.get("bytes_per_s"),
+            "shm_budget": int(LAG_SLOTS * slot + slot // 2), "slots": LAG_SLOTS, "checkpoints": ckpts, "slot_bytes": slot,
+            "interval_s": interval, "persist_s": slot / rate,
+        }  # fmt: skip
+        return self.lag
 
     def lagging(self) -> None:
-        keys = [k for k in CKPTD_SECTIONS["lag"] if k in self.rows]
-        for key in keys:
-            r = self.rows[key]
-            mode = key.removeprefix("lag-")
+        for key in [k for k in CKPTD_SECTIONS["lag"] if k in self.rows]:
             if self.skip([key]):
                 continue
             with self.section([key]):
-                rate, budget, persist_s = self.lag_settings()
-                args = [*KEEP, "--workers", "1", "--write-rate-limit", str(rate), "--shm-budget", str(budget), "--lagging", mode]
-                dp = self.daemon(key, args)
+                lag = self.lag_settings()
+                args = [*KEEP, "--workers", "1", "--write-rate-limit", str(lag["rate_bytes_per_s"]), "--shm-budget", str(lag["shm_budget"])]
+                dp = self.daemon(key, [*args, "--lagging", key.removeprefix("lag-")])
                 try:
-                    with ckptd.Client(endpoint=dp.endpoint, job=f"gpu-loop-{key}") as c:
-                        counter = itertools.count(1)
-                        c.prepare(self.tr.model, self.tr.optim)  # wait: two slots; memory: three (the job has a memory tier)
-                        if mode == "memory":
-                            self.warm_up(c, counter, self.args.every, self.args.warmup_ckpts)
-                            drain(c, self.args.drain_timeout + 10 * persist_s)
-                        try:
-                            before, pins, maps = pool(c), pinned_mappings(c), mapped(c)
-                            self.ckptd_loop(r, c, self.args.steps, self.args.every, False, counter)
-                            r.info["drain_s"] = drain(c, self.args.drain_timeout + 10 * persist_s)
-                            after = pool(c)
-                            r.info.update(pool_before=before, pool_after=after, pinned_before=pins, pinned_after=pinned_mappings(c))
-                            r.info.update(self.lag, mapped_before=maps, mapped_after=mapped(c))
-                            r.notes.append(
-                                f"disk {rate / 1e6:.0f} MB/s: a persist takes {persist_s / self.lag['interval_s']:.1f} checkpoint intervals"
-                            )
-                            self.pool_notes(r, before, after)
-                            r.notes.append(f"{after['durable'] - before['durable']} persisted")
-                            if after["memory_steps"] > before["memory_steps"]:
-                                r.notes.append(
-                                    f"{after['memory_steps'] - before['memory_steps']} kept in memory"
-                                    f" ({after['dropped'] - before['dropped']} dropped)"
-                                )
-                            r.notes.append(f"backlog drained {r.info['drain_s']:.1f} s after the loop")
-                        except Exception as e:
-                            r.error = describe(e)
-                            log(f"{key}: {r.error}")
+                    self.lag_mode(self.rows[key], dp, lag)
                 finally:
-                    self.stop(dp, timeout=120.0 + 4 * persist_s)
+                    self.stop(dp, timeout=120.0 + 4 * lag["persist_s"])
+
+    def lag_mode(self, r: Row, dp: DaemonProcess, lag: dict[str, Any]) -> None:
+        """One lagging mode's loop of ``lag["checkpoints"]`` checkpoints, then its backlog drained; the notes say the pool,
+        the cap, and the persist time each checkpoint took (the daemon's seconds writing / steps persisted)."""
+        with ckptd.Client(endpoint=dp.endpoint, job=f"gpu-loop-{r.key}") as c:
+            counter = itertools.count(1)
+            c.prepare(self.tr.model, self.tr.optim)  # wait: two slots; memory: three (the job has a memory tier)
+            if r.key == "lag-memory":
+                self.warm_up(c, counter, self.args.every, self.args.warmup_ckpts)
+                drain(c, self.args.drain_timeout + 10 * lag["persist_s"])
+            try:
+                before, pins, maps = pool(c), pinned_mappings(c), mapped(c)
+                self.ckptd_loop(r, c, self.args.every * lag["checkpoints"], self.args.every, False, counter)
+                r.info["drain_s"] = drain(c, self.args.drain_timeout + 10 * lag["persist_s"])
+                after = pool(c)
+                r.info.update(pool_before=before, pool_after=after, pinned_before=pins, pinned_after=pinned_mappings(c))
+                r.info.update(lag, mapped_before=maps, mapped_after=mapped(c))
+                persisted = after["durable"] - before["durable"]
+                took = (after["persist_seconds"] - before["persist_seconds"]) / persisted if persisted else None
+                r.info["persist_s_measured"] = took
+                r.notes.insert(0, f"{lag['slots']} slots in the shared-memory budget, {lag['checkpoints']} checkpoints")
+                r.notes.append(
+                    f"disk capped at {lag['rate_bytes_per_s'] / 1e6:.0f} MB/s (measured {(lag['disk_bytes_per_s'] or 0) / 1e6:.0f} MB/s):"
+                    f" a persist took {fmt_ms(took, 2)} s measured, {lag['persist_s'] / lag['interval_s']:.1f} checkpoint intervals planned"
+                )
+                self.pool_notes(r, before, after)
+                r.notes.append(f"{persisted} persisted")
+                if after["memory_steps"] > before["memory_steps"]:
+                    r.notes.append(
+                        f"{after['memory_steps'] - before['memory_steps']} kept in memory ({after['dropped'] - before['dropped']} dropped)"
+                    )
+                r.notes.append(f"backlog drained {r.info['drain_s']:.1f} s after the loop")
+            except Exception as e:
+                r.error = describe(e)
+                log(f"{r.key}: {r.error}")
 
     # ------------------------------------------------------------------ restore
 
@@ -824,95 +867,44 @@ class Bench:
                     dist.destroy_process_group()
 
     def dcp_mode(self, r: Row) -> None:
-        process, pinned = r.key.startswith("dcp-process"), r.key.endswith("-pinned")
-        stager: Any = None
+        """One DCP mode's loop (after a warm-up save for process mode and the stager modes); a failure is reported in the
+        row, and a reused stager's failure after its first save is put down to the reuse."""
+        saves: DcpSaves | None = None
         hook: Any = None
-        inflight: list[tuple[Any, str]] = []  # (what async_save returned, its directory)
-        staging: list[Any] = []  # the staging futures of asynchronous staging
-        waited_ms: list[float] = []
-        timeout = self.args.dcp_timeout
-
-        def upload(ret: Any) -> Any:
-            return getattr(ret, "upload_completion", ret)  # an AsyncSaveResponse, or the Future itself
-
         try:
-            import torch.distributed.checkpoint as dcp
-            from torch.distributed.checkpoint.state_dict import get_state_dict
-
-            kw: dict[str, Any] = {}
-            if process:
-                from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-
-                kw["async_checkpointer_type"] = AsyncCheckpointerType.PROCESS
-            if pinned:
-                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-                opts = StagingOptions(use_pinned_memory=True, use_shared_memory=process, use_async_staging=True, use_non_blocking_copy=True)
-                stager = DefaultStager(opts)
-                kw["async_stager"] = stager
-            n = itertools.count()
-
-            def save() -> tuple[float, float]:
-                t0 = time.perf_counter()
-                if inflight:  # one save in flight at a time, as users run it
-                    upload(inflight[-1][0]).result(timeout=timeout)
-                    while len(inflight) > 1:
-                        shutil.rmtree(inflight.pop(0)[1], ignore_errors=True)
-                t1 = time.perf_counter()
-                msd, osd = get_state_dict(self.tr.model, self.tr.optim)
-                path = os.path.join(self.work, f"{r.key}-{next(n)}")
-                ret = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=path, **kw)
-                inflight.append((ret, path))
-                if hasattr(ret, "staging_completion"):
-                    staging.append(ret.staging_completion)
-                return t1 - t0, time.perf_counter() - t0
-
-            def pre_step(opt: Any, args: Any, kwargs: Any) -> None:
-                if staging:  # the state must be staged before the step mutates it
-                    staging[-1].result(timeout=timeout)
-
-            hook = self.tr.optim.register_step_pre_hook(pre_step)
-            if process or pinned:
+            saves = DcpSaves(r.key, self.work, self.tr.model, self.tr.optim, self.args.dcp_timeout)
+            hook = self.tr.optim.register_step_pre_hook(saves.pre_step)
+            if saves.process or saves.pinned:
                 # warm-up: one save to disk first (it spawns the checkpoint process, allocates the stager's cached buffers)
-                ctx = fds_to(os.path.join(self.work, "dcp-process.log")) if process else contextlib.nullcontext()
+                ctx = fds_to(os.path.join(self.work, "dcp-process.log")) if saves.process else contextlib.nullcontext()
                 with ctx:
-                    save()
-                    upload(inflight[-1][0]).result(timeout=timeout)
+                    saves.save()
+                    saves.wait_all()
+            waited_ms: list[float] = []
 
             def ckpt(i: int) -> None:
-                w, c = save()
+                w, c = saves.save()
                 waited_ms.append(w * 1e3)
                 r.call_ms.append(c * 1e3)
 
-            def finish() -> None:
-                if staging:
-                    staging[-1].result(timeout=timeout)
-
-            r.loop_s = run_loop(self.tr, self.args.steps, self.args.every, ckpt, finish)
+            r.loop_s = run_loop(self.tr, self.args.steps, self.args.every, ckpt, saves.staged)
             r.checkpoints = self.checkpoints
-            t0 = time.perf_counter()
-            for ret, _ in inflight:
-                upload(ret).result(timeout=timeout)
-            r.info["durable_after_loop_s"] = time.perf_counter() - t0
+            r.info["durable_after_loop_s"] = saves.wait_all()
             r.info["waited_for_previous_ms"] = waited_ms
             if any(w > 0.5 for w in waited_ms):
                 r.notes.append(f"waited {sum(waited_ms):.0f} ms in all for the previous save")
             r.notes.append(f"last save on disk {r.info['durable_after_loop_s']:.2f} s after the loop")
         except Exception as e:
             avail = "" if r.loop_s is not None else f" (torch {torch.__version__})"
-            r.error = describe(e) + avail
+            reused = saves is not None and saves.stager is not None and saves.done > 0
+            r.error = (f"{REUSED}: " if reused else "") + describe(e) + avail
             r.loop_s = None
             log(f"{r.key}: {r.error}")
         finally:
             if hook is not None:
                 hook.remove()
-            for ret, path in inflight:
-                with contextlib.suppress(Exception):
-                    upload(ret).result(timeout=timeout)
-                shutil.rmtree(path, ignore_errors=True)
-            if stager is not None:
-                with contextlib.suppress(Exception):
-                    stager.close()
+            if saves is not None:
+                saves.close()
 
     # ------------------------------------------------------------------ output
 
@@ -923,7 +915,8 @@ class Bench:
             if r.loop_s is None or base is None or not r.checkpoints:
                 r.overhead_ms = r.x_floor = None
                 continue
-            r.overhead_ms = (r.loop_s - base) / r.checkpoints * 1e3
+            base_for = base * (r.steps or self.args.steps) / self.args.steps  # a loop of other length: the baseline scaled
+            r.overhead_ms = (r.loop_s - base_for) / r.checkpoints * 1e3
             r.x_floor = r.overhead_ms / floor_ms if floor_ms else None
 
     def payload(self) -> dict[str, Any]:
@@ -961,13 +954,14 @@ class Bench:
             "modes": [asdict(r) for r in self.rows.values()],
             "restore": restores,
             "lag": self.lag,
+            "disk": self.disk,
             "restore_profile": self.restore_profile,
             "elapsed_s": time.perf_counter() - self.t_start,
             "unix_time": time.time(),
         }
 
-    def markdown(self) -> str:
-        self.finalize()
+    def header(self) -> list[str]:
+        """The report's opening lines: the state, the loop, the floor, the disk, the lagging modes' settings, the machine."""
         a, m = self.args, self.mach
         base = statistics.mean(self.baselines) if self.baselines else None
         floor = median_or_none(self.floor_samples)
@@ -988,16 +982,34 @@ class Bench:
                 f"- D2H floor: the whole state into {what}: {floor * 1e3:.2f} ms = {self.nbytes / floor / 1e9:.2f} GB/s"
                 f" (median of {len(self.floor_samples)})"
             )
-        if self.lag:
+        if self.disk:
             out.append(
-                f"- persisting lags: disk writes capped at {self.lag['rate_bytes_per_s'] / 1e6:.0f} MB/s (one persist"
-                f" {self.lag['persist_s']:.2f} s, a checkpoint interval {self.lag['interval_s']:.2f} s), one persist worker,"
-                f" shared memory for three slots"
+                f"- disk: {self.disk['probe_bytes'] / 1e9:.2f} GB written + fsynced in {self.disk['seconds']:.2f} s ="
+                f" {self.disk['bytes_per_s'] / 1e6:.0f} MB/s (the work directory's, measured at start)"
+            )
+        if self.lag:
+            lag = self.lag
+            capped = f"at most {LAG_DISK_SHARE:g} of the measured rate" + (", which set it" if lag["capped_by_disk"] else "")
+            out.append(
+                f"- persisting lags: disk writes capped at {lag['rate_bytes_per_s'] / 1e6:.0f} MB/s ({capped}; one persist planned at"
+                f" {lag['persist_s']:.2f} s, a checkpoint interval {lag['interval_s']:.2f} s), one persist worker, shared memory"
+                f" for {lag['slots']} slots, {lag['checkpoints']} checkpoints a loop (more than the slots: the pool runs out); the"
+                " persist time measured is in each row's notes"
             )
         out.append(
             f"- torch {m['torch']}, CUDA {m['cuda']}, ckptd {m['ckptd']}; nproc {m['nproc']}; load average at start"
             f" {'/'.join(f'{x:.2f}' for x in m['loadavg_start'])}; total run {time.perf_counter() - self.t_start:.0f} s"
         )
+        out.append(
+            "- overhead per checkpoint: against the mean of the baselines (the lagging modes' longer loops: against it scaled"
+            " to their steps); x floor: that overhead / the D2H floor's median"
+        )
+        return out
+
+    def markdown(self) -> str:
+        self.finalize()
+        base = statistics.mean(self.baselines) if self.baselines else None
+        out = self.header()
         out += [
             "",
             "| mode | checkpoints | loop (s) | overhead per checkpoint (ms) | x floor | call returns (ms, median / max) | notes |",
@@ -1111,6 +1123,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup-ckpts", type=int, default=3, help="checkpoints of each ckptd warm-up at the loop's cadence (default 3)")
     p.add_argument("--lag-factor", type=float, default=3.0, help="lagging modes: one persist takes this many checkpoint intervals")
     p.add_argument("--lag-rate", type=float, default=None, help="lagging modes: the disk write cap in bytes/s instead of --lag-factor")
+    p.add_argument(
+        "--lag-ckpts", type=int, default=None,
+        help=f"lagging modes: checkpoints a loop (default: the larger of --steps / --every and {LAG_SLOTS + 2}, more than the slots)",
+    )  # fmt: skip
+    p.add_argument(
+        "--disk-probe-gb", type=float, default=None,
+        help="GB written + fsynced at start to measure the disk, for the lagging modes' write cap (default 1 on cuda, 0.1 on cpu)",
+    )  # fmt: skip
     p.add_argument("--floor-reps", type=int, default=5)
     p.add_argument("--restore-reps", type=int, default=3)
     p.add_argument("--profile-restore", action="store_true", help="cProfile one more hot restore and print its top entries")
@@ -1134,6 +1154,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.steps = a.steps if a.steps is not None else (40 if cuda else 36)
     a.every = a.every if a.every is not None else (10 if cuda else 6)
     a.max_minutes = a.max_minutes if a.max_minutes is not None else (8.0 if cuda else None)
+    a.disk_probe_gb = a.disk_probe_gb if a.disk_probe_gb is not None else (1.0 if cuda else 0.1)
     if a.max_minutes is not None and a.max_minutes <= 0:
         a.max_minutes = None  # --max-minutes 0: no budget
     a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
@@ -1142,6 +1163,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"unknown mode(s) {', '.join(bad)}; choose from {', '.join(ALL_MODES)}")
     if a.steps < 1 or a.every < 1 or a.every > a.steps or a.persist_every < 1 or a.floor_reps < 1 or a.restore_reps < 1:
         p.error("--steps, --every (<= --steps), --persist-every, --floor-reps and --restore-reps must be >= 1")
+    if (a.lag_ckpts is not None and a.lag_ckpts < 1) or a.disk_probe_gb <= 0:
+        p.error("--lag-ckpts must be >= 1 and --disk-probe-gb > 0")
     return a
 
 
@@ -1190,6 +1213,8 @@ def main(argv: list[str] | None = None) -> int:
         bench.save()
         bench.main_daemon()
         bench.memtier()
+        if any(k in bench.rows for k in CKPTD_SECTIONS["lag"]):
+            bench.probe_disk()
         bench.lagging()
         bench.dcp()
         bench.baseline()

@@ -1,12 +1,14 @@
 """Persist bandwidth and restore time, ckptd against a plain write and dcp.load, in one run.
 
-    .venv/bin/python benchmarks/persist_restore.py [--params 88e6] [--reps 4]
+    .venv/bin/python benchmarks/persist_restore.py [--params 88e6] [--pairs 8] [--reps 4]
 
 Persist: time from a blocking snapshot's return (the commit) to durability, against a plain
-sequential write + fsync of the same number of bytes to the same directory. Restore: ckptd.restore
-into a fresh model and AdamW, against dcp.load of the same state saved by dcp.save (both through
-get_state_dict / set_state_dict, both with the files in the page cache). Prints a table; writes
-``bench-out/persist_restore.json``.
+sequential write + fsync of the same bytes (a copy of the shard) to the same directory, in ``--pairs``
+pairs whose order alternates from pair to pair. Some disks have two speeds (a fast mode, and a slow one after a
+quiet spell or a long write), so the bandwidth ratio's verdict uses the minima (each at the disk's fastest); the
+median of the per-pair ratios is shown beside it. Restore: ckptd.restore into a fresh model and AdamW, against
+dcp.load of the same state saved by dcp.save (both through get_state_dict / set_state_dict, both with the files in
+the page cache). Prints a table; writes ``bench-out/persist_restore.json``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import DaemonProcess, build_state, machine_info, write_json  # noqa: E402
+from _harness import DaemonProcess, alternate, build_state, machine_info, write_json  # noqa: E402
 
 import ckptd  # noqa: E402
 
@@ -44,15 +46,60 @@ def plain_write(path: str, data: bytes) -> float:
     return dt
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--params", type=float, default=88e6)
-    p.add_argument("--reps", type=int, default=4)
-    p.add_argument("--json", default="bench-out/persist_restore.json")
-    args = p.parse_args(argv)
+def measure_persist(c: ckptd.Client, model: torch.nn.Module, optim: torch.optim.Optimizer, work: str, pairs: int,
+                    rows: dict[str, list[float]]) -> tuple[str, int]:  # fmt: skip
+    """``pairs`` pairs of (plain write, ckptd persist), the pair's order alternating (the first write after a quiet
+    spell is the slow one on some disks); the last step's directory and the shard's size."""
+    c.prepare(model, optim)
+    path = c.snapshot(model, optim, step=0, blocking=True).wait()
+    shard_bytes = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+    with open(os.path.join(path, "rank-00000.safetensors"), "rb") as f:
+        data = f.read()
+    for i in range(pairs):
+
+        def persist(step: int = i + 1) -> tuple[float, str]:
+            h = c.snapshot(model, optim, step=step, blocking=True)
+            t0 = time.perf_counter()
+            done = h.wait()
+            return time.perf_counter() - t0, done
+
+        plain, (took, path) = alternate(i, lambda: plain_write(os.path.join(work, "plain.bin"), data), persist)
+        rows["plain"].append(plain)
+        rows["persist"].append(took)
+    return path, shard_bytes
+
+
+def measure_restore(model: torch.nn.Module, optim: torch.optim.Optimizer, params: float, path: str, work: str, reps: int,
+                    rows: dict[str, list[float]]) -> None:  # fmt: skip
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    dcp_dir = os.path.join(work, "dcp")
+    msd, osd = get_state_dict(model, optim)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=dcp_dir)
+    for _ in range(reps):
+        m2, o2 = build_state(params, seed=1)
+        t0 = time.perf_counter()
+        ckptd.restore(m2, o2, path=path)
+        rows["restore_ckptd"].append(time.perf_counter() - t0)
+        del m2, o2
+        m3, o3 = build_state(params, seed=2)
+        t0 = time.perf_counter()
+        msd, osd = get_state_dict(m3, o3)
+        sd = {"model": msd, "optim": osd}
+        dcp.load(sd, checkpoint_id=dcp_dir)
+        set_state_dict(m3, o3, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        rows["restore_dcp"].append(time.perf_counter() - t0)
+        del m3, o3, sd, msd, osd
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--params", type=float, default=88e6)
+    p.add_argument("--pairs", type=int, default=8, help="(plain write, persist) pairs, the order alternating (default 8)")
+    p.add_argument("--reps", type=int, default=4, help="restore repetitions (default 4)")
+    p.add_argument("--json", default="bench-out/persist_restore.json")
+    args = p.parse_args(argv)
     model, optim = build_state(args.params)
     work = tempfile.mkdtemp(prefix="ckpr", dir=os.environ.get("CKPTD_BENCH_DIR"))
     rows: dict[str, list[float]] = {"plain": [], "persist": [], "restore_ckptd": [], "restore_dcp": []}
@@ -60,47 +107,27 @@ def main(argv: list[str] | None = None) -> int:
     try:
         daemon.wait_ready()
         with ckptd.Client(endpoint=daemon.endpoint, job="pr") as c:
-            c.prepare(model, optim)
-            path = c.snapshot(model, optim, step=0, blocking=True).wait()
-            shard_bytes = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
-            with open(os.path.join(path, "rank-00000.safetensors"), "rb") as f:
-                data = f.read()
-            for i in range(args.reps):
-                # alternate which goes first: the first write after a quiet spell is the slow one here
-                if i % 2 == 0:
-                    rows["plain"].append(plain_write(os.path.join(work, "plain.bin"), data))
-                h = c.snapshot(model, optim, step=i + 1, blocking=True)
-                t0 = time.perf_counter()
-                path = h.wait()
-                rows["persist"].append(time.perf_counter() - t0)
-                if i % 2 == 1:
-                    rows["plain"].append(plain_write(os.path.join(work, "plain.bin"), data))
-        del data
-        dcp_dir = os.path.join(work, "dcp")
-        msd, osd = get_state_dict(model, optim)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=dcp_dir)
-        for _ in range(args.reps):
-            m2, o2 = build_state(args.params, seed=1)
-            t0 = time.perf_counter()
-            ckptd.restore(m2, o2, path=path)
-            rows["restore_ckptd"].append(time.perf_counter() - t0)
-            del m2, o2
-            m3, o3 = build_state(args.params, seed=2)
-            t0 = time.perf_counter()
-            msd, osd = get_state_dict(m3, o3)
-            sd = {"model": msd, "optim": osd}
-            dcp.load(sd, checkpoint_id=dcp_dir)
-            set_state_dict(m3, o3, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-            rows["restore_dcp"].append(time.perf_counter() - t0)
-            del m3, o3, sd, msd, osd
+            path, shard_bytes = measure_persist(c, model, optim, work, args.pairs, rows)
+        measure_restore(model, optim, args.params, path, work, args.reps, rows)
     finally:
         daemon.stop()
         shutil.rmtree(work, ignore_errors=True)
+    report(args, rows, shard_bytes)
+    return 0
+
+
+def report(args: argparse.Namespace, rows: dict[str, list[float]], shard_bytes: int) -> None:
     med = {k: statistics.median(v) for k, v in rows.items()}
     info = machine_info()
+    pair_ratios = [pl / pe for pl, pe in zip(rows["plain"], rows["persist"])]  # bandwidth ratio: time plain / time persist
+    by_pair = statistics.median(pair_ratios)
+    by_min = min(rows["plain"]) / min(rows["persist"])
     print("## ckptd persist and restore benchmark\n")
-    print(f"- state {shard_bytes / 1e9:.3f} GB on disk; torch {torch.__version__}, nproc {info.get('nproc')}; {args.reps} reps, median\n")
-    print("| measurement | median (s) | GB/s | samples (s) |\n|---|---:|---:|---|")
+    print(
+        f"- state {shard_bytes / 1e9:.3f} GB on disk; torch {torch.__version__}, nproc {info.get('nproc')};"
+        f" {args.pairs} (plain write, persist) pairs, order alternating; {args.reps} restore reps; median\n"
+    )
+    print("| measurement | median (s) | min (s) | GB/s (median) | samples (s) |\n|---|---:|---:|---:|---|")
     names = {
         "plain": "plain sequential write + fsync of the same bytes (a copy of the shard)",
         "persist": "ckptd persist: commit -> durable (write, fsync, manifest, rename)",
@@ -108,11 +135,21 @@ def main(argv: list[str] | None = None) -> int:
         "restore_dcp": "dcp.load of the same state saved by dcp.save (page cache warm)",
     }
     for k, name in names.items():
-        print(f"| {name} | {med[k]:.3f} | {shard_bytes / med[k] / 1e9:.2f} | {' '.join(f'{x:.3f}' for x in rows[k])} |")
-    print(f"\n- persist bandwidth / plain write bandwidth = {med['plain'] / med['persist']:.2f} (target >= 0.8)")
-    print(f"- ckptd restore / dcp.load = {med['restore_ckptd'] / med['restore_dcp']:.2f} (target <= 1.0)")
-    write_json(args.json, {"bytes": shard_bytes, "samples": rows, "median": med, "machine": info})
-    return 0
+        print(
+            f"| {name} | {med[k]:.3f} | {min(rows[k]):.3f} | {shard_bytes / med[k] / 1e9:.2f} | {' '.join(f'{x:.3f}' for x in rows[k])} |"
+        )
+    print(
+        f"\n- persist bandwidth / plain write bandwidth, from the minima (each at the disk's fastest) = {by_min:.2f}"
+        f" (target >= 0.8, the verdict: **{'PASS' if by_min >= 0.8 else 'MISS'}**)"
+    )
+    print(f"- for information: the same, median of the {len(pair_ratios)} per-pair ratios = {by_pair:.2f}")
+    print(f"- ckptd restore / dcp.load (medians) = {med['restore_ckptd'] / med['restore_dcp']:.2f} (target <= 1.0)")
+    write_json(
+        args.json,
+        {"bytes": shard_bytes, "samples": rows, "median": med, "machine": info, "persist_over_plain_bandwidth":
+         {"from_minima": by_min, "median_of_pairs": by_pair, "of_medians": med["plain"] / med["persist"], "pairs": pair_ratios,
+          "verdict_uses": "from_minima"}},
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

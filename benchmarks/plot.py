@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         made.append("stall.png")
     if (d := load("many_tensors")) is not None:
         med = d["median"]
-        names = {"floor": "floor: copy_ loop", "blocking": "ckptd blocking, warm", "default": "ckptd default, warm"}
+        names = {"floor": "floor: fused copy (_foreach_copy_)", "blocking": "ckptd blocking, warm", "default": "ckptd default, warm"}
         _bars(os.path.join(args.out, "many_tensors.png"), f"{d['tensors']} tensors: time until the call returns",
               list(names.values()), [med[k] for k in names], "seconds")  # fmt: skip
         made.append("many_tensors.png")
