@@ -8,7 +8,8 @@ pairs whose order alternates from pair to pair. Some disks have two speeds (a fa
 quiet spell or a long write), so the bandwidth ratio's verdict uses the minima (each at the disk's fastest); the
 median of the per-pair ratios is shown beside it. Restore: ckptd.restore into a fresh model and AdamW, against
 dcp.load of the same state saved by dcp.save (both through get_state_dict / set_state_dict, both with the files in
-the page cache). Prints a table; writes ``bench-out/persist_restore.json``.
+the page cache). Prints a table; writes ``bench-out/persist_restore.json``. ``CKPTD_BENCH_DAEMON_ARGS`` adds
+arguments to the daemon's command line (``--no-idle-priority``: its persist threads at normal priority).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import DaemonProcess, alternate, build_state, machine_info, write_json  # noqa: E402
 
 import ckptd  # noqa: E402
+
+EXTRA_DAEMON_ARGS = [a for a in os.environ.get("CKPTD_BENCH_DAEMON_ARGS", "").split() if a]  # e.g. --no-idle-priority
 
 
 def plain_write(path: str, data: bytes) -> float:
@@ -103,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     model, optim = build_state(args.params)
     work = tempfile.mkdtemp(prefix="ckpr", dir=os.environ.get("CKPTD_BENCH_DIR"))
     rows: dict[str, list[float]] = {"plain": [], "persist": [], "restore_ckptd": [], "restore_dcp": []}
-    daemon = DaemonProcess(os.path.join(work, "root"), f"ipc://{work}/d.sock", os.path.join(work, "d.log"))
+    daemon = DaemonProcess(os.path.join(work, "root"), f"ipc://{work}/d.sock", os.path.join(work, "d.log"), EXTRA_DAEMON_ARGS)
     try:
         daemon.wait_ready()
         with ckptd.Client(endpoint=daemon.endpoint, job="pr") as c:
