@@ -245,6 +245,10 @@ def check_fields(
         raise ProtocolError(f"{what}: local_world_size {msg['local_world_size']} is not within 1..world_size ({msg['world_size']})")
 
 
+def _controls(text: str) -> bool:
+    return any(c < " " or "\x7f" <= c < "\xa0" for c in text)
+
+
 def _check_value(what: str, name: str, val: Any) -> None:  # noqa: C901 - one case per field
     if name in _RANGES and val is not None:
         lo, hi = _RANGES[name]
@@ -263,8 +267,9 @@ def _check_value(what: str, name: str, val: Any) -> None:  # noqa: C901 - one ca
         raise ProtocolError(f"{what}: field 'persist_interval' must be a number of seconds in 0..1e9")
     elif name in ("lease", "pin") and not _TOKEN_RE.fullmatch(val):
         raise ProtocolError(f"{what}: field {name!r} is not a token this daemon hands out")
-    elif name == "name" and (not 0 < len(val) <= MAX_PROTECTED_NAME or any(c < " " or "\x7f" <= c < "\xa0" for c in val)):
-        # control characters: a name is printed by ckptd ls, where they would drive the operator's terminal
+    elif name == "name" and (not 0 < len(val) <= MAX_PROTECTED_NAME or "\0" in val or (what == "op 'protect'" and _controls(val))):
+        # control characters: a name is printed by ckptd ls, where they would drive the operator's terminal (an older
+        # daemon recorded some: unprotect still lets them go)
         raise ProtocolError(f"{what}: field 'name' must be 1..{MAX_PROTECTED_NAME} characters, without control characters")
     elif name == "segment" and len(val) > MAX_NAME_BYTES:
         raise ProtocolError(f"{what}: field 'segment' is longer than {MAX_NAME_BYTES} characters")

@@ -241,7 +241,11 @@ class SegmentDir:
         except OSError:
             os.unlink(self._path(new))  # one name, the old one, which the caller then retires
             raise
-        os.chmod(self._path(new), self.file_mode)
+        try:
+            os.chmod(self._path(new), self.file_mode)
+        except OSError:
+            os.unlink(self._path(new))  # the caller retires the slot by its old name, gone already: nothing is left
+            raise
         return new
 
     def size_of(self, name: str) -> int:

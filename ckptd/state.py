@@ -13,10 +13,10 @@ the tag key), ``{"__ckptd__": "odict", "items": [[k, v], ..]}`` (an ``OrderedDic
 (a numpy array, stored as a tensor), ``{"__ckptd__": "npscalar", "dtype": "float32", "value": 1.5}``
 (a numpy scalar), ``{"__ckptd__": "bytes", "key": K}`` (``bytes``, stored as a uint8 tensor; never
 unpickled or otherwise interpreted by ckptd). Named tuples, sets and other objects are refused naming their path: rebuilding a
-class named by a checkpoint would let the checkpoint run code. So are subclasses of the containers above but
-``OrderedDict`` (a ``defaultdict``, a ``Counter``, ``torch.Size``, a ``bytearray``), which would come back as their
-base type without a word; a subclass of ``int``, ``float`` or ``str`` (an ``IntEnum``) is stored as its value.
-Unknown tags are rejected on read.
+class named by a checkpoint would let the checkpoint run code. Another subclass of a type above comes back as that
+type (a ``Counter`` or ``defaultdict`` as a dict: ``MultiStepLR`` keeps its milestones in a ``Counter`` and takes a
+dict back; ``torch.Size`` as a tuple; an ``IntEnum`` as its value; a ``bytearray`` as ``bytes``). Unknown tags are
+rejected on read.
 A tree nests at most ``config.MAX_TREE_DEPTH`` levels (``{}`` is one, tags count as
 the JSON they are): deeper state is refused when saved, a deeper tree when read.
 """
@@ -37,10 +37,6 @@ from .errors import FormatError, UnsupportedState
 from .validate import NUMPY_SCALARS
 
 TAG = "__ckptd__"
-_AS_GIVEN = frozenset({type(None), bool, int, float, str, bytes, dict, OrderedDict, list, tuple})
-# containers whose subclass would come back as the base type, losing what the subclass adds (a defaultdict's
-# factory, torch.Size); a subclass of a scalar (an IntEnum, a str Enum) is stored as its value, as JSON writes it
-_BASES = (dict, list, tuple, bytes, bytearray)
 
 
 @dataclass
@@ -156,15 +152,13 @@ def flatten(root: dict[str, Any], *, ordered: bool = False) -> tuple[Any, list[L
         """``v`` encoded as the JSON it becomes ``depth`` levels down in the tree."""
         if type(v).__module__ == "numpy":  # first: an np.float64 is a float too, and would come back as one
             return str(v) if isinstance(v, str) else _numpy(v, path, tensor, enc, depth)  # np.str_: a str, as ever
-        if type(v) not in _AS_GIVEN and isinstance(v, _BASES):
-            raise _subclass(v, path)
         if v is None or isinstance(v, (bool, int, str)) or (isinstance(v, float) and math.isfinite(v)):
             return v
         if depth > MAX_TREE_DEPTH:
             raise _too_deep(path)
         if isinstance(v, torch.Tensor):
             return tensor(v, path, "tensor")
-        if isinstance(v, bytes):  # e.g. a data loader's state, pickled by its owner
+        if isinstance(v, (bytes, bytearray)):  # e.g. a data loader's state, pickled by its owner
             return tensor(torch.frombuffer(bytearray(v), dtype=torch.uint8) if v else torch.empty(0, dtype=torch.uint8), path, "bytes")
         if isinstance(v, float):
             return {TAG: "float", "value": "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")}
@@ -177,6 +171,8 @@ def flatten(root: dict[str, Any], *, ordered: bool = False) -> tuple[Any, list[L
         if isinstance(v, list):
             return [enc(x, path + (str(i),), depth + 1) for i, x in enumerate(v)]
         if isinstance(v, tuple):
+            if hasattr(v, "_fields"):
+                raise _named_tuple(v, path)
             if depth + 1 > MAX_TREE_DEPTH:  # its item list nests one level further
                 raise _too_deep(path)
             return {TAG: "tuple", "items": [enc(x, path + (str(i),), depth + 2) for i, x in enumerate(v)]}
@@ -215,18 +211,10 @@ def _numpy(v: Any, path: tuple[str, ...], tensor: Callable[..., Any], enc: Calla
     raise UnsupportedState(f"cannot checkpoint {type(v).__name__} at {'/'.join(path)}: use numeric numpy arrays and scalars")
 
 
-def _subclass(v: Any, path: tuple[str, ...]) -> UnsupportedState:
-    """The refusal of ``v``, an instance of a subclass of a type a tree holds, which would come back as that type."""
-    name, where = type(v).__name__, "/".join(path)
-    if hasattr(v, "_fields"):
-        return UnsupportedState(
-            f"cannot checkpoint the named tuple {name} at {where}: store its ._asdict() and rebuild it after restore"
-            " (ckptd never rebuilds a class a checkpoint names)"
-        )
-    base = "bytes" if isinstance(v, bytearray) else next(b for b in _BASES if isinstance(v, b)).__name__
+def _named_tuple(v: Any, path: tuple[str, ...]) -> UnsupportedState:
     return UnsupportedState(
-        f"cannot checkpoint the {name} at {where}: it would come back as a plain {base}. Store {base}(...) of it and rebuild"
-        f" the {name} after restore (ckptd never rebuilds a class a checkpoint names)"
+        f"cannot checkpoint the named tuple {type(v).__name__} at {'/'.join(path)}: store its ._asdict() and rebuild it after"
+        " restore (ckptd never rebuilds a class a checkpoint names)"
     )
 
 

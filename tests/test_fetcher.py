@@ -299,9 +299,12 @@ def test_another_users_fetches_never_drop_a_restores_hold(tmp_path: Path, monkey
         assert 1 in fetcher.held(JOB) and len(fetcher._holds) == 4
 
 
-def test_one_users_queued_fetches_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """One fetch thread serves every restore: 3,000 fetches queued by one client delayed another's by 18 s."""
-    monkeypatch.setattr(fetcher_mod, "MAX_FETCHES_PER_USER", 2)
+def test_queued_fetches_are_bounded_per_connection_and_per_user(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One fetch thread serves every restore: 3,000 fetches queued by one client delayed another's by 18 s. A
+    connection queues at most MAX_FETCHES_PER_CLIENT; a user's connections (every rank of a node restoring at
+    once, each with its own) at most MAX_FETCHES_PER_USER."""
+    monkeypatch.setattr(fetcher_mod, "MAX_FETCHES_PER_CLIENT", 2)
+    monkeypatch.setattr(fetcher_mod, "MAX_FETCHES_PER_USER", 3)
     root = str(tmp_path / "root")
     write_step(root, JOB, 1)
     gate = threading.Event()
@@ -309,13 +312,16 @@ def test_one_users_queued_fetches_are_bounded(tmp_path: Path, monkeypatch: pytes
         fetcher._pool.submit(gate.wait)  # the fetch thread busy: what is asked now stays queued
         fetcher.start(JOB, 1, owner=b"a", uid=65534)
         fetcher.start(JOB, 1, owner=b"a", uid=65534)
-        with pytest.raises(CheckpointError, match="2 fetches of this user are queued already"):
-            fetcher.start(JOB, 1, owner=b"b", uid=65534)
+        with pytest.raises(CheckpointError, match="2 fetch requests of this client are queued already"):
+            fetcher.start(JOB, 1, owner=b"a", uid=65534)
+        fetcher.start(JOB, 1, owner=b"b", uid=65534)  # another rank's connection is taken
+        with pytest.raises(CheckpointError, match="3 fetch requests of this user are queued already"):
+            fetcher.start(JOB, 1, owner=b"c", uid=65534)
         fetcher.start(JOB, 1, owner=b"v", uid=1000)  # another user's is taken
         gate.set()
-        for _ in range(3):
+        for _ in range(4):
             fetcher.done(inbox.fetched())
-        fetcher.start(JOB, 1, owner=b"b", uid=65534)  # done: room again
+        fetcher.start(JOB, 1, owner=b"a", uid=65534)  # done: room again
         fetcher.done(inbox.fetched())
 
 

@@ -118,7 +118,7 @@ def test_daemon_refuses_a_socket_directory_others_can_write(short_tmp: Path, mod
     assert os.listdir(run) == []
 
 
-@pytest.mark.parametrize("how", ["0o777", "0o775", "0o1777", "other user's"])
+@pytest.mark.parametrize("how", ["0o777", "0o757", "0o1777", "other user's"])
 def test_daemon_refuses_a_checkpoint_root_others_can_write(short_tmp: Path, how: str) -> None:
     """A root someone else made (under /tmp, on a shared disk): whoever owns or can write it renamed a job's
     directory away and put a forged one in its place, and a restore loaded the forged weights. Refused, before
@@ -134,7 +134,7 @@ def test_daemon_refuses_a_checkpoint_root_others_can_write(short_tmp: Path, how:
     run = short_tmp / "run"
     run.mkdir(mode=0o700)
     r = _serve(f"ipc://{run}/d.sock", root)
-    _refused(r, f"checkpoint root {root}", "belongs to another user" if how == "other user's" else "is writable by other users")
+    _refused(r, f"checkpoint root {root}", "belongs to another user" if how == "other user's" else "is writable by every user")
     assert os.listdir(root) == []
 
 
@@ -394,3 +394,17 @@ def test_a_socket_whose_mode_cannot_be_set_is_closed_and_removed(short_tmp: Path
     t.join(5.0)
     assert not t.is_alive(), "the context's term() hung on a socket bind() left open"
     del got
+
+
+def test_a_checkpoint_root_its_group_may_write_is_used_with_a_warning(short_tmp: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A mkdir under a umask of 002 or a Kubernetes fsGroup volume gives 0775 / 2775, whose group is often the user's
+    own: such a root is taken, with a warning naming the group (a root every user may write is refused, above)."""
+    from ckptd.daemon.access import Access
+
+    root = short_tmp / "root"
+    root.mkdir()
+    os.chmod(root, 0o2775)
+    with caplog.at_level("WARNING", logger="ckptd.daemon"):
+        fd = Access().make_root(str(root))
+    os.close(fd)
+    assert f"checkpoint root {root} is writable by its group" in caplog.text and "mode 2775" in caplog.text

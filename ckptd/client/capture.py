@@ -98,6 +98,7 @@ _PARAMS = operator.attrgetter("_parameters")
 _BUFFERS = operator.attrgetter("_buffers")
 _CHILDREN = operator.attrgetter("_modules")
 _NON_PERSISTENT = operator.attrgetter("_non_persistent_buffers_set")
+_KEYS = operator.methodcaller("keys")
 
 
 def _fingerprint(model: torch.nn.Module, optim: torch.optim.Optimizer | None) -> list[Any] | None:
@@ -111,7 +112,9 @@ def _fingerprint(model: torch.nn.Module, optim: torch.optim.Optimizer | None) ->
     ts = [t for m in mods for d in (m._parameters, m._buffers) for t in d.values() if t is not None]
     # the keys the state is saved under: a renamed submodule, a parametrization (``weight`` becomes
     # ``parametrizations.weight.original``, the same tensor) or a buffer made non-persistent keep every tensor
-    fp: list[Any] = [*map(tuple, map(_PARAMS, mods)), *map(tuple, map(_BUFFERS, mods)), *map(tuple, map(_CHILDREN, mods))]
+    # keys(): a scripted submodule's dicts are wrappers that tuple() cannot iterate
+    fp: list[Any] = [*map(tuple, map(_KEYS, map(_PARAMS, mods))), *map(tuple, map(_KEYS, map(_BUFFERS, mods)))]
+    fp += map(tuple, map(_KEYS, map(_CHILDREN, mods)))
     fp += map(frozenset, map(_NON_PERSISTENT, mods))
     if optim is not None:
         fp += [len(g["params"]) for g in optim.param_groups]
@@ -251,8 +254,10 @@ def refuse_unnamed(model: torch.nn.Module, optim: torch.optim.Optimizer | None, 
                 on_meta = " It is on the meta device: create the optimizer after materializing the model." if p.is_meta else ""
                 raise CheckpointError(
                     f"cannot {doing} the optimizer: parameter {j} of its param group {i} (shape {list(p.shape)}) is not a parameter"
-                    f" of the model, so its state has no name to go under.{on_meta} Register it on a module of the model (an"
-                    " nn.Parameter attribute), or give it an optimizer of its own and save that one's state_dict() and the tensor in extra"
+                    f" of the model, so its state has no name to go under.{on_meta} An optimizer made before the model was wrapped"
+                    " (fully_shard, FSDP) holds the parameters the wrapper replaced: make it after wrapping. Else register the"
+                    " tensor on a module of the model (an nn.Parameter attribute), or give it an optimizer of its own and save"
+                    " that one's state_dict() and the tensor in extra"
                 )
 
 

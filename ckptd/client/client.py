@@ -27,7 +27,7 @@ from ..errors import CheckpointError, DaemonUnavailable
 from ..protocol import MAX_MESSAGE_BYTES, reply_fields
 from .agree import shared
 from .copy import Behind, CopyGuard, EarlyCopy, SlotMaps, fill, join_all
-from .guarded import hookable, optimizer_storages, torch_optimizer
+from .guarded import TornCopy, hookable, optimizer_storages, torch_optimizer
 from .handle import Pending, SnapshotHandle
 from .load import Restored, restore_state
 from .options import check_not_saved, check_step, dist_rank_world, local_world_size, overlap_setting, tier_settings
@@ -90,6 +90,7 @@ class Client:
         self.early_copies = 0  # snapshots copied before returning whose copy overlapped the capture check (and held)
         self.last_restore: dict[str, Any] | None = None  # {step, path, source: memory | disk | bucket}
         self._after: int | None = None  # the step restored through the daemon: a rolled-back run may save later numbers again
+        self._torn = False  # a background copy saw its sources written outside optimizer.step(): copy before returning
         self._saved: set[int] = set()  # steps saved since that restore: saved again, they would replace this run's own
 
     def hello(self) -> dict[str, Any]:
@@ -165,7 +166,7 @@ class Client:
         behind = Behind()
         if segment is None:  # no early copy, or it did not hold (an optimizer that cannot be hooked: copied now)
             segment, behind = self._fill(
-                optim, rank, world, step, staged, blocking or not self._overlaps(staged) or not hookable(optim), model
+                optim, rank, world, step, staged, blocking or self._torn or not self._overlaps(staged) or not hookable(optim), model
             )
         try:
             commit = self._commit_fields(rank, world, step, segment, staged)
@@ -354,6 +355,9 @@ class Client:
             behind.run(commit["step"])
         except BaseException as e:
             handle._error = e
+            if isinstance(e, TornCopy):  # the loop writes outside optimizer.step(): copy before returning from now on
+                self._torn, handle._reported = True, True  # training goes on; only this step's own wait() raises
+                log.warning("%s", e)
             self._release(commit["segment"])
             handle._copied.set()
             return

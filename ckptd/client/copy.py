@@ -329,12 +329,15 @@ class EarlyCopy:
 
 
 _GUARDS: weakref.WeakSet[CopyGuard] = weakref.WeakSet()  # every client's, in this process
+_GUARDS_LOCK = threading.Lock()  # a client made on another thread while a restore lists them
 
 
 def join_all() -> None:
     """Wait for every client's background copy in flight (a restore writes into tensors another client of this
     process may still be copying; their errors stay theirs)."""
-    for guard in list(_GUARDS):
+    with _GUARDS_LOCK:
+        guards = list(_GUARDS)
+    for guard in guards:
         guard.join()
 
 
@@ -342,7 +345,8 @@ class CopyGuard:
     """At most one background copy per client, and the optimizer pre-hook that waits for it."""
 
     def __init__(self) -> None:
-        _GUARDS.add(self)
+        with _GUARDS_LOCK:
+            _GUARDS.add(self)
         self._thread: threading.Thread | None = None
         self._error: Callable[[], BaseException | None] = lambda: None
         self._step: int | None = None

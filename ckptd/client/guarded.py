@@ -58,6 +58,11 @@ def optimizer_storages(optim: torch.optim.Optimizer, model: torch.nn.Module | No
     return out
 
 
+class TornCopy(CheckpointError):
+    """A background copy saw its sources written meanwhile: that step is not committed (raised by its handle's
+    ``wait()`` only; the client copies before ``snapshot()`` returns from then on)."""
+
+
 class Watch:
     """The version counters of the tensors a background copy reads, as of the snapshot: an in-place write to one
     by anything but ``optimizer.step()`` (which waits for the copy) while it runs bumps it, and the copy may hold
@@ -70,9 +75,10 @@ class Watch:
     def check(self, step: int | None) -> None:
         moved = [k for k, t, v in zip(self.keys, self.tensors, self.versions) if t._version != v]
         if moved:
-            raise CheckpointError(
+            raise TornCopy(
                 f"{len(moved)} tensor(s) of step {step} were written in place while its background copy ran ({', '.join(moved[:4])}"
-                f"{', ...' if len(moved) > 4 else ''}): only optimizer.step() waits for the copy, so the step is not committed."
-                " Snapshot with blocking=True where parameters or optimizer state change outside optimizer.step()"
-                " (a clamp after the step, EMA weights swapped in for evaluation, load_state_dict)"
+                f"{', ...' if len(moved) > 4 else ''}): only optimizer.step() waits for the copy, so the step is not committed,"
+                " and this client's later snapshots copy before they return, as blocking=True does (what a loop that changes"
+                " parameters or optimizer state outside optimizer.step() needs: a clamp after the step, EMA weights swapped"
+                " in for evaluation, load_state_dict)"
             )

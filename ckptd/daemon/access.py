@@ -39,6 +39,15 @@ def describe_owner(uid: int) -> str:
         return f"uid {uid}"
 
 
+def _name_of_group(gid: int) -> str:
+    import grp
+
+    try:
+        return f"{grp.getgrgid(gid).gr_name} (gid {gid})"
+    except KeyError:
+        return f"gid {gid}"
+
+
 def resolve_group(group: str | int | None) -> int | None:
     """The gid of a group given by name or number; ``None`` for none. Raises ``CheckpointError``."""
     if group is None or group == "":
@@ -76,12 +85,17 @@ class Access:
             os.makedirs(root)
             self.restrict(root, self.root_mode)
         st = os.stat(root)  # a link to the root is followed: its target is checked
-        if st.st_uid not in (os.geteuid(), 0) or st.st_mode & 0o022:
+        if st.st_uid not in (os.geteuid(), 0) or st.st_mode & 0o002:
             raise CheckpointError(
-                f"checkpoint root {root} {'is writable by other users' if st.st_uid in (os.geteuid(), 0) else 'belongs to another user'}"
+                f"checkpoint root {root} {'is writable by every user' if st.st_uid in (os.geteuid(), 0) else 'belongs to another user'}"
                 f" ({_owned(st)}; the daemon runs as {describe_owner(os.geteuid())}): whoever can write in it can replace a job's"
-                f" checkpoints with their own; chown it to the daemon's user and chmod go-w, or choose another --root"
+                f" checkpoints with their own; chown it to the daemon's user and chmod o-w, or choose another --root"
             )
+        if st.st_mode & 0o020:  # a umask of 002, a Kubernetes fsGroup volume: the group is often the user's own
+            log.warning(
+                "checkpoint root %s is writable by its group %s (mode %o): its members could replace a job's checkpoints",
+                root, _name_of_group(st.st_gid), st.st_mode & 0o7777,
+            )  # fmt: skip
         if st.st_mode & 0o007:
             log.warning("checkpoint root %s is accessible to every user on this node (mode %o)", root, st.st_mode & 0o7777)
         fd = os.open(os.path.join(root, ROOT_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..config import FETCH_HOLD_S, FETCHES_KEPT, MAX_FETCH_HOLDS, MAX_FETCH_HOLDS_PER_CLIENT, MAX_FETCHES_PER_USER
+from ..config import FETCH_HOLD_S, FETCHES_KEPT, MAX_FETCH_HOLDS, MAX_FETCH_HOLDS_PER_CLIENT, MAX_FETCHES_PER_CLIENT, MAX_FETCHES_PER_USER
 from ..errors import CheckpointError, ProtocolError
 from ..layout import is_complete
 from ..protocol import Source
@@ -38,7 +38,7 @@ class Fetcher:
         self.catalog, self._events, self._retain = catalog, events, retain
         self._holds: dict[int, tuple[str, int, float, bytes | None]] = {}  # fetch id -> (job, step, when it lapses, owner)
         self._users: dict[int, int | None] = {}  # fetch id -> the uid that asked, while it is queued or holds a step
-        self._queued: collections.Counter[int | None] = collections.Counter()  # uid -> its fetches and lookups not done yet
+        self._queued: collections.Counter[Any] = collections.Counter()  # uid, and (uid, connection) -> its fetches and lookups not done
         self._owners: dict[int, bytes | None] = {}  # fetch id -> its requester, while its answer is kept
         self._holds_lock = threading.Lock()  # read by persist threads (retention), written by the fetch thread
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-fetch")
@@ -65,25 +65,29 @@ class Fetcher:
 
         self._pool.submit(check)
 
-    def _admit(self, uid: int | None, what: str) -> None:
-        """Main thread: count one more queued fetch or lookup of ``uid``; refused past its share (one thread does
-        them all: a user queueing thousands would delay every other user's restore by their sum)."""
+    def _admit(self, who: tuple[int | None, bytes | None], what: str) -> None:
+        """Main thread: count one more queued fetch or lookup of connection ``who`` (its uid, its socket identity);
+        refused past a connection's share, or its user's (one thread does them all: a client queueing thousands
+        would delay every other restore by their sum; each rank of a node has a connection of its own)."""
         with self._holds_lock:
-            if self._queued[uid] >= MAX_FETCHES_PER_USER:
-                raise CheckpointError(f"{MAX_FETCHES_PER_USER} {what}es of this user are queued already: wait for them first")
-            self._queued[uid] += 1
+            for key, limit, whose in ((who, MAX_FETCHES_PER_CLIENT, "client"), (who[0], MAX_FETCHES_PER_USER, "user")):
+                if self._queued[key] >= limit:
+                    raise CheckpointError(f"{limit} {what} requests of this {whose} are queued already: wait for them first")
+            self._queued[who] += 1
+            self._queued[who[0]] += 1
 
-    def _done(self, uid: int | None) -> None:
+    def _done(self, who: tuple[int | None, bytes | None]) -> None:
         with self._holds_lock:
-            self._queued[uid] -= 1
-            if self._queued[uid] <= 0:
-                del self._queued[uid]
+            for k in (who, who[0]):
+                self._queued[k] -= 1
+                if self._queued[k] <= 0:
+                    del self._queued[k]
 
     def start(self, job: str, step: int | None, owner: bytes | None = None, uid: int | None = None) -> int:
         """Main thread: begin a fetch; returns its id. ``owner``: the requester's socket identity; only it may
         collect the answer and release the hold (fetch ids are sequential: another client could guess them);
         ``uid``: its user, whose holds are the ones dropped first when there are too many."""
-        self._admit(uid, "fetch")
+        self._admit((uid, owner), "fetch")
         fid = next(self._ids)
         self._users[fid] = uid
         self.answers[fid] = {"state": "pending", "step": None, "path": None, "source": None, "error": None}
@@ -96,11 +100,11 @@ class Fetcher:
 
     def latest(self, job: str, ident: bytes, req_id: Any, uid: int | None = None) -> None:
         """Main thread: answer a ``latest`` request from the root and the bucket, on the lookup thread."""
-        self._admit(uid, "latest lookup")
+        self._admit((uid, ident), "latest")
         self._lookups.submit(self._run_latest, job, ident, req_id, uid)
 
     def _run_latest(self, job: str, ident: bytes, req_id: Any, uid: int | None = None) -> None:
-        self._done(uid)
+        self._done((uid, ident))
         try:
             found = self.catalog.latest_anywhere(job)
             answer: dict[str, Any] = {"step": None, "path": None, "source": None}
@@ -200,7 +204,7 @@ class Fetcher:
         """Fetch thread: the step a restore reads; a step only the bucket holds is downloaded first."""
         want = step  # the step being looked for, once chosen
         report = None
-        self._done(self._users.get(fid))
+        self._done((self._users.get(fid), owner))
         try:
             found = self._find_held(fid, job, step, owner)
             want, path = found.step, found.path

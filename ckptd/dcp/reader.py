@@ -113,10 +113,12 @@ class Reader(StorageReader):
         return self._reader
 
     def _open_step(self, step: int | None = None) -> Any:
+        from ..client.copy import join_all
         from ..client.restore import open_step
 
         client = client_for(self.job, self.endpoint)
         client._guard.finish()
+        join_all()  # DCP then loads into tensors a client of this process may still be copying
         return open_step(client._rpc, client.job, self.step if step is None else step, hot=self.hot)
 
     def _close(self) -> None:

@@ -37,7 +37,7 @@ from ..client.staged import commit_staged, stage_state
 from ..dcp.shared import client_for
 from ..errors import CheckpointError, FormatError
 from .overlay import ENTRY_BYTES, SKIP, Record, apply, changed, record
-from .pointer import load_pointer, read_pointer, read_state, write_pointer
+from .pointer import load_pointer, pointer_doc, read_pointer, read_state, write_pointer
 
 log = logging.getLogger("ckptd.integrations")
 
@@ -89,8 +89,9 @@ class CkptdCheckpointIO(CheckpointIO):
                 handle.wait()
         else:
             overlay = self._changes(step, checkpoint, os.fspath(path))
+        doc = pointer_doc(path, client.job, step, overlay)  # one that cannot be written is refused before protecting
         client.protect(step, os.path.abspath(path))  # first: no pointer ever names a step retention may remove
-        write_pointer(path, client.job, step, overlay)
+        write_pointer(path, client.job, step, doc=doc)
 
     def _changes(self, step: int, checkpoint: dict[str, Any], path: str) -> list[Any]:
         """What a later save of ``step`` changed, for its pointer; refused if that cannot be carried."""

@@ -26,8 +26,8 @@ MAX_POINTER_BYTES = 16 << 20  # an overlay carries small entries inline
 _HEAD = 4096  # enough to tell a pointer (its key comes first) from another format's checkpoint
 
 
-def write_pointer(path: str | os.PathLike[str], job: str, step: int, overlay: list[Any] | None = None) -> None:
-    """Write the pointer at ``path`` (its directory made): a temporary file, fsynced, renamed over it."""
+def pointer_doc(path: str | os.PathLike[str], job: str, step: int, overlay: list[Any] | None = None) -> str:
+    """The pointer's JSON, or :class:`CheckpointError` if it cannot be written at ``path`` (check before protecting)."""
     path = os.fspath(path)
     if "://" in path:
         raise CheckpointError(f"{path}: a ckptd pointer is a local file (the checkpoint's bytes go to the daemon, which uploads them)")
@@ -37,6 +37,13 @@ def write_pointer(path: str | os.PathLike[str], job: str, step: int, overlay: li
             f"{path}: this save differs from the first save of step {step} by {len(doc)} bytes of state, over the"
             f" {MAX_POINTER_BYTES} a pointer carries"
         )
+    return doc
+
+
+def write_pointer(path: str | os.PathLike[str], job: str, step: int, overlay: list[Any] | None = None, doc: str | None = None) -> None:
+    """Write the pointer at ``path`` (its directory made): a temporary file, fsynced, renamed over it."""
+    path = os.fspath(path)
+    doc = doc if doc is not None else pointer_doc(path, job, step, overlay)
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     # a fresh name (O_EXCL, never following a link someone planted in a shared directory), renamed over the path

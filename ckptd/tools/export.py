@@ -142,15 +142,28 @@ def export_checkpoint(
     return {"tensors": len(names), "bytes": total}
 
 
+def _umask() -> int:
+    """The process's umask, read without setting it (setting it to read it would give a file another thread makes
+    meanwhile the wrong mode)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # no /proc: the brief set-and-restore
+    os.umask(mask)
+    return mask
+
+
 def _temp_beside(out: str, made: list[str]) -> IO[bytes]:
     """A new file beside ``out``, open for writing, its path appended to ``made``: a fresh name made with O_EXCL
     (never a file or link someone planted there, in a directory others can write), with the mode a plain
     ``open`` would give it (the umask's)."""
     fd, path = tempfile.mkstemp(dir=os.path.dirname(out) or ".", prefix=f".{os.path.basename(out)}.", suffix=".tmp")
     made.append(path)
-    mask = os.umask(0)
-    os.umask(mask)
-    os.fchmod(fd, 0o666 & ~mask)
+    os.fchmod(fd, 0o666 & ~_umask())
     return os.fdopen(fd, "wb")
 
 
@@ -230,9 +243,7 @@ def _export_hf(
         for src in side:
             with open(src, "rb") as s, new(os.path.basename(src)) as f:
                 shutil.copyfileobj(s, f)
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(dfd, 0o777 & ~mask)  # as os.makedirs would have made it
+        os.chmod(dfd, 0o777 & ~_umask())  # as os.makedirs would have made it
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
