@@ -180,7 +180,7 @@ def test_a_group_member_cannot_rewrite_another_jobs_committed_shard(short_tmp: P
 
 
 _KEEPER = r"""
-import json, mmap, os, struct, sys, zmq
+import json, mmap, os, struct, sys, time, zmq
 os.setgroups([int(sys.argv[2])]); os.setgid(int(sys.argv[2])); os.setuid(int(sys.argv[3]))
 s = zmq.Context().socket(zmq.DEALER); s.setsockopt(zmq.LINGER, 0); s.connect(sys.argv[1])
 def call(**kw):
@@ -193,7 +193,11 @@ leased = os.open("/dev/shm/" + rep["segment"], os.O_RDWR)
 assert call(op="release", segment=rep["segment"], lease=rep["lease"])["ok"]
 print("ready", flush=True)
 sys.stdin.readline()  # the victim snapshotted step 1 (memory only)
-rep = call(op="hot_open", job="victim", step=None, pid=os.getpid())
+for _ in range(200):  # the step is in memory once the daemon sealed it, just after the commit
+    rep = call(op="hot_open", job="victim", step=None, pid=os.getpid())
+    if rep.get("segments"):
+        break
+    time.sleep(0.05)
 read = os.open("/dev/shm/" + next(iter(rep["segments"].values())), os.O_RDONLY)  # a reader's fd, kept
 call(op="hot_close", pin=rep["pin"], segments=list(rep["segments"].values()))
 print("read", flush=True)

@@ -53,7 +53,7 @@ def check_socket(endpoint: str, op: str | None = None) -> None:
     me = os.geteuid()
     if not stat.S_ISSOCK(st.st_mode):
         _refuse(endpoint, f"{path} is {'a symlink' if stat.S_ISLNK(st.st_mode) else 'not a socket'}", st)
-    group = _trusted_gid() if endpoint != per_user_endpoint() else None
+    group = (_trusted_gid() if endpoint != per_user_endpoint() else None) if st.st_uid not in (me, 0) else None
     if st.st_uid not in (me, 0) and (group is None or st.st_gid != group):
         hint = (
             f"if a daemon run by that user serves your group, trust the group with CKPTD_TRUST_GROUP={_name('group', st.st_gid)}"
