@@ -418,6 +418,23 @@ def test_two_allocs_of_one_rank_at_once_are_both_granted_whichever_segment_comes
     assert not pool.deferred and pool.bytes_held() == 2 * A
 
 
+def test_a_rank_waiting_for_its_segment_never_takes_the_slot_another_rank_just_prepared(env: dict[str, Any]) -> None:
+    """Two ranks prepare() at once: rank 0's slots were made, mapped and given back while rank 1's were still being
+    made, and rank 1's waiting request took rank 0's free slot ("any free slot"); rank 0's first snapshot then got
+    rank 1's late segment and mapped it on its path (seen with FSDP1 on two ranks, about one run in four)."""
+    A = shm.ALIGN
+    pool, asked = _growing_pool(env, 8 * A)
+    assert pool.request(b"a", _req(rank=0, nbytes=A)) is None
+    pool.created(asked[0][1], *pool.segments.create(A))
+    ((_, _, mine),) = env["grants"]
+    assert pool.request(b"b", _req(rank=1, nbytes=A)) is None  # its segment is being made
+    pool.free(mine)  # rank 0's prepare() gives its slot back, mapped by its trainer
+    assert len(env["grants"]) == 1 and pool.get(mine.name).owner == ("j", 0) and pool.get(mine.name).state is SlotState.FREE
+    pool.created(asked[1][1], *pool.segments.create(A))
+    assert env["grants"][-1][0] == b"b" and env["grants"][-1][2].name != mine.name
+    assert pool.request(b"a2", _req(rank=0, nbytes=A)).name == mine.name  # rank 0's next lease: its own, warm
+
+
 def test_an_alloc_that_may_not_wait_is_refused_at_once_and_one_past_its_timeout_is_refused_not_granted_later(env: dict[str, Any]) -> None:
     # prepare() asks without waiting; a snapshot's alloc carries its client's timeout: a request the client gave
     # up on must not be granted later (the slot would be leased to nobody until the lease timeout)

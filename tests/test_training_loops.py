@@ -239,7 +239,7 @@ def _fsdp1_prepare_then_snapshot(rank: int, world: int, endpoint: str, root: str
         m(torch.randn(4, 1024)).sum().backward()
         opt.step()
         c.snapshot(m, opt, step=1, blocking=True).wait(60)
-        return {"prepared": prepared, "needed": c._stager.layout.file_size}
+        return {"prepared": prepared, "needed": c._stager.layout.file_size, "made_on_path": c._maps.made_on_path}
 
 
 @pytest.mark.multiproc
@@ -250,7 +250,7 @@ def test_prepare_before_the_first_step_under_fsdp1_sizes_the_state_of_its_flat_s
     from _dist import run_ranks
 
     for o in run_ranks(2, _fsdp1_prepare_then_snapshot, daemon.endpoint, daemon.root):
-        assert o["needed"] <= min(o["prepared"]), o  # every prepared slot fits either rank's shard
+        assert o["needed"] <= min(o["prepared"]) and o["made_on_path"] == 0, o  # its own prepared slot, mapped already
 
 
 def test_prepare_sizes_the_state_to_come_of_parameters_a_partial_restore_left_without(daemon) -> None:  # noqa: ANN001

@@ -115,9 +115,9 @@ class SlotPool:
         used = self.bytes_held()
         rounded = aligned(need)
         if slot is None and (used + rounded > self.budget or "_growing" in msg):
-            # over budget, or this request's own segment is still being made (another request of the same
-            # rank took the one that came first): any free slot that fits
-            slot = min(free, key=lambda s: s.size, default=None)
+            # over budget: any free slot that fits; this request's own segment still being made (another request of
+            # the same rank took the one that came first): an unowned one, never another rank's (its trainer mapped it)
+            slot = min((s for s in free if used + rounded > self.budget or s.owner is None), key=lambda s: s.size, default=None)
         if slot is not None and not self._writable(slot, msg):
             return self.lease(msg)  # retired: another slot, or a new one
         if slot is None:
