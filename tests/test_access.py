@@ -22,6 +22,21 @@ NOBODY = 65534
 GROUP = "adm"
 
 
+def _group_gid() -> int:
+    """The test group's gid; the test is skipped where the group does not exist."""
+    try:
+        return grp.getgrnam(GROUP).gr_gid
+    except KeyError:
+        pytest.skip(f"no group {GROUP!r} here")
+
+
+def _group_daemon(base: Path) -> tuple[int, DaemonProc]:
+    """A daemon (not started) serving the test group, in ``base`` (made traversable for the group's processes)."""
+    gid = _group_gid()
+    os.chmod(base, 0o755)
+    return gid, DaemonProc(base, ["--group", GROUP])
+
+
 def _mode(path: str | Path) -> tuple[int, int]:
     st = os.stat(path)
     return stat.S_IMODE(st.st_mode), st.st_gid
@@ -155,12 +170,7 @@ def test_a_group_member_cannot_rewrite_another_jobs_committed_shard(short_tmp: P
     and opens them for writing to change the shard before it is persisted (memory-only steps have no
     checksum). Committed segments are read-only to the group, and a segment whose name went to a reader is
     renamed before it is leased again, so the name learned is of no use later either."""
-    try:
-        gid = grp.getgrnam(GROUP).gr_gid
-    except KeyError:
-        pytest.skip(f"no group {GROUP!r} here")
-    os.chmod(short_tmp, 0o755)
-    d = DaemonProc(short_tmp, ["--group", GROUP])
+    gid, d = _group_daemon(short_tmp)
     try:
         d.start()
         m = torch.nn.Linear(4, 4)
@@ -217,12 +227,7 @@ def test_a_group_member_keeps_no_write_access_to_a_segment_it_leased_or_read(sho
     rank is handed that very segment as its own; or it reads the victim's step (hot_open) and keeps the fd, which it
     reopens for writing through /proc/self/fd once the segment is leased (0660) again under whatever name. Either
     way its writes changed the victim's shards. A segment whose name went to another user is now retired instead."""
-    try:
-        gid = grp.getgrnam(GROUP).gr_gid
-    except KeyError:
-        pytest.skip(f"no group {GROUP!r} here")
-    os.chmod(short_tmp, 0o755)
-    d = DaemonProc(short_tmp, ["--group", GROUP])
+    gid, d = _group_daemon(short_tmp)
     att = None
     try:
         d.start()

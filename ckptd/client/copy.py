@@ -191,8 +191,8 @@ class SlotMaps:
 
 def copy_cuda(
     dsts: list[torch.Tensor], srcs: list[torch.Tensor], guarded: list[bool]
-) -> tuple[EventGroup, list[torch.Tensor], list[torch.Tensor]]:
-    """Enqueue the CUDA sources' copies; return their event and the pairs left to copy on the CPU.
+) -> tuple[EventGroup, list[torch.Tensor], list[torch.Tensor], list[bool]]:
+    """Enqueue the CUDA sources' copies; return their event, the pairs left to copy on the CPU and their marks.
 
     Tensors the optimizer step does not own (buffers that forward mutates, extra state) are copied
     first, and the training stream waits for them on the GPU: the next forward's kernels queue behind
@@ -214,7 +214,7 @@ def copy_cuda(
         if second:
             events.append(cuda.copy_async([dsts[i] for i in second], [srcs[i] for i in second]))
     rest = [i for i, src in enumerate(srcs) if not src.is_cuda]
-    return EventGroup(events), [dsts[i] for i in rest], [srcs[i] for i in rest]
+    return EventGroup(events), [dsts[i] for i in rest], [srcs[i] for i in rest], [guarded[i] for i in rest] if guarded else []
 
 
 @dataclass
@@ -259,8 +259,7 @@ def fill(maps: SlotMaps, segment: str, staged: Staged, guarded: set[int], blocki
     if staged.any_cuda:
         # GPU path: device-to-host copies on a side stream into the page-locked slot, now
         maps.pin(m)
-        event, dsts, srcs = copy_cuda(dsts, srcs, marks)
-        marks = [storage_of(s) in guarded for s in srcs] if guarded else []
+        event, dsts, srcs, marks = copy_cuda(dsts, srcs, marks)
     now: Pairs = ([], [])
     later: Pairs = ([], [])
     if not marks:
