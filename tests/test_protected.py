@@ -330,7 +330,8 @@ def test_the_loop_answers_other_requests_while_a_protect_is_being_written(make_d
         os.unlink(os.path.join(d.base, "writing"))
         t.join(30)
         t2.join(30)
-    assert done == ["first", "second"]
+    # both answered once the disk let go; which client thread appends first is the scheduler's choice
+    assert sorted(done) == ["first", "second"]
 
 
 SLOW_WRITE = """import os, sys, time, ckptd.daemon.protected as P
