@@ -112,34 +112,7 @@ def format_status(st: dict[str, Any]) -> str:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ckptd", description="Asynchronous checkpoint daemon for PyTorch.")
     sub = p.add_subparsers(dest="cmd", required=True)
-
-    s = sub.add_parser("serve", help="run the node daemon in the foreground")
-    s.add_argument("--config", default=None, help="TOML file with any of the settings below (command-line flags win)")
-    s.add_argument("--root", default=None, help="directory that holds the checkpoints (<root>/<job>/step-N); required")
-    s.add_argument("--endpoint", default=None, help="ZeroMQ endpoint (default: CKPTD_ENDPOINT or a per-user ipc socket)")
-    s.add_argument("--shm-budget", type=_size, default=None, help="shared memory to stage into (default: half of /dev/shm)")
-    s.add_argument("--keep", type=int, default=None, help="committed steps kept per job (default 3, CKPTD_KEEP)")
-    s.add_argument("--workers", type=int, default=None, help="persist threads (default 2, CKPTD_WORKERS)")
-    s.add_argument("--write-rate-limit", type=_size, default=None, help="bytes/s cap on disk writes (default: none)")
-    s.add_argument("--nice", type=int, default=None, help="niceness of persist threads (default 10; 0 = unchanged)")
-    s.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING, ERROR")
-    s.add_argument("--group", default=None, help="also let this group use the socket, segments and checkpoints (default: owner only)")
-    s.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on 127.0.0.1:PORT (default 0: off)")
-    s.add_argument(
-        "--lease-timeout",
-        type=float,
-        default=None,
-        help="seconds a slot may stay leased, uncommitted, before it is reclaimed (default 3600)",
-    )
-    s.add_argument("--persist-every", type=int, default=None, help="persist one snapshot in N; the others stay in memory (default 1)")
-    s.add_argument("--persist-interval", type=float, default=None, help="also persist the first snapshot T seconds after the last (0: off)")
-    s.add_argument("--lagging", choices=("memory", "wait"), default=None, help="a snapshot due for disk while it is busy: wait or memory")
-    s.add_argument(
-        "--idle-priority",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="persist and upload threads use only idle CPU and disk time (SCHED_IDLE, idle I/O class; default on)",
-    )
+    _serve_parser(sub.add_parser("serve", help="run the node daemon in the foreground"))
 
     st = sub.add_parser("status", help="ask a running daemon for its state: jobs, memory, throughput, uploads, last error")
     st.add_argument("--endpoint", default=None)
@@ -168,6 +141,41 @@ def _parser() -> argparse.ArgumentParser:
     ls.add_argument("--job", default=None)
     ls.add_argument("--endpoint", default=None)
     return p
+
+
+def _serve_parser(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--config", default=None, help="TOML file with any of the settings below (command-line flags win)")
+    s.add_argument("--root", default=None, help="directory that holds the checkpoints (<root>/<job>/step-N); required")
+    s.add_argument("--endpoint", default=None, help="ZeroMQ endpoint (default: CKPTD_ENDPOINT or a per-user ipc socket)")
+    s.add_argument("--shm-budget", type=_size, default=None, help="shared memory to stage into (default: half of /dev/shm)")
+    s.add_argument("--keep", type=int, default=None, help="committed steps kept per job (default 3, CKPTD_KEEP)")
+    s.add_argument("--workers", type=int, default=None, help="persist threads (default 2, CKPTD_WORKERS)")
+    s.add_argument("--write-rate-limit", type=_size, default=None, help="bytes/s cap on disk writes (default: none)")
+    s.add_argument("--nice", type=int, default=None, help="niceness of persist threads (default 10; 0 = unchanged)")
+    s.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING, ERROR")
+    s.add_argument("--group", default=None, help="also let this group use the socket, segments and checkpoints (default: owner only)")
+    s.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on 127.0.0.1:PORT (default 0: off)")
+    s.add_argument(
+        "--lease-timeout",
+        type=float,
+        default=None,
+        help="seconds a slot may stay leased, uncommitted, before it is reclaimed (default 3600)",
+    )
+    s.add_argument("--persist-every", type=int, default=None, help="persist one snapshot in N; the others stay in memory (default 1)")
+    s.add_argument("--persist-interval", type=float, default=None, help="also persist the first snapshot T seconds after the last (0: off)")
+    s.add_argument("--lagging", choices=("memory", "wait"), default=None, help="a snapshot due for disk while it is busy: wait or memory")
+    s.add_argument(
+        "--idle-priority",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="persist and upload threads use only idle CPU and disk time (SCHED_IDLE, idle I/O class; default on)",
+    )
+    s.add_argument(
+        "--direct-io",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="write shards past the page cache (O_DIRECT) where the file system takes it (default on)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -243,6 +243,7 @@ class DaemonConfig:
     write_rate_limit: float = 0.0  # bytes/s cap on disk writes, 0: none
     nice: int = NICE  # niceness of persist and upload threads (0: unchanged)
     idle_priority: bool = True  # persist and upload threads run on idle CPU and disk time only
+    direct_io: bool = True  # shards are written past the page cache (O_DIRECT) where the file system takes it
     log_level: str = "INFO"
     group: str | int | None = None  # also let this group use the socket, segments and checkpoints
     metrics_port: int = 0  # Prometheus metrics on 127.0.0.1:PORT, 0: off
@@ -260,7 +261,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 SERVE_KEYS = (
     "root", "endpoint", "shm_budget", "keep", "workers", "write_rate_limit", "nice", "log_level", "group", "metrics_port", "idle_priority",
-    "lease_timeout", "persist_every", "persist_interval", "lagging",
+    "direct_io", "lease_timeout", "persist_every", "persist_interval", "lagging",
 )  # fmt: skip
 _STR_KEYS = ("root", "endpoint", "log_level", "group", "lagging")
 _FLOAT_KEYS = ("lease_timeout", "persist_interval")
@@ -279,6 +280,7 @@ def _from_env() -> dict[str, Any]:
         "group": os.environ.get("CKPTD_GROUP") or None,
         "metrics_port": env_int("CKPTD_METRICS_PORT", 0),
         "idle_priority": _env("CKPTD_IDLE_PRIORITY", True, _parse_bool, "a boolean (1/0, true/false, yes/no)"),
+        "direct_io": _env("CKPTD_DIRECT_IO", True, _parse_bool, "a boolean (1/0, true/false, yes/no)"),
         "lease_timeout": env_float("CKPTD_LEASE_TIMEOUT", LEASE_TIMEOUT_S),
         "persist_every": env_int("CKPTD_PERSIST_EVERY", 1),
         "persist_interval": env_float("CKPTD_PERSIST_INTERVAL", 0.0),
@@ -329,7 +331,7 @@ def _from_file(path: str) -> dict[str, Any]:
                 value = parse_size(value)
             except ValueError as e:
                 raise ValueError(f"{path}: {key}: {e}") from None
-        want = str if key in _STR_KEYS else bool if key == "idle_priority" else float if key in _FLOAT_KEYS else int
+        want = str if key in _STR_KEYS else bool if key in ("idle_priority", "direct_io") else float if key in _FLOAT_KEYS else int
         if want is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if not isinstance(value, want) or (isinstance(value, bool) and want is not bool):

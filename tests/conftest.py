@@ -207,12 +207,34 @@ def s3_bucket(s3_server) -> Iterator:  # noqa: ANN001
 @pytest.fixture
 def small_fs(short_tmp):  # noqa: ANN001, ANN201
     """A 3 MiB tmpfs: a real full disk. Skipped where this process may not mount."""
+    yield from _small_mount(short_tmp, "tmpfs")
+
+
+@pytest.fixture(params=["tmpfs", "ext4"])
+def small_disk(request, short_tmp):  # noqa: ANN001, ANN201
+    """A full disk of either kind: a 3 MiB tmpfs (page cache only) or a 4 MiB ext4 on a loop device (the kind a
+    node's checkpoint disk is: shards are written to it with direct I/O). Skipped where this process may not mount."""
+    yield from _small_mount(short_tmp, request.param)
+
+
+def _small_mount(short_tmp: Path, kind: str) -> Iterator[str]:
     mnt = short_tmp / "small"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m,mode=0755", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if kind == "tmpfs":
+        cmd = ["mount", "-t", "tmpfs", "-o", "size=3m,mode=0755", "tmpfs", str(mnt)]
+    else:
+        image = short_tmp / "small.img"
+        with open(image, "wb") as f:
+            f.truncate(4 << 20)
+        made = subprocess.run(["mkfs.ext4", "-q", "-F", "-E", "root_owner=0:0", str(image)], capture_output=True, text=True)
+        if made.returncode != 0:
+            pytest.skip(f"cannot make an ext4 image here: {made.stderr.strip()}")
+        cmd = ["mount", "-o", "loop", str(image), str(mnt)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.strip()}")
+        pytest.skip(f"cannot mount a small {kind} here: {r.stderr.strip()}")
     try:
+        os.chmod(mnt, 0o755)
         yield str(mnt)
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -289,6 +289,7 @@ PRECEDENCE: dict[str, tuple[str | None, str, str, Any, tuple[Any, Any, Any, Any]
     "metrics_port": ("CKPTD_METRICS_PORT", "9001", "9002", 9003, (9001, 9002, 9003, 0)),
     "write_rate_limit": ("CKPTD_WRITE_RATE_LIMIT", "1000.5", '"2M"', 3, (1000.5, float(2 << 20), 3.0, 0.0)),
     "idle_priority": ("CKPTD_IDLE_PRIORITY", "0", "true", False, (False, True, False, True)),
+    "direct_io": ("CKPTD_DIRECT_IO", "no", "true", False, (False, True, False, True)),
     "shm_budget": (None, "", '"64M"', 1 << 20, (None, 64 << 20, 1 << 20, None)),
     "log_level": (None, "", '"DEBUG"', "WARNING", (None, "DEBUG", "WARNING", "INFO")),
 }

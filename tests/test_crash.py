@@ -322,12 +322,12 @@ def test_restart_removes_unfinishable_partial_steps(make_daemon) -> None:  # noq
         assert c.latest() is None
 
 
-def test_full_disk_fails_the_step_and_keeps_the_previous(small_fs, make_daemon) -> None:  # noqa: ANN001
-    # small_fs first: it is unmounted after the daemon is stopped and its segment directory removed
+def test_full_disk_fails_the_step_and_keeps_the_previous(small_disk, make_daemon) -> None:  # noqa: ANN001
+    # small_disk first: it is unmounted after the daemon is stopped and its segment directory removed
     """ENOSPC during persist: wait() raises clearly, the partial step is removed, the previous step
     stays intact and loads, and the daemon keeps serving."""
     daemon = make_daemon(start=False)
-    daemon.root = small_fs
+    daemon.root = small_disk
     daemon.start()
     model, optim = make()
     train_step(model, optim, 0)
@@ -339,7 +339,7 @@ def test_full_disk_fails_the_step_and_keeps_the_previous(small_fs, make_daemon) 
         with pytest.raises(ckptd.CheckpointError, match="No space left on device"):
             h.wait(30)
         assert c.latest() == 1
-        assert not os.path.exists(os.path.join(small_fs, "j", "step-2.tmp"))
+        assert not os.path.exists(os.path.join(small_disk, "j", "step-2.tmp"))
         del model.bulk
         m2, o2 = make(seed=4)
         c.restore(m2, o2)

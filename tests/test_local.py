@@ -100,7 +100,7 @@ def test_written_step_round_trips(tmp_path: Path) -> None:
     assert local.latest_step(root, JOB) == (5, path)
 
 
-@pytest.mark.parametrize("block", [64, 7, 1 << 20])
+@pytest.mark.parametrize("block", [64, 7, 3 * 4096, 1 << 20])
 def test_shard_file_is_exactly_the_staged_bytes_and_its_checksums_those_of_its_chunks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, block: int
 ) -> None:

@@ -81,6 +81,7 @@ class Persister:
         workers: int,
         keep: int,
         write_rate_limit: float = 0.0,
+        direct_io: bool = True,
         protect: Callable[[str], RetentionPolicy] = lambda job: Protect(frozenset()),
         initializer: Callable[[], None] | None = None,
         open_segment: Callable[[str], int] | None = None,
@@ -90,7 +91,7 @@ class Persister:
         ``open_segment``: a read-only fd of a segment, checked to be the daemon's own file. ``uploads``: steps go to a
         bucket, so a step completed here is kept from retention until the loop has queued its upload (:meth:`reported`)."""
         self.root, self._events, self._open_segment = root, events, open_segment
-        self.keep, self.write_rate_limit, self._protect = keep, write_rate_limit, protect
+        self.keep, self.write_rate_limit, self._protect, self.direct_io = keep, write_rate_limit, protect, direct_io
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptd-persist", initializer=initializer)
         self._writing: dict[tuple[str, int], int] = {}  # (job, step) -> its shards being written or queued (job's lock)
         # job -> steps completed here whose event the loop has not handled yet (job's lock): retention keeps them, since
@@ -142,6 +143,7 @@ class Persister:
                 local.write_shard(
                     self.root, job, step, rank, ws, fd, rec["nbytes"], parse_tree(rec["tree"]),
                     self.write_rate_limit, rec.get("replicas", {}), lws, rec.get("committed_at", 0), rec.get("run"), rec.get("after"),
+                    direct_io=self.direct_io,
                 )  # fmt: skip
             finally:
                 os.close(fd)

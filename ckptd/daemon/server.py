@@ -52,6 +52,11 @@ from .uploader import Uploader
 from .waiters import Waiter
 
 log = logging.getLogger("ckptd.daemon")
+# the requests a client may send: each is handled by the server's method _op_<name>
+OPS = (
+    "hello", "status", "alloc", "release", "commit", "wait", "latest", "hot_open", "hot_close", "fetch", "fetch_wait", "fetch_close",
+    "promote", "protect", "unprotect",
+)  # fmt: skip
 
 Handler = Callable[[bytes, dict[str, Any]], "dict[str, Any] | None"]  # None: the reply is sent later
 
@@ -74,8 +79,7 @@ class Daemon:
             raise
 
     def _build(self, config: DaemonConfig, store: ObjectStore | None) -> None:
-        self.endpoint = config.endpoint
-        self.started = time.monotonic()
+        self.endpoint, self.started = config.endpoint, time.monotonic()
         self.counters = Counters()
         self._ctx = zmq.Context()
         try:  # before anything is created in /dev/shm: a refused start leaves nothing behind
@@ -110,7 +114,8 @@ class Daemon:
             )  # fmt: skip
         self.persister = Persister(
             self.root, self.events, workers=config.workers, keep=config.keep, write_rate_limit=config.write_rate_limit,
-            protect=self._protected, initializer=background, open_segment=segments.open_owned, uploads=self.uploader is not None,
+            direct_io=config.direct_io, protect=self._protected, initializer=background, open_segment=segments.open_owned,
+            uploads=self.uploader is not None,
         )  # fmt: skip
         self.fetcher = Fetcher(self.catalog, self.events, retain=self.persister.retain)
         self.protections = Protections(self.root, self.events, retain=self.persister.retain, initializer=background)
@@ -131,23 +136,7 @@ class Daemon:
         )  # fmt: skip
         self.admission.drop_memory = self.memtier.drop
         self.memtier.protected = lambda job, step: bool(self.protections.policy(job).keeps([step]))
-        self._ops: dict[str, Handler] = {
-            "hello": self._op_hello,
-            "status": self._op_status,
-            "alloc": self._op_alloc,
-            "release": self._op_release,
-            "commit": self._op_commit,
-            "wait": self._op_wait,
-            "latest": self._op_latest,
-            "hot_open": self._op_hot_open,
-            "hot_close": self._op_hot_close,
-            "fetch": self._op_fetch,
-            "fetch_wait": self._op_fetch_wait,
-            "fetch_close": self._op_fetch_close,
-            "promote": self._op_promote,
-            "protect": self._op_protect,
-            "unprotect": self._op_unprotect,
-        }
+        self._ops: dict[str, Handler] = {op: getattr(self, f"_op_{op}") for op in OPS}
         self._on_event: dict[type, Callable[[Any], None]] = {
             ShardPersisted: self.completion.on_persisted,
             ShardSealed: self.memtier.on_sealed,

@@ -49,6 +49,7 @@ from ..layout import (
     trashed_steps,
 )
 from ..validate import parse_fragment, read_regular
+from .direct import StreamWriter
 from .files import create_new, fsync_dir, write_durable, write_json_durable
 from .retention import Protect, RetentionPolicy, doomed
 
@@ -65,7 +66,7 @@ def job_lock(root: str, job: str) -> threading.RLock:
         return _locks.setdefault((os.path.abspath(root), job), threading.RLock())
 
 
-COPY_BLOCK = 8 << 20  # read, hashed and written while it is in the CPU's cache
+COPY_BLOCK = 16 << 20  # bytes read, hashed and written at a time (a multiple of direct.ALIGN: written direct)
 
 
 def _reader(source: Any) -> Callable[[memoryview, int], int]:
@@ -109,39 +110,38 @@ def _header(read: Callable[[memoryview, int], int], nbytes: int) -> bytes:
     return bytes(buf)
 
 
-def _write_all(fd: int, buf: memoryview) -> None:
-    done = 0
-    while done < len(buf):
-        done += os.write(fd, buf[done:])
-
-
 def _copy_paced(
-    read: Callable[[memoryview, int], int], fd: int, layout: ShardLayout, nbytes: int, rate_limit: float
+    read: Callable[[memoryview, int], int], fd: int, layout: ShardLayout, nbytes: int, rate_limit: float, direct_io: bool = True
 ) -> tuple[str, dict[str, str]]:
     """Write the header as parsed (the lessee may have changed the segment's copy since), then copy the
-    chunks' bytes block by block, hashing each block while it is in cache (one pass over the shard); return
-    the header's and each chunk's XXH3-64 (as :func:`build_fragment` takes them). ``rate_limit`` (bytes/s,
-    0 = unlimited) paces it so training I/O is not starved."""
-    _write_all(fd, memoryview(layout.header))
-    names = [c.name for c in layout.chunks]
+    chunks' bytes block by block into the writer's buffers, hashing each block after it is read and before it is
+    written (what is hashed is what is written, whatever the lessee does to its segment meanwhile); return the
+    header's and each chunk's XXH3-64 (as :func:`build_fragment` takes them). Written with direct I/O where the file
+    system takes it and ``direct_io`` is set (:mod:`ckptd.storage.direct`). ``rate_limit`` (bytes/s, 0 = unlimited) paces it so training I/O
+    is not starved."""
+    head, names = layout.header, [c.name for c in layout.chunks]
     ends = [layout.data_start + c.end for c in layout.chunks]
     hashers = [xxhash.xxh3_64() for _ in names]
-    block = memoryview(bytearray(min(COPY_BLOCK, max(nbytes, 1))))
-    t0, pos, part = time.monotonic(), layout.data_start, 0
-    while pos < nbytes:
-        n = min(len(block), nbytes - pos)
-        _read_exactly(read, block[:n], pos, nbytes)
-        off = 0
-        while off < n:
-            while ends[part] <= pos + off:  # an empty chunk ends where it begins
-                part += 1
-            take = min(n, ends[part] - pos) - off
-            hashers[part].update(block[off : off + take])
-            off += take
-        _write_all(fd, block[:n])
-        pos += n
-        if rate_limit > 0 and (ahead := pos / rate_limit - (time.monotonic() - t0)) > 0:
-            time.sleep(ahead)
+    t0, pos, part = time.monotonic(), 0, 0
+    with StreamWriter(fd, COPY_BLOCK, nbytes, direct=direct_io) as out:
+        while pos < nbytes:
+            with memoryview(out.block()) as whole, whole[: min(COPY_BLOCK, nbytes - pos)] as block:
+                k = max(0, min(len(block), len(head) - pos))  # the header's bytes in this block
+                block[:k] = head[pos : pos + k]
+                if k < len(block):
+                    _read_exactly(read, block[k:], pos + k, nbytes)
+                off = k
+                while off < len(block):
+                    while ends[part] <= pos + off:  # an empty chunk ends where it begins
+                        part += 1
+                    take = min(len(block), ends[part] - pos) - off
+                    hashers[part].update(block[off : off + take])
+                    off += take
+                out.submit(len(block))
+                pos += len(block)
+            if rate_limit > 0 and (ahead := pos / rate_limit - (time.monotonic() - t0)) > 0:
+                time.sleep(ahead)
+        out.finish()
     return digest(layout.header), {name: h.hexdigest() for name, h in zip(names, hashers)}
 
 
@@ -160,6 +160,7 @@ def write_shard(
     committed_at: int = 0,
     run: int | None = None,
     after: int | None = None,
+    direct_io: bool = True,
 ) -> None:
     """Write one staged shard (``nbytes`` of ``source``: a segment's file descriptor, or a buffer) and then its
     fragment into ``step-N.tmp`` durably, checksumming each chunk on the bytes written.
@@ -182,7 +183,7 @@ def write_shard(
             os.unlink(frag_path)  # first: while the shard is rewritten, this rank does not count as durable
         fd = create_new(path)
         try:
-            sums = _copy_paced(read, fd, layout, nbytes, rate_limit)
+            sums = _copy_paced(read, fd, layout, nbytes, rate_limit, direct_io)
             os.fsync(fd)
         finally:
             os.close(fd)

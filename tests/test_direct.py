@@ -1,0 +1,134 @@
+"""Shard files written with direct I/O (``ckptd.storage.direct``): the bytes on disk are the bytes given, on a real
+ext4 (a loop device), when the disk fills with writes in flight, and when a file system refuses direct writes."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+
+import pytest
+
+from ckptd.storage import direct
+from ckptd.storage.direct import ALIGN, StreamWriter
+
+ext4 = pytest.mark.parametrize("small_disk", ["ext4"], indirect=True)
+
+
+def _stream(path: str, data: bytes, block: int, in_flight: int = 2) -> bool:
+    """Write ``data`` through a StreamWriter; whether it wrote direct."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with StreamWriter(fd, block, len(data), in_flight) as w:
+            for pos in range(0, len(data), block):
+                with memoryview(w.block()) as buf:
+                    piece = data[pos : pos + block]
+                    buf[: len(piece)] = piece
+                w.submit(len(piece))
+            w.finish()
+            return w.direct
+    finally:
+        os.close(fd)
+
+
+@ext4
+@pytest.mark.parametrize("size", [ALIGN, 5 * 65536, 5 * 65536 + 123, 3 * 65536 - 1])
+def test_a_file_written_direct_is_exactly_the_bytes_given(small_disk: str, size: int) -> None:
+    """Blocks of 64 KiB, two writes in flight; a short last block is written padded and cut back."""
+    data = os.urandom(size)
+    path = os.path.join(small_disk, "f")
+    assert _stream(path, data, 65536) is True
+    with open(path, "rb") as f:
+        assert f.read() == data
+
+
+def test_a_block_that_is_not_aligned_is_written_through_the_page_cache(tmp_path) -> None:  # noqa: ANN001
+    data = os.urandom(10_000)
+    assert _stream(str(tmp_path / "f"), data, 1000) is False
+    assert (tmp_path / "f").read_bytes() == data
+
+
+@ext4
+def test_the_disk_filling_with_writes_in_flight_raises_enospc(small_disk: str) -> None:
+    """8 MiB onto a 4 MiB ext4, four writes in flight: the error reaches the caller, whichever write met it."""
+    with pytest.raises(OSError) as err:
+        _stream(os.path.join(small_disk, "f"), os.urandom(8 << 20), 256 << 10, in_flight=4)
+    assert err.value.errno == errno.ENOSPC
+
+
+def test_a_file_system_that_refuses_direct_writes_gets_the_same_bytes_buffered(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """A device of larger alignment answers a direct write ``EINVAL``: the writer clears ``O_DIRECT`` and writes on.
+    (No such device can be made here: the refusal is a double.)"""
+    real = os.pwrite
+
+    def pwrite(fd: int, buf: memoryview, pos: int) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real(fd, buf, pos)
+
+    monkeypatch.setattr(direct.os, "pwrite", pwrite)
+    data = os.urandom(5 * ALIGN + 17)
+    assert _stream(str(tmp_path / "f"), data, 2 * ALIGN) is False
+    assert (tmp_path / "f").read_bytes() == data
+
+
+def test_only_the_last_block_may_be_short(tmp_path) -> None:  # noqa: ANN001
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        with StreamWriter(fd, ALIGN, 4 * ALIGN) as w:
+            w.block()
+            w.submit(10)
+            w.block()
+            with pytest.raises(ValueError, match="only the last block may be short"):
+                w.submit(ALIGN)
+    finally:
+        os.close(fd)
+
+
+def _cached_fraction(path: str) -> float:
+    """The share of ``path``'s pages in the page cache (``mincore`` over a read-only mapping; nothing is read)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = os.path.getsize(path)
+    vec = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        base = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if base in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), "mmap")
+        try:
+            if libc.mincore(base, size, vec) != 0:
+                raise OSError(ctypes.get_errno(), "mincore")
+        finally:
+            libc.munmap(base, size)
+    finally:
+        os.close(fd)
+    return sum(v & 1 for v in vec) / len(vec)
+
+
+@ext4
+@pytest.mark.parametrize("flag", ["--direct-io", "--no-direct-io"])
+def test_the_daemon_persists_past_the_page_cache_unless_told_not_to(small_disk: str, make_daemon, flag: str) -> None:  # noqa: ANN001
+    """A persisted shard's pages are not left in the page cache (the node's memory is the trainer's), unless
+    ``--no-direct-io`` (a file system where direct writes are slow) asks for the old way."""
+    import torch
+    from _models import make, train_step
+
+    from ckptd.layout import shard_name
+
+    daemon = make_daemon(flag, start=False)
+    daemon.root = small_disk
+    daemon.start()
+    model, optim = make()
+    model.register_buffer("bulk", torch.randn(256 << 10))  # 1 MiB: the shard spans many pages
+    train_step(model, optim, 0)
+    with daemon.client("j") as c:
+        path = c.snapshot(model, optim, step=1).wait(30)
+    cached = _cached_fraction(os.path.join(path, shard_name(0)))
+    assert cached < 0.1 if flag == "--direct-io" else cached > 0.9
