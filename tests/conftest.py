@@ -204,6 +204,18 @@ def s3_bucket(s3_server) -> Iterator:  # noqa: ANN001
             pass
 
 
+MULTI_RANK_TIMEOUT_S = 600  # run_ranks joins each rank for up to 150 s in turn: 4 ranks on 2 loaded cores outlast 180 s
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that start several ranks (their module uses ``run_ranks``) get a longer pytest-timeout than the
+    suite's 180 s, unless they name their own: their ranks' deadlines are what should fail them first."""
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is not None and "run_ranks" in vars(module) and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(MULTI_RANK_TIMEOUT_S))
+
+
 @pytest.fixture
 def small_fs(short_tmp):  # noqa: ANN001, ANN201
     """A 3 MiB tmpfs: a real full disk. Skipped where this process may not mount."""

@@ -217,15 +217,21 @@ def test_a_wait_in_progress_when_the_daemon_restarts_gets_the_new_daemons_answer
     with d.client("j", timeout=3.0) as c:
         h = c.snapshot(model, optim, step=1, blocking=True)
 
+        connected = threading.Event()
+
         def wait() -> None:
             try:
-                out["path"] = h.wait(8.0)
+                c.latest()  # this thread's socket is connected before the daemon goes (a new one would find nobody)
+                connected.set()
+                out["path"] = h.wait(30.0)
             except Exception as e:  # the assertion below names it
                 out["error"] = e
+                connected.set()
 
         t = threading.Thread(target=wait)
         t.start()
-        time.sleep(1.0)
+        assert connected.wait(30)
+        time.sleep(1.0)  # the wait is asked meanwhile (or queued on the connected socket if not yet)
         d.kill()
         d.start(["--keep", "3"])
         t.join(60)

@@ -563,18 +563,19 @@ def test_crossed_leases_are_refused(make_daemon) -> None:  # noqa: ANN001
 
 
 def test_a_lapsed_lease_cannot_be_committed(make_daemon) -> None:  # noqa: ANN001
-    """Attack: a client sits on its lease past the lease timeout (1 s) and then commits or releases it, also once
+    """Attack: a client sits on its lease past the lease timeout (3 s) and then commits or releases it, also once
     its memory has been leased to another client under a new token; the new holder's commit goes through.
     The lapsed segment is retired, never leased again: its holder may still write to it."""
-    d = make_daemon("--lease-timeout", "1", "--shm-budget", "2M")  # room for one slot: the lapsed one's memory
+    # room for one slot: the lapsed one's memory. 3 s: the second lease must outlive the ~8 calls made under it
+    d = make_daemon("--lease-timeout", "3", "--shm-budget", "2M")
     a, b = Peer(d), Peer(d)
     fields = {"world_size": 1, "local_world_size": 1, "step": 1, "nbytes": 4096, "replicas": {}}
     seg, tok = _lease(a, job="ja", rank=0, world_size=1, step=1)
     t0 = time.monotonic()
     assert a.slots() == {"leased": 1}
-    time.sleep(1.5)
+    time.sleep(3.5)
     _wait_for(a, lambda st: st["slots"] == {}, "the lease did not lapse")  # the reaper runs every 0.5 s
-    assert time.monotonic() - t0 > 1.0 and not os.path.exists(shm.path_of(seg))
+    assert time.monotonic() - t0 > 3.0 and not os.path.exists(shm.path_of(seg))
     a.refused("commit", REFUSED, (b"{}",), job="ja", rank=0, segment=seg, lease=tok, **fields)
     a.refused("release", REFUSED, segment=seg, lease=tok)
     seg_b, tok_b = _lease(b, job="jb", rank=0, world_size=1, step=1)

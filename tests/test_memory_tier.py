@@ -9,6 +9,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -447,12 +449,18 @@ def test_when_the_disk_lags_under_lagging_wait_a_spare_slot_is_made_before_the_n
     assert complete_steps(d.root, "spare") == [1, 2, 3]
 
 
-# a daemon whose new segments take 1.5 s to make (a cold node: 6 GB took seconds to zero-fill on one H100 host)
+# a daemon whose new segments are not made while the file <root>/../grow-slowly exists (a cold node: 6 GB took seconds to
+# zero-fill on one H100 host); the test lets go once a request waits for one
 SLOW_GROWER = """
-import sys, time
+import os, sys, time
 from ckptd.daemon import growth
+flag = os.path.join(os.path.dirname(os.path.abspath(sys.argv[sys.argv.index("--root") + 1])), "grow-slowly")
 make = growth.Grower._make
-growth.Grower._make = lambda self, need, token: (time.sleep(1.5), make(self, need, token))
+def slow(self, need, token):
+    while os.path.exists(flag):
+        time.sleep(0.05)
+    return make(self, need, token)
+growth.Grower._make = slow
 from ckptd.cli import main
 raise SystemExit(main(sys.argv[1:]))
 """
@@ -464,11 +472,26 @@ def test_a_snapshot_that_finds_no_slot_while_its_spare_is_made_waits_for_it_mapp
     d = make_daemon("--write-rate-limit", "8M", "--shm-budget", str(int(3.4 * SHARD)), "--workers", "1", start=False)
     d.launcher = ["-c", SLOW_GROWER]
     d.start()
+    flag = os.path.join(os.path.dirname(os.path.abspath(d.root)), "grow-slowly")
     with _prepared(d, "slowspare") as (c, model, optim):
         assert len(shm.segments_of(d.root)) == 2
         made = c._maps.made_on_path
+        open(flag, "w").close()  # from here the spare is not made until a request waits for it
+
+        def let_go() -> None:
+            try:
+                with d.rpc() as ch:
+                    deadline = time.monotonic() + 60
+                    while ch.call("status")["deferred_allocs"] == 0 and time.monotonic() < deadline:
+                        time.sleep(0.02)
+            finally:
+                os.unlink(flag)
+
+        t = threading.Thread(target=let_go)
+        t.start()
         for step in (1, 2, 3):  # step 1 is written for 3 s; step 2 takes the last slot; step 3 finds none, the spare coming
             _snap(c, model, optim, step)
+        t.join(60)
         st = c.status()
         assert st["allocs_waited"] >= 1, "step 3 should have waited: this test no longer reaches the case it is for"
         assert c._maps.made_on_path == made, "step 3 mapped the spare on its path instead of waiting for it mapped ahead"

@@ -33,8 +33,8 @@ def _alloc(ch: Channel, step: int, nbytes: int, **kw: Any) -> dict[str, Any]:
     return ch.call("alloc", job="rpc", rank=0, world_size=1, step=step, nbytes=nbytes, pid=os.getpid(), **kw)
 
 
-def _slots(ch: Channel) -> tuple[dict[str, int], int]:
-    st = ch.call("status")
+def _slots(ch: Channel, rpc_timeout: float | None = None) -> tuple[dict[str, int], int]:
+    st = ch.call("status", rpc_timeout=rpc_timeout)
     return st["slots"], st["deferred_allocs"]
 
 
@@ -221,19 +221,20 @@ def test_a_held_request_blocks_neither_other_threads_nor_gives_up_while_the_daem
 
         t = threading.Thread(target=held)
         t.start()
+        # this thread's own calls: the channel's 0.3 s is the held call's probe interval, not a deadline for them
         try:
-            _until(lambda: _slots(ch)[1] == 1)  # this thread's calls are answered while the other's is held
+            _until(lambda: _slots(ch, HANG)[1] == 1)  # this thread's calls are answered while the other's is held
             time.sleep(1.5)  # five of the held call's `timeout`s
             assert t.is_alive() and not outcome, outcome
-            assert ch.call("hello")["pid"] == d.proc.pid
+            assert ch.call("hello", rpc_timeout=HANG)["pid"] == d.proc.pid
         finally:
-            ch.call("release", segment=first["segment"], lease=first["lease"])
+            ch.call("release", rpc_timeout=HANG, segment=first["segment"], lease=first["lease"])
             t.join(HANG)
         assert not t.is_alive() and len(outcome) == 1 and isinstance(outcome[0], dict), outcome
         grant = outcome[0]
         assert grant["ok"] and grant["size"] >= 3 * MIB
-        ch.call("release", segment=grant["segment"], lease=grant["lease"])
-        assert _slots(ch) == ({"free": 1}, 0)
+        ch.call("release", rpc_timeout=HANG, segment=grant["segment"], lease=grant["lease"])
+        assert _slots(ch, HANG) == ({"free": 1}, 0)
 
 
 # ---------------------------------------------------------------------------- late replies
@@ -242,7 +243,7 @@ def test_a_held_request_blocks_neither_other_threads_nor_gives_up_while_the_daem
 def test_late_grant_is_never_the_answer_to_a_later_request(make_daemon) -> None:  # noqa: ANN001
     """An ``alloc`` deferred past its ``rpc_timeout``; freeing the budget makes the daemon grant it late.
     The calls after it get their own answers, not that grant."""
-    d = make_daemon("--shm-budget", "4M", "--lease-timeout", "2")
+    d = make_daemon("--shm-budget", "4M", "--lease-timeout", "5")  # long enough for the calls below on a loaded host
     with d.rpc(timeout=5.0) as ch:
         first = _alloc(ch, 1, 3 * MIB)
         t0 = time.monotonic()
