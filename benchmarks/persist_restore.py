@@ -7,8 +7,9 @@ sequential write + fsync of the same bytes (a copy of the shard) to the same dir
 pairs whose order alternates from pair to pair. Some disks have two speeds (a fast mode, and a slow one after a
 quiet spell or a long write), so the bandwidth ratio's verdict uses the minima (each at the disk's fastest); the
 median of the per-pair ratios is shown beside it. Restore: ckptd.restore into a fresh model and AdamW, against
-dcp.load of the same state saved by dcp.save (both through get_state_dict / set_state_dict, both with the files in
-the page cache). Prints a table; writes ``bench-out/persist_restore.json``. ``CKPTD_BENCH_DAEMON_ARGS`` adds
+dcp.load of the same state saved by dcp.save (both through get_state_dict / set_state_dict). ckptd's daemon writes
+shards past the page cache (direct I/O), so its first restore reads the disk and the later ones the page cache;
+dcp.save leaves its files in the page cache. Prints a table; writes ``bench-out/persist_restore.json``. ``CKPTD_BENCH_DAEMON_ARGS`` adds
 arguments to the daemon's command line (``--no-idle-priority``: its persist threads at normal priority).
 """
 
@@ -134,7 +135,7 @@ def report(args: argparse.Namespace, rows: dict[str, list[float]], shard_bytes: 
     names = {
         "plain": "plain sequential write + fsync of the same bytes (a copy of the shard)",
         "persist": "ckptd persist: commit -> durable (write, fsync, manifest, rename)",
-        "restore_ckptd": "ckptd.restore into a fresh model + AdamW (page cache warm)",
+        "restore_ckptd": "ckptd.restore into a fresh model + AdamW (first rep from disk, then page cache)",
         "restore_dcp": "dcp.load of the same state saved by dcp.save (page cache warm)",
     }
     for k, name in names.items():
