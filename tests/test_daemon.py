@@ -212,7 +212,8 @@ def _idle_tasks(pid: int) -> list[int]:
     out = []
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            if os.sched_getscheduler(int(tid)) == os.SCHED_IDLE and psutil.Process(int(tid)).ionice().ioclass == psutil.IOPRIO_CLASS_IDLE:
+            io = psutil.Process(int(tid)).ionice()
+            if os.sched_getscheduler(int(tid)) == os.SCHED_IDLE and (io.ioclass, io.value) == (psutil.IOPRIO_CLASS_BE, 7):
                 out.append(int(tid))
         except (OSError, psutil.Error):
             pass

@@ -72,6 +72,55 @@ def test_a_file_system_that_refuses_direct_writes_gets_the_same_bytes_buffered(t
     assert (tmp_path / "f").read_bytes() == data
 
 
+def test_both_writes_in_flight_refused_direct_are_both_written_buffered(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """Two writes sent direct, both refused: the second to fail saw the file already switched to buffered by the
+    first and gave up ("Invalid argument"), failing the shard. (The refusal is a double, slow enough to overlap.)"""
+    import time
+
+    real = os.pwrite
+
+    def pwrite(fd: int, buf: memoryview, pos: int) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            time.sleep(0.05)
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real(fd, buf, pos)
+
+    monkeypatch.setattr(direct.os, "pwrite", pwrite)
+    data = os.urandom(4 * ALIGN)
+    assert _stream(str(tmp_path / "f"), data, ALIGN) is False
+    assert (tmp_path / "f").read_bytes() == data
+
+
+def test_no_thread_to_write_with_writes_on_the_callers(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """A pids limit: the writer pool cannot start a thread; the blocks are written on the calling thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def submit(self: ThreadPoolExecutor, *a: object, **k: object) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(ThreadPoolExecutor, "submit", submit)
+    data = os.urandom(5 * ALIGN + 9)
+    _stream(str(tmp_path / "f"), data, ALIGN)
+    assert (tmp_path / "f").read_bytes() == data
+
+
+def test_a_shard_write_that_fails_otherwise_than_by_the_disk_leaves_no_partial_file(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """Any error while writing a shard removes what was written of it (only OSError was cleaned up before)."""
+    import torch
+    from _shards import shard_bytes
+
+    from ckptd.storage import local
+
+    def submit(self: StreamWriter, n: int) -> None:
+        raise MemoryError("no memory for the block")
+
+    buf = shard_bytes([("model/w", torch.ones(64, 64), (64, 64), (0, 0))])
+    monkeypatch.setattr(StreamWriter, "submit", submit)
+    with pytest.raises(MemoryError):
+        local.write_shard(str(tmp_path), "j", 1, 0, 1, memoryview(buf), len(buf), {})
+    assert os.listdir(tmp_path / "j" / "step-1.tmp") == []
+
+
 def test_only_the_last_block_may_be_short(tmp_path) -> None:  # noqa: ANN001
     fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o600)
     try:

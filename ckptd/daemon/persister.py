@@ -33,9 +33,13 @@ from .slots import Slot
 log = logging.getLogger("ckptd.daemon")
 
 
+IO_LEVEL = 7  # the persist and upload threads' best-effort I/O level: the lowest
+
+
 def lower_priority(nice: int, idle: bool) -> Callable[[], None]:
     """A thread initializer that makes the calling thread yield CPU (``nice``, ``SCHED_IDLE`` when
-    ``idle``) and disk (the idle I/O class) to training. Linux: priorities are per thread."""
+    ``idle``) and disk (the lowest best-effort I/O level) to training. Linux: priorities are per thread,
+    and threads it starts (a shard's writers) inherit them."""
 
     def init() -> None:
         tid = threading.get_native_id()
@@ -43,11 +47,14 @@ def lower_priority(nice: int, idle: bool) -> Callable[[], None]:
             if nice:
                 os.setpriority(os.PRIO_PROCESS, tid, nice)
             if idle:
-                # only CPU time and disk time that nothing else on the node wants
+                # only CPU time that nothing else on the node wants; disk time behind the trainer's own I/O (best
+                # effort, level 4 by default) but never starved: shards are written direct by these threads, and
+                # the idle I/O class waits for an idle disk under BFQ and mq-deadline (a trainer reading its data
+                # from the same disk would hold every persist back, and with it the slots)
                 os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
                 import psutil
 
-                psutil.Process(tid).ionice(psutil.IOPRIO_CLASS_IDLE)
+                psutil.Process(tid).ionice(psutil.IOPRIO_CLASS_BE, IO_LEVEL)
         except (OSError, AttributeError, ImportError) as e:
             log.warning("cannot lower the priority of %s: %s", threading.current_thread().name, e)
 

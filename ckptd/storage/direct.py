@@ -48,7 +48,8 @@ class StreamWriter:
         blocks = max(1, -(-total // block))
         self.direct = direct and block % ALIGN == 0 and total >= ALIGN and _set_direct(fd, True)
         self._in_flight = max(1, min(in_flight, blocks - 1)) if blocks > 1 else 0
-        self._bufs = [mmap.mmap(-1, block) for _ in range(min(blocks, self._in_flight + 1))]
+        private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # not shared memory: the node's /dev/shm is the trainers'
+        self._bufs = [mmap.mmap(-1, block, flags=private) for _ in range(min(blocks, self._in_flight + 1))]
         self._next = 0
         self._pending: deque[Future[None]] = deque()
         self._pool = ThreadPoolExecutor(self._in_flight, thread_name_prefix="ckptd-write") if self._in_flight else None
@@ -75,10 +76,14 @@ class StreamWriter:
         buf, pos = self._bufs[(self._next - 1) % len(self._bufs)], self._end
         self._end += n
         self._short = n < self._block
-        if self._pool is None:
+        try:
+            future = self._pool.submit(self._write, buf, n, pos) if self._pool is not None else None
+        except RuntimeError:  # no thread could be started (a pids limit): written on this one
+            future = None
+        if future is None:
             self._write(buf, n, pos)
         else:
-            self._pending.append(self._pool.submit(self._write, buf, n, pos))
+            self._pending.append(future)
         while len(self._pending) > self._in_flight:
             self._pending.popleft().result()
 
@@ -112,9 +117,10 @@ class StreamWriter:
         done = 0
         with memoryview(block) as whole, whole[:n] as buf:  # released here, also when a write fails
             while done < n:
+                was_direct = self.direct  # per attempt: the other writer thread may switch the file meanwhile
                 try:
                     done += os.pwrite(self._fd, buf[done:], pos + done)
                 except OSError as e:
-                    if e.errno != errno.EINVAL or not self.direct:
+                    if e.errno != errno.EINVAL or not was_direct:
                         raise
                     self.direct = _set_direct(self._fd, False)  # refused direct: the same bytes through the page cache

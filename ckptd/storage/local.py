@@ -191,13 +191,13 @@ def write_shard(
             job, step, rank, world_size, lws, layout.header, layout, replicas or {}, tree, committed_at, run=run, after=after, sums=sums
         )
         write_json_durable(frag_path, frag)  # last: a fragment present means its shard is durable
-    except (OSError, FormatError) as e:
+    except BaseException as e:  # whatever failed (a full disk, a truncated segment, no thread to write with): no partial files
         for p in (path, frag_path):
             try:
                 os.unlink(p)
             except OSError:
                 pass
-        if isinstance(e, FormatError):
+        if not isinstance(e, OSError):
             raise
         raise CheckpointError(f"writing {path} failed: {e.strerror or e}") from None
 
