@@ -66,7 +66,7 @@ def job_lock(root: str, job: str) -> threading.RLock:
         return _locks.setdefault((os.path.abspath(root), job), threading.RLock())
 
 
-COPY_BLOCK = 16 << 20  # bytes read, hashed and written at a time (a multiple of direct.ALIGN: written direct)
+COPY_BLOCK = 8 << 20  # bytes read, hashed and written at a time (a multiple of direct.ALIGN: written direct)
 
 
 def _reader(source: Any) -> Callable[[memoryview, int], int]:
