@@ -1,11 +1,11 @@
 """Writing a new file front to back from blocks the caller fills, with direct I/O where the file system takes it.
 
 A shard written through the page cache costs the node a second copy of every byte (into the cache), then the
-kernel's reclaim of those pages: on the 2-core development VM a buffered 1 GB write + fsync took 0.5–2.8 s and as
-much CPU time, which the trainer's step pays for. Written with ``O_DIRECT`` from page-aligned buffers, two writes
-in flight, the same bytes took 0.4–0.7 s and 0.25 s of CPU (``benchmarks/persist_restore.py`` compares a persist
-with a plain buffered write). The file's pages are then not in the page cache: a restore from disk right after a
-persist reads the disk (a restore from the daemon's memory reads no disk either way).
+kernel's reclaim of those pages, CPU time the trainer's step pays for on a small node. Written with ``O_DIRECT``
+from page-aligned buffers, two writes in flight, a 1.06 GB persist took 0.39–1.10 s where a plain buffered write +
+fsync of the same bytes took 0.51–2.92 s (``benchmarks/persist_restore.py`` on the 2-core development VM, README
+"Persist and restore"). The file's pages are then not in the page cache: a restore from disk right after a persist
+reads the disk (a restore from the daemon's memory reads no disk either way).
 
 Where ``O_DIRECT`` cannot be set, or a direct write is refused (``EINVAL``: a file system or a device with a larger
 alignment), the file is written through the page cache, as before: the bytes on disk are the same either way.
