@@ -242,7 +242,7 @@ class DaemonConfig:
     workers: int = WORKERS  # persist threads
     write_rate_limit: float = 0.0  # bytes/s cap on disk writes, 0: none
     nice: int = NICE  # niceness of persist and upload threads (0: unchanged)
-    idle_priority: bool = True  # persist and upload threads run on idle CPU and disk time only
+    idle_priority: bool = True  # persist and upload threads: SCHED_IDLE, and the lowest best-effort I/O level (7)
     direct_io: bool = True  # shards are written past the page cache (O_DIRECT) where the file system takes it
     log_level: str = "INFO"
     group: str | int | None = None  # also let this group use the socket, segments and checkpoints

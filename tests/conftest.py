@@ -208,11 +208,13 @@ MULTI_RANK_TIMEOUT_S = 600  # run_ranks joins each rank for up to 150 s in turn:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests that start several ranks (their module uses ``run_ranks``) get a longer pytest-timeout than the
-    suite's 180 s, unless they name their own: their ranks' deadlines are what should fail them first."""
+    """Tests that start several ranks (they call ``run_ranks``, or their module is marked ``multiproc``) get a longer
+    pytest-timeout than the suite's 180 s, unless they name their own: their ranks' deadlines should fail them first.
+    Single-process tests beside them keep the 180 s."""
     for item in items:
-        module = getattr(item, "module", None)
-        if module is not None and "run_ranks" in vars(module) and item.get_closest_marker("timeout") is None:
+        code = getattr(getattr(item, "function", None), "__code__", None)
+        calls = code is not None and "run_ranks" in (*code.co_names, *code.co_varnames)
+        if (calls or item.get_closest_marker("multiproc")) and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(MULTI_RANK_TIMEOUT_S))
 
 

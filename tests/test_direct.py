@@ -73,8 +73,8 @@ def test_a_file_system_that_refuses_direct_writes_gets_the_same_bytes_buffered(t
 
 
 def test_both_writes_in_flight_refused_direct_are_both_written_buffered(tmp_path, monkeypatch) -> None:  # noqa: ANN001
-    """Two writes sent direct, both refused: the second to fail saw the file already switched to buffered by the
-    first and gave up ("Invalid argument"), failing the shard. (The refusal is a double, slow enough to overlap.)"""
+    """Two writes sent direct, both refused: both are written again buffered (the second to fail used to see the file
+    already switched by the first and give up, "Invalid argument"). The refusal is a double, slow enough to overlap."""
     import time
 
     real = os.pwrite
@@ -92,16 +92,24 @@ def test_both_writes_in_flight_refused_direct_are_both_written_buffered(tmp_path
 
 
 def test_no_thread_to_write_with_writes_on_the_callers(tmp_path, monkeypatch) -> None:  # noqa: ANN001
-    """A pids limit: the writer pool cannot start a thread; the blocks are written on the calling thread."""
-    from concurrent.futures import ThreadPoolExecutor
+    """A pids limit: the pool's second thread cannot start. The pool had queued that block's write before it tried,
+    and its first thread took it later, from a buffer refilled meanwhile (wrong bytes in a shard called durable).
+    The writer now stops the pool and writes every later block on the calling thread."""
+    import threading
 
-    def submit(self: ThreadPoolExecutor, *a: object, **k: object) -> None:
-        raise RuntimeError("can't start new thread")
+    real_start, started = threading.Thread.start, []
 
-    monkeypatch.setattr(ThreadPoolExecutor, "submit", submit)
-    data = os.urandom(5 * ALIGN + 9)
+    def start(self: threading.Thread) -> None:
+        if self.name.startswith("ckptd-write"):
+            started.append(self.name)
+            if len(started) > 1:
+                raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    data = os.urandom(9 * ALIGN + 9)  # ten blocks through three buffers: each refilled several times
     _stream(str(tmp_path / "f"), data, ALIGN)
-    assert (tmp_path / "f").read_bytes() == data
+    assert len(started) == 2 and (tmp_path / "f").read_bytes() == data
 
 
 def test_a_shard_write_that_fails_otherwise_than_by_the_disk_leaves_no_partial_file(tmp_path, monkeypatch) -> None:  # noqa: ANN001

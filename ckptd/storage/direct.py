@@ -61,10 +61,8 @@ class StreamWriter:
         self.close()
 
     def block(self) -> mmap.mmap:
-        """A buffer to fill next: one whose write has finished (this waits for the oldest write when all are busy).
-        Fill it through a ``memoryview`` released before :meth:`close` (a ``with`` block)."""
-        if len(self._pending) >= len(self._bufs):
-            self._pending.popleft().result()
+        """A buffer to fill next, whose write has finished (:meth:`submit` keeps fewer writes in flight than there
+        are buffers). Fill it through a ``memoryview`` released before :meth:`close` (a ``with`` block)."""
         buf = self._bufs[self._next % len(self._bufs)]
         self._next += 1
         return buf
@@ -76,16 +74,30 @@ class StreamWriter:
         buf, pos = self._bufs[(self._next - 1) % len(self._bufs)], self._end
         self._end += n
         self._short = n < self._block
-        try:
-            future = self._pool.submit(self._write, buf, n, pos) if self._pool is not None else None
-        except RuntimeError:  # no thread could be started (a pids limit): written on this one
-            future = None
+        future = None
+        if self._pool is not None:
+            try:
+                future = self._pool.submit(self._write, buf, n, pos)
+            except RuntimeError:  # no thread could be started (a pids limit): from here on, written on this one
+                self._no_threads()
         if future is None:
             self._write(buf, n, pos)
         else:
             self._pending.append(future)
-        while len(self._pending) > self._in_flight:
+        while len(self._pending) > self._in_flight:  # at most _in_flight: the next buffer round-robin is free
             self._pending.popleft().result()
+
+    def _no_threads(self) -> None:
+        """The pool could not start a thread, but it queued the write first and a thread it has may still take it:
+        wait for every write in flight and stop the pool (queued writes cancelled, a started one finished) before
+        this thread writes the block again and refills any buffer."""
+        assert self._pool is not None
+        try:
+            while self._pending:
+                self._pending.popleft().result()
+        finally:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool, self._in_flight = None, 0
 
     def finish(self) -> None:
         """Wait for every write, then give the file its length (a direct write of a short last block is padded)."""
