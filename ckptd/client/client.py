@@ -111,7 +111,8 @@ class Client:
         self._rpc.call("protect", job=self.job, step=step, name=name)
 
     def unprotect(self, name: str) -> bool:
-        """Let go of the step ``name`` protected: the next retention pass may remove it. Whether it protected one."""
+        """Let go of the step ``name`` protected: the next retention pass may remove it. Whether it protected one
+        (where a reply was lost and the request asked again, the second asking finds the name already let go: False)."""
         return self._rpc.call("unprotect", job=self.job, name=name)["before"] is not None
 
     # ------------------------------------------------------------------ snapshot
