@@ -189,3 +189,24 @@ def test_the_daemon_persists_past_the_page_cache_unless_told_not_to(small_disk: 
         path = c.snapshot(model, optim, step=1).wait(30)
     cached = _cached_fraction(os.path.join(path, shard_name(0)))
     assert cached < 0.1 if flag == "--direct-io" else cached > 0.9
+
+
+@ext4
+def test_a_shard_too_large_for_the_disk_fails_before_a_byte_is_written(small_disk: str, monkeypatch) -> None:  # noqa: ANN001
+    """The persist used to write until the disk was full (for every other user of it too), then fail; its blocks are
+    allocated first now, and the allocation fails."""
+    import torch
+    from _shards import shard_bytes
+
+    from ckptd.errors import CheckpointError
+    from ckptd.storage import local
+
+    written: list[int] = []
+    real = StreamWriter.submit
+    monkeypatch.setattr(StreamWriter, "submit", lambda self, n: (written.append(n), real(self, n)))
+    buf = shard_bytes([("model/w", torch.ones(2048, 1024), (2048, 1024), (0, 0))])  # 8 MiB onto a 4 MiB disk
+    with pytest.raises(CheckpointError, match="No space left on device"):
+        local.write_shard(small_disk, "j", 1, 0, 1, memoryview(buf), len(buf), {})
+    assert written == [] and os.listdir(os.path.join(small_disk, "j", "step-1.tmp")) == []
+    st = os.statvfs(small_disk)
+    assert st.f_bavail * st.f_frsize > 2 << 20  # what the failed allocation took is free again

@@ -49,7 +49,7 @@ from ..layout import (
     trashed_steps,
 )
 from ..validate import parse_fragment, read_regular
-from .direct import StreamWriter
+from .direct import StreamWriter, reserve
 from .files import create_new, fsync_dir, write_durable, write_json_durable
 from .retention import Protect, RetentionPolicy, doomed
 
@@ -122,6 +122,7 @@ def _copy_paced(
     head, names = layout.header, [c.name for c in layout.chunks]
     ends = [layout.data_start + c.end for c in layout.chunks]
     hashers = [xxhash.xxh3_64() for _ in names]
+    reserve(fd, nbytes)  # a full disk fails before the first byte
     t0, pos, part = time.monotonic(), 0, 0
     with StreamWriter(fd, COPY_BLOCK, nbytes, direct=direct_io) as out:
         while pos < nbytes:
