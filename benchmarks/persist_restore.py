@@ -34,8 +34,9 @@ import ckptd  # noqa: E402
 EXTRA_DAEMON_ARGS = [a for a in os.environ.get("CKPTD_BENCH_DAEMON_ARGS", "").split() if a]  # e.g. --no-idle-priority
 
 
-def plain_write(path: str, data: bytes) -> float:
-    """Sequential write + fsync of ``data`` (the very bytes of a ckptd shard, so the storage sees the same)."""
+def plain_write(path: str, data: bytes, unlink: bool = True) -> float:
+    """Sequential write + fsync of ``data`` (the very bytes of a ckptd shard, so the storage sees the same); the
+    file removed after unless ``unlink`` is false."""
     view = memoryview(data)
     t0 = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -47,7 +48,8 @@ def plain_write(path: str, data: bytes) -> float:
     finally:
         os.close(fd)
     dt = time.perf_counter() - t0
-    os.unlink(path)
+    if unlink:
+        os.unlink(path)
     return dt
 
 
@@ -84,8 +86,9 @@ def measure_persist(c: ckptd.Client, model: torch.nn.Module, optim: torch.optim.
 
         def plain() -> float:
             cpu0 = own_cpu()
-            took = plain_write(os.path.join(work, "plain.bin"), data)
+            took = plain_write(os.path.join(work, "plain.bin"), data, unlink=False)
             rows["plain_cpu"].append(own_cpu() - cpu0)
+            os.unlink(os.path.join(work, "plain.bin"))  # outside both windows: the persist's steps are not removed either
             return took
 
         plain_s, (took, path) = alternate(i, plain, persist)
@@ -149,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
             "persist_cpu",
         )
     }
-    daemon = DaemonProcess(os.path.join(work, "root"), f"ipc://{work}/d.sock", os.path.join(work, "d.log"), EXTRA_DAEMON_ARGS)
+    # --keep above the steps written: no retention pass deletes a step inside a persist's CPU window
+    keep = ["--keep", str(args.pairs + 2)]
+    daemon = DaemonProcess(os.path.join(work, "root"), f"ipc://{work}/d.sock", os.path.join(work, "d.log"), keep + EXTRA_DAEMON_ARGS)
     try:
         daemon.wait_ready()
         with ckptd.Client(endpoint=daemon.endpoint, job="pr") as c:

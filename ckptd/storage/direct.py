@@ -39,10 +39,14 @@ def reserve(fd: int, nbytes: int) -> None:
     except (OSError, AttributeError):
         return
     fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
-    if fallocate(fd, 0, 0, nbytes) != 0:
+    size = -(-nbytes // ALIGN) * ALIGN  # with the padding of a direct last block (cut back by StreamWriter.finish)
+    while fallocate(fd, 0, 0, size) != 0:
         err = ctypes.get_errno()
-        if err not in (errno.EOPNOTSUPP, errno.ENOSYS):
-            raise OSError(err, os.strerror(err))
+        if err == errno.EINTR:  # a signal (tmpfs checks for one pending): ctypes calls are not retried by Python
+            continue
+        if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):  # not supported here (EINVAL: some FUSE file systems)
+            return
+        raise OSError(err, os.strerror(err))
 
 
 def _set_direct(fd: int, on: bool) -> bool:
