@@ -131,6 +131,9 @@ class MemoryStore:
         if self.closed:
             raise CheckpointError(f"{self.url()} is closed")
 
+    def abort_unfinished(self) -> int:
+        return 0  # every put is whole: nothing is ever left unfinished here
+
     def close(self) -> None:
         self.closed = True
 

@@ -62,6 +62,8 @@ class Fetcher:
             except CheckpointError as e:
                 log.error("object-storage tier unreachable: %s", e)
                 self._events.post(ErrorReported(f"object storage: {e}"))
+                return  # the uploads a dead daemon left open wait for the next start that reaches the bucket
+            store.abort_unfinished()
 
         self._pool.submit(check)
 

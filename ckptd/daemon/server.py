@@ -93,7 +93,7 @@ class Daemon:
         self._metrics: Any = None
         self._status_snapshot: dict[str, Any] | None = None
         self.events = EventQueue(self._ctx)
-        self.catalog = StepCatalog(self.root, store if store is not None else open_store(config.remote))
+        self.catalog = StepCatalog(self.root, store if store is not None else open_store(config.remote, self.root))
         self.steps = StepTable(self.catalog.complete_path)
         budget = config.shm_budget if config.shm_budget is not None else default_shm_budget()
         segments = shm.SegmentDir(self.root, file_mode=self.access.file_mode, gid=self.access.gid)

@@ -34,6 +34,7 @@ from typing import Any
 
 from ..errors import CheckpointError, FormatError
 from .files import fsync_dir
+from .multipart import UploadLedger
 from .s3config import RemoteConfig, check_rel
 
 log = logging.getLogger("ckptd.daemon")
@@ -106,7 +107,9 @@ class S3Store:
     its own session); a client passed in is not closed by :meth:`close`.
     """
 
-    def __init__(self, config: RemoteConfig, client: Any = None) -> None:
+    def __init__(self, config: RemoteConfig, client: Any = None, ledger: UploadLedger | None = None) -> None:
+        """``ledger``: where the multipart uploads this store begins are recorded until they end (the daemon's root,
+        :mod:`.multipart`); the ones it holds already, a dead daemon's, are aborted by :meth:`abort_unfinished`."""
         self.config = config
         self._owns_client = client is None
         self.client = _make_client(config) if client is None else client
@@ -114,6 +117,8 @@ class S3Store:
         self._lock = threading.Lock()
         self._closed = False
         self._warned_unconditional = False
+        self._ledger = ledger
+        self._unfinished = ledger.watch(self.client, config.endpoint_url) if ledger is not None else []
 
     def __repr__(self) -> str:
         return f"S3Store(s3://{self.config.bucket}/{self.config.prefix} at {self._endpoint()})"
@@ -301,6 +306,14 @@ class S3Store:
             code = _error_code(exc)
             reason = {"404": "it does not exist", "NoSuchBucket": "it does not exist", "403": "access denied"}.get(code, "unreachable")
             raise CheckpointError(f"s3 bucket {self.config.bucket!r} at {self._endpoint()} is not usable ({reason}): {exc}") from exc
+
+    def abort_unfinished(self) -> int:
+        """Abort the multipart uploads a previous daemon on this root began and never ended (see :mod:`.multipart`);
+        returns how many. Called once, after :meth:`check`; never raises."""
+        unfinished, self._unfinished = self._unfinished, []
+        if self._ledger is None:
+            return 0
+        return self._ledger.abort(self.client, unfinished, self.config.bucket, self.config.endpoint_url, self._endpoint())
 
     # -- internals --
 

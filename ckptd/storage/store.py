@@ -69,13 +69,20 @@ class ObjectStore(Protocol):
         """Raise ``CheckpointError`` unless the store is reachable and usable."""
         ...
 
+    def abort_unfinished(self) -> int:
+        """Abort the uploads a previous daemon on this root began and never ended (an S3 multipart upload keeps its
+        parts, billed, until aborted); returns how many. The daemon calls it once, after :meth:`check`; never raises."""
+        ...
+
     def close(self) -> None: ...
 
 
-def open_store(remote: RemoteConfig | None) -> ObjectStore | None:
-    """The bucket ``remote`` describes (an :class:`ObjectStore`), or ``None`` without one."""
+def open_store(remote: RemoteConfig | None, root: str | None = None) -> ObjectStore | None:
+    """The bucket ``remote`` describes (an :class:`ObjectStore`), or ``None`` without one. ``root``: the daemon's, where
+    the multipart uploads it begins are recorded until they end (:mod:`.multipart`)."""
     if remote is None:
         return None
+    from .multipart import UploadLedger
     from .s3 import S3Store
 
-    return S3Store(remote)
+    return S3Store(remote, ledger=UploadLedger(root) if root is not None else None)
