@@ -168,7 +168,7 @@ def _serve_parser(s: argparse.ArgumentParser) -> None:
         "--idle-priority",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="persist and upload threads use idle CPU time only, lowest disk priority (SCHED_IDLE, best-effort I/O 7; default on)",
+        help="persist and upload threads: idle CPU time only, lowest best-effort disk priority (SCHED_IDLE, best-effort I/O 7; default on)",
     )
     s.add_argument(
         "--direct-io",

@@ -128,13 +128,20 @@ def test_the_next_store_on_the_root_aborts_what_the_last_left_open(short_tmp: Pa
     theirs = s3_server.client().create_multipart_upload(Bucket=s3_bucket.bucket, Key=f"{s3_bucket.prefix}/job/step-1.node-1/x")
     assert len(_ledger(short_tmp)) == 1
     with _store(s3_bucket, short_tmp) as s:
-        s.put_bytes("new", os.urandom(PART + 1))  # begun after the start: not the dead daemon's, never aborted
+        key = f"{s3_bucket.prefix}/job/step-2/rank-00000.safetensors"
+        live = s.client.create_multipart_upload(Bucket=s3_bucket.bucket, Key=key)["UploadId"]  # this daemon's, under way
+        assert len(_ledger(short_tmp)) == 2
         assert s.abort_unfinished() == 1
         assert s.abort_unfinished() == 0  # once
-    left = _open_uploads(s3_server, s3_bucket)
-    assert mine not in left
-    assert left == {theirs["UploadId"]: f"{s3_bucket.prefix}/job/step-1.node-1/x"}  # another node's upload: its own
+        left = _open_uploads(s3_server, s3_bucket)
+        assert mine not in left
+        assert left == {theirs["UploadId"]: f"{s3_bucket.prefix}/job/step-1.node-1/x", live: key}  # another node's; its own live one
+        assert len(_ledger(short_tmp)) == 1
+        s.client.abort_multipart_upload(Bucket=s3_bucket.bucket, Key=key, UploadId=live)
     assert _ledger(short_tmp) == []
+    s3_server.client().abort_multipart_upload(
+        Bucket=s3_bucket.bucket, Key=f"{s3_bucket.prefix}/job/step-1.node-1/x", UploadId=theirs["UploadId"]
+    )
 
 
 def test_an_upload_that_ended_before_its_record_went_is_forgotten(short_tmp: Path, s3_bucket: RemoteConfig, s3_server) -> None:  # noqa: ANN001
@@ -144,6 +151,25 @@ def test_an_upload_that_ended_before_its_record_went_is_forgotten(short_tmp: Pat
     with _store(s3_bucket, short_tmp) as s:
         assert s.abort_unfinished() == 0
     assert _ledger(short_tmp) == []
+
+
+@pytest.mark.parametrize("code", ["NoSuchUpload", "404"])
+def test_an_abort_answered_gone_forgets_the_record_whatever_the_server_says(tmp_path: Path, code: str) -> None:
+    """S3 answers an upload that ended with ``NoSuchUpload``; a proxy or another S3-compatible server may answer a bare
+    404 without an error body (botocore then calls it ``404``). Either way the record goes, not kept for every start."""
+    from botocore.stub import Stubber
+
+    from ckptd.storage.s3 import _make_client
+
+    cfg = RemoteConfig(bucket="ckptd-stubbed", prefix="ckpts", region="us-east-1")
+    ledger = UploadLedger(str(tmp_path))
+    ledger.record(Upload(cfg.bucket, "ckpts/k", "id-gone", None))
+    client = _make_client(cfg)
+    with Stubber(client) as stub, S3Store(cfg, client=client, ledger=ledger) as s:
+        stub.add_client_error("abort_multipart_upload", service_error_code=code, http_status_code=404)
+        assert s.abort_unfinished() == 0
+        stub.assert_no_pending_responses()
+    assert ledger.pending() == []
 
 
 def test_a_bucket_unreachable_at_the_start_keeps_the_records_for_the_next(short_tmp: Path, s3_bucket: RemoteConfig, s3_server) -> None:  # noqa: ANN001

@@ -101,8 +101,10 @@ class UploadLedger:
             log.warning("cannot remove the record of multipart upload %s: %s", upload_id, e)
 
     def pending(self) -> list[Upload]:
-        """The uploads recorded and not forgotten. A record that cannot be read or has the wrong shape is logged and
-        removed (it names nothing this daemon could abort)."""
+        """The uploads recorded and not forgotten. Call it only while no upload of this root can be under way (before
+        the store that records begins one; one daemon per root): it removes temporaries of records being written. A
+        record with the wrong shape, or that is no regular file, is logged and removed (it names nothing this daemon
+        could abort); one that cannot be read now (``EIO``, ``EMFILE``) is logged and kept for the next start."""
         try:
             names = sorted(os.listdir(self.dir))[:MAX_RECORDS]
         except FileNotFoundError:
@@ -121,9 +123,11 @@ class UploadLedger:
                 if self._path(upload.upload_id) != path:
                     raise FormatError("its name is not its upload id's")
                 out.append(upload)
-            except (OSError, FormatError) as e:
+            except FormatError as e:
                 log.warning("removing the unreadable record %s of a multipart upload: %s", path, e)
                 _remove(path)
+            except OSError as e:
+                log.warning("cannot read the record %s of a multipart upload (kept for the next start): %s", path, e)
         return out
 
     def watch(self, client: Any, endpoint: str | None) -> list[Upload]:
@@ -131,23 +135,25 @@ class UploadLedger:
         on, and forget each once it ends; returns the uploads recorded before (a dead daemon's), for :meth:`abort`."""
         unfinished = self.pending()
         events = client.meta.events
+        for op in ("CreateMultipartUpload", "CompleteMultipartUpload", "AbortMultipartUpload"):
+            events.register(f"before-parameter-build.s3.{op}", _asked)
         events.register("after-call.s3.CreateMultipartUpload", functools.partial(self._began, endpoint))
         for op in ("CompleteMultipartUpload", "AbortMultipartUpload"):
-            events.register(f"before-parameter-build.s3.{op}", _ending)
             events.register(f"after-call.s3.{op}", self._ended)
         return unfinished
 
-    def _began(self, endpoint: str | None, http_response: Any, parsed: dict[str, Any], **_: Any) -> None:
-        """botocore's ``after-call`` of ``CreateMultipartUpload``, on the thread that asked: record the upload."""
-        upload_id, bucket, key = parsed.get("UploadId"), parsed.get("Bucket"), parsed.get("Key")
+    def _began(self, endpoint: str | None, http_response: Any, parsed: dict[str, Any], context: dict[str, Any], **_: Any) -> None:
+        """botocore's ``after-call`` of ``CreateMultipartUpload``, on the thread that asked: record the upload, under
+        the bucket and key asked for (a server's answer may leave them out, or spell an access point otherwise)."""
+        upload_id, (bucket, key, _id) = parsed.get("UploadId"), context.get(_CONTEXT_KEY, (None, None, None))
         if http_response.status_code < 300 and all(isinstance(v, str) and v for v in (upload_id, bucket, key)):
             self.record(Upload(bucket, key, upload_id, endpoint))
 
     def _ended(self, http_response: Any, parsed: dict[str, Any], context: dict[str, Any], **_: Any) -> None:
         """``after-call`` of a complete or an abort: the upload ended (or was gone already), so its record goes."""
-        upload_id = context.get(_CONTEXT_KEY)
+        upload_id = context.get(_CONTEXT_KEY, (None, None, None))[2]
         error = parsed.get("Error") or {}
-        if isinstance(upload_id, str) and ((http_response.status_code < 300 and not error) or error.get("Code") == "NoSuchUpload"):
+        if isinstance(upload_id, str) and ((http_response.status_code < 300 and not error) or error.get("Code") in _GONE):
             self.forget(upload_id)
 
     def abort(self, client: Any, uploads: list[Upload], bucket: str, endpoint: str | None, where: str) -> int:
@@ -168,7 +174,9 @@ class UploadLedger:
             try:
                 client.abort_multipart_upload(Bucket=up.bucket, Key=up.key, UploadId=up.upload_id)
             except _boto_errors() as exc:
-                if _error_code(exc) not in ("NoSuchUpload", "404"):  # else: it ended before its record went
+                if _error_code(exc) in _GONE:  # it ended before its record went
+                    self.forget(up.upload_id)
+                else:
                     log.warning("cannot abort the unfinished multipart upload %s (tried again at the next start): %s", what, exc)
                 continue
             aborted += 1
@@ -176,13 +184,14 @@ class UploadLedger:
         return aborted
 
 
-_CONTEXT_KEY = "ckptd_upload_id"
+_CONTEXT_KEY = "ckptd_multipart"
+_GONE = ("NoSuchUpload", "404")  # an abort's answer for an upload that ended: with S3's error body, or without one
 
 
-def _ending(params: dict[str, Any], context: dict[str, Any], **_: Any) -> None:
-    """botocore's ``before-parameter-build`` of a complete or an abort: note in the request's context which upload it
-    ends (its ``after-call`` sees the context, not the parameters)."""
-    context[_CONTEXT_KEY] = params.get("UploadId")
+def _asked(params: dict[str, Any], context: dict[str, Any], **_: Any) -> None:
+    """botocore's ``before-parameter-build`` of a create, a complete or an abort: note in the request's context the
+    bucket, key and upload it names (its ``after-call`` sees the context, not the parameters)."""
+    context[_CONTEXT_KEY] = (params.get("Bucket"), params.get("Key"), params.get("UploadId"))
 
 
 def _remove(path: str) -> None:
