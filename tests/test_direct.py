@@ -129,6 +129,40 @@ def test_a_shard_write_that_fails_otherwise_than_by_the_disk_leaves_no_partial_f
     assert os.listdir(tmp_path / "j" / "step-1.tmp") == []
 
 
+def test_a_write_that_makes_no_progress_fails_instead_of_spinning(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """A file system whose pwrite returns 0 without an error (a buggy FUSE one): the persist thread looped forever, its
+    step never durable and never failed. It fails now, as a disk error does."""
+    monkeypatch.setattr(direct.os, "pwrite", lambda fd, buf, pos: 0)
+    with pytest.raises(OSError, match="wrote nothing") as info:
+        _stream(str(tmp_path / "f"), os.urandom(3 * ALIGN), ALIGN)
+    assert info.value.errno == errno.EIO
+
+
+def test_fallocate_cut_short_by_signals_over_and_over_gives_up_reserving(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """tmpfs returns EINTR when a signal is pending and gives back what it allocated: a retry loop could run for as long
+    as signals keep coming. After a bounded number of tries the file is written without its blocks reserved."""
+    import ctypes
+
+    calls = []
+
+    class Libc:
+        def __init__(self) -> None:
+            self.fallocate = self
+
+        def __call__(self, *args: object) -> int:
+            calls.append(args)
+            return -1
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda *a, **k: Libc())
+    monkeypatch.setattr(ctypes, "get_errno", lambda: errno.EINTR)
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        direct.reserve(fd, 10 * ALIGN)
+    finally:
+        os.close(fd)
+    assert len(calls) == direct.MAX_INTERRUPTED + 1
+
+
 def test_only_the_last_block_may_be_short(tmp_path) -> None:  # noqa: ANN001
     fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o600)
     try:

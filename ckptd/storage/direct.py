@@ -23,6 +23,7 @@ from types import TracebackType
 
 ALIGN = 4096  # offsets, lengths and buffers of direct writes: a multiple of every common logical block size
 IN_FLIGHT = 2  # writes queued at the device at once (one at a time left the disk idle between them)
+MAX_INTERRUPTED = 100  # fallocate calls a signal may cut short before the file is written without its blocks reserved
 
 
 def reserve(fd: int, nbytes: int) -> None:
@@ -40,10 +41,14 @@ def reserve(fd: int, nbytes: int) -> None:
         return
     fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
     size = -(-nbytes // ALIGN) * ALIGN  # with the padding of a direct last block (cut back by StreamWriter.finish)
+    interrupted = 0
     while fallocate(fd, 0, 0, size) != 0:
         err = ctypes.get_errno()
-        if err == errno.EINTR:  # a signal (tmpfs checks for one pending): ctypes calls are not retried by Python
+        if err == errno.EINTR and interrupted < MAX_INTERRUPTED:  # a signal (tmpfs checks for one): ctypes calls are not retried
+            interrupted += 1
             continue
+        if err == errno.EINTR:  # tmpfs gives back what it had allocated each time: signals this often would never let it end
+            return
         if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):  # not supported here (EINVAL: some FUSE file systems)
             return
         raise OSError(err, os.strerror(err))
@@ -155,7 +160,10 @@ class StreamWriter:
             while done < n:
                 was_direct = self.direct  # per attempt: the other writer thread may switch the file meanwhile
                 try:
-                    done += os.pwrite(self._fd, buf[done:], pos + done)
+                    wrote = os.pwrite(self._fd, buf[done:], pos + done)
+                    if wrote == 0:  # no progress and no error (a misbehaving FUSE file system): fail, never spin
+                        raise OSError(errno.EIO, f"a write of {n - done} bytes at offset {pos + done} wrote nothing")
+                    done += wrote
                 except OSError as e:
                     if e.errno != errno.EINVAL or not was_direct:
                         raise
