@@ -159,10 +159,10 @@ def test_a_slot_is_read_into_again_only_after_the_copies_from_it_ended(tmp_path,
     ok: list[bool] = []
     real_pread = hotread.pread_into
 
-    def pread(fd: int, into: torch.Tensor, offset: int) -> int:
+    def pread(fd: int, into: torch.Tensor, offset: int, seen: Any = None) -> int:
         ok.append(into.data_ptr() not in last or last[into.data_ptr()].passed)
         reading.append(into.data_ptr())
-        return real_pread(fd, into, offset)
+        return real_pread(fd, into, offset, seen)
 
     monkeypatch.setattr(hotread, "pread_into", pread)
     _read(path, flats, up, workers=1, slot=4096)
@@ -185,6 +185,40 @@ def test_a_corrupt_chunk_in_the_segment_is_a_format_error_naming_it(tmp_path, st
     _, flats = _flats(path, state, device)
     with pytest.raises(FormatError, match=rf"checksum mismatch .*{key!r}"):
         _read(path, flats, CopiesOnCpu(), workers=2, slot=4096)
+
+
+@pytest.mark.parametrize("device", [None, GPU], ids=["cpu", "gpu"])
+@pytest.mark.parametrize("piece", [100, 4096, 1 << 20])
+def test_chunks_hashed_piece_by_piece_as_they_are_read_verify_wherever_the_pieces_cut_them(
+    tmp_path, state, device, piece, monkeypatch
+) -> None:  # noqa: ANN001
+    """Chunks are hashed a piece at a time as they are read (not read whole, then hashed from memory): pieces that cut
+    chunks anywhere (100 bytes: inside each 204-byte chunk; 4096: a slot), one chunk into two destinations, every
+    chunk arrives and verifies; a byte flipped past a piece boundary is caught, naming its tensor."""
+    monkeypatch.setattr(hotread, "PIECE_BYTES", piece)
+    path = _step(tmp_path, state)
+    out, flats = _flats(path, state, device)
+    twin = torch.zeros_like(state["model/small3"])
+    flats.append(Flat("model/small3", next(f.c for f in flats if f.key == "model/small3"), twin.view(-1).view(torch.uint8), device))
+    _read(path, flats, CopiesOnCpu(), workers=2, slot=4096)
+    assert all(torch.equal(out[k], state[k]) for k in state) and torch.equal(twin, state["model/small3"])
+    for key, at in (("model/small9", 200), ("model/big", 27_000)):
+        _flip(path, key, at)
+        _, flats = _flats(path, state, device)
+        with pytest.raises(FormatError, match=rf"checksum mismatch .*{key!r}"):
+            _read(path, flats, CopiesOnCpu(), workers=2, slot=4096)
+        _flip(path, key, at)  # back as it was
+
+
+def test_spans_hash_each_range_of_the_pieces_seen_once() -> None:
+    data = os.urandom(1000)
+    spans = hotread.Spans([(0, 10), (5, 600), (5, 600), (600, 1000), (999, 999)])  # overlapping, twice, empty
+    for pos in range(0, 1000, 37):
+        spans.seen(pos, memoryview(data)[pos : pos + 37])
+    from ckptd.format import digest
+
+    for b, e in ((0, 10), (5, 600), (600, 1000), (999, 999)):
+        assert spans.hexdigest(b, e) == digest(data[b:e])
 
 
 def test_a_segment_cut_short_under_the_reader_is_a_format_error_not_a_short_destination(tmp_path, state) -> None:  # noqa: ANN001

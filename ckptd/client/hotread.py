@@ -5,12 +5,14 @@ A *flat* chunk is a saved chunk that fills a contiguous part of its destination 
 them (chunks adjacent in a segment, up to :data:`SLOT_BYTES` together, or one larger chunk in
 ``SLOT_BYTES`` parts) and:
 
-* into a CPU destination, ``pread`` the chunk straight into the destination's memory, then verify its
-  checksum there: one copy, no mapping;
-* into a GPU destination, ``pread`` into one of the thread's two page-locked slots, verify the checksum
-  from that slot (a chunk larger than a slot: streamed through XXH3 part by part), and enqueue the copy
+* into a CPU destination, ``pread`` the chunk straight into the destination's memory: one copy, no mapping;
+* into a GPU destination, ``pread`` into one of the thread's two page-locked slots and enqueue the copy
   into the destination on the restore's side stream; a slot is read into again once the copy from it
   has ended (an event).
+
+Either way a chunk is read :data:`PIECE_BYTES` at a time and each piece is hashed (XXH3) right after it is read,
+while it is still in the core's cache, not after the whole chunk or slot is read (then every byte came from memory
+once more).
 
 Why not map the segments, page-lock the mapping (``cudaHostRegister``) and copy from it, as before:
 on an H100 host the registration of 6 GB took 0.3-0.5 s on one thread (the driver serializes it: more
@@ -36,11 +38,12 @@ from typing import Any
 import torch
 
 from ..errors import FormatError
-from ..format import digest, digester
+from ..format import digester
 
 SLOT_BYTES = 8 << 20  # one pread into a page-locked slot; chunks adjacent in a segment are read together up to this
 WORKERS = 16  # reading threads at most (on an H100 host, 16 read 6 GB faster than 8 or 12)
 GAP_BYTES = 4096  # chunks are read together across alignment padding up to this many bytes
+PIECE_BYTES = 1 << 20  # read and hashed at a time, within a core's L2 cache
 
 
 def thread_share() -> int:
@@ -98,16 +101,41 @@ def plan(flats: list[Flat], slot: int = SLOT_BYTES) -> list[Run]:
     return runs
 
 
-def pread_into(fd: int, into: torch.Tensor, offset: int) -> int:
-    """Read into the CPU ``uint8`` tensor ``into`` from ``offset``; the bytes read (fewer only at the file's end)."""
+def pread_into(fd: int, into: torch.Tensor, offset: int, seen: Callable[[int, memoryview], None] | None = None) -> int:
+    """Read into the CPU ``uint8`` tensor ``into`` from ``offset``; the bytes read (fewer only at the file's end).
+    ``seen(pos, piece)`` is handed each piece read (``pos``: its place in ``into``), :data:`PIECE_BYTES` at a time,
+    while the piece is still in the core's cache: hashing the whole of ``into`` after the read took every byte from
+    memory once more (1 GB on two threads here: 0.161 s read and then hashed, 0.134 s hashed piece by piece)."""
     view = memoryview(into.numpy())
     got = 0
     while got < len(view):
-        n = os.preadv(fd, [view[got:]], offset + got)
+        n = os.preadv(fd, [view[got : got + PIECE_BYTES] if seen is not None else view[got:]], offset + got)
         if n == 0:
             break
+        if seen is not None:
+            seen(got, view[got : got + n])
         got += n
     return got
+
+
+class Spans:
+    """The checksums of chunks at byte ranges ``[b, e)`` of one buffer, computed piece by piece as it is read
+    (:func:`pread_into`'s ``seen``); a range listed twice (one chunk into two destinations) is hashed once."""
+
+    def __init__(self, spans: list[tuple[int, int]]) -> None:
+        self._spans = sorted(set(spans))
+        self._hashers = {s: digester() for s in self._spans}
+
+    def seen(self, pos: int, piece: memoryview) -> None:
+        end = pos + len(piece)
+        for b, e in self._spans:
+            if b < end and e > pos:
+                self._hashers[(b, e)].update(piece[max(b, pos) - pos : min(e, end) - pos])
+            elif b >= end:
+                break
+
+    def hexdigest(self, b: int, e: int) -> str:
+        return str(self._hashers[(b, e)].hexdigest())
 
 
 class _Slots:
@@ -208,8 +236,8 @@ class HotRead:
             if slots is not None:
                 slots.drain()  # a slot is not given back while a copy still reads it
 
-    def _read(self, run: Run, into: torch.Tensor, offset: int) -> None:
-        if pread_into(self.fds[run.name], into, offset) != into.numel():
+    def _read(self, run: Run, into: torch.Tensor, offset: int, seen: Callable[[int, memoryview], None] | None = None) -> None:
+        if pread_into(self.fds[run.name], into, offset, seen) != into.numel():
             raise FormatError(f"{self.where(run.name)} ends inside bytes {offset}-{offset + into.numel()}: truncated")
 
     def _check(self, f: Flat, got: str | None) -> None:
@@ -218,22 +246,24 @@ class HotRead:
             raise FormatError(f"checksum mismatch in {self.where(f.c['file'])} (tensor {f.key!r}, bytes {b}-{e}): the segment is corrupt")
 
     def _to_host(self, run: Run) -> None:
-        for f in run.flats:  # straight into the destination, verified there
-            self._read(run, f.dst, f.c["byte_range"][0])
-            self._check(f, digest(memoryview(f.dst.numpy())) if f.c["xxh3_64"] is not None else None)
+        for f in run.flats:  # straight into the destination, hashed as it is read
+            h = digester() if f.c["xxh3_64"] is not None else None
+            self._read(run, f.dst, f.c["byte_range"][0], _feeding(h))
+            self._check(f, h.hexdigest() if h is not None else None)
 
     def _to_device(self, run: Run, slots: _Slots, up: Any) -> None:
         for f in run.flats:
             up.keep(f.dst)  # written on the side stream
-        if run.end - run.start <= self.slot:  # one read: chunks next to each other
+        if run.end - run.start <= self.slot:  # one read: chunks next to each other, hashed as they are read
             i, buf = slots.next()
             raw = buf[: run.end - run.start]
-            self._read(run, raw, run.start)
+            checked = [f for f in run.flats if f.c["xxh3_64"] is not None]
+            spans = Spans([(f.c["byte_range"][0] - run.start, f.c["byte_range"][1] - run.start) for f in checked])
+            self._read(run, raw, run.start, spans.seen if checked else None)
             for f in run.flats:
                 b, e = f.c["byte_range"]
-                part = raw[b - run.start : e - run.start]
-                self._copy(f.dst, part)
-                self._check(f, digest(memoryview(part.numpy())) if f.c["xxh3_64"] is not None else None)
+                self._copy(f.dst, raw[b - run.start : e - run.start])
+                self._check(f, spans.hexdigest(b - run.start, e - run.start) if f.c["xxh3_64"] is not None else None)
             slots.fence(i, up)
             return
         b, e = run.start, run.end  # one chunk larger than a slot (perhaps into several destinations)
@@ -241,11 +271,9 @@ class HotRead:
         for pos in range(b, e, self.slot):
             i, buf = slots.next()
             raw = buf[: min(self.slot, e - pos)]
-            self._read(run, raw, pos)
+            self._read(run, raw, pos, _feeding(h))
             for f in run.flats:
                 self._copy(f.dst[pos - b : pos - b + raw.numel()], raw)
-            if h is not None:
-                h.update(memoryview(raw.numpy()))
             slots.fence(i, up)
         for f in run.flats:
             self._check(f, h.hexdigest() if h is not None else None)
@@ -253,6 +281,13 @@ class HotRead:
     @staticmethod
     def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=True)  # on the thread's current stream: the side stream (bound)
+
+
+def _feeding(hasher: Any) -> Callable[[int, memoryview], None] | None:
+    """A :func:`pread_into` ``seen`` that hands every piece to ``hasher`` (None: nothing to hash, nothing seen)."""
+    if hasher is None:
+        return None
+    return lambda _pos, piece: hasher.update(piece)
 
 
 def _join(t: threading.Thread) -> None:
