@@ -100,15 +100,17 @@ def test_written_step_round_trips(tmp_path: Path) -> None:
     assert local.latest_step(root, JOB) == (5, path)
 
 
-@pytest.mark.parametrize("block", [64, 7, 3 * 4096, 1 << 20])
+@pytest.mark.parametrize("block,piece", [(64, 64), (7, 7), (3 * 4096, 5), (3 * 4096, 1000), (1 << 20, 1 << 20), (1 << 20, 4096)])
 def test_shard_file_is_exactly_the_staged_bytes_and_its_checksums_those_of_its_chunks(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, block: int
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, block: int, piece: int
 ) -> None:
-    """Copied block by block and hashed while in cache: blocks that end inside the header or a chunk, or
-    hold several, must neither drop nor repeat bytes, in the file or in a checksum."""
+    """Copied block by block, each block read and hashed a piece at a time while in cache: blocks and pieces that
+    end inside the header or a chunk, or hold several, must neither drop nor repeat bytes, in the file or in a
+    checksum."""
     from ckptd.format import build_fragment, parse_header
 
     monkeypatch.setattr(local, "COPY_BLOCK", block)
+    monkeypatch.setattr(local, "PIECE_BYTES", piece)
     view, n = _shard(0, ws=1, value=7.0, rows=40, slack=1000)  # the slot is longer than the shard
     view[n:] = b"\xee" * (len(view) - n)
     local.write_shard(str(tmp_path), JOB, 1, 0, 1, view, n, {}, rate_limit=1e12)

@@ -66,7 +66,9 @@ def job_lock(root: str, job: str) -> threading.RLock:
         return _locks.setdefault((os.path.abspath(root), job), threading.RLock())
 
 
-COPY_BLOCK = 8 << 20  # bytes read, hashed and written at a time (a multiple of direct.ALIGN: written direct)
+COPY_BLOCK = 8 << 20  # bytes written at a time (a multiple of direct.ALIGN: written direct)
+PIECE_BYTES = 1 << 20  # bytes read and then hashed at a time, within a core's L2 cache (hashing a whole block after
+# reading it took every byte from memory once more)
 
 
 def _reader(source: Any) -> Callable[[memoryview, int], int]:
@@ -114,8 +116,8 @@ def _copy_paced(
     read: Callable[[memoryview, int], int], fd: int, layout: ShardLayout, nbytes: int, rate_limit: float, direct_io: bool = True
 ) -> tuple[str, dict[str, str]]:
     """Write the header as parsed (the lessee may have changed the segment's copy since), then copy the
-    chunks' bytes block by block into the writer's buffers, hashing each block after it is read and before it is
-    written (what is hashed is what is written, whatever the lessee does to its segment meanwhile); return the
+    chunks' bytes block by block into the writer's buffers, hashing each piece of a block right after it is read and
+    before the block is written (what is hashed is what is written, whatever the lessee does to its segment meanwhile); return the
     header's and each chunk's XXH3-64 (as :func:`build_fragment` takes them). Written with direct I/O where the file
     system takes it and ``direct_io`` is set (:mod:`ckptd.storage.direct`). ``rate_limit`` (bytes/s, 0 = unlimited) paces it so training I/O
     is not starved."""
@@ -127,17 +129,17 @@ def _copy_paced(
     with StreamWriter(fd, COPY_BLOCK, nbytes, direct=direct_io) as out:
         while pos < nbytes:
             with memoryview(out.block()) as whole, whole[: min(COPY_BLOCK, nbytes - pos)] as block:
-                k = max(0, min(len(block), len(head) - pos))  # the header's bytes in this block
-                block[:k] = head[pos : pos + k]
-                if k < len(block):
-                    _read_exactly(read, block[k:], pos + k, nbytes)
-                off = k
-                while off < len(block):
-                    while ends[part] <= pos + off:  # an empty chunk ends where it begins
-                        part += 1
-                    take = min(len(block), ends[part] - pos) - off
-                    hashers[part].update(block[off : off + take])
-                    off += take
+                off = max(0, min(len(block), len(head) - pos))  # the header's bytes in this block
+                block[:off] = head[pos : pos + off]
+                while off < len(block):  # a piece at a time, hashed while it is in the core's cache
+                    stop = min(len(block), off + PIECE_BYTES)
+                    _read_exactly(read, block[off:stop], pos + off, nbytes)
+                    while off < stop:
+                        while ends[part] <= pos + off:  # an empty chunk ends where it begins
+                            part += 1
+                        take = min(stop, ends[part] - pos) - off
+                        hashers[part].update(block[off : off + take])
+                        off += take
                 out.submit(len(block))
                 pos += len(block)
             if rate_limit > 0 and (ahead := pos / rate_limit - (time.monotonic() - t0)) > 0:
