@@ -210,14 +210,16 @@ def test_chunks_hashed_piece_by_piece_as_they_are_read_verify_wherever_the_piece
         _flip(path, key, at)  # back as it was
 
 
-def test_spans_hash_each_range_of_the_pieces_seen_once() -> None:
-    data = os.urandom(1000)
-    spans = hotread.Spans([(0, 10), (5, 600), (5, 600), (600, 1000), (999, 999)])  # overlapping, twice, empty
-    for pos in range(0, 1000, 37):
-        spans.seen(pos, memoryview(data)[pos : pos + 37])
+@pytest.mark.parametrize("step", [1, 37, 1000])
+def test_spans_hash_each_range_of_the_pieces_seen_once(step: int) -> None:
     from ckptd.format import digest
 
-    for b, e in ((0, 10), (5, 600), (600, 1000), (999, 999)):
+    data = os.urandom(1000)
+    ranges = [(0, 10), (5, 600), (5, 600), (6, 7), (600, 1000), (999, 999), (300, 301)]  # overlapping, twice, inside, empty
+    spans = hotread.Spans(ranges)
+    for pos in range(0, 1000, step):
+        spans.seen(pos, memoryview(data)[pos : pos + step])
+    for b, e in ranges:
         assert spans.hexdigest(b, e) == digest(data[b:e])
 
 

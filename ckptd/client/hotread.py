@@ -125,14 +125,18 @@ class Spans:
     def __init__(self, spans: list[tuple[int, int]]) -> None:
         self._spans = sorted(set(spans))
         self._hashers = {s: digester() for s in self._spans}
+        self._first = 0  # the spans before it ended before the pieces seen so far (pieces come in order)
 
     def seen(self, pos: int, piece: memoryview) -> None:
-        end = pos + len(piece)
-        for b, e in self._spans:
-            if b < end and e > pos:
-                self._hashers[(b, e)].update(piece[max(b, pos) - pos : min(e, end) - pos])
-            elif b >= end:
+        end, spans = pos + len(piece), self._spans
+        while self._first < len(spans) and spans[self._first][1] <= pos:
+            self._first += 1
+        for i in range(self._first, len(spans)):
+            b, e = spans[i]
+            if b >= end:
                 break
+            if e > pos:  # (a span inside another one, of a forged manifest, may have ended already)
+                self._hashers[(b, e)].update(piece[max(b, pos) - pos : min(e, end) - pos])
 
     def hexdigest(self, b: int, e: int) -> str:
         return str(self._hashers[(b, e)].hexdigest())
