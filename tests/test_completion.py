@@ -174,7 +174,7 @@ def test_a_step_completed_while_the_loop_is_busy_is_not_removed_before_its_uploa
 # ---------------------------------------------------------------------------- errors
 
 
-def test_a_garbage_shard_fails_its_step_and_the_partial_directory_goes_once_nothing_is_in_flight(make_rig: Callable[..., Rig]) -> None:
+def test_a_garbage_shard_fails_its_step_and_the_partial_directory_goes_before_its_waiters_hear(make_rig: Callable[..., Rig]) -> None:
     rig = make_rig(workers=1)
     rig.commit(5, 0, 2, shard(5, 0, 2))
     rig.commit(5, 1, 2, b"\xff" * 4096)  # no shard header
@@ -185,10 +185,10 @@ def test_a_garbage_shard_fails_its_step_and_the_partial_directory_goes_once_noth
     assert evs[1].error and evs[1].nbytes == 0 and evs[1].path is None
     assert rig.steps.get((JOB, 5)).inflight == 2
 
-    rig.handle(evs[1])  # the failure first: rank 0's shard still counts as being written
+    rig.handle(evs[1])  # the failure first: rank 0's shard is written, its event not handled yet
     track = rig.steps.get((JOB, 5))
     assert track.state is StepState.FAILED and track.error == evs[1].error and track.inflight == 1
-    assert os.path.isdir(tmp_dir(rig.root, JOB, 5))  # not removed under a shard in flight
+    assert not os.path.exists(tmp_dir(rig.root, JOB, 5))  # no shard is being written into it: gone before the answers
     assert sorted(w.req_id for w, _ in rig.answers) == [1, 2]
     assert all(fields == {"state": "failed", "path": None, "error": evs[1].error} for _, fields in rig.answers)
     assert rig.counters.errors == 1 and evs[1].error in (rig.counters.last_error or "")
@@ -204,6 +204,39 @@ def test_a_garbage_shard_fails_its_step_and_the_partial_directory_goes_once_noth
     rig.commit(6, 0, 1, shard(6, 0, 1))
     (ev,) = rig.pump(1)
     assert ev.error is None and verify_checkpoint(step_dir(rig.root, JOB, 6)) == []
+
+
+def test_a_failed_steps_partial_directory_stays_while_a_shard_is_still_being_written_into_it(
+    make_rig: Callable[..., Rig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from ckptd.daemon import persister
+
+    release, writing = threading.Event(), threading.Event()
+    real_write = persister.local.write_shard
+
+    def write_shard(root: str, job: str, step: int, rank: int, *a: Any, **k: Any) -> None:
+        if rank == 0:  # its shard begun in step-5.tmp, and the disk slow
+            os.makedirs(tmp_dir(root, job, step), exist_ok=True)
+            Path(tmp_dir(root, job, step), shard_name(0)).write_bytes(b"begun")
+            writing.set()
+            assert release.wait(30)
+        real_write(root, job, step, rank, *a, **k)
+
+    monkeypatch.setattr(persister.local, "write_shard", write_shard)
+    rig = make_rig(workers=2)
+    rig.commit(5, 0, 2, shard(5, 0, 2))
+    assert writing.wait(30)
+    rig.commit(5, 1, 2, b"\xff" * 4096)
+    assert rig.wait(5, ident=b"w5") is None
+    (failed,) = rig.pump(1)
+    assert failed.rank == 1 and failed.error and rig.steps.get((JOB, 5)).state is StepState.FAILED
+    assert os.path.isdir(tmp_dir(rig.root, JOB, 5))  # rank 0's shard is being written into it: not removed under it
+    assert [fields["state"] for _, fields in rig.answers] == ["failed"]
+    release.set()
+    (done,) = rig.pump(1)
+    assert done.rank == 0 and not os.path.exists(tmp_dir(rig.root, JOB, 5))
 
 
 @pytest.mark.parametrize(

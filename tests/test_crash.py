@@ -354,6 +354,33 @@ def test_full_disk_fails_the_step_and_keeps_the_previous(small_disk, make_daemon
         assert c.snapshot(model, optim, step=3).wait(30).endswith("step-3")  # space was freed
 
 
+SLOW_SEAL = """import sys, time, ckptd.daemon.memtier as M
+orig = M.MemoryTier._seal
+def slow(self, *a, **k):
+    time.sleep(1.5)  # the seal thread behind: the persist fails first
+    return orig(self, *a, **k)
+M.MemoryTier._seal = slow
+from ckptd.cli import main
+raise SystemExit(main(sys.argv[1:]))"""
+
+
+def test_a_failed_persist_leaves_no_partial_step_when_its_waiters_hear_even_with_a_seal_still_out(small_fs, make_daemon) -> None:  # noqa: ANN001
+    """A disk too full fails a persist at once (its blocks are reserved first), while the step's seal for a hot
+    restore may still be on its thread. The waiters heard of the failure first and the partial step went only once
+    the seal came back: ``wait()`` raised with ``step-N.tmp`` still there. Seen as a flaky full-disk test under load."""
+    daemon = make_daemon(start=False)
+    daemon.root = small_fs
+    daemon.launcher = ["-c", SLOW_SEAL]
+    daemon.start()
+    model, optim = make()
+    model.register_buffer("bulk", torch.randn(1 << 20))  # 4 MiB: cannot fit on the 3 MiB disk
+    with daemon.client("j") as c:
+        h = c.snapshot(model, optim, step=1)
+        with pytest.raises(ckptd.CheckpointError, match="No space left on device"):
+            h.wait(30)
+        assert not os.path.exists(os.path.join(small_fs, "j", "step-1.tmp"))
+
+
 def test_restart_after_finalize_drops_the_stale_record(make_daemon) -> None:  # noqa: ANN001
     """A crash between the manifest rename and dropping the commit record must not re-persist."""
     from ckptd import shm

@@ -177,8 +177,9 @@ class Completion:
         written, and answer its waiters once it left pending."""
         if track.state is StepState.FAILED:
             self.catalog.forget_memory(*key)  # sealed, then failed to persist: no hot restore reads it, from now
+        if track.state is StepState.FAILED and not self.persister.writing(*key):
+            local.remove_partial(self.root, *key)  # before waiters hear of it (a seal still out writes nothing there)
         if track.state is StepState.FAILED and track.inflight == 0:
-            local.remove_partial(self.root, *key)  # rare: before waiters hear of it
             if self.pool.drop_held(*key):  # ranks of it that were sealed into the memory tier
                 self.pool.retry_deferred()
             if self.memory is not None:
