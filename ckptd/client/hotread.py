@@ -105,7 +105,8 @@ def pread_into(fd: int, into: torch.Tensor, offset: int, seen: Callable[[int, me
     """Read into the CPU ``uint8`` tensor ``into`` from ``offset``; the bytes read (fewer only at the file's end).
     ``seen(pos, piece)`` is handed each piece read (``pos``: its place in ``into``), :data:`PIECE_BYTES` at a time,
     while the piece is still in the core's cache: hashing the whole of ``into`` after the read took every byte from
-    memory once more (1 GB on two threads here: 0.161 s read and then hashed, 0.134 s hashed piece by piece)."""
+    memory once more (1 GB on two threads here: 0.124-0.156 s piece by piece, 0.152-0.188 s read whole, then hashed;
+    ``benchmarks/copy_hash.py``)."""
     view = memoryview(into.numpy())
     got = 0
     while got < len(view):
