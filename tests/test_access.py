@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _as_user import python_as
 from conftest import REPO, DaemonProc
 
 from ckptd import shm
@@ -78,8 +79,7 @@ def test_unknown_group_is_a_config_error(tmp_path: Path) -> None:
 
 
 _PROBE = """
-import os, sys, zmq
-os.setgroups([int(sys.argv[2])]); os.setgid(int(sys.argv[2])); os.setuid(int(sys.argv[3]))
+import zmq
 ctx = zmq.Context(); s = ctx.socket(zmq.DEALER); s.setsockopt(zmq.LINGER, 0); s.connect(sys.argv[1])
 s.send_multipart([b'{"op":"hello","v":1,"id":1}'])
 print("answered" if s.poll(3000) else "silent")
@@ -109,7 +109,8 @@ def test_group_members_get_in_and_others_do_not() -> None:
         assert os.stat(step_dir).st_gid == gid  # inherited through the setgid root
 
         def probe(g: int) -> str:
-            r = subprocess.run([sys.executable, "-c", _PROBE, d.endpoint, str(g), str(NOBODY)], capture_output=True, text=True, timeout=60)
+            argv = python_as(_PROBE, d.endpoint, uid=NOBODY, gid=g, groups=[g], imports=["zmq"])
+            r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
             assert r.returncode == 0, r.stderr
             return r.stdout.strip()
 
@@ -152,9 +153,7 @@ def test_with_a_group_a_crashed_daemon_adopts_its_commit_records(short_tmp: Path
 
 
 _OPENS = """
-import os, sys
-os.setgroups([int(sys.argv[1])]); os.setgid(int(sys.argv[1])); os.setuid(int(sys.argv[2]))
-for path in sys.argv[3:]:
+for path in sys.argv[1:]:
     for how, flag in (("read", os.O_RDONLY), ("write", os.O_RDWR)):
         try:
             os.close(os.open(path, flag))
@@ -178,7 +177,7 @@ def test_a_group_member_cannot_rewrite_another_jobs_committed_shard(short_tmp: P
             c.snapshot(m, step=1, blocking=True).wait()
             held = rpc.call("hot_open", job="victim", step=None, pid=os.getpid())
             paths = [shm.path_of(seg) for seg in held["segments"].values()]
-            r = subprocess.run([sys.executable, "-c", _OPENS, str(gid), str(NOBODY), *paths], capture_output=True, text=True, timeout=60)
+            r = subprocess.run(python_as(_OPENS, *paths, uid=NOBODY, gid=gid, groups=[gid]), capture_output=True, text=True, timeout=60)
             assert r.returncode == 0, r.stderr
             assert r.stdout.split("\n")[:2] == ["read ok", f"write {errno.EACCES}"]
             rpc.call("hot_close", pin=held["pin"], segments=list(held["segments"].values()))
@@ -190,8 +189,7 @@ def test_a_group_member_cannot_rewrite_another_jobs_committed_shard(short_tmp: P
 
 
 _KEEPER = r"""
-import json, mmap, os, struct, sys, time, zmq
-os.setgroups([int(sys.argv[2])]); os.setgid(int(sys.argv[2])); os.setuid(int(sys.argv[3]))
+import json, mmap, struct, time, zmq
 s = zmq.Context().socket(zmq.DEALER); s.setsockopt(zmq.LINGER, 0); s.connect(sys.argv[1])
 def call(**kw):
     s.send(json.dumps({"v": 1, "id": 1, **kw}).encode())
@@ -218,6 +216,7 @@ for fd in (leased, os.open(f"/proc/self/fd/{read}", os.O_RDWR) if os.access(f"/p
             m[:] = m[:].replace(struct.pack("<f", 1.0), struct.pack("<f", 666.0))
 print("reopened" if os.access(f"/proc/self/fd/{read}", os.W_OK) else "read-only", flush=True)
 """
+_KEEPER_IMPORTS = ("json", "mmap", "struct", "time", "zmq")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as other users")
@@ -231,7 +230,8 @@ def test_a_group_member_keeps_no_write_access_to_a_segment_it_leased_or_read(sho
     att = None
     try:
         d.start()
-        att = subprocess.Popen([sys.executable, "-c", _KEEPER, d.endpoint, str(gid), str(NOBODY)], stdin=subprocess.PIPE,
+        argv = python_as(_KEEPER, d.endpoint, uid=NOBODY, gid=gid, groups=[gid], imports=_KEEPER_IMPORTS)
+        att = subprocess.Popen(argv, stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")  # fmt: skip
         assert att.stdout.readline() == "ready\n", att.stderr.read() if att.poll() is not None else ""
         m = torch.nn.Linear(4, 4, bias=False)
@@ -288,10 +288,8 @@ def test_a_restart_with_another_group_setting_keeps_the_committed_shard(short_tm
 
 
 _STATUS_AS = """
-import grp, os, pwd, socket, sys
 from ckptd.client.rpc import Channel
 from ckptd.errors import DaemonUnavailable
-os.setgroups([]); os.setgid(int(sys.argv[2])); os.setuid(int(sys.argv[2]))  # imports first: the stdlib is root's here
 try:
     Channel(sys.argv[1], 5.0).call("status")
     print("answered")
@@ -305,6 +303,7 @@ def test_a_user_the_daemon_does_not_let_in_is_told_so_not_that_no_daemon_runs(ma
     # another user's `ckptd status` against a private daemon: before, a 10 s wait and "is `ckptd serve` running?"
     d = make_daemon()
     os.chmod(os.path.dirname(d.endpoint[len("ipc://") :]), 0o755)  # the directory is reachable, the 0600 socket is not
-    r = subprocess.run([sys.executable, "-c", _STATUS_AS, d.endpoint, str(NOBODY)], capture_output=True, text=True, timeout=60, cwd=REPO)
+    argv = python_as(_STATUS_AS, d.endpoint, uid=NOBODY, gid=NOBODY, imports=["grp", "pwd", "socket", "ckptd.client.rpc", "ckptd.errors"])
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=REPO)
     assert r.returncode == 0, r.stderr
     assert "does not let this user in: permission denied" in r.stdout, r.stdout

@@ -4,13 +4,12 @@ The attack: where ``XDG_RUNTIME_DIR`` is unset the socket lives in ``/tmp/ckptd-
 user can create first. Whoever owns (or can write) that directory can bind a socket of their own there
 and receive every trainer's requests. The daemon refuses to start in such a directory, and the client
 refuses to connect to a socket its user does not trust. Tests that act as a second user run a helper
-as ``nobody`` (through ``setpriv``), so they need root.
+as ``nobody`` (``tests/_as_user.py``), so they need root.
 """
 
 from __future__ import annotations
 
 import os
-import pwd
 import shutil
 import socket
 import subprocess
@@ -21,26 +20,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from _as_user import NOBODY, needs_nobody, python_as_nobody
 from conftest import REPO, DaemonProc
 
 from ckptd.client.rpc import Channel, check_socket
 from ckptd.errors import CheckpointError, DaemonUnavailable
 
 HANG = 30.0  # a refused daemon must exit well before this
-
-try:
-    NOBODY = pwd.getpwnam("nobody")
-except KeyError:
-    NOBODY = None
-
-as_nobody = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("setpriv") is None or NOBODY is None, reason="needs root, setpriv and a 'nobody' user"
-)
-
-
-def _nobody_cmd(*argv: str) -> list[str]:
-    assert NOBODY is not None
-    return ["setpriv", f"--reuid={NOBODY.pw_uid}", f"--regid={NOBODY.pw_gid}", "--clear-groups", *argv]
 
 
 def _nobodys_dir(path: Path) -> Path:
@@ -71,7 +57,7 @@ def _refused(r: subprocess.CompletedProcess, *words: str) -> None:
 # ---------------------------------------------------------------------------- the daemon refuses to start
 
 
-@as_nobody
+@needs_nobody
 def test_daemon_refuses_a_socket_directory_another_user_made_first(short_tmp: Path) -> None:
     """The issue's scenario: no XDG_RUNTIME_DIR, a shared sticky temp dir, and ``nobody`` has made
     ``ckptd-0`` there before the daemon starts. The daemon names the directory and its owner, and
@@ -81,7 +67,7 @@ def test_daemon_refuses_a_socket_directory_another_user_made_first(short_tmp: Pa
     tmp.mkdir(mode=0o1777)
     os.chmod(tmp, 0o1777)  # like /tmp
     trap = tmp / f"ckptd-{os.getuid()}"
-    subprocess.run(_nobody_cmd("mkdir", "-m", "0755", str(trap)), check=True, timeout=HANG)
+    subprocess.run(python_as_nobody("os.mkdir(sys.argv[1]); os.chmod(sys.argv[1], 0o755)", str(trap)), check=True, timeout=HANG)
     env = {k: v for k, v in os.environ.items() if k not in ("XDG_RUNTIME_DIR", "CKPTD_ENDPOINT")}
     env["TMPDIR"] = str(tmp)
     r = _serve(None, short_tmp / "root", env)
@@ -89,7 +75,7 @@ def test_daemon_refuses_a_socket_directory_another_user_made_first(short_tmp: Pa
     assert os.listdir(trap) == []
 
 
-@as_nobody
+@needs_nobody
 def test_daemon_refuses_an_explicit_endpoint_in_another_users_directory(short_tmp: Path) -> None:
     run = _nobodys_dir(short_tmp / "run")
     r = _serve(f"ipc://{run}/d.sock", short_tmp / "root")
@@ -187,13 +173,16 @@ while True:
     rep = {"v": 1, "id": req["id"], "ok": True, "server_version": "impostor", "root": "/impostor", "pid": 0}
     s.send_multipart([ident, json.dumps(rep).encode()])
 """
+_FAKE_DAEMON_IMPORTS = ("json", "zmq")
 
 
 @contextmanager
 def _fake_daemon(endpoint: str, as_nobody: bool = True) -> Iterator[subprocess.Popen]:
     """A ROUTER at ``endpoint`` that answers every request; its stdout logs each op it received."""
     argv = [sys.executable, "-c", _FAKE_DAEMON, endpoint]
-    proc = subprocess.Popen(_nobody_cmd(*argv) if as_nobody else argv, stdout=subprocess.PIPE, text=True)
+    if as_nobody:
+        argv = python_as_nobody(_FAKE_DAEMON, endpoint, imports=_FAKE_DAEMON_IMPORTS)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
         yield proc
@@ -211,7 +200,7 @@ def _ops_received(proc: subprocess.Popen) -> list[str]:
     return [line.split()[1] for line in proc.stdout.read().splitlines() if line.startswith("got ")]
 
 
-@as_nobody
+@needs_nobody
 def test_client_refuses_another_users_daemon_unless_told_to_trust_its_group(short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``nobody`` runs an impostor in a directory of its own. A root client refuses it before sending
     anything (Client, Channel, ``ckptd status``); with ``CKPTD_TRUST_GROUP`` naming nobody's group it
@@ -251,7 +240,7 @@ def test_client_refuses_another_users_daemon_unless_told_to_trust_its_group(shor
         assert _ops_received(impostor) == ["hello", "hello"]  # nothing reached it while it was refused
 
 
-@as_nobody
+@needs_nobody
 def test_a_trusted_group_does_not_let_a_member_squat_the_users_own_default_endpoint(
     short_tmp: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -274,7 +263,7 @@ def test_a_trusted_group_does_not_let_a_member_squat_the_users_own_default_endpo
         assert _ops_received(impostor) == []
 
 
-@as_nobody
+@needs_nobody
 def test_client_refuses_a_root_socket_in_a_directory_another_user_owns(short_tmp: Path) -> None:
     """The socket is root's, but the directory is nobody's: nobody could swap the socket for its own
     between the check and the connect."""

@@ -1,12 +1,11 @@
 """Lose nothing, trust nothing: each case is an attack by another local user or client, or a user's
 action (a rollback, a replaced node), against a real daemon. Cases that need a second user run as
-root and act as ``nobody`` through ``setpriv``; they skip otherwise."""
+root and act as ``nobody`` (``tests/_as_user.py``); they skip otherwise."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import zmq
+from _as_user import needs_nobody, python_as_nobody
 from _models import assert_same, full_state, make, train_step
 from conftest import REPO
 from test_remote import remote_toml
@@ -25,14 +25,10 @@ from ckptd.layout import complete_steps, step_dir
 from ckptd.protocol import request
 from ckptd.storage.s3 import RemoteConfig
 
-AS_ROOT = os.geteuid() == 0 and shutil.which("setpriv") is not None
-needs_nobody = pytest.mark.skipif(not AS_ROOT, reason="needs root and setpriv to act as another user")
-
 
 def as_nobody(code: str, *args: str) -> subprocess.CompletedProcess:
     """Run ``code`` (Python) as user nobody, group nogroup."""
-    cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd="/")
+    return subprocess.run(python_as_nobody(code, *args), capture_output=True, text=True, timeout=60, cwd="/")
 
 
 def _save(c, model, optim, step: int, states: dict) -> None:  # noqa: ANN001
