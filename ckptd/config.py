@@ -58,6 +58,12 @@ MAX_NAME_BYTES = 256  # segment names and other short strings on the wire
 MAX_PROTECTED_NAME = 4096  # a name that protects a step from retention (a pointer file's path)
 MAX_TREE_DEPTH = 256  # nesting of one rank's tree (committed, in a fragment, in a manifest; documents get 3 more levels)
 LEASE_TIMEOUT_S = 3600.0  # a leased slot not committed or released by then is taken back
+MAX_CONNECTIONS = 4096  # client connections the daemon keeps at once (fewer where the open-files limit is low)
+MAX_CONNECTIONS_PER_USER = 1024  # ... of one user (a node's trainers hold a few each)
+CONNECTIONS_RESYNC_S = 10.0  # how often held connections are checked against the descriptors (events can be dropped)
+FD_RESERVE = 512  # descriptors kept for the daemon's own files, segments and threads, whatever its clients hold
+METRICS_MAX_CONNECTIONS = 16  # scrapes served at once; more are closed at once
+METRICS_TIMEOUT_S = 10.0  # a metrics connection silent this long is closed
 MAX_DOCUMENT_BYTES = 1 << 30  # a manifest or fragment read from the bucket (read whole into memory)
 
 

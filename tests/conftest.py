@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -33,11 +34,14 @@ class DaemonProc:
         self.proc: subprocess.Popen | None = None
         self.shm_dirs: set[str | None] = set()
         self.launcher = ["-m", "ckptd"]  # or ["-c", code]: a daemon with a part replaced by a double (code runs ckptd.cli.main)
+        self.open_files: tuple[int, int] | None = None  # RLIMIT_NOFILE (soft, hard) to start it with, as systemd sets them
 
     def start(self, extra_args: list[str] | None = None, wait: bool = True) -> DaemonProc:
         cmd = [sys.executable, *self.launcher, "serve", "--root", self.root, "--endpoint", self.endpoint, *(extra_args or self.args)]
         self._logf = open(self.log, "ab")
-        self.proc = subprocess.Popen(cmd, stdout=self._logf, stderr=subprocess.STDOUT, cwd=REPO)
+        limits = self.open_files
+        preexec = None if limits is None else (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, limits))
+        self.proc = subprocess.Popen(cmd, stdout=self._logf, stderr=subprocess.STDOUT, cwd=REPO, preexec_fn=preexec)
         if wait:
             self.wait_ready()
         return self

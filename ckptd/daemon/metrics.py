@@ -1,4 +1,4 @@
-"""Prometheus metrics for the daemon, served on localhost by prometheus-client.
+"""Prometheus metrics for the daemon, served on localhost (prometheus-client's exposition, a bounded server).
 
 The daemon's main loop refreshes a status snapshot (the same dict ``ckptd status`` prints) every
 housekeeping tick; a scrape reads the newest snapshot and never touches the daemon's live state, so
@@ -16,9 +16,14 @@ gauges    ``up``, ``uptime_seconds``, ``shm_budget_bytes``, ``shm_bytes``, ``sta
 from __future__ import annotations
 
 import logging
+import socketserver
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
+from ..config import METRICS_MAX_CONNECTIONS, METRICS_TIMEOUT_S
 from ..errors import CheckpointError
 
 log = logging.getLogger("ckptd.daemon")
@@ -85,16 +90,80 @@ class StatusCollector:
         yield from per_job.values()
 
 
+class _BoundedServer(socketserver.ThreadingMixIn, WSGIServer):
+    """A WSGI server with a thread per connection, at most ``METRICS_MAX_CONNECTIONS`` of them, each closed once
+    silent for ``METRICS_TIMEOUT_S``: any local user can connect, and prometheus-client's own server gave every
+    connection a thread and a descriptor for as long as the peer kept it open (a thousand idle ones exhausted the
+    daemon's descriptors). A connection past the cap is closed at once; a scrape then fails, the daemon does not."""
+
+    daemon_threads = True  # a scrape in progress never holds up the daemon's exit
+    request_queue_size = 128  # the listen backlog: socketserver's 5 made a burst of connects wait on SYN retries
+
+    def __init__(self, addr: tuple[str, int]) -> None:
+        self._slots = threading.BoundedSemaphore(METRICS_MAX_CONNECTIONS)
+        self._lock = threading.Lock()
+        self.held = 0  # connections being served now
+        self.refused = 0
+        self._last_warning = 0.0
+        super().__init__(addr, _QuietHandler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            now = time.monotonic()
+            if now - self._last_warning >= 10.0:  # an attacker must not flood the log either
+                self._last_warning = now
+                log.warning(
+                    "metrics: closing a connection from %s: %d open (%d refused so far)",
+                    client_address,
+                    METRICS_MAX_CONNECTIONS,
+                    self.refused,
+                )
+            self.shutdown_request(request)
+            return
+        with self._lock:
+            self.held += 1
+        try:
+            super().process_request(request, client_address)  # starts the connection's thread
+        except BaseException:
+            self._release()
+            self.shutdown_request(request)
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        with self._lock:
+            self.held -= 1
+        self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        log.debug("metrics: connection from %s ended in error", client_address, exc_info=True)  # a peer's fault: no traceback on stderr
+
+
+class _QuietHandler(WSGIRequestHandler):
+    timeout = METRICS_TIMEOUT_S  # applied to the connection's socket: a silent peer is dropped
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base class's name)
+        """One line per scrape would flood the journal."""
+
+
 def serve(port: int, snapshot: Callable[[], dict[str, Any] | None], addr: str = "127.0.0.1") -> Any:
-    """Start the HTTP endpoint (``/metrics``) on ``addr:port`` in a daemon thread; returns the server. A port
-    that cannot be bound raises :class:`~ckptd.errors.CheckpointError`."""
-    from prometheus_client import CollectorRegistry, start_http_server
+    """Start the HTTP endpoint (``/metrics``) on ``addr:port`` in a daemon thread; returns the server (``shutdown()``,
+    then ``server_close()``). A port that cannot be bound raises :class:`~ckptd.errors.CheckpointError`."""
+    from prometheus_client import CollectorRegistry, make_wsgi_app
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StatusCollector(snapshot))
     try:
-        server, _thread = start_http_server(port, addr=addr, registry=registry)
+        server = _BoundedServer((addr, port))
     except OSError as e:
         raise CheckpointError(f"cannot serve metrics on {addr}:{port}: {e.strerror or e}") from None
+    server.set_app(make_wsgi_app(registry))
+    threading.Thread(target=server.serve_forever, name="ckptd-metrics", daemon=True).start()
     log.info("metrics on http://%s:%d/metrics", addr, port)
     return server

@@ -36,6 +36,7 @@ from .access import Access, peer_cred
 from .admission import Admission
 from .catalog import CommitClock, StepCatalog
 from .completion import Completion
+from .connections import ConnectionCaps, ConnectionGuard, raise_open_files_limit
 from .endpoint import bind, check_endpoint, identity, unlink_own
 from .events import Answered, ErrorReported, EventQueue, Fetched, ShardPersisted, ShardSealed, SlotCreated, Uploaded
 from .fetcher import Fetcher
@@ -89,6 +90,7 @@ class Daemon:
             raise
         self._sock: zmq.Socket | None = None
         self._sock_id: tuple[int, int] | None = None  # the bound socket file (device, inode)
+        self.connections: ConnectionGuard | None = None  # made at the bind
         self._running = False
         self._metrics: Any = None
         self._status_snapshot: dict[str, Any] | None = None
@@ -153,6 +155,7 @@ class Daemon:
         try:  # a start that fails (a port taken, a root it cannot write) is shut down: nothing is left behind
             self._sock = bind(self.access, self._ctx, self.endpoint)
             self._sock_id = identity(self.endpoint)
+            self.connections = ConnectionGuard(self._sock, self.endpoint, ConnectionCaps.for_limit(raise_open_files_limit()))
             self._serve_metrics()  # before recovery: a port taken fails the start before any work is queued
             self.fetcher.check_store()  # off the loop: READY must not wait for the network
             self.protections.load(self.catalog.jobs())  # before recovery's retention passes
@@ -183,9 +186,13 @@ class Daemon:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self.events.wake, zmq.POLLIN)
+        guard = self.connections  # made at the bind, before the loop
+        poller.register(guard.monitor, zmq.POLLIN)  # type: ignore[union-attr]
         while self._running:
             ready = dict(poller.poll(int(HOUSEKEEPING_S * 1000)))
             self._guarded(self._drain)
+            if guard.monitor in ready:  # type: ignore[union-attr]  # first: a connection past the caps is refused before it is served
+                self._guarded(guard.on_events)  # type: ignore[union-attr]
             if self._sock in ready:
                 for _ in range(256):
                     try:
@@ -242,6 +249,8 @@ class Daemon:
         if self.catalog.store is not None:
             self.catalog.store.close()
         self.pool.close()
+        if self.connections is not None:
+            self.connections.close()
         if self._sock is not None:  # bound: the socket file is this daemon's, unless another daemon replaced it since
             self._sock.close(0)
             unlink_own(self.endpoint, self._sock_id)
@@ -433,6 +442,8 @@ class Daemon:
         if self._metrics is not None:
             self._status_snapshot = build_status(self)  # what the next scrape reports
         self.pool.reap(now)
+        if self.connections is not None:
+            self.connections.housekeeping(now)
         self.memtier.housekeeping(now)
         self.catalog.prune(self.pool.steps_held())  # manifests of steps whose slots were reused go
         self._answer(self.fetcher.due(now))

@@ -36,6 +36,15 @@ class Counters:
         self.errors += 1
 
 
+def _connections(d: Daemon) -> dict[str, int] | None:
+    """Client connections held and refused (:mod:`.connections`), against the caps and the open-files limit."""
+    g = d.connections
+    if g is None:
+        return None
+    caps = g.caps
+    return {"held": g.held, "refused": g.refused, "max": caps.total, "max_per_user": caps.per_user, "open_files_limit": caps.open_files}
+
+
 def _rate(nbytes: float, seconds: float) -> float | None:
     return nbytes / seconds if seconds else None
 
@@ -84,5 +93,6 @@ def build_status(d: Daemon) -> dict[str, Any]:
         "uploading": uploading,
         "upload_backlog": [list(x) for x in d.uploader.backlog()] if d.uploader is not None else [],
         "fetching": d.fetcher.progress(),
+        "connections": _connections(d),
         **dataclasses.asdict(c),
     }
