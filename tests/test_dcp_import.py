@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import subprocess
@@ -209,3 +210,142 @@ def test_import_with_no_daemon_says_so_before_reading_the_checkpoint(short_tmp, 
     with pytest.raises(CheckpointError, match="daemon"):
         import_dcp(str(short_tmp), job="j", step=1, endpoint=f"ipc://{short_tmp}/nobody.sock")
     assert read == []
+
+
+# ----------------------------------------------------------------------------- a .metadata that lies about its tensors
+# DCP's loader allocates each declared tensor with torch.empty() and copies in what the chunks hold: a tensor its
+# chunks do not cover leaves the importing process's heap in the checkpoint, under weights that verify as sound.
+
+_W = torch.arange(64.0).reshape(8, 8)
+
+
+def _chunk(offsets: list[int], sizes: list[int]) -> object:
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    return ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+
+
+def _planted(short_tmp: Path, plant) -> str:  # noqa: ANN001
+    """A DCP checkpoint of ``model.w`` (8 x 8) and ``model.b`` whose ``.metadata`` ``plant(md)`` rewrote, as an
+    attacker would: chunks it adds read ``model.w``'s saved data, so every chunk has bytes behind it."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    d = short_tmp / "planted"
+    dcp.save({"model": {"w": _W.clone(), "b": torch.ones(8)}}, checkpoint_id=str(d), no_dist=True)
+    md = pickle.loads((d / ".metadata").read_bytes())
+    saved_w = md.storage_data[MetadataIndex("model.w", [0, 0])]
+
+    def chunks(fqn: str, *spans: tuple[list[int], list[int]]) -> None:
+        md.state_dict_metadata[fqn].chunks = [_chunk(o, s) for o, s in spans]
+        for o, _ in spans:
+            md.storage_data[MetadataIndex(fqn, o)] = saved_w
+
+    plant(md, chunks)
+    (d / ".metadata").write_bytes(pickle.dumps(md))
+    return str(d)
+
+
+def _no_chunks(md, chunks) -> None:  # noqa: ANN001
+    chunks("model.w")
+
+
+def _half(md, chunks) -> None:  # noqa: ANN001
+    chunks("model.w", ([0, 0], [4, 8]))
+
+
+def _overlapping(md, chunks) -> None:  # noqa: ANN001
+    chunks("model.w", ([0, 0], [4, 8]), ([2, 0], [4, 8]))  # 64 elements in all, rows 6 and 7 in none
+
+
+def _past_the_end(md, chunks) -> None:  # noqa: ANN001
+    chunks("model.w", ([0, 0], [4, 8]), ([5, 0], [4, 8]))  # 64 elements, disjoint; row 4 in none, rows 8 on outside
+
+
+def _negative(md, chunks) -> None:  # noqa: ANN001
+    chunks("model.w", ([-2, 0], [4, 8]), ([2, 0], [4, 8]))  # 64 elements, disjoint; rows 6 and 7 in none
+
+
+def _absurd(md, chunks) -> None:  # noqa: ANN001
+    md.state_dict_metadata["model.w"].size = torch.Size([1 << 60])
+    chunks("model.w", ([0], [1 << 60]))
+
+
+def _more_than_its_data(md, chunks) -> None:  # noqa: ANN001
+    md.state_dict_metadata["model.w"].size = torch.Size([1 << 22])  # 16 MiB, from a chunk of 256 bytes
+    chunks("model.w", ([0], [1 << 22]))
+
+
+def _aliased(md, chunks) -> None:  # noqa: ANN001
+    # every tensor a whole, sound cover, all reading one saved chunk: more bytes declared than the files hold
+    for i in range(64):
+        md.state_dict_metadata[f"model.w{i}"] = md.state_dict_metadata["model.w"]
+        md.planner_data[f"model.w{i}"] = ("model", f"w{i}")
+        chunks(f"model.w{i}", ([0, 0], [8, 8]))
+
+
+@pytest.mark.parametrize(
+    ("plant", "refusal"),
+    [
+        pytest.param(_no_chunks, r"tensor 'model.w' of shape \[8, 8\]: chunks cover 0 of 64 elements", id="no_chunks"),
+        pytest.param(_half, r"tensor 'model.w' of shape \[8, 8\]: chunks cover 32 of 64 elements", id="half"),
+        pytest.param(
+            _overlapping,
+            r"tensor 'model.w': chunks at offsets \[0, 0\] \(__0_0.distcp\) and \[2, 0\] \(__0_0.distcp\) overlap",
+            id="overlapping",
+        ),
+        pytest.param(
+            _past_the_end,
+            r"tensor 'model.w': chunk 1 at offsets \[5, 0\] with sizes \[4, 8\] reaches past its shape \[8, 8\]",
+            id="past_the_end",
+        ),
+        pytest.param(_negative, r"tensor 'model.w': chunk 0 offsets \[-2, 0\] must be 2 integers in \[0, 2\*\*63 - 1\]", id="negative"),
+        pytest.param(
+            _absurd, r"tensor 'model.w' declares 1152921504606846976 elements of torch.float32 \(4611686018427387904 bytes\)", id="absurd"
+        ),
+        pytest.param(
+            _more_than_its_data,
+            r"tensor 'model.w': chunk 0 at offsets \[0\] needs 16777216 bytes, its data in __0_0.distcp",
+            id="more_than_its_data",
+        ),
+        pytest.param(
+            _aliased, r"declares \d+ bytes of tensors in uncompressed chunks, more than its data files hold \(\d+\)", id="aliased"
+        ),
+    ],
+)
+def test_a_dcp_metadata_that_does_not_cover_its_tensors_is_refused_before_anything_is_staged(daemon, short_tmp, plant, refusal) -> None:  # noqa: ANN001
+    """The import left ``torch.empty()``'s memory wherever the chunks did not reach (the importing process's heap,
+    in a step ``ckptd verify`` accepts), allocated whatever size was declared, and read one saved chunk into any
+    number of tensors. Found by a security review."""
+    d = _planted(short_tmp, plant)
+    with pytest.raises(FormatError, match=refusal):
+        import_dcp(d, job="planted", step=1, endpoint=daemon.endpoint)
+    with daemon.client("planted") as c:
+        assert c.latest() is None  # nothing was committed
+    out = _cli("import", d, "--job", "planted", "--step", "1", "--endpoint", daemon.endpoint)
+    assert out.returncode == 1 and "refusing to import it" in out.stderr, out.stderr
+
+
+def test_a_tensor_saved_in_chunks_that_cover_it_exactly_imports(short_tmp) -> None:  # noqa: ANN001
+    """The coverage check refuses only what is unsound: ``model.w`` saved as two halves, in two files, loads whole."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    def halves(md, chunks) -> None:  # noqa: ANN001
+        chunks("model.w", ([0, 0], [4, 8]), ([4, 0], [4, 8]))
+        blob = io.BytesIO()
+        torch.save(_W[4:].clone(), blob)
+        (short_tmp / "planted" / "lower.distcp").write_bytes(blob.getvalue())
+        md.storage_data[MetadataIndex("model.w", [4, 0])] = _StorageInfo("lower.distcp", 0, len(blob.getvalue()))
+
+    sd = load_dcp(_planted(short_tmp, halves))
+    assert torch.equal(sd["model"]["w"], _W) and torch.equal(sd["model"]["b"], torch.ones(8))
+
+
+def test_the_elements_dcp_copies_are_counted_again_after_the_read(short_tmp, monkeypatch) -> None:  # noqa: ANN001
+    """Defence in depth: should a chunk the metadata check passed not be read (a change in DCP's resharding, say), the
+    elements DCP copied fall short of the tensor's and the import still refuses rather than keep ``torch.empty()``'s."""
+    import ckptd.tools.dcp_import as imp
+
+    monkeypatch.setattr(imp, "_check_tensors", lambda md, path, md_path: None)
+    with pytest.raises(FormatError, match=r"DCP copied 32 of the 64 elements of tensor 'model.w': refusing to import it"):
+        load_dcp(_planted(short_tmp, _half))
