@@ -19,7 +19,9 @@ is written under ``output_dir`` while training.
 Resuming: the Trainer loads ``resume_from_checkpoint`` from a checkpoint directory — at least a model
 weights file and ``trainer_state.json``, from which it fast-forwards the data loader. :meth:`resume_checkpoint`
 writes that directory once, at the restart, for the newest step of the job (``checkpoint-<step>``: the
-model's weights as ``model.safetensors``, ``trainer_state.json`` and a ``ckptd.json`` pointer). Then
+model's weights as ``model.safetensors``, ``trainer_state.json`` and a ``ckptd.json`` pointer; each a new file
+renamed into place, so a link planted there is replaced, never written through, and a link in the directory's
+place is refused). Then
 :meth:`on_train_begin` restores the model, the optimizer, the scheduler and the gradient scaler in place
 from the ckptd step itself (the optimizer never goes through a file), and the RNG states are restored where they
 were taken, when the first step after the resume begins. fp16 turned off at the restart: the step's
@@ -29,20 +31,25 @@ afresh from its ``init_scale``, with a warning.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
 import random
+import secrets
+import stat
 import warnings
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import IO, Any
 
 import numpy as np
 import torch
 from transformers import TrainerCallback
 
 from ..dcp.shared import client_for, rank0_step
-from .pointer import read_pointer, write_pointer
+from .pointer import pointer_doc, read_pointer
 
 __all__ = ["CkptdCallback"]
 
@@ -167,8 +174,6 @@ class CkptdCallback(TrainerCallback):
 
     def _write_resume_dir(self, output_dir: str) -> int | None:
         """Write ``checkpoint-<step>`` for the newest step; return the step (``None``: the job has none)."""
-        from safetensors.torch import save_file
-
         from ..client.restore import open_step
         from ..errors import CheckpointError
 
@@ -181,19 +186,26 @@ class CkptdCallback(TrainerCallback):
             raise
         try:
             step = opened.reader.manifest["step"]
-            out = os.path.join(output_dir, f"checkpoint-{step}")
-            if read_pointer_at(out) == (client.job, step):
-                return step  # written by an earlier attempt at this restart
             _, tree = opened.reader.tree_for(0)
             extra = (tree.get("extra") or {}).get("0") or {}
             if "trainer_state" not in extra:
                 raise CheckpointError(f"step {step} of job {client.job} was not saved by CkptdCallback: it has no trainer state")
-            os.makedirs(out, exist_ok=True)
-            keys = [k for k in opened.reader.manifest["tensors"] if k.startswith("model/")]
-            save_file({k.removeprefix("model/"): opened.reader.read_full(k) for k in keys}, os.path.join(out, "model.safetensors"))
-            with open(os.path.join(out, "trainer_state.json"), "w") as f:
-                f.write(extra["trainer_state"])
-            write_pointer(os.path.join(out, POINTER), client.job, step)  # last: the directory is complete
+            out = os.path.join(output_dir, f"checkpoint-{step}")
+            os.makedirs(output_dir, exist_ok=True)
+            # every file is made through this descriptor: output_dir may be one others can write into (a shared
+            # scratch), and a link planted there (trainer_state.json -> ~/.bashrc) must never be written through
+            dfd = _open_resume_dir(out)
+            try:
+                if read_pointer_at(out) == (client.job, step):
+                    return step  # written by an earlier attempt at this restart
+                keys = [k for k in opened.reader.manifest["tensors"] if k.startswith("model/")]
+                _replace_at(dfd, out, "model.safetensors", lambda f: _write_weights(f, opened.reader, keys))
+                _replace_at(dfd, out, "trainer_state.json", lambda f: f.write(extra["trainer_state"].encode()))
+                doc = pointer_doc(os.path.join(out, POINTER), client.job, step).encode()
+                _replace_at(dfd, out, POINTER, lambda f: f.write(doc), mode=0o644)  # last: the directory is complete
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
             return step
         finally:
             opened.close()
@@ -233,6 +245,56 @@ class CkptdCallback(TrainerCallback):
         if self._due is not None:  # the step that ended last (global_step still names it): see on_step_end
             self._due = None
             self._snapshot(state, control, **kw)
+
+
+def _open_resume_dir(out: str) -> int:
+    """``out`` (made if missing) open as a directory; a link (or anything else) in its place is refused, not followed."""
+    from ..errors import CheckpointError
+
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(out)
+    try:
+        return os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.ENOTDIR):  # O_NOFOLLOW with O_DIRECTORY: ENOTDIR for a link
+            raise
+        what = "a symbolic link" if os.path.islink(out) else "not a directory"
+        raise CheckpointError(
+            f"{out} is {what}: ckptd writes the Trainer's resume directory there itself, never through a link; remove it"
+        ) from None
+
+
+def _replace_at(dfd: int, where: str, name: str, write: Callable[[IO[bytes]], object], mode: int | None = None) -> None:
+    """Make ``name`` in directory ``dfd`` (``where``, for messages): a new file under a fresh name (O_EXCL), written
+    by ``write``, fsynced, renamed over ``name``. A link planted at ``name`` is replaced, its target untouched."""
+    tmp = f".{name}.{secrets.token_hex(8)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=dfd)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            if mode is not None:
+                os.fchmod(fd, mode)
+            os.fsync(fd)
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISLNK(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
+                log.warning("%s was a symbolic link: replaced by a file, its target left as it was", os.path.join(where, name))
+        os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=dfd)
+        raise
+
+
+def _write_weights(f: IO[bytes], reader: Any, keys: list[str]) -> None:
+    """The step's tensors ``keys`` (``model/<fqn>``) as a safetensors file of FQNs, one tensor in memory at a time
+    (``save_file`` takes a path, which could be a planted link, and every tensor at once)."""
+    from ..format import itemsize
+    from ..tools.export import write_safetensors
+
+    ents = reader.manifest["tensors"]
+    keys = sorted(keys, key=lambda k: (-itemsize(ents[k]["dtype"]), k))  # larger elements first, as save_file: each one aligned
+    write_safetensors(reader, {k: k.removeprefix("model/") for k in keys}, f, {"format": "pt"}, lambda done: None, 0)
 
 
 def read_pointer_at(directory: str) -> tuple[str, int] | None:

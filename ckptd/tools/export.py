@@ -5,14 +5,16 @@ tensor is assembled from its chunks, written, and dropped before the next. The t
 hold the selected state in memory (``torch.save`` takes one dict). The hf format writes what
 ``transformers``' ``from_pretrained`` loads: ``model-0000i-of-0000n.safetensors`` files of at most
 ``max_shard_size`` bytes each, ``model.safetensors.index.json`` mapping every tensor to its file, and
-the model's ``config.json`` (and generation / tokenizer files) copied from ``config_from``. Runs
-anywhere (no daemon, no process group).
+the model's ``config.json`` (and generation / tokenizer files) copied from ``config_from``: its regular files
+only, never through a link (see :func:`_open_side_files`). Runs anywhere (no daemon, no process group).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import logging
 import math
 import mmap
 import os
@@ -35,11 +37,14 @@ WHAT = ("model", "optim", "all")
 FORMATS = ("safetensors", "torch", "hf")
 HF_INDEX = "model.safetensors.index.json"
 HF_SHARD_SIZE = 5 * 10**9  # transformers' default max_shard_size ("5GB")
+HF_CONFIG = "config.json"  # the one file of config_from an hf export needs
 # what config_from contributes besides the weights (the files save_pretrained and tokenizers write)
 HF_SIDE_FILES = (
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
     "special_tokens_map.json", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
 )  # fmt: skip
+
+log = logging.getLogger("ckptd.export")
 
 
 def _check_replaceable(out: str) -> None:
@@ -130,7 +135,7 @@ def export_checkpoint(
         temps: list[str] = []
         try:
             with _temp_beside(out, temps) as f:
-                _write_safetensors(reader, names, f, meta, show, 0)
+                write_safetensors(reader, names, f, meta, show, 0)
             if fmt == "torch":
                 with _temp_beside(out, temps) as f:
                     _safetensors_to_torch(temps[0], f)
@@ -171,7 +176,7 @@ def _nbytes(ent: dict[str, Any]) -> int:
     return dtype_from_name(ent["dtype"]).itemsize * math.prod(ent["shape"])
 
 
-def _write_safetensors(
+def write_safetensors(
     reader: CheckpointReader, names: dict[str, str], f: IO[bytes], meta: dict[str, str], show: Callable[[int], None], done: int
 ) -> int:
     """Write the tensors ``names`` (state key -> name in the file) as a safetensors file to ``f``, one at a
@@ -210,7 +215,24 @@ def _export_hf(
         raise CheckpointError(f"{out} already exists: the hf export makes a new directory")
     if max_shard_size < 1:
         raise ValueError("max_shard_size must be >= 1 byte")
-    side = _side_files(config_from) if config_from is not None else []
+    # opened (and refused) before any weights are written; read later from these descriptors, never by name again
+    side = _open_side_files(config_from) if config_from is not None else []
+    try:
+        return _write_hf_dir(reader, names, out, meta, show, max_shard_size, side)
+    finally:
+        for _, s in side:
+            s.close()
+
+
+def _write_hf_dir(
+    reader: CheckpointReader,
+    names: dict[str, str],
+    out: str,
+    meta: dict[str, str],
+    show: Callable[[int], None],
+    max_shard_size: int,
+    side: list[tuple[str, IO[bytes]]],
+) -> dict[str, int]:
     tensors = reader.manifest["tensors"]
     shards: list[dict[str, str]] = [{}]
     size = 0
@@ -235,13 +257,13 @@ def _export_hf(
         done = 0
         for file, shard in zip(files, shards):
             with new(file) as f:
-                done = _write_safetensors(reader, shard, f, meta, show, done)
+                done = write_safetensors(reader, shard, f, meta, show, done)
         if len(shards) > 1:
             index = {"metadata": {"total_size": done}, "weight_map": {n: f for f, sh in zip(files, shards) for n in sh.values()}}
             with new(HF_INDEX) as f:
                 f.write(json.dumps(index, indent=2, sort_keys=True).encode())
-        for src in side:
-            with open(src, "rb") as s, new(os.path.basename(src)) as f:
+        for name, s in side:
+            with new(name) as f:
                 shutil.copyfileobj(s, f)
         os.chmod(dfd, 0o777 & ~_umask())  # as os.makedirs would have made it
         os.rename(tmp, out)
@@ -253,15 +275,89 @@ def _export_hf(
     return {"tensors": len(names), "bytes": done, "files": len(files)}
 
 
-def _side_files(config_from: str) -> list[str]:
-    """The files of a Hugging Face model directory (or one ``config.json``) that go beside the weights."""
-    if os.path.isfile(config_from):
-        if os.path.basename(config_from) != "config.json":
-            raise CheckpointError(f"--config-from {config_from}: give a model directory or its config.json")
-        return [config_from]
-    if not os.path.isfile(os.path.join(config_from, "config.json")):
-        raise CheckpointError(f"--config-from {config_from}: no config.json there (a directory save_pretrained wrote, or its config.json)")
-    return [p for name in HF_SIDE_FILES if os.path.isfile(p := os.path.join(config_from, name))]
+def _open_side_files(config_from: str) -> list[tuple[str, IO[bytes]]]:
+    """The files of a Hugging Face model directory (or its one ``config.json``) that go beside the weights, open.
+
+    Only regular files of that directory itself are read: an entry that is a symbolic link, a FIFO, a device, a
+    socket or a directory is never opened through (a model directory from elsewhere, exported as root, must not put
+    ``tokenizer.json -> /etc/shadow`` into a world-readable export, nor hang it on a FIFO). Such an optional file
+    is skipped with a warning; ``config.json``, which the export needs, is refused. The directory itself is the
+    user's choice and may be a link.
+
+    Returns:
+        ``(name, file)`` pairs, in :data:`HF_SIDE_FILES`' order; the caller closes the files.
+
+    Raises:
+        CheckpointError: no ``config.json`` there, or one that is not a regular file.
+    """
+    where, names = config_from, HF_SIDE_FILES
+    if os.path.basename(config_from) == HF_CONFIG and not os.path.isdir(config_from):  # the file alone
+        where, names = os.path.dirname(config_from) or ".", (HF_CONFIG,)
+    try:
+        dfd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except NotADirectoryError:
+        raise CheckpointError(f"--config-from {config_from}: give a model directory or its config.json") from None
+    except OSError as e:
+        raise CheckpointError(f"--config-from {config_from}: {e.strerror}") from None
+    opened: list[tuple[str, IO[bytes]]] = []
+    try:
+        for name in names:
+            try:
+                f = _open_regular(dfd, name)
+            except OSError as e:  # unreadable: as a plain open would have failed, naming the file
+                raise CheckpointError(f"--config-from {config_from}: {name}: {e.strerror}") from None
+            if isinstance(f, str) and name == HF_CONFIG:
+                hint = " (a Hugging Face cache snapshot links to its blobs: copy it with cp -rL first)" if f == _LINK else ""
+                raise CheckpointError(f"--config-from {config_from}: {name} is {f}, not a regular file: not read{hint}")
+            if isinstance(f, str):
+                log.warning("--config-from %s: %s is %s, not a regular file: not copied", config_from, name, f)
+            elif f is not None:
+                opened.append((name, f))
+            elif name == HF_CONFIG:
+                raise CheckpointError(
+                    f"--config-from {config_from}: no config.json there (a directory save_pretrained wrote, or its config.json)"
+                )
+    except BaseException:
+        for _, f in opened:
+            f.close()
+        raise
+    finally:
+        os.close(dfd)
+    return opened
+
+
+def _open_regular(dfd: int, name: str) -> IO[bytes] | str | None:
+    """Entry ``name`` of directory ``dfd``, open for reading if it is a regular file; else what it is (a phrase
+    such as ``"a FIFO"``), or ``None`` if there is no such entry."""
+    try:
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)  # first, so a device or a FIFO is never opened at all
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return _kind(st.st_mode)
+    # it may have been replaced since: never through a link (O_NOFOLLOW), never waiting on a FIFO (O_NONBLOCK), and
+    # what was opened is checked again
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, dir_fd=dfd)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return _LINK
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        return _kind(mode)
+    return os.fdopen(fd, "rb")
+
+
+_LINK = "a symbolic link"
+
+
+def _kind(mode: int) -> str:
+    kinds = {stat.S_IFLNK: _LINK, stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket"}
+    return kinds.get(stat.S_IFMT(mode), "a device")
 
 
 def _safetensors_to_torch(src: str, dst: IO[bytes]) -> None:
