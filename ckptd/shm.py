@@ -22,7 +22,9 @@ workers) through :class:`SegmentDir`; a trainer only maps an existing segment it
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import json
 import logging
 import mmap
@@ -37,7 +39,8 @@ from .errors import CheckpointError
 log = logging.getLogger("ckptd.daemon")
 
 SHM_DIR = os.environ.get("CKPTD_SHM_DIR", "/dev/shm")
-MARKER = ".ckptd-shm"  # in the daemon's root: the name of its private segment directory
+MARKER = ".ckptd-shm"  # in the daemon's root: the name of its private segment directory, and the root's identity
+LOCK = ".lock"  # in the segment directory: held (flock) by the daemon using it, for as long as it runs
 RECORD_SUFFIX = ".commit"
 RECORD_MODE = 0o600  # commit records: read by this daemon alone (whatever the umask or --group), checked so at adoption
 ALIGN = 2 << 20  # round segment sizes up so slots can be reused by slightly larger shards
@@ -59,6 +62,12 @@ def path_of(name: str) -> str:
     return os.path.join(SHM_DIR, name)
 
 
+def _identity(root: str) -> str:
+    """What tells this root from a copy of it: its device and inode (a copy is a new inode; a rename keeps it)."""
+    st = os.stat(root)
+    return f"root {st.st_dev}:{st.st_ino}"
+
+
 def _check_dir(path: str) -> os.stat_result:
     """``path`` is a real directory of this user that no one else may write into."""
     st = os.lstat(path)
@@ -71,9 +80,13 @@ class SegmentDir:
     """The daemon's private segment directory (daemon main thread; ``open_owned`` on any thread)."""
 
     def __init__(self, root: str, *, file_mode: int = 0o600, gid: int | None = None) -> None:
-        """Use the directory ``<root>/.ckptd-shm`` names if it is still ours, else make a new one."""
+        """Use the directory ``<root>/.ckptd-shm`` names if it is still ours and this root's, and no live daemon holds
+        it; else make a new one. A copy of a root (``cp -a``, a backup restored on the same node) carries the marker of
+        the root it was copied from: its daemon must never adopt, unlink or map that root's segments."""
         self.file_mode, self.gid = file_mode, gid
         self._marker = os.path.join(root, MARKER)
+        self._identity = _identity(root)
+        self._lock: int | None = None
         self.name = self._reuse() or self._make()
         self.path = os.path.join(SHM_DIR, self.name)
         self._set_dir_access()  # a reused one as this run's --group setting wants, whatever the previous run's
@@ -87,25 +100,37 @@ class SegmentDir:
 
     @staticmethod
     def read_marker(root: str) -> str | None:
-        """The directory name ``root``'s marker holds, if it is well formed and the directory is ours."""
+        """The directory name ``root``'s marker holds, if it is well formed, the directory is ours, and the marker was
+        made for this root: a copied root's marker names the original root's directory, never its own."""
         try:
             with open(os.path.join(root, MARKER)) as f:
-                name = f.read().strip()
-        except (OSError, UnicodeDecodeError):
-            return None
-        if not _DIR_RE.fullmatch(name):
-            return None
-        try:
+                name, _, made_for = f.read(4096).strip().partition("\n")
+            if not _DIR_RE.fullmatch(name) or made_for.strip() not in ("", _identity(root)):  # "": an older ckptd's marker
+                return None
             _check_dir(os.path.join(SHM_DIR, name))
-        except (OSError, Untrusted):
+        except (OSError, UnicodeDecodeError, Untrusted):
             return None
         return name
 
     def _reuse(self) -> str | None:
         name = self.read_marker(os.path.dirname(self._marker))
         if name is None and os.path.exists(self._marker):
-            log.warning("%s does not name a private segment directory of this user: starting a new one", self._marker)
+            log.warning("%s names no private segment directory of this user and root (a copied root?): starting a new one", self._marker)
+        if name is not None and not self._take_lock(os.path.join(SHM_DIR, name)):
+            log.warning("%s/%s is in use by another running daemon: its segments are left alone; starting a new one", SHM_DIR, name)
+            return None
         return name
+
+    def _take_lock(self, path: str) -> bool:
+        """Hold ``path``'s lock for as long as this daemon runs; ``False`` if another process holds it."""
+        fd = os.open(os.path.join(path, LOCK), os.O_RDWR | os.O_CREAT | _OPEN, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        self._lock = fd
+        return True
 
     def _make(self) -> str:
         from .storage.files import write_durable
@@ -121,11 +146,21 @@ class SegmentDir:
                 raise CheckpointError(f"cannot create a segment directory in {SHM_DIR}: {e.strerror}") from None
             try:
                 _check_dir(path)
-                write_durable(self._marker, f"{name}\n".encode())
+                if not self._take_lock(path):
+                    raise CheckpointError(f"{path}, made just now, is locked by another process")
+                write_durable(self._marker, f"{name}\n{self._identity}\n".encode())
             except BaseException:
+                self._drop_lock(path)
                 os.rmdir(path)  # no directory that no marker names: nothing would ever remove it
                 raise
             return name
+
+    def _drop_lock(self, path: str) -> None:
+        if self._lock is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(path, LOCK))
+            os.close(self._lock)
+            self._lock = None
 
     def _path(self, name: str) -> str:
         d, sep, f = name.partition("/")
@@ -142,7 +177,9 @@ class SegmentDir:
         except FileNotFoundError:
             return [], []
         segs = [f"{self.name}/{e}" for e in entries if _FILE_RE.fullmatch(e)]
-        strays = [e for e in entries if not _FILE_RE.fullmatch(e) and not (_FILE_RE.fullmatch(e[:32]) and e[32:] == RECORD_SUFFIX)]
+        strays = [
+            e for e in entries if e != LOCK and not _FILE_RE.fullmatch(e) and not (_FILE_RE.fullmatch(e[:32]) and e[32:] == RECORD_SUFFIX)
+        ]
         return segs, strays
 
     def create(self, size: int) -> tuple[str, int]:
@@ -273,7 +310,8 @@ class SegmentDir:
             log.warning("cannot remove %s from %s: %s", entry, self.path, e.strerror)
 
     def close(self) -> None:
-        """Shutdown: remove the directory and the marker when no segment is left in it."""
+        """Shutdown: remove the directory and the marker when no segment is left in it; let go of its lock."""
+        self._drop_lock(self.path)
         try:
             os.rmdir(self.path)
         except OSError:
