@@ -7,14 +7,17 @@ while it runs: a daemon on a copy starts a directory of its own and leaves the o
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import DaemonProc
 
 from ckptd import shm
+from ckptd.errors import CheckpointError
 from ckptd.layout import complete_steps
 
 
@@ -112,4 +115,25 @@ def test_a_second_daemon_never_takes_a_directory_another_daemon_holds(short_tmp:
     finally:
         if b is not None:
             b.cleanup()
+        a.cleanup()
+
+
+def test_a_restore_of_the_newest_falls_back_when_its_memory_only_step_is_gone(short_tmp: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The memory-only step 2 lost its segments (removed by hand, or taken by a daemon on a copy before this fix):
+    restore() of the newest reads step 1 from disk and says why; a restore that names step 2 still fails."""
+    a = _original_with_a_memory_only_step(short_tmp)
+    try:
+        for name in a.segments():
+            for path in (shm.path_of(name), shm.path_of(name) + shm.RECORD_SUFFIX):
+                if os.path.exists(path):
+                    os.unlink(path)
+        m = torch.nn.Linear(8, 8)
+        with a.client() as c, caplog.at_level(logging.WARNING, logger="ckptd"):
+            c.restore(m)
+            assert c.last_restore["step"] == 1 and c.last_restore["source"] == "disk"
+            with pytest.raises(CheckpointError, match="step 2 of job t cannot be restored"):
+                c.restore(torch.nn.Linear(8, 8), step=2)
+        assert torch.equal(m.weight, _model(1).weight)
+        assert "the newest step 2 of job t failed" in caplog.text and "restoring the one before it" in caplog.text
+    finally:
         a.cleanup()

@@ -169,7 +169,7 @@ def restore_from_daemon(
     restore itself (it is gone, the step asked for failed) are shared as :func:`.load.restore_state` shares
     its own: every rank of a collective restore raises."""
     strict = how.get("strict", True)
-    step = shared(strict, _settle, rpc, job, step, persist=not hot)
+    asked, step = step, shared(strict, _settle, rpc, job, step, persist=not hot)
     if hot:
         held = shared(strict, rpc.call, "hot_open", job=job, step=step, pid=os.getpid())
         if held["step"] is not None:
@@ -179,7 +179,9 @@ def restore_from_daemon(
                 if not getattr(e, "fall_back", True):  # another rank's file on disk is bad: every rank raises
                     raise
                 log.warning("hot restore of step %s failed (%s): restoring from disk", held["step"], e)
-                step = shared(strict, settled, rpc, job, held["step"], persist=True)
+                # the newest asked for: if the step cannot be made durable either (its segments are gone), the newest
+                # step that can be restored is, with a warning (settled's)
+                step = shared(strict, settled, rpc, job, held["step"] if asked is not None else None, persist=True)
         else:
             log.info("restoring from disk: %s", held["reason"])
             # the step settled on (or one the daemon holds in memory only) may not be on disk yet: it is made durable
