@@ -735,7 +735,9 @@ def test_remote_retention_touches_only_its_job(store: MemoryStore, src: str) -> 
 
 
 def _manifest_at(store: MemoryStore, step: int, at: int) -> None:
-    store.put_bytes(f"{JOB}/step-{step}/manifest.json", json.dumps({"committed_at": at}).encode())
+    """A real (empty) manifest of ``step`` committed at ``at``: a document that is not one makes no step complete."""
+    doc = {"kind": "ckptd-manifest", "job": JOB, "step": step, "world_size": 1, "committed_at": at, "files": {}, "tensors": {}, "ranks": []}
+    store.put_bytes(f"{JOB}/step-{step}/manifest.json", encode_manifest(doc))
 
 
 @pytest.mark.parametrize("deleted_first", [True, False])

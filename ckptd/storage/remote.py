@@ -13,6 +13,10 @@ only over the version its writer judged, never a shard or fragment: a step of th
 stays complete until the attempt replacing it is, and no late upload overwrites a complete step's shard;
 retention removes another attempt's objects once they have stayed unchanged for ``commit_timeout``.
 
+What is read back (manifests, fragments) another node or anyone with access to the bucket may have written: each
+is read only up to what a real one of its step can be, and a step is complete in the bucket only once its manifest
+validates; a ``latest`` lookup orders steps by each manifest's head (:mod:`.documents`).
+
 Everything here blocks on the network: the daemon calls it from its upload and fetch threads only,
 through the :class:`~ckptd.storage.store.ObjectStore` protocol.
 """
@@ -45,18 +49,25 @@ from ..layout import (
     step_dir,
 )
 from ..validate import confined_name, parse_fragment, parse_manifest
+from .documents import (
+    Objects,
+    commit_order,
+    forget_commit,
+    fragment_limit,
+    get_document,
+    list_objects,
+    manifest_facts,
+    manifest_limit,
+    read_document,
+    step_objects,
+    valid_manifest,
+)
 from .files import create_new, fsync_dir, write_all
 from .local import committed_at, job_lock, retire_now, update_latest
 from .retention import RetentionPolicy, doomed
 from .store import ObjectStore, Progress
 
 log = logging.getLogger("ckptd.daemon")
-
-
-def get_document(store: ObjectStore, key: str) -> bytes:
-    """A manifest or fragment from the bucket, refused past ``MAX_DOCUMENT_BYTES`` as it arrives (another
-    node or a bad actor with bucket access wrote it: it must not take the daemon's memory)."""
-    return store.get_bytes(key, limit=MAX_DOCUMENT_BYTES)
 
 
 def step_url(store: ObjectStore, job: str, step: int) -> str:
@@ -89,7 +100,7 @@ def upload_step(store: ObjectStore, local_dir: str, job: str, step: int, progres
         doc = None
     if attempt_of(doc) is None or check_replaces(store, job, step, doc):  # a one-node step's files keep their names:
         store.delete([bucket_key(job, step, MANIFEST)])  # the step they replace stops looking complete first
-        _forget_commit(store, job, step)
+        forget_commit(store, job, step)
     shards = [n for n in names if n.endswith(".safetensors")]
     frags = [n for n in names if fragment_rank(n) is not None]
     total = _upload(store, local_dir, shards + frags, job, step, progress)
@@ -122,22 +133,27 @@ def upload_ranks(
     return _upload(store, local_dir, rank_files(ranks), job, step, progress, folder)
 
 
-def _bucket_doc(store: ObjectStore, job: str, step: int) -> tuple[bool, Any]:
-    """``(complete, manifest)``: whether step ``step`` has a manifest in the bucket, and that manifest
-    parsed loosely (``None`` when it is not JSON; it is only asked which attempt wrote it and when)."""
+def _bucket_doc(store: ObjectStore, job: str, step: int, objects: Objects | None = None) -> tuple[bool, Any, bytes | None]:
+    """``(there, manifest, raw)``: whether step ``step`` has a manifest in the bucket (``objects``: the step's, listed),
+    that manifest parsed loosely (``None`` when it is not JSON or is larger than one of its step can be: it is only
+    asked which attempt wrote it and when; a writer never overwrites it unseen), and its bytes."""
+    objects = step_objects(store, job, step) if objects is None else objects
+    key = bucket_key(job, step, MANIFEST)
     try:
-        raw = get_document(store, bucket_key(job, step, MANIFEST))
+        raw = read_document(store, key, None if objects is None else objects.get(MANIFEST), manifest_limit(objects))
     except FileNotFoundError:
-        return False, None
+        return False, None, None
+    except FormatError:
+        return True, None, None
     try:
-        return True, json.loads(raw)
+        return True, json.loads(raw), raw
     except (ValueError, RecursionError):
-        return True, None
+        return True, None, raw
 
 
 def bucket_attempt(store: ObjectStore, job: str, step: int) -> tuple[bool, Attempt | None]:
     """``(complete, attempt)``: whether step ``step`` has a manifest in the bucket, and the attempt it names."""
-    complete, doc = _bucket_doc(store, job, step)
+    complete, doc, _ = _bucket_doc(store, job, step)
     return complete, attempt_of(doc)
 
 
@@ -166,7 +182,7 @@ def check_replaces(store: ObjectStore, job: str, step: int, frag: dict[str, Any]
     ``CheckpointError`` when this attempt may not replace it (:func:`_refusal`): this node's part could
     never complete."""
     ours = attempt_of(frag)
-    complete, doc = _bucket_doc(store, job, step)
+    complete, doc, _ = _bucket_doc(store, job, step)
     if not complete or ours is None or attempt_of(doc) == ours:
         return False
     why = _refusal(job, step, ours, frag.get("committed_at") or 0, doc)
@@ -176,19 +192,21 @@ def check_replaces(store: ObjectStore, job: str, step: int, frag: dict[str, Any]
 
 
 def _own_fragments(
-    store: ObjectStore, job: str, step: int, names: set[str], world_size: int, attempt: Attempt | None
+    store: ObjectStore, job: str, step: int, objects: Objects, world_size: int, attempt: Attempt | None
 ) -> list[dict[str, Any]] | None:
-    """Every rank's fragment of ``attempt`` in the bucket (its folder; the step's prefix for ``None``),
-    checked like a manifest, or ``None`` while some rank's is missing."""
+    """Every rank's fragment of ``attempt`` in the bucket (its folder; the step's prefix for ``None``), each read no
+    further than one of its shard can be (``objects``: the step's, listed) and checked like a manifest, or ``None``
+    while some rank's is missing."""
     folder = "" if attempt is None else attempt_folder(*attempt)
-    if any(folder + fragment_name(r) not in names for r in range(world_size)):
+    if any(folder + fragment_name(r) not in objects for r in range(world_size)):
         return None
     frags = []
     for r in range(world_size):
-        key = bucket_key(job, step, folder + fragment_name(r))
-        frag = parse_fragment(get_document(store, key), store.url(key))  # another node's: checked like a manifest
-        if folder + shard_name(r) not in names:
+        if folder + shard_name(r) not in objects:
             raise CheckpointError(f"step {step} of job {job}: rank {r}'s fragment is in the bucket but its shard is not")
+        key = bucket_key(job, step, folder + fragment_name(r))
+        raw = read_document(store, key, objects[folder + fragment_name(r)], fragment_limit(objects, folder, r))
+        frag = parse_fragment(raw, store.url(key))  # another node's: checked like a manifest
         if attempt is not None and attempt_of(frag) != attempt:
             raise CheckpointError(
                 f"step {step} of job {job}: {store.url(key)} names attempt {attempt_of(frag)}, not its folder's {attempt}"
@@ -207,102 +225,83 @@ def try_complete(store: ObjectStore, job: str, step: int, world_size: int, attem
     completes the step number meanwhile is judged at the next poll, never overwritten unseen. Raises
     ``CheckpointError`` too when the fragments do not make a whole checkpoint (coverage, differing
     replicas, mismatched steps). ``attempt`` None: fragments of an older ckptd, any manifest completes it.
+    Its own manifest (or for ``None``, any) completes it only if it validates; else it is written again.
     """
     prefix = bucket_prefix(job, step)
-    listed = store.list_tagged(prefix)
-    names = {k[len(prefix) :] for k in listed}
-    tag = listed.get(bucket_key(job, step, MANIFEST))
-    complete, doc = _bucket_doc(store, job, step) if tag is not None else (False, None)
-    if complete and (attempt is None or attempt_of(doc) == attempt):
-        _forget_commit(store, job, step)  # this process may have cached the commit time of the step this attempt replaced
+    objects = {k[len(prefix) :]: v for k, v in list_objects(store, prefix).items()}
+    tag = objects[MANIFEST][0] if MANIFEST in objects else None
+    complete, doc, raw = _bucket_doc(store, job, step, objects) if tag is not None else (False, None, None)
+    ours = complete and (attempt is None or attempt_of(doc) == attempt)
+    if ours and raw is not None and valid_manifest(store, job, step, raw) is not None:
+        forget_commit(store, job, step)  # this process may have cached the commit time of the step this attempt replaced
         return True
-    frags = _own_fragments(store, job, step, names, world_size, attempt)
+    frags = _own_fragments(store, job, step, objects, world_size, attempt)  # a manifest of its own that is none: replaced
     if frags is None:
         return False
     manifest = build_manifest(job, step, world_size, frags)
     if attempt is not None:
         manifest["attempt_objects"] = True
-        if complete and (why := _refusal(job, step, attempt, manifest["committed_at"], doc)) is not None:
+        if complete and not ours and (why := _refusal(job, step, attempt, manifest["committed_at"], doc)) is not None:
             raise CheckpointError(why)
     if not store.put_bytes_if(bucket_key(job, step, MANIFEST), encode_manifest(manifest), tag):
         return False  # another writer came first: the next poll reads what it wrote
-    _forget_commit(store, job, step)
+    forget_commit(store, job, step)
     log.info("step %s of job %s is complete in the bucket: wrote its manifest (attempt %s)", step, job, attempt_of(manifest))
     return True
 
 
-def _objects(store: ObjectStore, job: str) -> dict[int, dict[str, str]]:
-    """Every object of ``job`` in the bucket, in one listing: step -> {name under the step's prefix: tag}."""
-    out: dict[int, dict[str, str]] = {}
-    for key, tag in store.list_tagged(f"{job}/").items():
+def _objects(store: ObjectStore, job: str) -> dict[int, Objects]:
+    """Every object of ``job`` in the bucket, in one listing: step -> {name under the step's prefix: (tag, size)}."""
+    out: dict[int, Objects] = {}
+    for key, listed in list_objects(store, f"{job}/").items():
         parsed = parse_bucket_key(job, key)
         if parsed is not None:
-            out.setdefault(parsed[0], {})[parsed[1]] = tag
+            out.setdefault(parsed[0], {})[parsed[1]] = listed
     return out
 
 
-def _listing(store: ObjectStore, job: str) -> tuple[dict[int, str], list[int]]:
-    """The steps of ``job`` in the bucket: the complete ones with their manifest's tag (one listing), and
-    the partial ones, sorted."""
+def _tags(objects: Objects) -> dict[str, str]:
+    return {name: tag for name, (tag, _) in objects.items()}
+
+
+def _listing(store: ObjectStore, job: str) -> tuple[dict[int, Objects], list[int]]:
+    """The steps of ``job`` in the bucket, in one listing: those with a manifest (their objects), and the partial
+    ones, sorted."""
     objects = _objects(store, job)
-    tags = {s: names[MANIFEST] for s, names in objects.items() if MANIFEST in names}
-    return tags, sorted(objects.keys() - tags.keys())
+    return {s: o for s, o in objects.items() if MANIFEST in o}, sorted(s for s, o in objects.items() if MANIFEST not in o)
 
 
 def remote_steps(store: ObjectStore, job: str) -> tuple[list[int], list[int]]:
-    """``(complete, partial)`` steps of ``job`` in the bucket, each sorted."""
-    tags, partial = _listing(store, job)
-    return sorted(tags), partial
-
-
-# (bucket url, job, step) -> (the manifest's tag when read, its committed_at, the folder of its files); a
-# manifest changes only when a rollback re-save replaces its step, maybe by other nodes' daemons: the tag
-# of a listing tells
-_commit_cache: dict[tuple[str, str, int], tuple[str | None, int, str]] = {}
-
-
-def _forget_commit(store: ObjectStore, job: str, step: int) -> None:
-    """This process deleted, replaced or completed the bucket's step: its cached commit time may be stale."""
-    _commit_cache.pop((store.url(), job, step), None)
-
-
-def _manifest_facts(store: ObjectStore, job: str, step: int, tag: str | None = None) -> tuple[int, str] | None:
-    """``(committed_at, folder of its files)`` of the bucket's manifest of step ``step``, ``None`` if it is
-    gone (another node's retention). Read once per version of the manifest: ``tag``, the manifest's tag in
-    a listing just made, tells a replaced manifest from the one read before; without it the value read
-    before stands (this process forgets it when it deletes or uploads the step)."""
-    key = (store.url(), job, step)
-    cached = _commit_cache.get(key)
-    if cached is None or (tag is not None and cached[0] != tag):
-        complete, doc = _bucket_doc(store, job, step)
-        if not complete:
-            _commit_cache.pop(key, None)
-            return None
-        if len(_commit_cache) > 65536:
-            _commit_cache.clear()
-        cached = _commit_cache[key] = (tag, commit_time(doc), objects_folder(doc))
-    return cached[1], cached[2]
+    """``(complete, partial)`` steps of ``job`` in the bucket, each sorted; a step whose manifest does not validate
+    (read whole once per version) is in neither, logged."""
+    listed, partial = _listing(store, job)
+    return sorted(s for s, o in listed.items() if manifest_facts(store, job, s, o[MANIFEST][0], o) is not None), partial
 
 
 def bucket_committed_at(store: ObjectStore, job: str, step: int, tag: str | None = None) -> int | None:
-    """When step ``step`` (complete in the bucket) was committed: its manifest's ``committed_at``, 0 if
-    absent (older ckptd) or unreadable, ``None`` if the manifest is gone (see :func:`_manifest_facts`)."""
-    facts = _manifest_facts(store, job, step, tag)
+    """When step ``step`` (complete in the bucket) was committed: its manifest's ``committed_at``, 0 if absent (older
+    ckptd), ``None`` if the manifest is gone or does not validate (see :func:`~.documents.manifest_facts`)."""
+    facts = manifest_facts(store, job, step, tag)
     return None if facts is None else facts[0]
 
 
 def bucket_steps_by_commit(store: ObjectStore, job: str) -> tuple[list[int], list[int]]:
-    """``(complete, partial)`` steps of ``job`` in the bucket: the complete ones oldest commit first (the
-    last is the bucket's latest), the partial ones ascending."""
-    tags, partial = _listing(store, job)
-    when = {s: at for s, tag in tags.items() if (at := bucket_committed_at(store, job, s, tag)) is not None}
-    return sorted(when, key=lambda s: (when[s], s)), partial
+    """``(complete, partial)`` steps of ``job`` in the bucket: the complete ones oldest commit first, the partial ones
+    ascending. The last is the bucket's latest, the one committed last whose manifest validates: steps are ordered by
+    each manifest's head (:func:`~.documents.commit_order`) and the newest validated until one does; an older
+    manifest is read whole once it is the newest."""
+    listed, partial = _listing(store, job)
+    when = {s: at for s, o in listed.items() if (at := commit_order(store, job, s, o[MANIFEST][0], o)) is not None}
+    order = sorted(when, key=lambda s: (when[s], s))
+    while order and manifest_facts(store, job, order[-1], listed[order[-1]][MANIFEST][0], listed[order[-1]]) is None:
+        order.pop()  # not a manifest (logged): the step committed before it may be the latest
+    return order, partial
 
 
 def _fetch_files(store: ObjectStore, job: str, step: int, tmp: str, progress: Progress | None) -> None:
     """Download the step's manifest-listed files into ``tmp``, then its manifest; check every size."""
     where = step_url(store, job, step)
-    raw = get_document(store, bucket_key(job, step, MANIFEST))
+    raw = get_document(store, bucket_key(job, step, MANIFEST), MAX_DOCUMENT_BYTES)  # no more than one of its step can be
     manifest = parse_manifest(raw, f"{where}/{MANIFEST}")  # every field, names confined, nesting bounded
     if (manifest["job"], manifest["step"]) != (job, step):
         raise FormatError(f"{where}/{MANIFEST} describes job {manifest['job']} step {manifest['step']}")
@@ -385,7 +384,7 @@ def _drop_complete(store: ObjectStore, job: str, step: int, tag: str, folder: st
     half-deleted step never looks complete). False, touching nothing, if the manifest changed since (a
     rollback re-save completed that number; checked again by a conditional delete, which, retried after it
     went through, finds no manifest and goes on). ``folder``: a multi-node step's; only its own files go."""
-    _forget_commit(store, job, step)
+    forget_commit(store, job, step)
     prefix = bucket_prefix(job, step)
     listed = store.list_tagged(prefix)
     man = bucket_key(job, step, MANIFEST)
@@ -427,24 +426,25 @@ def apply_remote_retention(
     latest after a rollback), else those below the latest complete step. A multi-node job's objects of
     another attempt under a complete step go by ``settled`` too. Returns the steps removed."""
     objects = _objects(store, job)
-    tags = {s: names[MANIFEST] for s, names in objects.items() if MANIFEST in names}
-    facts = {s: f for s, tag in tags.items() if (f := _manifest_facts(store, job, s, tag)) is not None}
+    tags = {s: names[MANIFEST][0] for s, names in objects.items() if MANIFEST in names}
+    facts = {s: f for s, tag in tags.items() if (f := manifest_facts(store, job, s, tag, objects[s])) is not None}
     complete = sorted(facts, key=lambda s: (facts[s][0], s))
     latest = complete[-1] if complete else -1
 
     def gone(s: int) -> bool:  # a partial step that can no longer complete
         if s in busy:
             return False
-        return settled(s, frozenset((bucket_key(job, s, n), t) for n, t in objects[s].items())) if settled is not None else s < latest
+        keys = frozenset((bucket_key(job, s, n), t) for n, t in _tags(objects[s]).items())
+        return settled(s, keys) if settled is not None else s < latest
 
     stale = [s for s in sorted(objects.keys() - tags.keys()) if gone(s)]
     doomed_now = [s for s in doomed(policy, complete) if s != latest]
     dropped = [s for s in doomed_now if _drop_complete(store, job, s, tags[s], None if settled is None else facts[s][1])]
     for s in stale:  # exactly the objects judged: one written since the listing is a new upload's
-        _forget_commit(store, job, s)
-        _delete_judged(store, {bucket_key(job, s, n): t for n, t in objects[s].items()}, settled is not None)
+        forget_commit(store, job, s)
+        _delete_judged(store, {bucket_key(job, s, n): t for n, t in _tags(objects[s]).items()}, settled is not None)
     if settled is not None:
         for s in complete:
             if s not in busy and s not in doomed_now:
-                _remove_strays(store, job, objects[s], s, facts[s][1], settled)
+                _remove_strays(store, job, _tags(objects[s]), s, facts[s][1], settled)
     return sorted(dropped + stale)

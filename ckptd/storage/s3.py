@@ -248,6 +248,26 @@ class S3Store:
             self._wait(self._transfers().download(self.config.bucket, key, sink))
         return buf.getvalue()
 
+    def get_head(self, rel: str, nbytes: int) -> tuple[bytes, int]:
+        """The first ``nbytes`` bytes of ``rel`` (all of a shorter object) and the object's size: one ranged
+        ``GetObject``, of which no more than ``nbytes`` are read (a server that ignores ``Range`` sends the whole
+        object: the rest is never read). A missing object raises ``FileNotFoundError``."""
+        key = self.key(rel)
+        with self._translate("download", key, missing_is_error=False):
+            try:
+                response = self.client.get_object(Bucket=self.config.bucket, Key=key, Range=f"bytes=0-{max(nbytes, 1) - 1}")
+            except _boto_errors() as exc:
+                if _error_code(exc) not in ("InvalidRange", "416"):
+                    raise
+                return b"", 0  # an empty object has no byte 0 to start a range at
+            body = response["Body"]
+            try:
+                data = body.read(nbytes)
+            finally:
+                body.close()
+        total = str(response.get("ContentRange") or "").rpartition("/")[2]  # "bytes 0-4095/67108864"
+        return data, int(total) if total.isdigit() else int(response.get("ContentLength", len(data)))
+
     def exists(self, rel: str) -> bool:
         """Whether an object named ``rel`` exists (a HEAD request)."""
         key = self.key(rel)
@@ -270,15 +290,20 @@ class S3Store:
         """Every key that starts with ``rel_prefix`` (as :meth:`list`), relative, with its tag: ETag and
         LastModified (the same bytes written again, say by a node re-uploading its part after a restart,
         keep their ETag: only the time tells)."""
+        return {k: tag for k, (tag, _) in self.list_sized(rel_prefix).items()}
+
+    def list_sized(self, rel_prefix: str = "") -> dict[str, tuple[str, int]]:
+        """Every key that starts with ``rel_prefix`` (as :meth:`list`), relative, with its tag (as :meth:`list_tagged`)
+        and its size in bytes: the same listing requests."""
         check_rel("key prefix", rel_prefix, prefix_of_keys=True)
         root = f"{self.config.prefix}/" if self.config.prefix else ""
-        tags: dict[str, str] = {}
+        found: dict[str, tuple[str, int]] = {}
         with self._translate("list", root + rel_prefix + "*"):
             paginator = self.client.get_paginator("list_objects_v2")
             pages = paginator.paginate(Bucket=self.config.bucket, Prefix=root + rel_prefix, PaginationConfig={"PageSize": _LIST_PAGE})
             for page in pages:
-                tags.update((obj["Key"][len(root) :], _tag(obj)) for obj in page.get("Contents", ()))
-        return tags
+                found.update((obj["Key"][len(root) :], (_tag(obj), int(obj.get("Size", 0)))) for obj in page.get("Contents", ()))
+        return found
 
     def delete(self, rels: builtins.list[str]) -> None:
         """Delete the objects named in ``rels``, up to 1000 per request; missing ones are not an error."""

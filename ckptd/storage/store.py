@@ -10,7 +10,7 @@ reading a missing object raises :class:`FileNotFoundError`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from .s3config import RemoteConfig
@@ -75,6 +75,23 @@ class ObjectStore(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class SizedStore(Protocol):
+    """What a store may tell besides :class:`ObjectStore`'s (:class:`~ckptd.storage.s3.S3Store` does): each listed
+    object's size, and the head of an object. The bucket tier (:mod:`.remote`) bounds every manifest and fragment it
+    reads by the sizes of its step's other objects, and orders steps by a manifest's head alone; a store that cannot
+    tell sizes gets the fixed ceiling (``config.MAX_DOCUMENT_BYTES``) and whole reads."""
+
+    def list_sized(self, rel_prefix: str = "") -> dict[str, tuple[str, int]]:
+        """Every key starting with ``rel_prefix``, with its tag (as :meth:`ObjectStore.list_tagged`) and size in bytes."""
+        ...
+
+    def get_head(self, rel: str, nbytes: int) -> tuple[bytes, int]:
+        """The first ``nbytes`` bytes of ``rel`` (all of a shorter object) and the object's size, whatever that is:
+        never more than ``nbytes`` held. A missing object raises :class:`FileNotFoundError`."""
+        ...
 
 
 def open_store(remote: RemoteConfig | None, root: str | None = None) -> ObjectStore | None:
