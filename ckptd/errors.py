@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be taken, made durable or restored."""
@@ -31,3 +33,12 @@ class StepDropped(CheckpointError):
 class StepUnknown(CheckpointError):
     """The daemon has no record of a snapshot's step and the step is not on disk: the daemon restarted since
     the step was committed, and retention removed it, the memory tier dropped it, or it was lost."""
+
+
+class DiskFull(CheckpointError):
+    """A write did not fit (``ENOSPC``, ``EDQUOT``): the disk, or the user's quota on it, is full."""
+
+
+def write_failed(what: str, e: OSError) -> CheckpointError:
+    """The error for a failed write of ``what``: :class:`DiskFull` where the disk or the quota is full."""
+    return (DiskFull if e.errno in (errno.ENOSPC, errno.EDQUOT) else CheckpointError)(f"writing {what} failed: {e.strerror or e}")

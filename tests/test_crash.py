@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 import ckptd
 from ckptd import shm
-from ckptd.layout import shard_name, tmp_dir
+from ckptd.layout import complete_steps, shard_name, tmp_dir
 from ckptd.storage import local
 from ckptd.tools.verify import verify_checkpoint
 from ckptd.validate import read_manifest
@@ -352,6 +352,27 @@ def test_full_disk_fails_the_step_and_keeps_the_previous(small_disk, make_daemon
         assert_same(full_state(m2, o2), want)
         train_step(model, optim, 1)
         assert c.snapshot(model, optim, step=3).wait(30).endswith("step-3")  # space was freed
+
+
+def test_a_disk_sized_for_keep_steps_keeps_saving(small_fs, make_daemon) -> None:  # noqa: ANN001
+    """--keep 2 on a disk that holds two steps: retention ran only after a new step completed, and the third never
+    fit (ENOSPC at every step, for good). A shard that does not fit now removes first the step its completion would
+    remove, never the one latest names, and is written again."""
+    daemon = make_daemon(start=False)
+    daemon.root = small_fs  # 3 MiB
+    daemon.start(["--keep", "2"])
+    m = torch.nn.Module()
+    m.register_buffer("bulk", torch.zeros(1 << 18))  # 1 MiB a step: two fit, not three
+    with daemon.client("j") as c:
+        for step in (1, 2, 3, 4):
+            m.bulk.fill_(float(step))
+            assert c.snapshot(m, step=step).wait(30).endswith(f"step-{step}")
+            assert complete_steps(small_fs, "j") == ([step - 1, step] if step > 1 else [1])
+        m2 = torch.nn.Module()
+        m2.register_buffer("bulk", torch.zeros(1 << 18))
+        c.restore(m2)
+    assert torch.equal(m2.bulk, torch.full((1 << 18,), 4.0))
+    assert "did not fit on disk: removed steps [1] now" in daemon.log.read_text()
 
 
 SLOW_SEAL = """import sys, time, ckptd.daemon.memtier as M

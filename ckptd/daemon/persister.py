@@ -22,7 +22,7 @@ from typing import Any
 
 from .. import shm
 from ..config import MAX_TREE_DEPTH
-from ..errors import FormatError, ProtocolError
+from ..errors import DiskFull, FormatError, ProtocolError
 from ..layout import MANIFEST, fragments_present, tmp_dir
 from ..storage import local
 from ..storage.retention import AnyOf, KeepLatest, Protect, RetentionPolicy
@@ -147,11 +147,12 @@ class Persister:
             # end would kill the daemon (SIGBUS); a short read fails this shard alone
             fd = self._open_segment(slot.name) if self._open_segment is not None else os.open(shm.path_of(slot.name), os.O_RDONLY)
             try:
-                local.write_shard(
-                    self.root, job, step, rank, ws, fd, rec["nbytes"], parse_tree(rec["tree"]),
-                    self.write_rate_limit, rec.get("replicas", {}), lws, rec.get("committed_at", 0), rec.get("run"), rec.get("after"),
-                    direct_io=self.direct_io,
-                )  # fmt: skip
+                try:
+                    self._write(fd, rec)
+                except DiskFull:
+                    if not self._make_room(job, step):
+                        raise
+                    self._write(fd, rec)
             finally:
                 os.close(fd)
             seconds, wrote = time.monotonic() - t0, True
@@ -164,6 +165,25 @@ class Persister:
             log.error("persisting %s (job %s step %s rank %s) failed: %s", slot.name, job, step, rank, e)
             event = ShardPersisted(slot.name, job, step, rank, 0, 0.0, f"{e}", attempt=attempt)
         self._events.post(event)
+
+    def _write(self, fd: int, rec: dict[str, Any]) -> None:
+        local.write_shard(
+            self.root, rec["job"], rec["step"], rec["rank"], rec["world_size"], fd, rec["nbytes"], parse_tree(rec["tree"]),
+            self.write_rate_limit, rec.get("replicas", {}), rec.get("local_world_size", rec["world_size"]), rec.get("committed_at", 0),
+            rec.get("run"), rec.get("after"), direct_io=self.direct_io,
+        )  # fmt: skip
+
+    def _make_room(self, job: str, step: int) -> bool:
+        """A shard of ``step`` did not fit: remove now the steps its completion would remove (all but the newest
+        ``keep - 1``, less what ``protect`` keeps, never the one ``latest`` names), so a disk sized for ``keep`` steps
+        keeps saving. Whether any was removed (then the shard is written again)."""
+        if self.keep < 2:  # keep 1: only latest's step would go, which stays until this one completes; keep 0: all stay
+            return False
+        unsent = lambda: Protect(frozenset(self._unreported.get(job, ())))  # noqa: E731
+        removed = local.apply_retention(self.root, job, lambda: AnyOf((KeepLatest(self.keep - 1), self._protect(job), unsent())))
+        if removed:
+            log.warning("job %s step %s did not fit on disk: removed steps %s now, as its completion would have", job, step, removed)
+        return bool(removed)
 
     def reported(self, job: str, step: int) -> None:
         """Main thread: the completion of ``step`` was handled (its upload queued): retention judges it as any step."""

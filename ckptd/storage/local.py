@@ -31,7 +31,7 @@ from typing import Any
 import xxhash
 
 from .. import format as fmt
-from ..errors import CheckpointError, FormatError
+from ..errors import CheckpointError, FormatError, write_failed
 from ..format import MAX_HEADER_BYTES, ShardLayout, attempt_of, build_fragment, build_manifest, commit_time, digest, parse_header
 from ..layout import (
     MANIFEST,
@@ -202,7 +202,7 @@ def write_shard(
                 pass
         if not isinstance(e, OSError):
             raise
-        raise CheckpointError(f"writing {path} failed: {e.strerror or e}") from None
+        raise write_failed(path, e) from None
 
 
 def read_fragment(root: str, job: str, step: int, rank: int, directory: str | None = None) -> dict[str, Any]:
