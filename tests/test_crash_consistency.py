@@ -15,6 +15,9 @@ sleeps a random short time, SIGKILLs the daemon, and sometimes kills it again wh
   complete on disk (older ones may be dropped by retention); ``latest`` names the newest acknowledged
   step; ``ckptd verify`` accepts it; once the daemon is idle nothing a crash left half done remains
   (no ``step-N.tmp``, ``step-N.del``, or ``step-N`` without its manifest).
+* **Two rounds are harder:** in one, a client holds 1,100 connections open (at systemd's soft limit of 1,024
+  descriptors the daemon aborted in libzmq, EMFILE); from another on, a daemon runs on a copy of the live root
+  (``cp -a``). Neither may cost an acknowledged step.
 * **At the end:** the newest step reaches the bucket; a restore through the daemon from the disk, and
   from the bucket after the job's directory is wiped, is bit-identical to the state saved at it.
 
@@ -43,6 +46,7 @@ import pytest
 import torch
 from _models import assert_same, full_state, make, train_step
 from conftest import REPO, DaemonProc
+from test_exhaustion import _HOLD_ZMQ
 from test_remote import remote_toml
 
 import ckptd
@@ -57,6 +61,9 @@ BULK = 1 << 18  # float32 elements of a buffer that makes each shard ~1 MiB: big
 WRITE_RATE = "2M"  # bytes/s: a shard takes ~0.5 s to write
 UPLOAD_RATE = 2_000_000  # bytes/s: a step takes ~0.5 s to upload (s3transfer paces only past 256 KiB per file)
 SETTLE_S = 90.0  # how long a step may take to become durable after a restart (a loaded 2-core machine)
+SYSTEMD_LIMITS = (1024, 4096)  # RLIMIT_NOFILE (soft, hard) as systemd gives a service
+FLOOD_ROUND = 3  # the round in which a client holds more connections than the soft limit allows
+COPY_ROUND = 5  # the round from which a daemon on a copy of the root runs beside the job's
 
 
 class Run:
@@ -230,13 +237,43 @@ def quiet() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _flood(endpoint: str, n: int = 1100) -> Iterator[None]:
+    """``n`` ZeroMQ connections held open by another process of the daemon's user, closed on leaving."""
+    code = "import sys\n" + _HOLD_ZMQ  # prints "held N", holds until its stdin has a line or closes
+    proc = subprocess.Popen([sys.executable, "-c", code, endpoint, str(n)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == f"held {n}\n"
+        yield
+    finally:
+        if proc.stdin is not None:
+            proc.stdin.close()  # the flood ends: its connections close
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def _start_on_a_copy(d: DaemonProc, base: Path) -> DaemonProc:
+    """A daemon on a copy of ``d``'s live root (``cp -a``), without the bucket (a copy must not upload as ``d``)."""
+    (base / "copy").mkdir()
+    shutil.copytree(d.root, base / "copy" / "root", symlinks=True)
+    return DaemonProc(base / "copy", []).start()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_sigkill_at_random_moments_loses_no_acknowledged_step(make_daemon, short_tmp: Path, s3_bucket: RemoteConfig, s3_server) -> None:  # noqa: ANN001
     rng = random.Random(SEED)
     conf = remote_toml(short_tmp / "r.toml", s3_bucket, keep=KEEP, max_bandwidth=UPLOAD_RATE)
-    d = make_daemon("--config", conf, "--keep", str(KEEP), "--write-rate-limit", WRITE_RATE, "--workers", "2")
+    d = make_daemon("--config", conf, "--keep", str(KEEP), "--write-rate-limit", WRITE_RATE, "--workers", "2", start=False)
+    d.open_files = SYSTEMD_LIMITS  # as systemd starts it: the flood round below would exhaust 1,024 descriptors
+    d.start()
     run = Run(d, s3_bucket, s3_server.client())
+    copy: DaemonProc | None = None
     model, optim = new_model(1)
     step = 0
     t0 = time.monotonic()
@@ -249,14 +286,24 @@ def test_sigkill_at_random_moments_loses_no_acknowledged_step(make_daemon, short
                 run.states[step] = full_state(model, optim)
                 c.snapshot(model, optim, step=step, extra={"step": step}, blocking=True)
                 run.acked.append(step)  # returned: the daemon recorded the commit
+        if run.round == FLOOD_ROUND:  # a client holds 1,100 connections (before: libzmq aborted the daemon, EMFILE)
+            with _flood(d.endpoint):
+                time.sleep(1.0)
+        if run.round == COPY_ROUND:  # the root copied (cp -a) while persisting, a daemon started on the copy
+            copy = _start_on_a_copy(d, short_tmp)
         # a kill right after the commits (mid-persist), or anywhere in persist, retention and upload
         time.sleep(rng.uniform(0.0, 0.15) if rng.random() < 0.3 else rng.uniform(0.0, 1.5))
         run.kill(f"kill after step {step}")
         if rng.random() < 0.35:  # again, while the restarted daemon finishes what it adopted
             time.sleep(rng.uniform(0.0, 0.6))
             run.kill(f"kill during recovery after step {step}")
-        run.check_settled()
+        run.check_settled()  # with a daemon on a copy of the root running too, from COPY_ROUND on
     loop_s = time.monotonic() - t0
+    if copy is not None:
+        assert copy.stop() == 0, copy.log.read_text()[-2000:]
+        assert "a copied root?" in copy.log.read_text()
+        assert "committed job" not in copy.log.read_text(), copy.log.read_text()[-2000:]  # it took none of the job's staged shards
+        copy.cleanup()
 
     # the newest step reaches the bucket
     newest = run.acked[-1]
