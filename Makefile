@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # workers on the 2-core CI machine take ~0.6x the serial time (TEST_WORKERS=0 runs the suite in one process)
 TEST_WORKERS ?= 2
 
-.PHONY: install demo test lint bench bench-gpu device-wheels clean systemd-analyze
+.PHONY: install demo test docs lint bench bench-gpu device-wheels clean systemd-analyze
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -17,7 +17,7 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_PIN)"
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -e ".[test,docs]"
 	# torchtitan 0.3.0 for tests/test_integrations.py; without its dependencies (datasets, wandb,
 	# tensorboard...), which its CheckpointManager does not import: those it does are in the test extras
 	$(BIN)/pip install -q --no-deps "torchtitan==0.3.0"
@@ -35,7 +35,12 @@ systemd-analyze:
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
-test: $(STAMP) systemd-analyze
+# the documentation site (Sphinx + MyST: the pages are Markdown, the API reference comes from the docstrings);
+# warnings are errors, so a broken link or a stale reference fails `make test` too
+docs: $(STAMP)
+	$(BIN)/python -m sphinx -W --keep-going -q -b html docs docs/_build/html
+
+test: $(STAMP) systemd-analyze docs
 	$(BIN)/ruff check ckptd tests benchmarks examples
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests
 
@@ -71,4 +76,4 @@ device-wheels: $(STAMP)
 	ls .whl
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info docs/_build

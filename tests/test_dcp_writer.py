@@ -380,20 +380,20 @@ def test_two_rank_fsdp2_dcp_saves_load_into_one_process_and_into_ddp(daemon, sho
     run_ranks(2, dcp_load, "fsdp1", daemon.endpoint, "f2", expected, 1)
 
 
-def test_the_readme_dcp_snippet_runs(daemon, monkeypatch) -> None:  # noqa: ANN001
+def test_the_guides_dcp_snippet_runs(daemon, monkeypatch) -> None:  # noqa: ANN001
     import re
 
     from conftest import REPO
 
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("### `torch.distributed.checkpoint`") :]
+    text = (REPO / "docs" / "integrations.md").read_text()
+    section = text[text.index("## `torch.distributed.checkpoint`") :]
     snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)  # type: ignore[union-attr]
     monkeypatch.setenv("CKPTD_ENDPOINT", daemon.endpoint)
     model, optim = make()
     train_step(model, optim, 0)
     want = full_state(model, optim)
     scope = {"model": model, "optim": optim, "step": 3}
-    exec(compile(snippet, "README.md", "exec"), scope)  # noqa: S102 - the README's own code
+    exec(compile(snippet, "docs/integrations.md", "exec"), scope)  # noqa: S102 - the guide's own code
     assert scope["state"]["trainer"]["step"] == 3  # type: ignore[index]  (loaded back by the snippet's dcp.load)
     m2, o2 = make(seed=4)
     with daemon.client("my-job") as c:

@@ -50,7 +50,7 @@ class Client:
     shared-memory budget is full (``CKPTD_TIMEOUT``, ``CKPTD_ALLOC_TIMEOUT``). ``persist_every`` /
     ``persist_interval`` (``CKPTD_PERSIST_EVERY`` / ``CKPTD_PERSIST_INTERVAL``) set this job's tiering:
     persist one snapshot in N, or the first T seconds after the last; the others stay in the daemon's
-    memory tier only (default: the daemon's settings; see README, "Memory tier"). ``overlap``
+    memory tier only (default: the daemon's settings; see docs/memory-tier.md). ``overlap``
     (``CKPTD_OVERLAP``: ``auto``, ``always``, ``never``) says when the default mode copies behind the next
     step: :func:`.options.overlap_setting`.
     """

@@ -3,7 +3,7 @@
 A shard written through the page cache costs the node a second copy of every byte (into the cache), then the
 kernel's reclaim of those pages, CPU time the trainer's step pays for on a small node. Written with ``O_DIRECT``
 from page-aligned buffers, two writes in flight, a 1.06 GB persist took 0.39–1.10 s where a plain buffered write +
-fsync of the same bytes took 0.51–2.92 s (``benchmarks/persist_restore.py`` on the 2-core development VM, README
+fsync of the same bytes took 0.51–2.92 s (``benchmarks/persist_restore.py`` on the 2-core development VM, docs/performance.md
 "Persist and restore"). The file's pages are then not in the page cache: a restore from disk right after a persist
 reads the disk (a restore from the daemon's memory reads no disk either way).
 

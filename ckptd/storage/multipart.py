@@ -17,7 +17,7 @@ uploads the same objects again under new upload ids. So:
 
 Only uploads this root's daemon began are aborted: another node of a multi-node job uploading under the same prefix
 keeps its own. Recording is best effort: a record that cannot be written (a full disk) is logged and the upload goes
-on; a bucket lifecycle rule that aborts old incomplete uploads stays the backstop (README). A record that cannot be
+on; a bucket lifecycle rule that aborts old incomplete uploads stays the backstop (docs/object-storage.md). A record that cannot be
 read (cut short by a crash) is logged and removed. The root is the daemon's own (0700, writable by no one else), so
 the records are trusted as far as their shape is checked.
 """
