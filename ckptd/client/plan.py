@@ -83,7 +83,7 @@ class Arrivals:
         if store.add(key, 1) == world:
             store.set(key + "/all", b"1")
         else:
-            self._wait(store, key, world, what, env_float("CKPTD_COLLECTIVE_TIMEOUT", COLLECTIVE_TIMEOUT_S))
+            self._wait(store, key, world, what, env_float("CKPTD_COLLECTIVE_TIMEOUT", COLLECTIVE_TIMEOUT_S), dist.get_rank())
         if dist.get_rank() == 0 and self.seq > 1:  # every rank is past the previous check: its keys are done
             for k in (f"ckptd/{self.scope}/arrive/{self.seq - 1}", f"ckptd/{self.scope}/arrive/{self.seq - 1}/all"):
                 try:
@@ -92,26 +92,31 @@ class Arrivals:
                     pass
 
     @staticmethod
-    def _wait(store: Any, key: str, world: int, what: str, timeout: float) -> None:
-        """Until every rank checked in; a warning each minute naming how many did, an error after ``timeout``."""
+    def _wait(store: Any, key: str, world: int, what: str, timeout: float, rank: int) -> None:
+        """Until every rank checked in; a warning each minute naming how many did and the likely fix, an error after
+        ``timeout`` (without the store's own timeout error chained to it: it says nothing the message does not)."""
         waited = 0.0
+        fix = (
+            "ckptd.prepare(), ckptd.snapshot() and a strict ckptd.restore() are collective: call them on every rank, with the"
+            " same step, never under `if rank == 0`"
+        )
         while True:
             chunk = min(WARN_EVERY_S, timeout - waited)
             try:
                 store.wait([key + "/all"], timedelta(seconds=chunk))
                 return
-            except (RuntimeError, dist.DistError) as e:
+            except (RuntimeError, dist.DistError):
                 waited += chunk
                 came = store.add(key, 0)
                 if waited >= timeout:
-                    raise CheckpointError(
-                        f"{what} on rank {dist.get_rank()}: only {came} of {world} ranks called it within {timeout:g} s"
-                        f" (CKPTD_COLLECTIVE_TIMEOUT). ckptd.prepare(), ckptd.snapshot() and a strict ckptd.restore() are"
-                        f" collective: call them on every rank, with the same step, never under `if rank == 0`"
-                    ) from e
+                    break
                 log.warning(
-                    "%s on rank %d: %d of %d ranks arrived after %.0f s; waiting for the others", what, dist.get_rank(), came, world, waited
-                )
+                    "%s on rank %d: %d of %d ranks arrived after %.0f s; waiting for the others until %.0f s (CKPTD_COLLECTIVE_TIMEOUT)."
+                    " If the others do not call it (a slow rank catches up; a call on some ranks only never does): %s",
+                    what, rank, came, world, waited, timeout, fix,
+                )  # fmt: skip
+        late = f"only {came} of {world} ranks called it within {timeout:g} s (CKPTD_COLLECTIVE_TIMEOUT)"
+        raise CheckpointError(f"{what} on rank {rank}: {late}. {fix}")
 
 
 class WritePlan:
