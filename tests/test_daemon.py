@@ -177,6 +177,7 @@ def test_second_daemon_on_same_endpoint_refuses(daemon, make_daemon) -> None:  #
         timeout=30,
     )
     assert rc.returncode == 1 and "already serving" in rc.stderr
+    assert not os.path.exists(daemon.root + "2")  # a start refused at the endpoint makes no root (nor its lock file)
 
 
 def test_a_daemon_still_starting_on_the_endpoint_keeps_a_second_one_off_it(short_tmp) -> None:  # noqa: ANN001
@@ -195,6 +196,7 @@ def test_a_daemon_still_starting_on_the_endpoint_keeps_a_second_one_off_it(short
             capture_output=True, text=True, timeout=30,
         )  # fmt: skip
     assert rc.returncode == 1 and "or starting on it" in rc.stderr, rc.stderr
+    assert not (short_tmp / "other").exists()
 
 
 def test_clean_stop_unlinks_segments(daemon) -> None:  # noqa: ANN001

@@ -71,8 +71,14 @@ class Daemon:
         self.access = Access(config.group)
         self.root = os.path.abspath(config.root)
         self.instance = secrets.token_hex(8)  # in hello: a client tells a restarted daemon from the one it asked
-        self._root_lock = self.access.make_root(self.root)  # one daemon per root: refused here if another holds it
-        self._endpoint_lock: int | None = None
+        self._ctx, self._endpoint_lock, self._root_lock = zmq.Context(), None, None
+        try:  # the endpoint first, then the root (one daemon per root): a refused start makes no root, lock or segment
+            self._endpoint_lock = check_endpoint(self.access, self._ctx, config.endpoint)
+            self._root_lock = self.access.make_root(self.root)
+        except BaseException:
+            self._unlock()
+            self._ctx.term()
+            raise
         try:
             self._build(config, store)
         except BaseException:
@@ -82,12 +88,6 @@ class Daemon:
     def _build(self, config: DaemonConfig, store: ObjectStore | None) -> None:
         self.endpoint, self.started = config.endpoint, time.monotonic()
         self.counters = Counters()
-        self._ctx = zmq.Context()
-        try:  # before anything is created in /dev/shm: a refused start leaves nothing behind
-            self._endpoint_lock = check_endpoint(self.access, self._ctx, self.endpoint)
-        except BaseException:
-            self._ctx.term()
-            raise
         self._sock: zmq.Socket | None = None
         self._sock_id: tuple[int, int] | None = None  # the bound socket file (device, inode)
         self.connections: ConnectionGuard | None = None  # made at the bind
@@ -170,7 +170,7 @@ class Daemon:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: self.stop())
-        log.info("ckptd %s serving %s, root %s, shm budget %.2f GiB", __version__, self.endpoint, self.root, self.pool.budget / 2**30)
+        log.info("ckptd %s serving %s, root %s, shm budget %.2f GB", __version__, self.endpoint, self.root, self.pool.budget / 1e9)
         notify(f"READY=1\nMAINPID={os.getpid()}\nSTATUS=serving {self.endpoint}")
         try:
             self._loop()
