@@ -1,15 +1,10 @@
-"""The in-process client: the facade a training script uses (``snapshot``, ``prepare``, ``wait``,
-``restore``, ``latest``), and the snapshot handles it returns.
+"""The in-process client: the facade a training script uses (``snapshot``, ``prepare``, ``wait``, ``restore``, ``latest``) and its handles.
 
-One snapshot, in order, on the training thread: finish the previous background copy; stage the state
-(:mod:`.stage`: capture, plan — a collective —, layout); lease a slot (``alloc``); copy into it
-(:mod:`.copy`); commit (``commit``, with the tree as a second frame). With ``blocking=False`` and a
-state on a GPU (or ``overlap="always"``) the tensors only ``optimizer.step()`` mutates are copied by a
-background thread, which then commits; an optimizer step pre-hook, the next ``snapshot()``,
-``restore()`` and ``wait()`` wait for it first.
-``SnapshotHandle.wait()`` / ``Client.wait()``: any thread; they block on the daemon's answer.
-Restores go through :mod:`.restore`; requests through :mod:`.rpc`.
-"""
+One snapshot, in order, on the training thread: finish the previous background copy; stage the state (:mod:`.stage`: capture,
+plan — a collective —, layout); lease a slot (``alloc``); copy into it (:mod:`.copy`); commit (``commit``, the tree a second frame).
+With ``blocking=False`` and a state on a GPU (or ``overlap="always"``) the tensors only ``optimizer.step()`` mutates are copied by
+a background thread, which then commits; an optimizer step pre-hook, the next ``snapshot()``, ``restore()`` and ``wait()`` wait for
+it first. The ``wait()`` methods: any thread, blocking on the daemon's answer. Restores: :mod:`.restore`; requests: :mod:`.rpc`."""
 
 from __future__ import annotations
 
@@ -41,19 +36,18 @@ log = logging.getLogger("ckptd.client")
 
 
 class Client:
-    """Talks to the node's daemon. Methods are safe to call from any thread.
+    """Talks to the node's daemon for one job; its methods, safe from any thread, are the module-level functions with explicit settings.
 
-    ``endpoint`` defaults to ``CKPTD_ENDPOINT`` (else a per-user ipc socket), ``job`` to
-    ``CKPTD_JOB``, else a name stable across relaunches of the same run (:func:`ckptd.config.default_job`:
-    torchrun's ``--rdzv-id`` when given, else the script, directory and arguments), else an error. ``timeout`` bounds each request to
-    the daemon except ``alloc``, which waits up to ``alloc_timeout`` while the daemon's
-    shared-memory budget is full (``CKPTD_TIMEOUT``, ``CKPTD_ALLOC_TIMEOUT``). ``persist_every`` /
-    ``persist_interval`` (``CKPTD_PERSIST_EVERY`` / ``CKPTD_PERSIST_INTERVAL``) set this job's tiering:
-    persist one snapshot in N, or the first T seconds after the last; the others stay in the daemon's
-    memory tier only (default: the daemon's settings; see docs/memory-tier.md). ``overlap``
-    (``CKPTD_OVERLAP``: ``auto``, ``always``, ``never``) says when the default mode copies behind the next
-    step: :func:`.options.overlap_setting`.
-    """
+    Args:
+        endpoint: The daemon's endpoint, ``ipc://`` or ``tcp://`` (default: ``CKPTD_ENDPOINT``, else a per-user ipc socket).
+        job: The job, a directory name under the root (default: ``CKPTD_JOB``, else one stable across relaunches: :doc:`/api`).
+        timeout: Seconds a request may go unanswered before :class:`DaemonUnavailable` (``CKPTD_TIMEOUT``, 30).
+        alloc_timeout: Seconds ``snapshot()`` waits for a slot while the daemon's memory budget is full (``CKPTD_ALLOC_TIMEOUT``).
+        persist_every: This job's own :doc:`memory tier </memory-tier>`: persist one snapshot in N (``CKPTD_PERSIST_EVERY``).
+        persist_interval: Or the first one T seconds after the last (``CKPTD_PERSIST_INTERVAL``); both default to the daemon's.
+        overlap: When the default mode copies behind the next step: ``auto``, ``always`` or ``never`` (``CKPTD_OVERLAP``).
+    Raises:
+        CheckpointError: The endpoint is not ``ipc://`` or ``tcp://``, or no job name is given and none can be derived."""
 
     def __init__(
         self,
@@ -94,25 +88,47 @@ class Client:
         self._saved: set[int] = set()  # steps saved since that restore: saved again, they would replace this run's own
 
     def hello(self) -> dict[str, Any]:
+        """The daemon's greeting.
+
+        Returns:
+            Its ``server_version``, ``root``, ``pid`` and tiering policy (``tiering``)."""
         return self._rpc.call("hello")
 
     def status(self) -> dict[str, Any]:
-        """The daemon's state, as ``ckptd status --json`` prints it."""
+        """The daemon's state, as ``ckptd status --json`` prints it.
+
+        Returns:
+            The status fields, as a dict."""
         return reply_fields(self._rpc.call("status"))
 
     def latest(self) -> int | None:
-        """The newest committed step of this job, or ``None``."""
+        """The latest complete step of this job, as :func:`ckptd.latest` (which lists its errors).
+
+        Returns:
+            The step committed last, or ``None``."""
         return self._rpc.call("latest", job=self.job)["step"]
 
     def protect(self, step: int, name: str) -> None:
-        """Keep ``step`` of this job from the daemon's retention (on its disk and in its bucket) while ``name`` (the
-        path of a file that points at it, say) protects it; naming it again moves it. A memory-only step is persisted."""
+        """Keep ``step`` of this job from retention (the daemon's disk and bucket, however old) while ``name`` protects it.
+
+        Naming it again moves it (``last.ckpt`` follows the newest save). A memory-only step is persisted (so is a rolled-back
+        run's re-save of a protected number), one the bucket lost is uploaded again. Durable (``<root>/<job>/protected.json``) on return.
+
+        Args:
+            step: The step to keep: being saved, or complete on the node's disk.
+            name: What protects it (a pointer file's path, say): up to 10,000 per job, no control characters; ``ckptd ls`` prints them.
+        Raises:
+            ProtocolError: The daemon refused it, saying why (a step neither being saved nor complete, too many names)."""
         check_step(step)
         self._rpc.call("protect", job=self.job, step=step, name=name)
 
     def unprotect(self, name: str) -> bool:
-        """Let go of the step ``name`` protected: the next retention pass may remove it. Whether it protected one
-        (where a reply was lost and the request asked again, the second asking finds the name already let go: False)."""
+        """Let go of the step ``name`` protected: a retention pass runs at once.
+
+        Args:
+            name: The name :meth:`protect` was given.
+        Returns:
+            Whether ``name`` protected a step (``False`` also when a daemon restarted after carrying out this request is asked again)."""
         return self._rpc.call("unprotect", job=self.job, name=name)["before"] is not None
 
     # ------------------------------------------------------------------ snapshot
@@ -126,12 +142,16 @@ class Client:
         extra: dict[str, Any] | None = None,
         blocking: bool = False,
     ) -> SnapshotHandle:
-        """Capture model and optimizer state as of this call and hand it to the daemon.
+        """Capture model and optimizer state as of this call and hand it to the daemon, as :func:`ckptd.snapshot` (its errors).
 
-        Every rank of a distributed job must call it with the same ``step``. ``extra`` (JSON-able
-        values and tensors) is this rank's own state, returned by :meth:`restore`. Calls from several
-        threads take turns (each joins the background copy of the one before).
-        """
+        Args:
+            model: The module to save.
+            optim: Its optimizer, or ``None``.
+            step: The step number, the same on every rank.
+            extra: This rank's own state (JSON-able values and tensors), returned by :meth:`restore`.
+            blocking: Return once every byte is in the daemon's shared memory and the commit is recorded.
+        Returns:
+            The step's :class:`SnapshotHandle`."""
         check_step(step)
         with self._snapping:
             return self._snapshot(model, optim, step, extra, blocking)
@@ -188,10 +208,14 @@ class Client:
         return self.overlap == "always" or (self.overlap == "auto" and staged.any_cuda)
 
     def snapshot_state(self, state: dict[str, Any], *, step: int, extra: dict[str, Any] | None = None) -> SnapshotHandle:
-        """Checkpoint a state dict as it is, blocking: ``{"model": <model state dict>, "optim": <optimizer
-        state dict as torch's get_state_dict gives it>}`` (``optim`` may be left out), e.g. one read from
-        another checkpoint format (``ckptd import``). :meth:`restore` loads it into any layout. Collective
-        like :meth:`snapshot`."""
+        """Checkpoint a state dict as it is, blocking (``ckptd import`` uses it); collective like :meth:`snapshot`.
+
+        Args:
+            state: ``{"model": <state dict>, "optim": <optimizer state dict as get_state_dict gives it>}`` (``optim`` may be left out).
+            step: The step number; :meth:`restore` loads it into any layout.
+            extra: This rank's own state, as for :meth:`snapshot`.
+        Returns:
+            The step's :class:`SnapshotHandle`, already committed."""
         from .staged import commit_staged, stage_state
 
         return commit_staged(stage_state(self, state, step=step, extra=extra))
@@ -210,17 +234,12 @@ class Client:
             raise CheckpointError(f"snapshot of step {commit['step']} failed: {handle._error}") from handle._error
 
     def prepare(self, model: torch.nn.Module, optim: torch.optim.Optimizer | None = None, *, slots: int | None = None) -> None:
-        """Do the first snapshot's one-time work now, outside the training loop.
+        """Do the first snapshot's one-time work now, outside the training loop, as :func:`ckptd.prepare` (its errors).
 
-        Plans the layout (a collective: call on every rank), has the daemon create ``slots`` staging
-        slots of the right size for this rank and maps them (page-locked for CUDA state), all side by
-        side, then hands them back unused. The next
-        snapshots reuse them at memory-copy speed. Default: two (one persisting while the next is
-        filled), three with a memory tier (one persisting, the newest step held, the next filled).
-        Slots the daemon's memory budget has no room for are not waited for: a warning says how many fit.
-        Before the optimizer's first step (no state yet) the slots fit the state that step will make
-        (:mod:`.sizing`).
-        """
+        Args:
+            model: The module ``snapshot()`` will save.
+            optim: Its optimizer, or ``None``.
+            slots: How many staging slots, an int in 0..16 (default: two; three with a memory tier)."""
         if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or not 0 <= slots <= MAX_PREPARED_SLOTS):
             raise ValueError(f"prepare(slots=...) takes an int in 0..{MAX_PREPARED_SLOTS}, got {slots!r}")
         with self._snapping:
@@ -278,8 +297,7 @@ class Client:
             log.warning("could not release %s: %s", segment, e)
 
     def _early_copy(self, rank: int, world: int, step: int) -> EarlyCopy | None:
-        """A snapshot copied before it returns, of a state with many tensors whose stage is cached: lease the slot and
-        start copying now, while this thread checks that the capture holds and runs the plan's collective."""
+        """Lease a slot and start copying a cached stage of many tensors, while this thread checks the capture and runs the collective."""
         stage = self._stager.stage
         if stage is None or not EarlyCopy.worth_it(stage):
             return None
@@ -296,8 +314,7 @@ class Client:
         return early
 
     def _finish_early(self, early: EarlyCopy, staged: Staged) -> str | None:
-        """The segment, filled, if the early copy used what the capture now says; else ``None`` (the
-        segment is given back)."""
+        """The segment, filled, if the early copy used what the capture now says; else ``None`` (the segment is given back)."""
         try:
             held = early.finish(self._stager.stage, staged)
         except BaseException:
@@ -312,8 +329,7 @@ class Client:
     def _fill(
         self, optim: Any, rank: int, world: int, step: int | None, staged: Staged, blocking: bool, model: Any = None
     ) -> tuple[str, Behind]:
-        """Lease a slot and copy into it what must be copied before ``snapshot()`` returns; return the
-        segment and what is left for the background thread."""
+        """Lease a slot, copy into it what must be copied before ``snapshot()`` returns; return it and what the background has left."""
         segment = self._alloc(rank, world, step, staged.layout.file_size)
         try:
             guarded = self._guarded_storages(optim, model) if (optim is not None and not blocking) else set()
@@ -324,8 +340,7 @@ class Client:
         return segment, behind
 
     def _guarded_storages(self, optim: torch.optim.Optimizer, model: Any) -> set[int]:
-        """The optimizer's storages, recomputed only when the stage is: a reused stage means the
-        capture cache's fingerprint (which covers every parameter and optimizer-state tensor) held."""
+        """The optimizer's storages, recomputed only with the stage (a stage reused: the fingerprint of every parameter and state held)."""
         stage = self._stager.stage
         if self._guarded[0]() is not stage or stage is None:
             self._guarded = (weakref.ref(stage) if stage is not None else lambda: None, optimizer_storages(optim, model))
@@ -367,9 +382,12 @@ class Client:
     # ------------------------------------------------------------------ wait / restore
 
     def wait(self, timeout: float | None = None) -> list[str]:
-        """Wait until the snapshots this client took (the newest 64) are durable; return their directories.
-        With a memory tier (``persist_every`` > 1 ...), steps it already dropped are skipped; the others
-        are persisted now."""
+        """Wait until the snapshots this client took (the newest 64) are durable, as :func:`ckptd.wait` (its errors).
+
+        Args:
+            timeout: Seconds to wait in all, or ``None``.
+        Returns:
+            The durable steps' directories."""
         return self._pending.wait(timeout)
 
     def restore(
@@ -383,20 +401,18 @@ class Client:
         strict: bool = True,
         dtype: torch.dtype | None = None,
     ) -> Restored:
-        """Load the newest committed step (or ``step``, or the checkpoint at ``path``) in place.
+        """Load the newest committed step (or ``step``, or the checkpoint at ``path``) in place, as :func:`ckptd.restore` (its errors).
 
-        Returns this rank's ``extra`` (a dict; a :class:`Restored` that also lists ``missing_keys``
-        and ``unexpected_keys``). ``strict``: state the checkpoint lacks, or saved state that no
-        rank's model or optimizer has, is an error naming it; ``strict=False`` loads what matches.
-        ``dtype``: saved floating-point tensors are converted into targets of this dtype (a bf16
-        checkpoint into an fp32 model with ``dtype=torch.float32``); otherwise dtypes must match.
-        With torch.distributed initialized, call it on every rank. With ``path`` no daemon is needed. Otherwise, if the daemon
-        still holds every shard of that step in shared memory (a trainer restarted on the same node
-        after a crash), the bytes come from there and no shard is read from disk (``hot=False``
-        reads the disk anyway); else the daemon picks the newest complete step under its root or in
-        its bucket, downloading it into the root first if only the bucket has it. :attr:`last_restore`
-        says which it was: ``"memory"``, ``"disk"`` or ``"bucket"``.
-        """
+        Args:
+            model: The module to load into.
+            optim: Its optimizer, or ``None``.
+            step: The step to load (default: the latest).
+            path: A step directory, or a job directory meaning its newest step: read without the daemon.
+            hot: Read the daemon's shared memory while it holds the step; ``False`` reads the disk. :attr:`last_restore` says which.
+            strict: State missing on one side is an error naming it; ``False`` loads what matches.
+            dtype: Convert saved floating-point tensors into targets of this dtype; otherwise dtypes must match.
+        Returns:
+            This rank's ``extra``, a :class:`Restored` (``step``, ``missing_keys``, ``unexpected_keys``)."""
         # an earlier snapshot's failed background copy (or a list of optimizers) fails every rank of a collective
         # restore together: raised on this rank alone, the others waited for it at the check-in until the timeout
         shared(strict, self._guard.finish)

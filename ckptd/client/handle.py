@@ -22,12 +22,20 @@ log = logging.getLogger("ckptd.client")
 
 
 class SnapshotHandle:
-    """One snapshot in flight. ``wait()`` blocks until the step is durable and returns its path.
+    """One snapshot in flight, as :func:`ckptd.snapshot` returns it; any thread may wait on it.
 
-    A failure of a snapshot committed before it returned (``blocking=True``, or a CPU-only state under
-    ``overlap="auto"``) is raised by ``snapshot()`` itself. A failure of a background copy is raised once
-    by the client as a whole: by whichever of the next ``snapshot()``, ``Client.wait()`` or ``close()``
-    sees it first (``close`` warns); this handle's own ``wait()`` always raises it."""
+    A failure of a snapshot committed before it returned (``blocking=True``, or a CPU-only state under ``overlap="auto"``)
+    is raised by ``snapshot()`` itself. A failure of a background copy is raised once by the client as a whole: by
+    whichever of the next ``snapshot()``, ``Client.wait()`` or ``close()`` sees it first (``close`` warns); this
+    handle's own :meth:`wait` always raises it.
+
+    Args:
+        client: The :class:`Client` that took the snapshot (a handle is made by it, not by users).
+        step: The step this snapshot saves.
+
+    Attributes:
+        step: The step this snapshot saves.
+        job: The job it belongs to."""
 
     def __init__(self, client: Client, step: int) -> None:
         self.client = client
@@ -40,7 +48,10 @@ class SnapshotHandle:
         self._path: str | None = None
 
     def copied(self) -> bool:
-        """True once every byte is in the daemon's shared memory and committed (or the copy failed)."""
+        """Whether the copy into the daemon's shared memory has ended, without blocking.
+
+        Returns:
+            ``True`` once every byte is in the daemon's shared memory and committed, or the copy failed."""
         return self._copied.is_set()
 
     def _unreported(self) -> BaseException | None:
@@ -51,6 +62,14 @@ class SnapshotHandle:
         return self._error
 
     def wait_copied(self, timeout: float | None = None) -> None:
+        """Block until every byte is in the daemon's shared memory and the commit is recorded there (not yet durable).
+
+        Args:
+            timeout: Seconds to wait, or ``None`` for no limit.
+
+        Raises:
+            CheckpointError: The copy or the commit failed, naming the cause.
+            TimeoutError: The copy had not ended after ``timeout`` seconds."""
         if not self._copied.wait(timeout):
             raise TimeoutError(f"snapshot of step {self.step} still copying after {timeout} s")
         if self._error is not None:
@@ -58,11 +77,22 @@ class SnapshotHandle:
             raise CheckpointError(f"snapshot of step {self.step} failed: {self._error}") from self._error
 
     def wait(self, timeout: float | None = None) -> str:
-        """Block until step ``step`` is committed (manifest written); return its directory.
+        """Block until the step is committed (its manifest written) and durable; return its directory.
 
-        Raises :class:`CheckpointError` if the copy failed or the daemon reported a failure, and
-        ``TimeoutError`` after ``timeout`` seconds.
-        """
+        The daemon persists a step its memory tier kept in memory only (a wait asks for durability). A wait in progress
+        when the daemon restarts asks the new one.
+
+        Args:
+            timeout: Seconds to wait in all, or ``None`` for no limit.
+
+        Returns:
+            The step's directory (retention may remove it later).
+
+        Raises:
+            StepDropped: The memory tier dropped the step before anyone asked for it durable, as the job's policy allows.
+            StepUnknown: A daemon restarted since the commit has no record of the step, and it is not on disk.
+            CheckpointError: The copy or the daemon failed, naming the cause.
+            TimeoutError: The step was not durable after ``timeout`` seconds."""
         deadline = None if timeout is None else time.monotonic() + timeout
         self.wait_copied(timeout)
         if self._path is not None:

@@ -44,17 +44,29 @@ __all__ = ["Reader"]
 
 
 class Reader(StorageReader):
-    """A DCP ``StorageReader`` over one committed ckptd step.
+    """A DCP ``StorageReader`` over one committed ckptd step, resharded into the caller's layout by DCP's planner.
 
-    ``Reader(path)``: that step directory (or a job directory: its newest step); no daemon needed.
-    ``Reader(job=..., step=None, endpoint=None)``: the newest complete step of the job (or ``step``, or the
-    ``checkpoint_id`` given to ``dcp.load``) through the node's daemon: from its shared memory while it
-    holds the step (``hot``; also a step kept in the memory tier only), else its disk, else its bucket.
-    Every rank reads the same step: a load whose ranks found different newest steps (one completed in
-    between) fails naming them; pass ``step`` to choose one.
+    ``dcp.load(state, storage_reader=ckptd.dcp.Reader(job=job))`` loads the newest complete step of the job (or ``step``, or
+    the ``checkpoint_id`` given to ``dcp.load``) through the node's daemon: from its shared memory while it holds the step
+    (also a step kept in the memory tier only), else its disk, else its bucket. ``Reader(path)`` reads a step directory
+    without a daemon. A ``snapshot()`` step loads with ``{"model": ..., "optim": ...}``, and rank 0's ``extra`` with
+    ``{"extra": {"0": {...}}}``; a :class:`ckptd.dcp.Writer` step loads under the names DCP gave it. Every rank reads the
+    same step: a load whose ranks found different newest steps (one completed in between) fails naming them.
 
-    DCP calls, on every rank: ``reset``, ``read_metadata``, ``set_up_storage_reader``,
-    ``prepare_local_plan``, ``prepare_global_plan`` (coordinator), then ``read_data``.
+    DCP calls, on every rank: ``reset``, ``read_metadata``, ``set_up_storage_reader``, ``prepare_local_plan``,
+    ``prepare_global_plan`` (coordinator), then ``read_data``.
+
+    Args:
+        path: A step directory, or a job directory meaning its newest step; give either ``path`` or ``job``.
+        job: The job to read through the daemon.
+        step: The step to read (with ``job`` only; default: the newest complete one, or ``dcp.load``'s ``checkpoint_id``).
+        endpoint: The daemon's endpoint (default: ``CKPTD_ENDPOINT``, else the per-user socket).
+        hot: Read the step from the daemon's shared memory while it holds it; ``False`` reads its disk or bucket.
+
+    Raises:
+        ValueError: Both or neither of ``path`` and ``job`` are given, ``step`` is given with ``path``, or ``step`` is not a
+            step number.
+        CheckpointError: ``path`` is neither a committed step directory nor a job directory with one.
     """
 
     def __init__(

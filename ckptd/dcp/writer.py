@@ -58,13 +58,30 @@ MAX_STAGED = 4  # staged copies a writer keeps uncommitted; older ones (their sa
 
 
 class Writer(StorageWriter):
-    """A DCP ``StorageWriter`` (and ``AsyncStager``) that saves step ``checkpoint_id`` of ``job`` through the
-    node's ckptd daemon. ``job`` / ``endpoint`` default as :class:`ckptd.Client`'s (``CKPTD_JOB``,
-    ``CKPTD_ENDPOINT``). ``step``: the step this writer saves, when it is known before the call (a writer
-    per save); then ``dcp.async_save`` commits inside ``stage()``, so the daemon owns the state by the time
-    ``async_save`` returns (without it, once DCP's thread reached ``write_data``, milliseconds later), and
-    ``checkpoint_id`` may be left out. ``persist_every`` / ``persist_interval``: the job's tiering, as for
-    ``Client``."""
+    """A DCP ``StorageWriter`` and ``AsyncStager`` that saves into the node's ckptd daemon.
+
+    ``dcp.save`` / ``dcp.async_save(state, storage_writer=ckptd.dcp.Writer(job), checkpoint_id=str(step))`` stage the state
+    into the daemon's shared memory and commit it as step ``checkpoint_id`` of ``job``: an ordinary ckptd step, which
+    :func:`ckptd.restore` reads when saved as ``{"model": ..., "optim": ...}`` from ``get_state_dict``, and
+    :class:`ckptd.dcp.Reader` reads under the names DCP gave (see :doc:`/integrations`). ``async_save`` calls :meth:`stage`
+    on the training thread, a collective over the default group (every rank saves), and returns once the state is copied;
+    DCP's thread then plans and calls ``write_data``, which commits, and ``finish`` on the coordinator, which waits until
+    the daemon holds every rank's shard and the step is complete in its memory. The checkpoint id is the step.
+
+    Args:
+        job: The job (default: as :class:`ckptd.Client`'s, ``CKPTD_JOB``, else one derived from the launch).
+        endpoint: The daemon's endpoint (default: ``CKPTD_ENDPOINT``, else the per-user socket).
+        step: The step this writer saves, when it is known before the call (a writer per save): ``async_save`` then commits
+            inside ``stage()``, so the daemon owns the state by the time ``async_save`` returns (without it, once DCP's
+            thread reached ``write_data``, milliseconds later), and ``checkpoint_id`` may be left out.
+        durable: Have ``finish`` (so ``dcp.save``, or the future) wait until the step is on the daemon's disk.
+        persist_every: The job's memory tier: persist one step in N, as for :class:`ckptd.Client`.
+        persist_interval: The job's memory tier: persist the first step T seconds after the last, as for :class:`ckptd.Client`.
+
+    Raises:
+        ValueError: ``step`` is not a step number (an int or a string of digits).
+        CheckpointError: No job name is given and none can be derived, or the endpoint is not ``ipc://`` or ``tcp://``.
+    """
 
     _synchronize_after_execute = False  # stage() returns once the copy is done: nothing to synchronize
 

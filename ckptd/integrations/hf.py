@@ -103,8 +103,22 @@ def _set_rng(rng: dict[str, Any]) -> None:
 
 
 class CkptdCallback(TrainerCallback):
-    """Snapshots every ``save_steps`` steps (default: the ``TrainingArguments``' ``save_steps``) as job ``job``
-    (default: as :class:`ckptd.Client`'s). ``blocking``: ``snapshot(blocking=True)``."""
+    """A Hugging Face ``TrainerCallback`` that checkpoints the run through ckptd: ``Trainer(..., callbacks=[CkptdCallback(job)])``.
+
+    Every ``save_steps`` steps it takes a ``ckptd.snapshot`` of the model and optimizer (on every rank) when the next step
+    begins, with the LR scheduler, the ``TrainerState``, the RNG states and, under fp16 AMP, the gradient scaler's state as
+    ``extra``: step ``global_step`` of the job. Turn the Trainer's own saving off (``save_strategy="no"``); resume with
+    :meth:`resume_checkpoint`. See :doc:`/integrations`.
+
+    Args:
+        job: The job (default: as :class:`ckptd.Client`'s, ``CKPTD_JOB``, else one derived from the launch).
+        save_steps: Snapshot every this many optimizer steps, an int >= 1 (default: the ``TrainingArguments``' ``save_steps``).
+        endpoint: The daemon's endpoint (default: ``CKPTD_ENDPOINT``, else the per-user socket).
+        blocking: Take each snapshot with ``blocking=True``.
+
+    Raises:
+        ValueError: ``save_steps`` is not an int >= 1.
+    """
 
     def __init__(
         self, job: str | None = None, *, save_steps: int | None = None, endpoint: str | None = None, blocking: bool = False
@@ -119,10 +133,19 @@ class CkptdCallback(TrainerCallback):
         self._handler: Any = None  # a weak reference to the bound Trainer's callback handler (bind())
 
     def bind(self, trainer: Any) -> CkptdCallback:
-        """Carry the state of the Trainer's stateful callbacks (``ExportableState``: ``EarlyStoppingCallback``'s
-        patience counter) in every snapshot, as the Trainer's own checkpoints do; a callback gets no reference to its
-        Trainer, so call this once after making it. The Trainer puts them back on a resume when
-        ``restore_callback_states_from_checkpoint=True``. Returns this callback."""
+        """Carry the state of the Trainer's stateful callbacks in every snapshot, as the Trainer's own checkpoints do.
+
+        Stateful callbacks are ``ExportableState`` ones, such as ``EarlyStoppingCallback``'s patience counter. A callback gets
+        no reference to its Trainer, so call this once after making it; without it the callback warns at the start of
+        training, naming the stateful callbacks it cannot carry. The Trainer puts them back on a resume when
+        ``restore_callback_states_from_checkpoint=True``.
+
+        Args:
+            trainer: The ``transformers.Trainer`` this callback was given to.
+
+        Returns:
+            This callback.
+        """
         self._handler = weakref.ref(trainer.callback_handler)
         return self
 
@@ -165,9 +188,23 @@ class CkptdCallback(TrainerCallback):
         self.client.wait()  # every snapshot of the run durable before train() returns
 
     def resume_checkpoint(self, output_dir: str | os.PathLike[str]) -> str | None:
-        """``output_dir/checkpoint-<step>`` for the newest step of the job, written for the Trainer to resume
-        from (see the module's docstring); ``None`` if the job has no step yet. Call it on every rank: rank 0
-        picks the step and writes the directory, every rank then resumes that step."""
+        """Write ``output_dir/checkpoint-<step>`` for the newest step of the job, for the Trainer to resume from.
+
+        Call it on every rank, at the restart: rank 0 picks the step and writes the directory once (``model.safetensors``,
+        ``trainer_state.json`` and a ``ckptd.json`` pointer, each a new file renamed into place), every rank then resumes that
+        step. The model, optimizer, scheduler and gradient scaler are then restored in place from the ckptd step itself
+        (``on_train_begin``), and the RNG states when the first step begins.
+
+        Args:
+            output_dir: The ``TrainingArguments``' ``output_dir``.
+
+        Returns:
+            The directory to pass as ``trainer.train(resume_from_checkpoint=...)``, or ``None`` if the job has no step yet.
+
+        Raises:
+            CheckpointError: The newest step was not saved by ``CkptdCallback``, or ``checkpoint-<step>`` is a link or not a
+                directory.
+        """
         step = rank0_step(lambda: self._write_resume_dir(os.fspath(output_dir)))
         self._resume_step = step
         return None if step is None else os.path.join(os.fspath(output_dir), f"checkpoint-{step}")

@@ -45,9 +45,20 @@ __all__ = ["CkptdCheckpointIO"]
 
 
 class CkptdCheckpointIO(CheckpointIO):
-    """A Lightning ``CheckpointIO`` that saves through the node's ckptd daemon as job ``job`` (default: as
-    :class:`ckptd.Client`'s). ``durable``: ``save_checkpoint`` returns once the step is on the daemon's disk
-    (default: once the daemon holds it). ``persist_every`` / ``persist_interval``: the job's tiering."""
+    """A Lightning ``CheckpointIO`` that saves through the node's ckptd daemon: ``Trainer(plugins=[CkptdCheckpointIO(job)])``.
+
+    For strategies that save through ``CheckpointIO`` (one device, DDP, FSDP with a full state dict); a sharded FSDP /
+    ModelParallel save goes through DCP (:class:`ckptd.dcp.Writer`). Each pointer it writes protects its step from the
+    daemon's retention by the pointer's path (:meth:`ckptd.Client.protect`), so the top-k files ``ModelCheckpoint`` keeps
+    stay loadable however old they are. See :doc:`/integrations`.
+
+    Args:
+        job: The job (default: as :class:`ckptd.Client`'s, ``CKPTD_JOB``, else one derived from the launch).
+        endpoint: The daemon's endpoint (default: ``CKPTD_ENDPOINT``, else the per-user socket).
+        durable: Have ``save_checkpoint`` return once the step is on the daemon's disk (default: once the daemon holds it).
+        persist_every: The job's memory tier: persist one step in N, as for :class:`ckptd.Client`.
+        persist_interval: The job's memory tier: persist the first step T seconds after the last, as for :class:`ckptd.Client`.
+    """
 
     def __init__(
         self,
@@ -75,6 +86,23 @@ class CkptdCheckpointIO(CheckpointIO):
         return c
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        """Save Lightning's checkpoint dict as step ``global_step`` of the job and write a pointer to it at ``path``.
+
+        Lightning calls it on global rank 0. The dict is copied into the daemon's shared memory and committed, and this returns
+        while the daemon persists it. A second save at the same step (``last.ckpt``, another ``ModelCheckpoint``) points at
+        the first and carries what its callback and loop state changed.
+
+        Args:
+            checkpoint: Lightning's whole checkpoint dict (model, optimizers, schedulers, loops, callbacks).
+            path: Where Lightning wants the file (``epoch=1-step=20.ckpt``, ``last.ckpt``): a small JSON pointer to the step.
+            storage_options: Must be ``None``: the daemon's configuration says where the step goes.
+
+        Raises:
+            CheckpointError: ``global_step`` is not a step number, the step was saved already without some of these keys (a
+                weights-only save first), or the pointer cannot be written at ``path``.
+            ProtocolError: The daemon refused to protect the step.
+            TypeError: ``storage_options`` was given.
+        """
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options (the daemon's config says where it goes)")
         step = checkpoint.get("global_step")
@@ -113,6 +141,21 @@ class CkptdCheckpointIO(CheckpointIO):
         return overlay
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load the checkpoint at ``path``: the step a pointer names, on every rank, or an ordinary Lightning checkpoint.
+
+        Args:
+            path: A pointer this plugin wrote (read through the daemon: its memory, disk or bucket), or a file Lightning wrote
+                itself (a run that started without ckptd), which Lightning's ``TorchCheckpointIO`` loads.
+            map_location: Ignored: a step is read onto the CPU.
+            weights_only: Passed to ``TorchCheckpointIO`` for an ordinary Lightning checkpoint.
+
+        Returns:
+            The checkpoint dict Lightning handed for this path.
+
+        Raises:
+            FormatError: ``path`` holds a malformed pointer.
+            CheckpointError: The step cannot be read (gone, or its daemon failed), naming why.
+        """
         pointer = load_pointer(path)
         if pointer is None:  # an ordinary Lightning checkpoint: Lightning reads it
             from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -129,7 +172,12 @@ class CkptdCheckpointIO(CheckpointIO):
         return state
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Remove the file; a pointer's step is then left to the daemon's retention (unprotected)."""
+        """Remove the file at ``path``; a pointer's step is then left to the daemon's retention (unprotected).
+
+        Args:
+            path: The file ``ModelCheckpoint`` no longer keeps (one that left the top k). If the daemon cannot let its step
+                go, the step stays protected (kept, never lost), with a warning.
+        """
         path = os.fspath(path)
         try:
             pointer = read_pointer(path)

@@ -35,18 +35,28 @@ __all__ = ["CkptdCheckpointManager"]
 
 
 class CkptdCheckpointManager(CheckpointManager):
-    """torchtitan's ``CheckpointManager`` with ckptd as its storage (see the module's docstring)."""
+    """torchtitan's ``CheckpointManager`` with ckptd as its storage; torchtitan builds it from :class:`Config`.
+
+    Saves (``dcp.save`` / ``dcp.async_save`` every ``interval`` steps) go to the node's daemon as step ``<step>`` of the
+    job, through a :class:`ckptd.dcp.Writer` that knows its step; ``load()`` resumes from the newest step the daemon holds
+    (rank 0 decides, every rank loads it), or ``load_step``, through :class:`ckptd.dcp.Reader`. See :doc:`/integrations`.
+
+    Args:
+        config: Its :class:`Config`: torchtitan's ``CheckpointManager.Config`` with ``job`` and ``endpoint``;
+            ``keep_latest_k`` must be 0 and ``async_mode`` may not be ``"async_with_pinned_mem"`` (``ValueError``).
+        **kwargs: Passed to torchtitan's ``CheckpointManager`` as they are (its data loader, model parts, optimizers...).
+    """
 
     @dataclass(kw_only=True, slots=True)
     class Config(CheckpointManager.Config):
         job: str | None = None
-        """ckptd job name (default: ``CKPTD_JOB``, else one derived from the launch)."""
+        """The ckptd job name (default ``CKPTD_JOB``, else one derived from the launch)."""
 
         endpoint: str | None = None
-        """The daemon's endpoint (default: ``CKPTD_ENDPOINT``, else the per-user socket)."""
+        """The daemon's endpoint (default ``CKPTD_ENDPOINT``, else the per-user socket)."""
 
         keep_latest_k: int = 0
-        """Must stay 0: the daemon's retention keeps steps."""
+        """Must stay 0, as the daemon's retention keeps steps."""
 
         def __post_init__(self) -> None:
             CheckpointManager.Config.__post_init__(self)
