@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -120,10 +121,10 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--watch", type=_seconds, default=None, metavar="SECONDS", help="refresh every SECONDS (upload progress); Ctrl-C stops")
 
     v = sub.add_parser("verify", help="re-read a checkpoint: checksums, headers, coverage, manifest (exit 1 if unsound)")
-    v.add_argument("ckpt", help="a step directory, or a job directory (its newest step)")
+    _checkpoint_args(v)
 
     ex = sub.add_parser("export", help="consolidate a checkpoint into one full state dict file, or a Hugging Face model directory")
-    ex.add_argument("ckpt", help="a step directory, or a job directory (its newest step)")
+    _checkpoint_args(ex)
     ex.add_argument("--out", required=True, help="the file to write (hf: the directory to make)")
     ex.add_argument("--format", choices=("safetensors", "torch", "hf"), default="safetensors")
     ex.add_argument("--what", choices=("model", "optim", "all"), default="model")
@@ -137,10 +138,22 @@ def _parser() -> argparse.ArgumentParser:
     im.add_argument("--endpoint", default=None)
 
     ls = sub.add_parser("ls", help="committed steps with size, world size, layout and time")
-    ls.add_argument("--root", default=None, help="checkpoint root (default: ask the running daemon)")
+    ls.add_argument("--root", default=None, help=ROOT_HELP)
     ls.add_argument("--job", default=None)
     ls.add_argument("--endpoint", default=None)
     return p
+
+
+ROOT_HELP = "checkpoint root (default: ask the running daemon)"
+
+
+def _checkpoint_args(p: argparse.ArgumentParser) -> None:
+    """The checkpoint ``verify`` and ``export`` read: a path, or a job (and step) as ``ckptd ls`` lists them."""
+    p.add_argument("ckpt", nargs="?", default=None, help="a step directory, or a job directory (its newest step); or give --job")
+    p.add_argument("--job", default=None, help="instead of a path: the job, as `ckptd ls` lists it, under --root")
+    p.add_argument("--step", type=int, default=None, help="with --job: the step (default: the job's latest complete step)")
+    p.add_argument("--root", default=None, help=f"with --job: the {ROOT_HELP}")
+    p.add_argument("--endpoint", default=None, help="with --job and no --root: the daemon to ask (default: CKPTD_ENDPOINT, else your own)")
 
 
 def _serve_parser(s: argparse.ArgumentParser) -> None:
@@ -179,9 +192,29 @@ def _serve_parser(s: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    """Run one command; its exit status. A reader that closes stdout early (``ckptd ls | head``) ends any command
+    quietly with 141, as ``cat`` killed by SIGPIPE does: Python's recipe (docs.python.org/3/library/signal.html, "Note on
+    SIGPIPE"), not SIGPIPE's default action, which would also kill the process on a socket the daemon's peer closed."""
     commands = {"serve": _serve, "status": _status, "verify": _verify, "export": _export, "import": _import, "ls": _ls}
-    return commands[args.cmd](args)
+    parser = _parser()  # argparse drops the help it cannot write itself
+    args = parser.parse_args(argv)
+    _check_checkpoint_usage(parser, args)
+    try:
+        rc = commands[args.cmd](args)
+        sys.stdout.flush()  # here, not at exit: a reader that went away is found while it can still be handled
+        return rc
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit would fail again
+        return 128 + signal.SIGPIPE
+
+
+def _check_checkpoint_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``verify`` and ``export`` take a path or ``--job``, one of them; the other flags go with ``--job``."""
+    if args.cmd in ("verify", "export"):
+        if (args.ckpt is None) == (args.job is None):
+            parser.error(f"{args.cmd}: give a checkpoint's path or --job J (a job as `ckptd ls` lists it), one of the two")
+        if args.ckpt is not None and (args.step, args.root, args.endpoint) != (None, None, None):
+            parser.error(f"{args.cmd}: --step, --root and --endpoint go with --job (a path names its step itself)")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -232,11 +265,10 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .client.reader import resolve_step_dir
     from .tools.verify import stale_warning, verify_checkpoint
 
     try:
-        step_path = resolve_step_dir(args.ckpt)
+        step_path = _checkpoint(args)
     except CheckpointError as e:
         print(f"ckptd verify: {e}", file=sys.stderr)
         return 1
@@ -256,14 +288,53 @@ def _verify(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from .tools.export import export_checkpoint
 
+    bare = args.format == "hf" and args.config_from is None
     try:
+        step_path = _checkpoint(args)
+        if bare and args.what == "model":  # before a long export starts; not refused: config.json may be copied in later
+            print(
+                f"ckptd export: warning: no --config-from: {args.out} gets the weights only, no config.json, and transformers'"
+                " from_pretrained(dir) cannot load it; export with --config-from the model's directory (one save_pretrained"
+                " wrote: model.config.save_pretrained(dir) makes one) or its config.json, or copy that config.json into it",
+                file=sys.stderr,
+            )
         hf = {"max_shard_size": args.max_shard_size} if args.max_shard_size is not None else {}
-        stats = export_checkpoint(args.ckpt, args.out, fmt=args.format, what=args.what, config_from=args.config_from, **hf)
+        stats = export_checkpoint(step_path, args.out, fmt=args.format, what=args.what, config_from=args.config_from, **hf)
     except (CheckpointError, OSError, ValueError) as e:
         print(f"ckptd export: {e}", file=sys.stderr)
         return 1
-    print(f"wrote {args.out}: {stats['tensors']} tensors, {stats['bytes'] / 1e9:.3f} GB")
+    print(f"wrote {args.out}: {stats['tensors']} tensors, {stats['bytes'] / 1e9:.3f} GB{' (weights only: no config.json)' if bare else ''}")
     return 0
+
+
+def _checkpoint(args: argparse.Namespace) -> str:
+    """The step directory ``verify`` or ``export`` reads: the path given (a step, or a job directory: its latest step),
+    or ``--job``'s ``--step`` (else its latest complete step) under the root ``ckptd ls`` lists."""
+    from .client.reader import resolve_step_dir
+    from .layout import complete_steps, is_complete, step_dir
+    from .storage.local import latest_step
+
+    if args.job is None:
+        try:
+            return resolve_step_dir(args.ckpt)
+        except CheckpointError as e:
+            named = not os.path.lexists(args.ckpt) and os.sep not in args.ckpt
+            raise CheckpointError(f"{e}{f' (to name a job as `ckptd ls` lists it: --job {args.ckpt})' if named else ''}") from None
+    root, memory = _find_root(args.root, args.endpoint)
+    _find_job(root, args.job, memory)
+    job, step, kept = args.job, args.step, memory.get(args.job, [])
+    in_memory = f"; in the daemon's memory only, not persisted: step {', '.join(map(str, kept))}" if kept else ""
+    if step is None:
+        path = latest_step(root, job)[1]
+        if path is None:
+            raise CheckpointError(f"job {job!r} has no complete step under {root}{in_memory}")
+        return path
+    if not is_complete(step_dir(root, job, step)):
+        if step in kept:
+            raise CheckpointError(f"step {step} of job {job!r} is in the daemon's memory only: not persisted, nothing to read on disk")
+        steps = ", ".join(map(str, complete_steps(root, job))) or "none"
+        raise CheckpointError(f"job {job!r} has no complete step {step} under {root} (complete steps: {steps}){in_memory}")
+    return step_dir(root, job, step)
 
 
 def _import(args: argparse.Namespace) -> int:
@@ -295,38 +366,54 @@ def _protected(root: str, job: str) -> dict[int, str]:
     return {step: ", ".join(n) if len(n) < 3 else f"{n[0]} and {len(n) - 1} more" for step, n in by_step.items()}
 
 
+def _find_root(root: str | None, endpoint: str | None) -> tuple[str, dict[str, list[int]]]:
+    """The checkpoint root ``ls``, ``verify --job`` and ``export --job`` read: ``--root``, else the running daemon's, with
+    each job's memory-only steps (only the daemon knows them; none with ``--root``).
+
+    Raises:
+        CheckpointError: no root to read, saying why."""
+    memory: dict[str, list[int]] = {}
+    if root is None:
+        from .client.rpc import Channel
+
+        try:
+            with Channel(endpoint or default_endpoint(), STATUS_TIMEOUT_S) as rpc:
+                root = rpc.call("hello")["root"]
+                memory = {j: info.get("memory_only", []) for j, info in rpc.call("status")["jobs"].items()}
+        except CheckpointError as e:
+            raise CheckpointError(f"no --root given and {e}") from None
+    elif not os.path.isdir(root):
+        raise CheckpointError(f"{root} is not a directory (give the daemon's --root)")
+    if not os.access(root, os.R_OK | os.X_OK):
+        raise CheckpointError(f"cannot read {root} as this user (the daemon's root is private to it and its --group)")
+    return root, memory
+
+
+def _find_job(root: str, job: str, memory: dict[str, list[int]]) -> None:
+    """Raise :class:`CheckpointError` unless ``job`` is a job of ``root`` (or has steps in the daemon's memory)."""
+    from .layout import list_jobs
+
+    try:
+        validate_job(job)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    if job not in list_jobs(root) and not memory.get(job):
+        known = ", ".join(sorted(list_jobs(root))[:10]) or "none"
+        raise CheckpointError(f"no job {job!r} under {root} (jobs there: {known})")
+
+
 def _ls(args: argparse.Namespace) -> int:
     from .layout import list_jobs, step_dir
     from .storage.local import latest_step, steps_by_commit
     from .validate import read_manifest
 
-    root, memory = args.root, {}
-    if root is None:
-        from .client.rpc import Channel
-
-        try:
-            with Channel(args.endpoint or default_endpoint(), STATUS_TIMEOUT_S) as rpc:
-                root = rpc.call("hello")["root"]
-                memory = {j: info.get("memory_only", []) for j, info in rpc.call("status")["jobs"].items()}
-        except CheckpointError as e:
-            print(f"ckptd ls: no --root given and {e}", file=sys.stderr)
-            return 1
-    elif not os.path.isdir(root):
-        print(f"ckptd ls: {root} is not a directory (give the daemon's --root)", file=sys.stderr)
+    try:
+        root, memory = _find_root(args.root, args.endpoint)
+        if args.job:
+            _find_job(root, args.job, memory)
+    except CheckpointError as e:
+        print(f"ckptd ls: {e}", file=sys.stderr)
         return 1
-    if not os.access(root, os.R_OK | os.X_OK):
-        print(f"ckptd ls: cannot read {root} as this user (the daemon's root is private to it and its --group)", file=sys.stderr)
-        return 1
-    if args.job:
-        try:
-            validate_job(args.job)
-        except ValueError as e:
-            print(f"ckptd ls: {e}", file=sys.stderr)
-            return 1
-        if args.job not in list_jobs(root) and not memory.get(args.job):
-            known = ", ".join(sorted(list_jobs(root))[:10]) or "none"
-            print(f"ckptd ls: no job {args.job!r} under {root} (jobs there: {known})", file=sys.stderr)
-            return 1
     print(f"{'job':<20} {'step':>8} {'size':>10} {'ranks':>5}  {'layout':<34} created")
     for j in [args.job] if args.job else sorted(set(list_jobs(root)) | {j for j, steps in memory.items() if steps}):
         for step in memory.get(j, []):

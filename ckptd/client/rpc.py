@@ -47,7 +47,7 @@ def check_socket(endpoint: str, op: str | None = None) -> None:
         st = os.lstat(path)
     except FileNotFoundError:
         where = f" (op {op})" if op else ""
-        raise DaemonUnavailable(f"no ckptd daemon at {endpoint}{where}: {path} does not exist; is `ckptd serve` running?") from None
+        raise DaemonUnavailable(f"no ckptd daemon at {endpoint}{where}: {path} does not exist; {_running_there(endpoint)}") from None
     except OSError as e:
         raise CheckpointError(f"cannot check the ckptd socket {path}: {e.strerror or e}") from None
     me = os.geteuid()
@@ -86,7 +86,7 @@ def _listening(endpoint: str, path: str, op: str | None) -> None:
         where = f" (op {op})" if op else ""
         raise DaemonUnavailable(
             f"no ckptd daemon at {endpoint}{where}: {path} exists but nobody listens on it (a daemon that stopped or was killed);"
-            " is `ckptd serve` running?"
+            f" {_running_there(endpoint)}"
         ) from None
     except PermissionError:
         where = f" (op {op})" if op else ""
@@ -98,6 +98,20 @@ def _listening(endpoint: str, path: str, op: str | None) -> None:
         return  # anything else (a timeout under load): let the request itself find out
     finally:
         probe.close()
+
+
+def _running_there(endpoint: str) -> str:
+    """The end of every no-daemon message: is a daemon running, and at this endpoint (a daemon started with
+    ``--endpoint`` elsewhere is reached through ``CKPTD_ENDPOINT``, and only through it, by default)."""
+    env = os.environ.get("CKPTD_ENDPOINT")
+    if env == endpoint:
+        came = "this endpoint is CKPTD_ENDPOINT's; "
+    elif not env and endpoint == per_user_endpoint():
+        came = "this is this user's default endpoint (CKPTD_ENDPOINT is not set); "
+    else:
+        came = ""
+    hint = f"{came}a daemon on another endpoint (its --endpoint) is reached by setting CKPTD_ENDPOINT to it"
+    return f"is `ckptd serve` running there? {hint[0].upper()}{hint[1:]}"
 
 
 def _trusted_gid() -> int | None:
@@ -130,6 +144,8 @@ def _refuse(endpoint: str, problem: str, st: os.stat_result, hint: str | None = 
     raise CheckpointError(f"refusing to connect to {endpoint}: {problem} ({owner}, {mode}), so it may not be your ckptd daemon; {hint}")
 
 
+_PROBE_S = 2.0  # the longest a hello probe is given where the time is short: a live daemon answers it at once
+
 # asked again of a restarted daemon: no harm twice (protecting a name moves it to the same step again)
 _RESENDABLE = frozenset({"hello", "status", "latest", "wait", "promote", "protect", "unprotect"})
 
@@ -145,8 +161,9 @@ def _close(ctx: zmq.Context, sockets: list[tuple[threading.Thread, zmq.Socket]],
 
 class Channel:
     """``timeout`` bounds each request unless the call gives its own ``rpc_timeout``; a longer wait
-    (an ``alloc`` under backpressure) checks every ``timeout`` that the daemon still answers. Each new
-    socket is preceded by :func:`check_socket`."""
+    (an ``alloc`` under backpressure) checks every ``timeout`` that the daemon still answers. Where no daemon
+    answers, a call fails within its timeout, its hello probes included; only a request asked again of a daemon
+    that answers waits longer. Each new socket is preceded by :func:`check_socket`."""
 
     def __init__(self, endpoint: str, timeout: float) -> None:
         self.endpoint, self.timeout = validate_endpoint(endpoint), timeout
@@ -178,24 +195,30 @@ class Channel:
 
     def _call(self, op: str, rpc_timeout: float | None, frames: tuple[bytes, ...], fields: dict[str, Any]) -> dict[str, Any]:
         timeout = self.timeout if rpc_timeout is None else rpc_timeout
+        t0 = time.monotonic()
         req_id = next(self._ids)
-        if self.daemon is None and timeout > self.timeout:
-            # a request that may wait long (an alloc under backpressure, a wait): which daemon has it, so that a
-            # restart that loses it is told by the instance that answers later (briefly: a live daemon answers at once)
-            self._who(min(self.timeout, 2.0))
+        if self.daemon is None and timeout > self.timeout and self._who() is None:
+            # a request that may wait long (an alloc under backpressure, a wait) asks first which daemon will have it, so that
+            # a restart that loses it is told by the instance that answers later; none answers within timeout: none runs
+            check_socket(self.endpoint, op)  # a socket file missing or left behind says so itself
+            raise self._unanswered(op, t0)
         known = (self.daemon or {}).get("instance")
         s = self._socket(op)
         s.send_multipart([request(op, req_id, **fields), *frames])
-        t0 = sent = time.monotonic()
+        sent = time.monotonic()
         deadline, resent = t0 + timeout, 0
         held = fields.get("timeout", 0.0)  # how long the daemon may hold the reply back on purpose (if a number)
         held = float(held) if isinstance(held, (int, float)) and not isinstance(held, bool) else 0.0
+        spare = min(_PROBE_S, timeout / 2)  # a wait a probe follows ends this long before the deadline: none outlives it
         while True:
             left = deadline - time.monotonic()
-            slice_s = min(left, self.timeout)
-            if left > 0 and not s.poll(int(slice_s * 1000) + 1):
-                lost = op in _RESENDABLE and resent < 3 and time.monotonic() - sent > held + 1.0
-                now = self._who() if lost or slice_s < left else None
+            cut = min(self.timeout, left - spare)
+            # a probe follows this slice if it is not the last, or if the request, still unanswered then, may have been lost
+            lost = op in _RESENDABLE and resent < 3 and time.monotonic() + cut - sent > held + 1.0
+            probe = lost or cut < left - spare
+            if left > 0 and not s.poll(int(max(cut if probe else left, 0) * 1000) + 1):
+                rest = deadline - time.monotonic()
+                now = self._who(min(self.timeout, rest)) if probe and rest > 0 else None
                 if now is not None:
                     # a daemon answers; another instance than the one asked (a restart) has lost this request
                     moved = known is not None and now.get("instance") not in (None, known) and resent < 3
@@ -213,12 +236,8 @@ class Channel:
                         deadline = max(deadline, sent + held + self.timeout)
                     continue
             if left <= 0 or not s.poll(0):
-                # a late reply must not be read as the answer to a later request
-                self._drop_socket()
-                raise DaemonUnavailable(
-                    f"no answer from the ckptd daemon at {self.endpoint} within {time.monotonic() - t0:.1f} s (op {op});"
-                    " is `ckptd serve` running?"
-                )
+                self._drop_socket()  # a late reply must not be read as the answer to a later request
+                raise self._unanswered(op, t0)
             rep = decode_reply(s.recv())
             if rep.get("id") not in (req_id, None):
                 continue  # stale reply to an earlier, abandoned request
@@ -227,6 +246,12 @@ class Channel:
             if rep.get("instance") not in (None, (self.daemon or {}).get("instance")):
                 self._who()  # the first answer, or one from a daemon that replaced the one before: of the same root?
             return rep
+
+    def _unanswered(self, op: str, t0: float) -> DaemonUnavailable:
+        return DaemonUnavailable(
+            f"no answer from the ckptd daemon at {self.endpoint} within {time.monotonic() - t0:.1f} s (op {op});"
+            f" {_running_there(self.endpoint)}"
+        )
 
     def alive(self) -> bool:
         """Whether the daemon answers ``hello`` on a fresh socket within ``timeout``; ``False`` at once
