@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..config import ALLOC_TIMEOUT_S, CLIENT_TIMEOUT_S, MAX_PREPARED_SLOTS, default_endpoint, default_job, env_float, validate_job
+from ..config import ALLOC_TIMEOUT_S, CLIENT_TIMEOUT_S, MAX_PREPARED_SLOTS, default_endpoint, env_float
 from ..errors import CheckpointError, DaemonUnavailable
 from ..protocol import MAX_MESSAGE_BYTES, reply_fields
 from .agree import shared
@@ -25,7 +25,7 @@ from .copy import Behind, CopyGuard, EarlyCopy, SlotMaps, fill, join_all
 from .guarded import TornCopy, hookable, optimizer_storages, torch_optimizer
 from .handle import Pending, SnapshotHandle
 from .load import Restored, restore_state
-from .options import check_not_saved, check_step, dist_rank_world, local_world_size, overlap_setting, tier_settings
+from .options import JobName, check_not_saved, check_step, dist_rank_world, local_world_size, overlap_setting, tier_settings
 from .restore import Source, restore_from_daemon, restored
 from .rpc import Channel
 from .sizing import projected_items
@@ -61,11 +61,8 @@ class Client:
         overlap: str | None = None,
     ) -> None:
         self.endpoint = endpoint or default_endpoint()
-        if job is None:
-            job = default_job()
-            if not os.environ.get("CKPTD_JOB"):
-                log.info("ckptd job %r (set CKPTD_JOB or Client(job=...) to choose the name)", job)
-        self.job = validate_job(job)
+        self._name = JobName(job)  # a name ckptd derived is said at the first latest() or snapshot(), on rank 0
+        self.job = self._name.name
         self.timeout = timeout if timeout is not None else env_float("CKPTD_TIMEOUT", CLIENT_TIMEOUT_S)
         self.alloc_timeout = alloc_timeout if alloc_timeout is not None else env_float("CKPTD_ALLOC_TIMEOUT", ALLOC_TIMEOUT_S)
         self._tiering = tier_settings(persist_every, persist_interval)
@@ -106,6 +103,7 @@ class Client:
 
         Returns:
             The step committed last, or ``None``."""
+        self._name.announce(self._rpc)
         return self._rpc.call("latest", job=self.job)["step"]
 
     def protect(self, step: int, name: str) -> None:
@@ -153,6 +151,7 @@ class Client:
         Returns:
             The step's :class:`SnapshotHandle`."""
         check_step(step)
+        self._name.announce(self._rpc)
         with self._snapping:
             return self._snapshot(model, optim, step, extra, blocking)
 

@@ -3,11 +3,15 @@ job's tiering, and whether ``snapshot()``'s default mode copies behind the next 
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 from typing import Any
 
-from ..config import env_float, env_int
+from ..config import default_job, env_float, env_int, validate_job
 from ..errors import CheckpointError
+
+log = logging.getLogger("ckptd.client")
 
 OVERLAP_MODES = ("auto", "always", "never")
 
@@ -72,3 +76,46 @@ def check_not_saved(client: Any, step: int) -> None:
             f"step {step} of job {client.job} was already saved by this client since it restored step {client._after}:"
             " saving it again would replace it"
         )
+
+
+class JobName:
+    """The job's name, and whether ckptd derived it (no ``job=``, no ``CKPTD_JOB``): a derived name changes with the
+    script's arguments and directory, so a run meant to resume could start a new job over silently. Such a name is said
+    once, on rank 0, at warning level, with the job's newest step (or that it starts fresh) and, when it starts fresh,
+    the other jobs of the same script that have steps under the daemon's root.
+
+    Args:
+        job: The name given, or ``None`` to derive it (:func:`ckptd.config.default_job`).
+    """
+
+    def __init__(self, job: str | None) -> None:
+        self.derived = job is None and not os.environ.get("CKPTD_JOB")
+        self.name = validate_job(job if job is not None else default_job())
+        self._said = not self.derived
+
+    def announce(self, rpc: Any) -> None:
+        """Say the derived name, once per client (the first ``latest()`` or ``snapshot()``); never raises."""
+        if self._said:
+            return
+        self._said = True
+        if dist_rank_world()[0] != 0:
+            return
+        try:
+            newest = rpc.call("latest", job=self.name)["step"]
+            jobs = rpc.call("status").get("jobs") or {} if newest is None else {}
+        except CheckpointError:
+            return  # the call the user made says what is wrong with the daemon
+        how = f"its newest step is {newest}" if newest is not None else "no step of it yet: it starts fresh"
+        log.warning("ckptd job %r is named after the script, its directory and its arguments (set CKPTD_JOB to choose): %s", self.name, how)
+        script = re.fullmatch(r"(.+)-[0-9a-f]{8}", self.name)
+        others = [
+            f"{j} (step {v['latest']})" for j, v in sorted(jobs.items())
+            if script and j != self.name and re.fullmatch(re.escape(script[1]) + r"-[0-9a-f]{8}", j) and isinstance(v, dict)
+            and v.get("latest") is not None
+        ]  # fmt: skip
+        if others:
+            log.warning(
+                "other runs of this script have steps under the daemon's root: %s. A run with other arguments or in another"
+                " directory is another job: to resume one of them, set CKPTD_JOB to its name",
+                ", ".join(others),
+            )
