@@ -15,6 +15,7 @@ from any thread (libzmq sees the peer gone and closes it itself).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import resource
@@ -134,9 +135,8 @@ class ConnectionGuard:
         except OSError:
             return
         try:
-            s.shutdown(socket.SHUT_RDWR)  # libzmq sees the peer gone and closes its descriptor
-        except OSError:
-            pass  # closed meanwhile: nothing held
+            with contextlib.suppress(OSError):  # closed meanwhile: nothing held
+                s.shutdown(socket.SHUT_RDWR)  # libzmq sees the peer gone and closes its descriptor
         finally:
             s.detach()
         self.refused += 1
@@ -160,10 +160,8 @@ class ConnectionGuard:
         return len(self._uid_of)
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(zmq.ZMQError):  # the socket closed first
             self._sock.disable_monitor()
-        except zmq.ZMQError:
-            pass
         self.monitor.close(0)
 
 
