@@ -48,6 +48,7 @@ _DIR_RE = re.compile(r"ckptd-\d+-[0-9a-f]{16}")
 _FILE_RE = re.compile(r"[0-9a-f]{32}")
 NAME_RE = re.compile(rf"{_DIR_RE.pattern}/{_FILE_RE.pattern}")
 _OPEN = os.O_NOFOLLOW | os.O_CLOEXEC
+_HELD: dict[str, list[int]] = {}  # segment directory -> [its lock's fd, this process's SegmentDir objects using it]
 _ANY_MODES = frozenset({0o600, 0o640, 0o660})  # a segment's modes under any --group setting: free or leased, committed
 
 
@@ -80,13 +81,12 @@ class SegmentDir:
     """The daemon's private segment directory (daemon main thread; ``open_owned`` on any thread)."""
 
     def __init__(self, root: str, *, file_mode: int = 0o600, gid: int | None = None) -> None:
-        """Use the directory ``<root>/.ckptd-shm`` names if it is still ours and this root's, and no live daemon holds
-        it; else make a new one. A copy of a root (``cp -a``, a backup restored on the same node) carries the marker of
-        the root it was copied from: its daemon must never adopt, unlink or map that root's segments."""
+        """Use the directory ``<root>/.ckptd-shm`` names if it is ours and this root's (a copied root's marker names the
+        original's) and no other daemon holds it; else make a new one."""
         self.file_mode, self.gid = file_mode, gid
         self._marker = os.path.join(root, MARKER)
         self._identity = _identity(root)
-        self._lock: int | None = None
+        self._locked: str | None = None  # the directory whose lock this object counts in _HELD
         self.name = self._reuse() or self._make()
         self.path = os.path.join(SHM_DIR, self.name)
         self._set_dir_access()  # a reused one as this run's --group setting wants, whatever the previous run's
@@ -100,8 +100,7 @@ class SegmentDir:
 
     @staticmethod
     def read_marker(root: str) -> str | None:
-        """The directory name ``root``'s marker holds, if it is well formed, the directory is ours, and the marker was
-        made for this root: a copied root's marker names the original root's directory, never its own."""
+        """The directory name ``root``'s marker holds, if well formed, ours, and made for this root (not copied)."""
         try:
             with open(os.path.join(root, MARKER)) as f:
                 name, _, made_for = f.read(4096).strip().partition("\n")
@@ -122,14 +121,17 @@ class SegmentDir:
         return name
 
     def _take_lock(self, path: str) -> bool:
-        """Hold ``path``'s lock for as long as this daemon runs; ``False`` if another process holds it."""
-        fd = os.open(os.path.join(path, LOCK), os.O_RDWR | os.O_CREAT | _OPEN, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return False
-        self._lock = fd
+        """Hold ``path``'s lock while this process uses it (its objects for one directory share it); ``False``: another holds it."""
+        if path not in _HELD:
+            fd = os.open(os.path.join(path, LOCK), os.O_RDWR | os.O_CREAT | _OPEN, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                return False
+            _HELD[path] = [fd, 0]
+        _HELD[path][1] += 1
+        self._locked = path
         return True
 
     def _make(self) -> str:
@@ -146,21 +148,24 @@ class SegmentDir:
                 raise CheckpointError(f"cannot create a segment directory in {SHM_DIR}: {e.strerror}") from None
             try:
                 _check_dir(path)
-                if not self._take_lock(path):
-                    raise CheckpointError(f"{path}, made just now, is locked by another process")
+                self._take_lock(path)  # made just now under a random name: no one else holds it
                 write_durable(self._marker, f"{name}\n{self._identity}\n".encode())
             except BaseException:
-                self._drop_lock(path)
+                self._drop_lock()
                 os.rmdir(path)  # no directory that no marker names: nothing would ever remove it
                 raise
             return name
 
-    def _drop_lock(self, path: str) -> None:
-        if self._lock is not None:
+    def _drop_lock(self) -> None:
+        path, self._locked = self._locked, None
+        held = _HELD.get(path) if path is not None else None
+        if held is not None and held[1] > 1:
+            held[1] -= 1
+        elif held is not None and path is not None:  # the last of this process's objects for the directory: the lock goes
+            del _HELD[path]
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(path, LOCK))
-            os.close(self._lock)
-            self._lock = None
+            os.close(held[0])
 
     def _path(self, name: str) -> str:
         d, sep, f = name.partition("/")
@@ -177,17 +182,13 @@ class SegmentDir:
         except FileNotFoundError:
             return [], []
         segs = [f"{self.name}/{e}" for e in entries if _FILE_RE.fullmatch(e)]
-        strays = [
-            e for e in entries if e != LOCK and not _FILE_RE.fullmatch(e) and not (_FILE_RE.fullmatch(e[:32]) and e[32:] == RECORD_SUFFIX)
-        ]
+        ours = {LOCK, *(e for e in entries if _FILE_RE.fullmatch(e[:32]) and e[32:] in ("", RECORD_SUFFIX))}
+        strays = [e for e in entries if e not in ours]
         return segs, strays
 
     def create(self, size: int) -> tuple[str, int]:
-        """A new segment of at least ``size`` bytes, every page allocated; returns its name and size.
-
-        ``posix_fallocate`` makes a full ``/dev/shm`` fail here with ENOSPC instead of a SIGBUS in the
-        trainer's copy later, and prefaults the pages so the first copy runs at memory speed.
-        """
+        """A new segment of at least ``size`` bytes, every page allocated; returns its name and size. ``posix_fallocate``
+        makes a full ``/dev/shm`` fail here (ENOSPC), not in the trainer's copy later (SIGBUS), and prefaults the pages."""
         size = max(ALIGN, -(-size // ALIGN) * ALIGN)
         while True:
             name = f"{self.name}/{secrets.token_hex(16)}"
@@ -311,7 +312,7 @@ class SegmentDir:
 
     def close(self) -> None:
         """Shutdown: remove the directory and the marker when no segment is left in it; let go of its lock."""
-        self._drop_lock(self.path)
+        self._drop_lock()
         try:
             os.rmdir(self.path)
         except OSError:

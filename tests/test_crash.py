@@ -414,7 +414,9 @@ def test_restart_after_finalize_drops_the_stale_record(make_daemon) -> None:  # 
         path = c.snapshot(model, optim, step=1, blocking=True).wait(30)
     daemon.kill()
     record = {"job": "j", "rank": 0, "world_size": 1, "local_world_size": 1, "step": 1, "nbytes": 4096, "replicas": {}, "committed_at": 1}
-    shm.SegmentDir(daemon.root).write_record(rep["segment"], record)  # as if the crash came right after finalizing step 1
+    segs = shm.SegmentDir(daemon.root)
+    segs.write_record(rep["segment"], record)  # as if the crash came right after finalizing step 1
+    segs.close()  # the test lets go of the directory's lock: the restarted daemon takes it and finds the record
     daemon.start([])
     assert daemon.segments() == []
     with daemon.client("j") as c:
