@@ -19,18 +19,13 @@ import pytest
 import torch
 from _as_user import NOBODY, needs_nobody, python_as, python_as_nobody
 from conftest import DaemonProc
+from test_observe import _free_port
 
 from ckptd.daemon import metrics
 
 SYSTEMD_LIMITS = (1024, 4096)  # systemd's default soft limit; its hard one is higher still (524,288)
 HOLD = 1100  # connections an attacker holds: past the soft limit the daemon started with
 GROUP = "adm"  # a system group on Debian-like images, as tests/test_access.py uses
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _open_fds(pid: int) -> int:
