@@ -92,6 +92,7 @@ import tempfile
 import threading
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -117,6 +118,8 @@ from _harness import (  # noqa: E402
 from hot_restore import read_files  # noqa: E402
 
 import ckptd  # noqa: E402
+from ckptd.client import pinned as pinned_blocks  # noqa: E402
+from ckptd.client.hotreg import path_for  # noqa: E402
 
 LOOP_MODES = (
     "floor", "default", "blocking", "memtier", "lag-wait", "lag-memory",
@@ -375,6 +378,31 @@ SHORT = {
     "disk_warm": "ckptd.restore, disk (page cache)",
     "disk_read": "disk floor: files read (evicted)",
 }
+
+
+def shm_pages(path: str = "/dev/shm") -> str:
+    """What pages the daemon's segments get: the ``huge=`` option of the tmpfs at ``path`` and the kernel's
+    ``shmem_enabled`` (its ``force`` or ``deny`` overrides every mount)."""
+    opts = ""
+    with contextlib.suppress(OSError):
+        for line in open("/proc/self/mounts"):
+            f = line.split()
+            if len(f) > 3 and f[1] == path:
+                opts = f[3]
+    huge = next((o.split("=", 1)[1] for o in opts.split(",") if o.startswith("huge=")), "never")
+    shmem = "?"
+    with contextlib.suppress(OSError):
+        shmem = open("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read().split("[")[1].split("]")[0]
+    pages = "4 KiB pages" if huge == "never" and shmem != "force" else "huge pages"
+    return f"{pages} ({path} huge={huge}, shmem_enabled {shmem})"
+
+
+def staging_note(counts: Counter[str]) -> str:
+    """Which page-locked staging a restore made (:mod:`ckptd.client.pinned`), over all its reps."""
+    if not counts:
+        return "no page-locked staging made"
+    how = {"huge": "anonymous huge pages registered", "pinned": "pin_memory (cudaHostAlloc)"}
+    return "staging: " + ", ".join(f"{n} block(s) of {how.get(k, k)}" for k, n in sorted(counts.items()))
 
 
 def fmt_ms(v: float | None, digits: int = 1) -> str:
@@ -757,6 +785,7 @@ class Bench:
         pinned = self.host if self.host is not None and self.host.tensor.numel() == self.nbytes else HostBuffer(self.nbytes, pinned=cuda)
         pageable = HostBuffer(self.nbytes, pinned=False)
         expect = {"memory": "memory", "disk_cold": "disk", "disk_warm": "disk"}
+        made: dict[str, Counter[str]] = {k: Counter() for k in ("memory", "disk_cold", "disk_warm")}  # page-locked blocks made
         try:
             with ckptd.Client(endpoint=endpoint, job=job) as rc:
                 for _ in range(self.args.restore_reps):
@@ -785,10 +814,12 @@ class Bench:
                                     raise RuntimeError(f"no step directory to evict ({self.last_step_dir})")
                                 evict(self.last_step_dir)
                             target.sync()
+                            before = Counter(pinned_blocks.MADE)
                             t0 = time.perf_counter()
                             rc.restore(target.model, target.optim, hot=key == "memory")
                             target.sync()
                             row.samples_s.append(time.perf_counter() - t0)
+                            made[key] += Counter(pinned_blocks.MADE) - before
                             src = (rc.last_restore or {}).get("source", "?")
                             row.sources.append(src)
                             if src != expect[key] and f"read from {src}" not in row.notes:
@@ -801,6 +832,14 @@ class Bench:
             self.host = None
             if cuda:
                 torch.cuda.empty_cache()
+        for key, counts in made.items():  # which page-locked staging ran (ckptd.client.pinned): huge pages or pin_memory
+            if cuda and key in self.restores:
+                self.restores[key].notes.append(staging_note(counts))
+        if cuda and "memory" in self.restores:
+            shm_dir = os.environ.get("CKPTD_SHM_DIR", "/dev/shm")
+            path = path_for(os.path.join(shm_dir, "segment"))
+            how = "registered in ranges, copied straight" if path == "register" else "read into page-locked slots"
+            self.restores["memory"].notes.append(f"segments on {shm_pages(shm_dir)}: {path} path ({how})")
         for row in self.restores.values():
             if row.median_s is not None:
                 log(f"restore {row.key}: {row.median_s * 1e3:.1f} ms")
@@ -918,6 +957,9 @@ class Bench:
             base_for = base * (r.steps or self.args.steps) / self.args.steps  # a loop of other length: the baseline scaled
             r.overhead_ms = (r.loop_s - base_for) / r.checkpoints * 1e3
             r.x_floor = r.overhead_ms / floor_ms if floor_ms else None
+            if r.key == "memtier" and floor_ms:  # a snapshot every step: its cost as a share of a quiet step
+                quiet_ms = base / self.args.steps * 1e3
+                r.info.update(pct_of_step=100 * r.overhead_ms / quiet_ms, floor_pct_of_step=100 * floor_ms / quiet_ms)
 
     def payload(self) -> dict[str, Any]:
         self.finalize()
@@ -1025,6 +1067,9 @@ class Bench:
             notes = list(r.notes)
             if r.copied_ms and r.key not in ("blocking",):
                 notes.insert(0, f"copy committed {statistics.median(r.copied_ms):.1f} ms after the call (median)")
+            if r.key == "memtier" and r.info.get("pct_of_step") is not None:
+                pct, floor_pct = r.info["pct_of_step"], r.info["floor_pct_of_step"]
+                notes.insert(0, f"**{pct:.1f} % of a quiet step** (the D2H floor is {floor_pct:.0f} % of it)")
             x = fmt_ms(r.x_floor, 2)
             out.append(
                 f"| {r.name} | {r.checkpoints} | {fmt_ms(r.loop_s, 3)} | {fmt_ms(r.overhead_ms)} | {x} | {calls} | {'; '.join(notes)} |"

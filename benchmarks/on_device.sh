@@ -8,6 +8,8 @@
 #   run(command="bash benchmarks/on_device.sh loop", carry=[".whl"])       # benchmarks/gpu_loop.py, every mode it reaches
 #   run(command="bash benchmarks/on_device.sh loop --modes lag-wait,lag-memory,dcp-thread", carry=[".whl"])
 #   run(command="bash benchmarks/on_device.sh paths", carry=[".whl"])     # benchmarks/restore_paths.py
+#   run(command="bash benchmarks/on_device.sh profile", carry=[".whl"])   # the tests, then the hot read on 4 KiB and on huge pages
+#   run(command="bash benchmarks/on_device.sh issue39", carry=[".whl"])   # the whole GPU table in one call (about 8 minutes)
 #   run(command="bash benchmarks/on_device.sh all --max-minutes 4 --profile-restore", carry=[".whl"])  # both, one start
 #
 # A phase fits in one call (10 minutes): gpu_loop.py stops starting modes after --max-minutes (8 by default) and
@@ -78,9 +80,50 @@ loop)
     exit "${PIPESTATUS[0]}"
     ;;
 paths)
-    # the host-side pieces of a GPU restore, timed one by one (benchmarks/restore_paths.py)
-    "$py" benchmarks/restore_paths.py --json "$out/restore_paths.json" "$@" 2>&1 | tee "$out/restore_paths.log"
+    # the host-side pieces of a GPU restore, timed one by one (benchmarks/restore_paths.py); _huge: segments on huge pages
+    tag=$([ "${SHM_HUGE:-0}" = 1 ] && echo _huge || true)
+    "$py" benchmarks/restore_paths.py --json "$out/restore_paths$tag.json" "$@" 2>&1 | tee "$out/restore_paths$tag.log"
     exit "${PIPESTATUS[0]}"
+    ;;
+profile)
+    # before choosing a restore path: the GPU tests, then ckptd's hot read timed piece by piece on segments of
+    # 4 KiB pages and again on huge pages (restore_paths.py --only hotread, twice: 8 files come back in all)
+    set +e
+    timeout 150 "$py" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_hot.py tests/test_hotread.py tests/test_hot_to_device.py tests/test_pinned.py -ra 2>&1 | tee "$out/pytest.log"
+    rc=${PIPESTATUS[0]}
+    timeout 150 "$py" benchmarks/restore_paths.py --only hotread --json "$out/restore_paths.json" "$@" 2>&1 | tee "$out/restore_paths.log"
+    if [ "$(id -u)" = 0 ] && mount -o remount,huge=within_size /dev/shm; then
+        findmnt -no OPTIONS /dev/shm | tee -a "$out/env.txt"
+        timeout 150 "$py" benchmarks/restore_paths.py --only hotread --json "$out/restore_paths_huge.json" "$@" 2>&1 | tee "$out/restore_paths_huge.log"
+        mount -o remount,huge=never /dev/shm
+    fi
+    exit "$rc"
+    ;;
+issue39)
+    # one call for the whole GPU table (issue 39): the GPU tests and the copy benchmark (tests.log), the training loop
+    # at batch 1024 with every ckptd mode and DCP's two async savers and the restores (gpu_loop.*), the memory tier
+    # every step at batch 8192, where the D2H floor is a fraction of a step (gpu_loop_memtier.*), and the restores
+    # again with /dev/shm on huge pages (gpu_loop_huge.*). MAIN_MINUTES: the main loop starts no mode after that.
+    set +e
+    {
+        cat "$out/env.txt"
+        timeout 120 "$py" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_hot.py tests/test_hotread.py tests/test_hot_to_device.py tests/test_pinned.py tests/test_hotreg.py -ra
+        echo "pytest rc=$?"
+        timeout 60 "$py" benchmarks/gpu_copy.py --json /dev/null
+    } 2>&1 | tee "$out/tests.log"
+    rm -f "$out/env.txt"
+    modes=floor,default,blocking,lag-wait,lag-memory,restore,dcp-thread,dcp-process
+    timeout -s TERM "${MAIN_TIMEOUT:-330}" "$py" benchmarks/gpu_loop.py --modes "$modes" --batch 1024 --steps 30 --warmup-ckpts 2 \
+        --max-minutes "${MAIN_MINUTES:-3.5}" --profile-restore --json "$out/gpu_loop.json" --plot /tmp/gpu_loop.png 2>&1 | tee "$out/gpu_loop.log"
+    timeout -s TERM "${MEMTIER_TIMEOUT:-120}" "$py" benchmarks/gpu_loop.py --modes floor,memtier --batch 8192 --steps 20 --warmup-ckpts 1 \
+        --json "$out/gpu_loop_memtier.json" --plot /tmp/gpu_loop_memtier.png 2>&1 | tee "$out/gpu_loop_memtier.log"
+    if [ "$(id -u)" = 0 ] && mount -o remount,huge=within_size /dev/shm; then
+        findmnt -no OPTIONS /dev/shm
+        timeout -s TERM "${HUGE_TIMEOUT:-120}" "$py" benchmarks/gpu_loop.py --modes restore --batch 1024 --steps 10 --warmup-ckpts 1 \
+            --profile-restore --json "$out/gpu_loop_huge.json" --plot /tmp/gpu_loop_huge.png 2>&1 | tee "$out/gpu_loop_huge.log"
+        mount -o remount,huge=never /dev/shm
+    fi
+    exit 0
     ;;
 all)
     # one machine start for both: the tests (capped, so a hang leaves the loop its time), then the loop
@@ -97,7 +140,7 @@ all)
     exit "$rc"
     ;;
 *)
-    echo "usage: $0 tests | paths | loop [gpu_loop.py arguments] | all [gpu_loop.py arguments]" >&2
+    echo "usage: $0 tests | paths | profile | issue39 | loop [gpu_loop.py arguments] | all [gpu_loop.py arguments]" >&2
     exit 2
     ;;
 esac

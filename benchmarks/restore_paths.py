@@ -13,11 +13,14 @@ mapped again, as a restarted trainer maps the daemon's segment. Measured, each o
   copy across the boundary of two separately registered ranges (does CUDA take it at full speed?);
 * XXH3-64 of the whole segment in chunks of ``--range-mb``, from 1, 4, 8 and 16 threads;
 * a bounce path: one page-locked buffer per thread, ``memcpy`` from the mapping into it;
-* ckptd's own path (``ckptd.client.hotread.HotRead``): ``pread`` from the segment into two page-locked slots
-  per thread, XXH3 from the slot, a copy on a side stream into the device buffer, for ``--chunk-mb`` chunks,
-  several thread counts and slot sizes, with and without checksums (slots allocated inside each timing).
+* page-locked slots made three ways: ``cudaHostAlloc``; anonymous memory registered; and what ckptd makes now
+  (:mod:`ckptd.client.pinned`: one block per thread on its thread, on huge pages where the kernel gives them);
+* ckptd's own path (``ckptd.client.hotread.HotRead``): ``pread`` from the segment (or ``memmove`` from a read-only
+  mapping of it: ``source="map"``) into two page-locked slots per thread, XXH3 as it is read, a copy on a side
+  stream into the device buffer, for ``--chunk-mb`` chunks, several thread counts and slot sizes, with and without
+  checksums (slots made inside each timing); the first and the last two configurations are the same, run again.
 
-``--only hotread`` measures the last alone.
+``--only hotread`` measures the last three alone; ``--only ckptd`` ckptd's two paths alone.
 
 Prints a table; writes ``--json``.
 """
@@ -38,8 +41,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ckptd.client import cuda as ckptd_cuda  # noqa: E402
-from ckptd.client.hotread import Flat, HotRead  # noqa: E402
+from ckptd.client import hotread  # noqa: E402
+from ckptd.client.hotread import PIECE_BYTES, Flat, HotRead  # noqa: E402
 from ckptd.client.hotread import pread_into as hotread_pread  # noqa: E402
+from ckptd.client.hotreg import RegisteredRead  # noqa: E402
+from ckptd.client.pinned import page_locked  # noqa: E402
 from ckptd.format import digest  # noqa: E402
 from ckptd.shm import populate_write  # noqa: E402
 
@@ -70,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gb", type=float, default=6.0)
     p.add_argument("--range-mb", type=int, default=256)
     p.add_argument("--chunk-mb", type=int, default=24, help="chunk size for ckptd's own path")
-    p.add_argument("--only", choices=["hotread"], default=None)
+    p.add_argument("--only", choices=["hotread", "ckptd"], default=None)
     p.add_argument("--json", default="bench-out/restore_paths.json")
     a = p.parse_args(argv)
     warnings.filterwarnings("ignore", category=UserWarning)  # torch.frombuffer of a read-only mapping: only ever read
@@ -111,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
             mm.close()
             return t() - t0
 
-        if a.only == "hotread":
-            hotread_rows(fd, path, n, a.chunk_mb << 20, dev, row)
+        if a.only in ("hotread", "ckptd"):
+            hotread_rows(fd, path, n, a.chunk_mb << 20, dev, row, ckptd_only=a.only == "ckptd")
             return _write(res, a.json)
         # 1. mmap, register whole, copy whole, unregister, munmap
         for populate in (True, False):
@@ -217,13 +223,44 @@ def _write(res: dict[str, Any], out: str) -> int:
     return 0
 
 
-def hotread_rows(fd: int, path: str, n: int, chunk: int, dev: torch.Tensor, row: Any) -> None:
+def hotread_rows(fd: int, path: str, n: int, chunk: int, dev: torch.Tensor, row: Any, ckptd_only: bool = False) -> None:
     """ckptd's hot path into the GPU, on the segment cut into ``chunk``-byte chunks, each into its part of ``dev``."""
     spans = [(off, min(off + chunk, n)) for off in range(0, n, chunk)]
     with ThreadPoolExecutor(16) as ex:
         sums = list(ex.map(lambda r: digest(memoryview(_pread(fd, r))), spans))
     name = os.path.basename(path)
     device = dev.device
+    if not ckptd_only:
+        building_blocks(fd, n, row)
+    configs = [
+        (16, 8, True, "pread", 1), (16, 8, True, "pread", 2), (16, 8, True, "pread", 4), (16, 8, True, "pread", 8),
+        (8, 8, True, "pread", 4), (16, 16, True, "pread", 4), (16, 16, True, "pread", 16), (16, 8, True, "map", 4),
+        (16, 8, False, "pread", 8), (16, 8, True, "pread", 1), (16, 8, True, "pread", 4),
+    ]  # fmt: skip
+    registered_rows(fd, path, n, spans, sums, dev, row)
+    for workers, slot_mb, checked, source, piece_mb in configs:
+        hotread.PIECE_BYTES = piece_mb << 20
+        flats = [
+            Flat(f"c{i}", {"file": name, "byte_range": [b, e], "xxh3_64": h if checked else None}, dev[b:e], device)
+            for i, ((b, e), h) in enumerate(zip(spans, sums))
+        ]
+        up = ckptd_cuda.Uploads(device, {})
+        dev.zero_()
+        torch.cuda.synchronize()
+        t0 = t()
+        HotRead({name: fd}, lambda _: path, lambda _, up=up: up, workers=workers, slot=slot_mb << 20, source=source).read(flats)
+        up.finish()  # waits for the copies, gives the slots back
+        took = t() - t0
+        what = f"{workers} threads, {slot_mb} MiB slots, {piece_mb} MiB pieces{'' if checked else ', no checksums'}"
+        row(f"ckptd HotRead: {source} -> page-locked slots -> H2D, {what}", took)
+    hotread.PIECE_BYTES = PIECE_BYTES
+    b, e = spans[len(spans) // 2]
+    assert bytes(dev[b:e].cpu().numpy()) == _pread(fd, (b, e)), "HotRead copied wrong bytes"
+    registered_rows(fd, path, n, spans, sums, dev, row)  # again, after the others: the machine as warm as for them
+
+
+def building_blocks(fd: int, n: int, row: Any) -> None:
+    """The pieces under ckptd's paths: ``pread`` alone, a parallel ``memcpy``, page-locked memory made three ways."""
     for threads, slot_mb in [(8, 8), (8, 32), (16, 32)]:  # the ceiling: pread alone into page-locked buffers
         bufs = [torch.empty(slot_mb << 20, dtype=torch.uint8, pin_memory=True) for _ in range(threads)]
         t0 = t()
@@ -257,23 +294,60 @@ def hotread_rows(fd: int, path: str, n: int, chunk: int, dev: torch.Tensor, row:
         unregister(ptr)
     for m in anon:
         m.close()
-    configs = [(8, 8, True), (12, 8, True), (16, 8, True), (8, 4, True), (16, 4, True), (16, 16, True), (8, 8, False), (16, 8, False)]
-    for workers, slot_mb, checked in configs:
+    for threads in (8, 16):  # what HotRead's threads make now: each its own block, on huge pages where the kernel gives them
+        made: list[Any] = []
+        t0 = t()
+        with ThreadPoolExecutor(threads) as ex:
+            made = list(ex.map(lambda _: page_locked(16 << 20, lambda a, k: register(a, k, 0x01) >= 0, unregister), range(threads)))
+        took = t() - t0
+        kinds = sorted({how for _, _, how in made})
+        t0 = t()
+        for buf, release, _ in made:
+            del buf
+            release()
+        row(f"page-locked slots, {threads} x 2 x 8 MiB, one block per thread on its thread: {'+'.join(kinds)}", took, threads << 24)
+        row(f"  given back ({threads} blocks)", t() - t0, threads << 24)
+        made.clear()
+
+
+def registered_rows(fd: int, path: str, n: int, spans: list[tuple[int, int]], sums: list[str], dev: torch.Tensor, row: Any) -> None:
+    """ckptd's registered path (``ckptd.client.hotreg``): the segment mapped read-only, registered range by range with
+    each chunk's copy enqueued behind its range, checksums on 16 threads from the same pages; then given back."""
+    name, device = os.path.basename(path), dev.device
+
+    def check(key: str, c: dict[str, Any], raw: torch.Tensor) -> None:
+        if digest(memoryview(raw.numpy())) != c["xxh3_64"]:
+            raise RuntimeError(f"checksum mismatch in {key}")
+
+    for range_mb in (64, 256, 1024):
         flats = [
-            Flat(f"c{i}", {"file": name, "byte_range": [b, e], "xxh3_64": h if checked else None}, dev[b:e], device)
+            Flat(f"c{i}", {"file": name, "byte_range": [b, e], "xxh3_64": h}, dev[b:e], device)
             for i, ((b, e), h) in enumerate(zip(spans, sums))
         ]
-        up = ckptd_cuda.Uploads(device, {})
         dev.zero_()
         torch.cuda.synchronize()
+        registered: dict[int, bool] = {}
+        up = ckptd_cuda.Uploads(device, registered)
         t0 = t()
-        HotRead({name: fd}, lambda _: path, lambda _, up=up: up, workers=workers, slot=slot_mb << 20).read(flats)
-        up.finish()  # waits for the copies, gives the slots back
+        mm = mmap.mmap(fd, n, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        view = torch.frombuffer(mm, dtype=torch.uint8)
+        left = RegisteredRead(
+            lambda _, v=view: v, lambda _, up=up: up, check, lambda _: path, workers=16, register_bytes=range_mb << 20
+        ).read(flats)
+        up.finish()
         took = t() - t0
-        what = f"{workers} threads, {slot_mb} MiB slots{'' if checked else ', no checksums'}"
-        row(f"ckptd HotRead: pread -> page-locked slots -> H2D, {what}", took)
-    b, e = spans[len(spans) // 2]
-    assert bytes(dev[b:e].cpu().numpy()) == _pread(fd, (b, e)), "HotRead copied wrong bytes"
+        row(
+            f"ckptd registered: map, register {range_mb} MiB ranges, copy behind, 16 checking threads{'' if not left else ' (REFUSED)'}",
+            took,
+        )
+        ranges = len(registered)
+        t0 = t()
+        ckptd_cuda.unregister(registered)
+        del view
+        mm.close()
+        row(f"  given back: {ranges} ranges unregistered, unmapped", t() - t0)
+        b, e = spans[len(spans) // 3]
+        assert bytes(dev[b:e].cpu().numpy()) == _pread(fd, (b, e)), "the registered path copied wrong bytes"
 
 
 def _pread_share(fd: int, buf: torch.Tensor, i: int, k: int, m: int, n: int) -> None:

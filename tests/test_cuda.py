@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from _models import assert_same, full_state
@@ -73,8 +75,12 @@ def _as_if_reshaped(monkeypatch) -> None:  # noqa: ANN001
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("hot,whole", [(True, True), (True, False), (False, True)], ids=["hot", "hot-reshaped", "disk"])
-def test_cuda_restore_from_memory_and_disk_is_exact(daemon, hot: bool, whole: bool, monkeypatch) -> None:  # noqa: ANN001
+@pytest.mark.parametrize(
+    "hot,whole,path", [(True, True, "pread"), (True, True, "register"), (True, False, "auto"), (False, True, "auto")],
+    ids=["hot-pread", "hot-register", "hot-reshaped", "disk"],
+)  # fmt: skip
+def test_cuda_restore_from_memory_and_disk_is_exact(daemon, hot: bool, whole: bool, path: str, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setenv("CKPTD_HOT_PATH", path)  # (read by the trainer: this process)
     if not whole:
         _as_if_reshaped(monkeypatch)
     want, _ = _saved(daemon, "gr")
@@ -154,8 +160,9 @@ def test_cuda_hot_restore_verifies_every_chunk_and_falls_back_to_disk_on_a_corru
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("source", ["pread", "map"])
 @pytest.mark.parametrize("corrupt", [None, "small", "big"])
-def test_cuda_hotread_through_page_locked_slots_is_exact_and_catches_a_flipped_byte(tmp_path, corrupt: str | None) -> None:  # noqa: ANN001
+def test_cuda_hotread_through_page_locked_slots_is_exact_and_catches_a_flipped_byte(tmp_path, corrupt: str | None, source: str) -> None:  # noqa: ANN001
     # chunks next to each other read together, one larger than a slot read in parts, several threads, real streams
     import os
 
@@ -163,14 +170,7 @@ def test_cuda_hotread_through_page_locked_slots_is_exact_and_catches_a_flipped_b
     from ckptd.errors import FormatError
     from ckptd.format import digest
 
-    sizes = [300, 4096, 5000, 64 << 10, 3 << 20, 17, 1 << 20]  # the 3 MiB one spans three 1 MiB slots
-    data = os.urandom(sum(sizes) + 64 * len(sizes))
-    spans, pos = [], 0
-    for n in sizes:
-        spans.append((pos, pos + n))
-        pos += n + 64
-    seg = tmp_path / "segment"
-    seg.write_bytes(data)
+    data, spans, seg = _segment(tmp_path)  # the 3 MiB chunk spans three 1 MiB slots
     dev = torch.zeros(len(data), dtype=torch.uint8, device="cuda")
     flats = [
         Flat(f"t{i}", {"file": "segment", "byte_range": [b, e], "xxh3_64": digest(data[b:e])}, dev[b:e], dev.device)
@@ -182,7 +182,7 @@ def test_cuda_hotread_through_page_locked_slots_is_exact_and_catches_a_flipped_b
     up = cuda.Uploads(dev.device, {})
     fd = os.open(seg, os.O_RDONLY)
     try:
-        reader = HotRead({"segment": fd}, str, lambda _: up, workers=3, slot=1 << 20)
+        reader = HotRead({"segment": fd}, str, lambda _: up, workers=3, slot=1 << 20, source=source)
         if corrupt is None:
             reader.read(flats)
         else:
@@ -194,3 +194,93 @@ def test_cuda_hotread_through_page_locked_slots_is_exact_and_catches_a_flipped_b
     if corrupt is None:
         got = dev.cpu().numpy().tobytes()
         assert all(got[b:e] == data[b:e] for b, e in spans)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_page_locked_blocks_are_on_huge_pages_where_the_kernel_gives_them_and_copy_exactly() -> None:
+    from ckptd.client import pinned
+
+    up = cuda.Uploads(torch.device("cuda", torch.cuda.current_device()), {})
+    before = pinned.MADE.copy()
+    bufs = [up.pinned(3 << 20) for _ in range(2)]  # (not a multiple of a huge page)
+    assert pinned.MADE - before == {"huge" if pinned.huge_pages() else "pinned": 2}
+    dev = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")
+    for i, buf in enumerate(bufs):
+        assert buf.numel() == 3 << 20 and buf.is_pinned()
+        buf.fill_(i + 1)
+        with torch.cuda.stream(up.stream):
+            dev.copy_(buf, non_blocking=True)
+        up.stream.synchronize()
+        assert int(dev.sum()) == (i + 1) * (3 << 20)
+    del buf
+    bufs.clear()
+    up.finish()  # unregistered and unmapped: nothing is page-locked any more
+    assert up._made == []
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("corrupt", [None, "small", "big"])
+def test_cuda_registered_read_straight_from_the_segment_is_exact_and_catches_a_flipped_byte(tmp_path, corrupt: str | None) -> None:  # noqa: ANN001
+    import mmap
+    import warnings
+
+    from ckptd.client.hotread import Flat
+    from ckptd.client.hotreg import RegisteredRead, ranges
+    from ckptd.errors import FormatError
+    from ckptd.format import digest
+
+    data, spans, seg = _segment(tmp_path)  # the 3 MiB chunk spans several 1 MiB ranges
+    if corrupt is not None:
+        b, _ = spans[0 if corrupt == "small" else 4]
+        seg.write_bytes(data[: b + 7] + bytes([data[b + 7] ^ 1]) + data[b + 8 :])
+    dev = torch.zeros(len(data), dtype=torch.uint8, device="cuda")
+    flats = [
+        Flat(f"t{i}", {"file": "segment", "byte_range": [b, e], "xxh3_64": digest(data[b:e])}, dev[b:e], dev.device)
+        for i, (b, e) in enumerate(spans)
+    ]
+
+    def check(key: str, c: dict, raw: torch.Tensor) -> None:
+        if digest(memoryview(raw.numpy())) != c["xxh3_64"]:
+            raise FormatError(f"checksum mismatch (tensor {key!r})")
+
+    registered: dict[int, bool] = {}
+    up = cuda.Uploads(dev.device, registered)
+    with open(seg, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    with warnings.catch_warnings():  # torch warns that the buffer is read-only: it is only read
+        warnings.simplefilter("ignore", UserWarning)
+        views = {"segment": torch.frombuffer(mm, dtype=torch.uint8)}
+    try:
+        reader = RegisteredRead(views.__getitem__, lambda _: up, check, str, workers=3, register_bytes=1 << 20)
+        if corrupt is None:
+            assert reader.read(flats) == []
+        else:
+            with pytest.raises(FormatError, match="'t" + ("0" if corrupt == "small" else "4")):
+                reader.read(flats)
+    finally:
+        up.finish()
+        assert len(registered) == len(ranges(flats, len(data), 1 << 20)) == 5 and all(registered.values())  # each range page-locked
+        cuda.unregister(registered)
+        views.clear()
+        mm.close()
+    if corrupt is None:
+        got = dev.cpu().numpy().tobytes()
+        assert all(got[b:e] == data[b:e] for b, e in spans)
+
+
+def _segment(tmp_path: Any) -> tuple[bytes, list[tuple[int, int]], Any]:
+    """A segment file of random chunks (small ones next to each other, one of 3 MiB), 64 bytes apart: its bytes,
+    the chunks' byte ranges, its path."""
+    import os
+
+    sizes = [300, 4096, 5000, 64 << 10, 3 << 20, 17, 1 << 20]
+    data = os.urandom(sum(sizes) + 64 * len(sizes))
+    spans, pos = [], 0
+    for n in sizes:
+        spans.append((pos, pos + n))
+        pos += n + 64
+    seg = tmp_path / "segment"
+    seg.write_bytes(data)
+    return data, spans, seg

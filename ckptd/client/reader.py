@@ -13,7 +13,6 @@ import math
 import mmap
 import os
 import stat
-import threading
 import traceback
 import warnings
 from collections.abc import Callable
@@ -30,10 +29,11 @@ from ..layout import MANIFEST, is_complete
 from ..storage.local import latest_step
 from ..validate import read_manifest, validate_manifest
 from .hotread import Flat, HotRead, pread_into
+from .hotreg import read_registered
 
 log = logging.getLogger("ckptd.client")
 
-UNMAP_AWAY = 1 << 30  # page-locked mappings of at least this many bytes in all are unmapped on a thread
+UNMAP_AWAY = 1 << 30  # page-locked mappings of at least this many bytes in all are let go on a thread (cuda.let_go)
 HASH_WORKERS = min(8, os.cpu_count() or 1)  # checksum threads of a hot restore into a GPU (XXH3 of 6 GB: 0.88 s on one, 0.16 s on 8)
 
 # one saved chunk a region needs: (tensor key, the manifest's chunk entry, the copy into the region, its GPU or None,
@@ -108,17 +108,11 @@ class CheckpointReader:
         self._uploads.clear()
         maps = [mm for mm, _ in self._maps.values()]
         self._maps.clear()
-        if self._registered:
+        if self._registered:  # unregistered, then unmapped (large ones on a thread of their own)
             from . import cuda
 
-            cuda.unregister(self._registered)  # here, on the trainer's device (a new thread would open a context on GPU 0)
-            if sum(len(mm) for mm in maps) >= UNMAP_AWAY:
-                # unmapping 6 GB took 0.11-0.15 s on an H100 host, and nothing reads these pages any more
-                try:
-                    threading.Thread(target=_unmap, args=(maps,), name="ckptd-unmap", daemon=True).start()
-                    maps = []
-                except RuntimeError as e:  # no thread to be had: unmapped here
-                    log.debug("unmapping on this thread: %s", e)
+            cuda.let_go(self._registered, maps, UNMAP_AWAY)
+            maps = []
         for mm in maps:
             mm.close()
         self._scratch = torch.empty(0, dtype=torch.uint8)
@@ -288,6 +282,7 @@ class CheckpointReader:
                 disk.setdefault(p[3], []).append(p)
         if flat:
             fds = {f.c["file"]: self._fd(f.c["file"]) for f in flat}  # opened and size-checked here
+            flat = read_registered(flat, self.where, lambda name: self._mapped(name, populate=False), self._upload, self._check)
             HotRead(fds, self.where, self._upload).read(flat)
         for device, group in hot.items():
             self._hot_to_device(group, device)
@@ -428,12 +423,6 @@ def _forget_locals(exc: BaseException | None) -> None:
         seen.add(id(e))
         traceback.clear_frames(e.__traceback__)
         todo += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
-
-
-def _unmap(maps: list[mmap.mmap]) -> None:
-    """Unmap a closed reader's mappings, unregistered already (its own thread: no CUDA call here)."""
-    for mm in maps:
-        mm.close()
 
 
 def resolve_step_dir(path: str) -> str:
