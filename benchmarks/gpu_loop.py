@@ -397,6 +397,21 @@ def shm_pages(path: str = "/dev/shm") -> str:
     return f"{pages} ({path} huge={huge}, shmem_enabled {shmem})"
 
 
+def forced_wait(checkpoints: int, slots: int, interval: float, persist: float) -> float:
+    """Seconds in all that a loop of ``checkpoints`` checkpoints ``interval`` seconds apart must wait under backpressure
+    when ``slots`` staging slots hold the checkpoints not yet persisted and one worker persists each in ``persist``
+    seconds, in order: a checkpoint waits until the slot of the one ``slots`` before it is persisted. The least any
+    saver that keeps every checkpoint can cost on that disk; copies are taken as free."""
+    waited, ends = 0.0, []
+    for k in range(checkpoints):
+        call = k * interval + waited
+        if k >= slots and ends[k - slots] > call:
+            waited += ends[k - slots] - call
+            call = ends[k - slots]
+        ends.append(max(call, ends[-1] if ends else 0.0) + persist)
+    return waited
+
+
 def staging_note(counts: Counter[str]) -> str:
     """Which page-locked staging a restore made (:mod:`ckptd.client.pinned`), over all its reps."""
     if not counts:
@@ -957,6 +972,11 @@ class Bench:
             base_for = base * (r.steps or self.args.steps) / self.args.steps  # a loop of other length: the baseline scaled
             r.overhead_ms = (r.loop_s - base_for) / r.checkpoints * 1e3
             r.x_floor = r.overhead_ms / floor_ms if floor_ms else None
+            took, interval = r.info.get("persist_s_measured"), r.info.get("interval_s")
+            if r.key == "lag-wait" and took and interval and floor_ms:  # backpressure: what the disk alone forces the loop to wait
+                forced = forced_wait(r.checkpoints, r.info["slots"], interval, took)
+                beyond = r.overhead_ms - forced / r.checkpoints * 1e3
+                r.info.update(forced_wait_s=forced, beyond_disk_ms=beyond, beyond_disk_x_floor=beyond / floor_ms)
             if r.key == "memtier" and floor_ms:  # a snapshot every step: its cost as a share of a quiet step
                 quiet_ms = base / self.args.steps * 1e3
                 r.info.update(pct_of_step=100 * r.overhead_ms / quiet_ms, floor_pct_of_step=100 * floor_ms / quiet_ms)
@@ -1067,6 +1087,11 @@ class Bench:
             notes = list(r.notes)
             if r.copied_ms and r.key not in ("blocking",):
                 notes.insert(0, f"copy committed {statistics.median(r.copied_ms):.1f} ms after the call (median)")
+            if r.info.get("forced_wait_s") is not None:
+                forced, beyond, x = r.info["forced_wait_s"], r.info["beyond_disk_ms"], r.info["beyond_disk_x_floor"]
+                notes.insert(
+                    0, f"**the disk forces {forced:.2f} s of waiting in all; beyond it {beyond:.1f} ms a checkpoint = {x:.2f}x the floor**"
+                )
             if r.key == "memtier" and r.info.get("pct_of_step") is not None:
                 pct, floor_pct = r.info["pct_of_step"], r.info["floor_pct_of_step"]
                 notes.insert(0, f"**{pct:.1f} % of a quiet step** (the D2H floor is {floor_pct:.0f} % of it)")
