@@ -42,7 +42,7 @@ docs: $(STAMP)
 
 test: $(STAMP) systemd-analyze docs
 	$(BIN)/ruff check ckptd tests benchmarks examples
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=15 tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check ckptd tests benchmarks examples

@@ -7,6 +7,7 @@ The module-level functions use one default :class:`Client` per process, configur
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -165,13 +166,13 @@ def restore(
     hot: bool = True,
     strict: bool = True,
     dtype: torch.dtype | None = None,
+    rename: Mapping[str, str] | Callable[[str], str] | None = None,
 ) -> Restored:
     """Load the newest committed step (or ``step``) in place, into whatever layout ``model`` and ``optim`` have now.
 
     Any world size and layout (FSDP1, FSDP2, DDP, one process, experts sharded over sub-groups); a fresh optimizer
-    without state is fine. Every chunk's checksum is verified (before the copy into a CPU tensor; into a CUDA tensor,
-    while the GPU copies it). A step bit-identical to the one before although its optimizer step counter advanced
-    gets a warning (a stale-data guard). A module's extra state (``get_extra_state``: TransformerEngine's FP8
+    without state is fine. Every chunk's checksum is verified before it returns. A step bit-identical to the one
+    before although its optimizer step counter advanced gets a warning (a stale-data guard). A module's extra state (``get_extra_state``: TransformerEngine's FP8
     metadata) is restored as saved, whatever its size. With torch.distributed initialized a strict restore is
     collective: the ranks agree on what is unexpected and share any failure (also one met before reading, such as
     an earlier snapshot's failed background copy), so call it on every rank, or pass ``strict=False`` to restore on
@@ -181,24 +182,26 @@ def restore(
     Args:
         model: The module to load into.
         optim: Its optimizer, or ``None``.
-        step: The step to load (default: the latest, as :func:`latest` names it). The daemon reads it from under its root,
-            or downloads it there first when only its bucket has it.
+        step: The step to load (default: the newest step every rank has committed, also one kept in memory only,
+            which :func:`latest` does not name). The daemon downloads it first when only its bucket has it.
         path: A step directory, or a job directory meaning its newest step: read from there, no daemon needed.
         hot: Read the step from the daemon's shared memory while it still holds every rank's shard (a trainer restarted
             on the same node after a crash, before its slots were reused; the daemon pins them until the restore ends);
-            ``False`` reads the disk. :attr:`Client.last_restore` says which source was used: ``"memory"``, ``"disk"`` or
+            ``False`` reads the disk. The result's ``source`` says which was used: ``"memory"``, ``"disk"`` or
             ``"bucket"``.
         strict: As in ``load_state_dict``: target state the checkpoint lacks, or saved model tensors, extra states and
             optimizer entries that no rank's target has, are one error listing them (keys ``model/<fqn>``,
             ``model/<fqn>._extra_state``, ``optim/state/<fqn>``). ``False`` loads the intersection: a new head keeps
-            its own values, parameters without saved state start without optimizer state (so does an L-BFGS history
-            saved for parameters of another total size: unexpected, with a warning).
+            its own values, parameters without saved state start without optimizer state, and rank 0 warns, listing
+            what matched nothing (an L-BFGS history saved for parameters of another total size is unexpected).
+        rename: Saved parameter names to the model's (a layer renamed since): a dict of name prefixes, the longest
+            matching whole name parts winning (``{"encoder.layer": "encoder.layers"}``), or a callable on a saved name.
         dtype: Convert saved floating-point tensors into targets of this dtype (a bf16 checkpoint into an fp32 model
             with ``torch.float32``); without it a dtype mismatch is an error that says so.
 
     Returns:
         This rank's ``extra`` (rank 0's for ranks the checkpoint did not have), as a :class:`Restored`, a dict with
-        ``.step``, ``.missing_keys`` and ``.unexpected_keys``.
+        ``.step``, ``.source``, ``.missing_keys`` and ``.unexpected_keys``.
 
     Raises:
         CheckpointError: No committed step, a strict mismatch or a dtype mismatch (naming the keys), or an earlier
@@ -212,8 +215,8 @@ def restore(
         from .client.options import dist_rank_world
 
         join_all()  # a Client(job=...)'s background copy of these tensors ends first
-        return restore_state(path, model, optim, dist_rank_world()[0], strict=strict, dtype=dtype)  # no daemon needed
-    return _client().restore(model, optim, step=step, path=path, hot=hot, strict=strict, dtype=dtype)
+        return restore_state(path, model, optim, dist_rank_world()[0], strict=strict, dtype=dtype, rename=rename)  # no daemon needed
+    return _client().restore(model, optim, step=step, path=path, hot=hot, strict=strict, dtype=dtype, rename=rename)
 
 
 def latest() -> int | None:

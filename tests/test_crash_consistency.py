@@ -54,7 +54,7 @@ from ckptd.storage.s3 import RemoteConfig
 from ckptd.tools.verify import verify_checkpoint
 
 SEED = int(os.environ.get("CKPTD_CRASH_SEED", "20240611"))
-ROUNDS = int(os.environ.get("CKPTD_CRASH_ROUNDS", "14"))
+ROUNDS = int(os.environ.get("CKPTD_CRASH_ROUNDS", "10"))  # the flood and copy rounds (3, 5) and four after them
 KEEP = 2  # local and bucket retention: the newest 2 steps
 JOB = "cc"
 BULK = 1 << 18  # float32 elements of a buffer that makes each shard ~1 MiB: big enough for the upload cap to bite

@@ -325,7 +325,7 @@ def test_the_check_catches_a_public_function_stripped_of_its_docstring(monkeypat
     found = sections(doc)
     summary = inspect.cleandoc(doc).splitlines()[0]
     monkeypatch.setattr(ckptd.restore, "__doc__", "\n".join([summary, "", "Raises:", *("    " + x for x in found["Raises"])]))
-    params = ["model", "optim", "step", "path", "hot", "strict", "dtype"]
+    params = ["model", "optim", "step", "path", "hot", "strict", "dtype", "rename"]
     assert docstring_problems(ckptd.restore) == [
         f"no Args: section (parameters {', '.join(params)})",
         *(f"Args: does not name {p}" for p in params),

@@ -24,7 +24,7 @@ from .agree import shared
 from .copy import Behind, CopyGuard, EarlyCopy, SlotMaps, fill, join_all
 from .guarded import TornCopy, hookable, optimizer_storages, torch_optimizer
 from .handle import Pending, SnapshotHandle
-from .load import Restored, restore_state
+from .load import Rename, Restored, restore_state
 from .options import JobName, check_not_saved, check_step, dist_rank_world, local_world_size, overlap_setting, tier_settings
 from .restore import Source, restore_from_daemon, restored
 from .rpc import Channel
@@ -399,6 +399,7 @@ class Client:
         hot: bool = True,
         strict: bool = True,
         dtype: torch.dtype | None = None,
+        rename: Rename | None = None,
     ) -> Restored:
         """Load the newest committed step (or ``step``, or the checkpoint at ``path``) in place, as :func:`ckptd.restore` (its errors).
 
@@ -410,15 +411,14 @@ class Client:
             hot: Read the daemon's shared memory while it holds the step; ``False`` reads the disk. :attr:`last_restore` says which.
             strict: State missing on one side is an error naming it; ``False`` loads what matches.
             dtype: Convert saved floating-point tensors into targets of this dtype; otherwise dtypes must match.
+            rename: Saved parameter names to the model's: a dict of name prefixes, or a callable on a saved name.
         Returns:
-            This rank's ``extra``, a :class:`Restored` (``step``, ``missing_keys``, ``unexpected_keys``)."""
-        # an earlier snapshot's failed background copy (or a list of optimizers) fails every rank of a collective
-        # restore together: raised on this rank alone, the others waited for it at the check-in until the timeout
-        shared(strict, self._guard.finish)
+            This rank's ``extra``, a :class:`Restored` (``step``, ``source``, ``missing_keys``, ``unexpected_keys``)."""
+        shared(strict, self._guard.finish)  # a failed earlier copy fails every rank together (alone, the others would time out)
         join_all()  # and another client's (a second job's) copy of these tensors
         rank, _ = dist_rank_world()
         optim = shared(strict, torch_optimizer, optim)
-        how = {"strict": strict, "dtype": dtype}
+        how = {"strict": strict, "dtype": dtype, "rename": rename}
         if path is not None:
             extra = restore_state(path, model, optim, rank, **how)
             self.last_restore = restored(None, path, Source.DISK)

@@ -44,17 +44,20 @@ from ..validate import gc_paused
 from .agree import agree, collective, fail_early, failed, gather, raise_failure
 from .capture import local_tensor, no_optimizer_init, refuse_meta, refuse_unnamed
 from .reader import CheckpointReader, Piece, resolve_step_dir
+from .rename import Rename, listed, rename_keys, rename_root, saved_names, say_unmatched
 from .saved import MISSING, Saved, children, holds_tensor
 
 log = logging.getLogger("ckptd.client")
 _EXTRA_STATE = torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX  # "_extra_state"
-LISTED = 20  # keys named in an error message; the rest are counted
 
 
 class Restored(dict):  # type: ignore[type-arg]
     """What :func:`ckptd.restore` returns: this rank's ``extra`` (a dict), plus ``step`` (the step
-    restored), ``missing_keys`` (target state the checkpoint lacks) and ``unexpected_keys`` (saved
-    state no rank's target has); both lists are empty after a ``strict`` restore."""
+    restored), ``source`` (where it was read from: ``"memory"``, ``"disk"`` or ``"bucket"``), ``missing_keys``
+    (target state the checkpoint lacks) and ``unexpected_keys`` (saved state no rank's target has); both lists
+    are empty after a ``strict`` restore."""
+
+    source = "disk"  # a restore from the daemon says otherwise (restore_from_daemon)
 
     def __init__(self, extra: dict[str, Any], step: int, missing: list[str], unexpected: list[str]) -> None:
         super().__init__(extra)
@@ -272,11 +275,6 @@ def _is_extra_state(fqn: str) -> bool:
     return fqn.rpartition(".")[2] == _EXTRA_STATE
 
 
-def _listed(keys: list[str]) -> str:
-    more = f" and {len(keys) - LISTED} more" if len(keys) > LISTED else ""
-    return ", ".join(keys[:LISTED]) + more
-
-
 def _plan(loader: _Loader, target_root: dict[str, Any], strict: bool) -> dict[str, Any]:
     """The state ``set_state_dict`` takes, its tensors the target's own, not yet read (``loader.pieces``)."""
     out: dict[str, Any] = {}
@@ -296,9 +294,9 @@ def _refuse_mismatch(path: str, missing: list[str], unexpected: list[str]) -> No
         return
     why = []
     if missing:
-        why.append(f"missing from the checkpoint: {_listed(missing)}")
+        why.append(f"missing from the checkpoint: {listed(missing)}")
     if unexpected:
-        why.append(f"in the checkpoint but not in the model or optimizer: {_listed(unexpected)}")
+        why.append(f"in the checkpoint but not in the model or optimizer: {listed(unexpected)}")
     raise CheckpointError(
         f"the checkpoint at {path} does not match the model: {'; '.join(why)}. "
         "restore(..., strict=False) loads what matches and returns the lists"
@@ -399,12 +397,14 @@ def restore_state(
     opener: Callable[[], CheckpointReader] | None = None,
     strict: bool = True,
     dtype: torch.dtype | None = None,
+    rename: Rename | None = None,
 ) -> Restored:
     """Load ``path`` (or what the reader ``opener`` opens reads) into ``model`` (and ``optim``) in place, in
     whatever layout they have now; ``dtype``: saved floating-point tensors are converted into targets of
-    this dtype (never otherwise). Returns this rank's ``extra`` (rank 0's when the checkpoint had fewer
-    ranks) as a :class:`Restored`. Whatever fails before the ranks check in (a model on the meta device,
-    no checkpoint at ``path``, a malformed manifest) fails every rank of a collective restore there."""
+    this dtype (never otherwise); ``rename``: saved parameter names to the model's (:mod:`.rename`). Returns this
+    rank's ``extra`` (rank 0's when the checkpoint had fewer ranks) as a :class:`Restored`. Whatever fails before
+    the ranks check in (a model on the meta device, no checkpoint at ``path``, a malformed manifest) fails every
+    rank of a collective restore there."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
     reader: CheckpointReader | None = None
@@ -414,6 +414,8 @@ def restore_state(
         target_root = _target_root(model, optim)
         reader = opener() if opener is not None else CheckpointReader(resolve_step_dir(path))
         pending = stale_check(reader.path, reader.manifest)  # reads the step before's manifest beside the copies
+        named = saved_names(Saved(reader.manifest, reader.path, rank), rename)  # model name -> saved name, where renamed
+        target_root = rename_root(target_root, named)
     except Exception as e:  # every rank hears of it at the check-in it would have made
         if reader is not None:
             reader.close()
@@ -430,6 +432,9 @@ def restore_state(
         loaded, missing, unexpected = load_into(reader, target_root, rank, strict=strict, cast=dtype, also=read_extra, flat=flat)
         _stale(pending)
         extra = got["extra"]
+    back = {v: k for k, v in named.items()}
+    loaded, missing = rename_root(loaded, back), rename_keys(missing, back)
+    say_unmatched(missing, unexpected, rank)
     # the match was checked above; torch's own strictness would refuse a parameter left without state
     opts = StateDictOptions(strict=False)
     if optim is not None and "optim" in loaded:

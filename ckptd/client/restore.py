@@ -150,6 +150,7 @@ def _restore_hot(
         extra = restore_state(held["path"], model, optim, rank, opener=lambda: _hot_reader(held), **how)
     finally:
         rpc.call("hot_close", pin=held["pin"], segments=list(held["segments"].values()))
+    extra.source = Source.MEMORY.value
     return extra, restored(held["step"], held["path"], Source.MEMORY)
 
 
@@ -165,7 +166,7 @@ def restore_from_daemon(
     how: dict[str, Any],
 ) -> tuple[Restored, dict[str, Any]]:
     """Load the newest complete step of ``job`` (or ``step``) in place; returns ``(extra, last_restore)``.
-    ``how``: :func:`.load.restore_state`'s ``strict`` and ``dtype``. The daemon's failures before the
+    ``how``: :func:`.load.restore_state`'s ``strict``, ``dtype`` and ``rename``. The daemon's failures before the
     restore itself (it is gone, the step asked for failed) are shared as :func:`.load.restore_state` shares
     its own: every rank of a collective restore raises."""
     strict = how.get("strict", True)
@@ -199,4 +200,5 @@ def restore_from_daemon(
             extra = restore_state(rep["path"], model, optim, rank, **how)
     finally:
         close_fetch(rpc, rep["fetch"])
+    extra.source = Source.from_wire(rep["source"]).value
     return extra, restored(rep["step"], rep["path"], Source.from_wire(rep["source"]))
