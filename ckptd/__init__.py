@@ -172,12 +172,12 @@ def restore(
 
     Any world size and layout (FSDP1, FSDP2, DDP, one process, experts sharded over sub-groups); a fresh optimizer
     without state is fine. Every chunk's checksum is verified before it returns. A step bit-identical to the one
-    before although its optimizer step counter advanced gets a warning (a stale-data guard). A module's extra state (``get_extra_state``: TransformerEngine's FP8
-    metadata) is restored as saved, whatever its size. With torch.distributed initialized a strict restore is
-    collective: the ranks agree on what is unexpected and share any failure (also one met before reading, such as
-    an earlier snapshot's failed background copy), so call it on every rank, or pass ``strict=False`` to restore on
-    some ranks only. After ``restore(step=k)`` saving steps above ``k`` again is allowed and starts a new line
-    (see :doc:`/latest-and-rollback`).
+    before although its optimizer step counter advanced gets a warning (a stale-data guard). A module's extra state
+    (``get_extra_state``: TransformerEngine's FP8 metadata) is restored as saved, whatever its size. With
+    torch.distributed initialized a strict restore is collective: the ranks agree on what is unexpected and share
+    any failure (also one met before reading, such as an earlier snapshot's failed background copy), so call it on
+    every rank, or pass ``strict=False`` to restore on some ranks only. After ``restore(step=k)`` saving steps above
+    ``k`` again is allowed and starts a new line (see :doc:`/latest-and-rollback`).
 
     Args:
         model: The module to load into.

@@ -158,15 +158,18 @@ def _returns_problems(func: Callable[..., Any], found: dict[str, list[str]]) -> 
 
 
 def _public_methods(cls: type) -> list[str]:
-    """The public methods ``cls`` itself defines (not its base's: ``Restored`` is a dict)."""
-    out = []
-    for name, value in vars(cls).items():
-        if name.startswith("_"):
+    """The public methods ``cls`` and its ckptd bases define (not a base from elsewhere: ``Restored`` is a dict)."""
+    out: list[str] = []
+    for klass in cls.__mro__:
+        if not klass.__module__.startswith("ckptd"):
             continue
-        if isinstance(value, (classmethod, staticmethod)):
-            value = value.__func__
-        if inspect.isfunction(value):
-            out.append(name)
+        for name, value in vars(klass).items():
+            if name.startswith("_") or name in out:
+                continue
+            if isinstance(value, (classmethod, staticmethod)):
+                value = value.__func__
+            if inspect.isfunction(value):
+                out.append(name)
     return out
 
 

@@ -19,8 +19,9 @@ import torch
 
 from ..config import ALLOC_TIMEOUT_S, CLIENT_TIMEOUT_S, MAX_PREPARED_SLOTS, default_endpoint, env_float
 from ..errors import CheckpointError, DaemonUnavailable
-from ..protocol import MAX_MESSAGE_BYTES, reply_fields
+from ..protocol import MAX_MESSAGE_BYTES
 from .agree import shared
+from .calls import DaemonRequests
 from .copy import Behind, CopyGuard, EarlyCopy, SlotMaps, fill, join_all
 from .guarded import TornCopy, hookable, optimizer_storages, torch_optimizer
 from .handle import Pending, SnapshotHandle
@@ -35,7 +36,7 @@ from .stage import Staged, Stager, TreeEncoder
 log = logging.getLogger("ckptd.client")
 
 
-class Client:
+class Client(DaemonRequests):
     """Talks to the node's daemon for one job; its methods, safe from any thread, are the module-level functions with explicit settings.
 
     Args:
@@ -80,54 +81,7 @@ class Client:
         self._closed = False
         self.early_copies = 0  # snapshots copied before returning whose copy overlapped the capture check (and held)
         self.last_restore: dict[str, Any] | None = None  # {step, path, source: memory | disk | bucket}
-        self._after: int | None = None  # the step restored through the daemon: a rolled-back run may save later numbers again
         self._torn = False  # a background copy saw its sources written outside optimizer.step(): copy before returning
-        self._saved: set[int] = set()  # steps saved since that restore: saved again, they would replace this run's own
-
-    def hello(self) -> dict[str, Any]:
-        """The daemon's greeting.
-
-        Returns:
-            Its ``server_version``, ``root``, ``pid`` and tiering policy (``tiering``)."""
-        return self._rpc.call("hello")
-
-    def status(self) -> dict[str, Any]:
-        """The daemon's state, as ``ckptd status --json`` prints it.
-
-        Returns:
-            The status fields, as a dict."""
-        return reply_fields(self._rpc.call("status"))
-
-    def latest(self) -> int | None:
-        """The latest complete step of this job, as :func:`ckptd.latest` (which lists its errors).
-
-        Returns:
-            The step committed last, or ``None``."""
-        self._name.announce(self._rpc)
-        return self._rpc.call("latest", job=self.job)["step"]
-
-    def protect(self, step: int, name: str) -> None:
-        """Keep ``step`` of this job from retention (the daemon's disk and bucket, however old) while ``name`` protects it.
-
-        Naming it again moves it (``last.ckpt`` follows the newest save). A memory-only step is persisted (so is a rolled-back
-        run's re-save of a protected number), one the bucket lost is uploaded again. Durable (``<root>/<job>/protected.json``) on return.
-
-        Args:
-            step: The step to keep: being saved, or complete on the node's disk.
-            name: What protects it (a pointer file's path, say): up to 10,000 per job, no control characters; ``ckptd ls`` prints them.
-        Raises:
-            ProtocolError: The daemon refused it, saying why (a step neither being saved nor complete, too many names)."""
-        check_step(step)
-        self._rpc.call("protect", job=self.job, step=step, name=name)
-
-    def unprotect(self, name: str) -> bool:
-        """Let go of the step ``name`` protected: a retention pass runs at once.
-
-        Args:
-            name: The name :meth:`protect` was given.
-        Returns:
-            Whether ``name`` protected a step (``False`` also when a daemon restarted after carrying out this request is asked again)."""
-        return self._rpc.call("unprotect", job=self.job, name=name)["before"] is not None
 
     # ------------------------------------------------------------------ snapshot
 
@@ -222,7 +176,7 @@ class Client:
     def _commit_fields(self, rank: int, world: int, step: int | None, segment: str, staged: Staged) -> dict[str, Any]:
         return dict(
             job=self.job, rank=rank, world_size=world, local_world_size=local_world_size(world), step=step,
-            segment=segment, nbytes=staged.layout.file_size, replicas=staged.replicas, after=self._after,
+            segment=segment, nbytes=staged.layout.file_size, replicas=staged.replicas, after=self._stager.after,
             run=self._stager.run_id, **self._tiering,
         )  # fmt: skip
 
@@ -356,7 +310,7 @@ class Client:
                 )
             self._rpc.call("commit", frames=(tree_json,), lease=self._leases[commit["segment"]], **commit)
             self._leases.pop(commit["segment"], None)
-            self._saved.add(commit["step"])
+            self._stager.saved.add(commit["step"])
         except BaseException as e:
             handle._error = e
             if not isinstance(e, DaemonUnavailable):
@@ -420,13 +374,18 @@ class Client:
         optim = shared(strict, torch_optimizer, optim)
         how = {"strict": strict, "dtype": dtype, "rename": rename}
         if path is not None:
-            extra = restore_state(path, model, optim, rank, **how)
-            self.last_restore = restored(None, path, Source.DISK)
+            extra, self.last_restore = restore_state(path, model, optim, rank, **how), restored(None, path, Source.DISK)
         else:
             extra, self.last_restore = restore_from_daemon(self._rpc, self.job, model, optim, rank, step=step, hot=hot, how=how)
-            self._after, self._saved = extra.step, set()  # saving the steps after it again starts a new line (rollback)
-            self._stager.restored(extra.step)  # ... as a new attempt, even of a number this launch saved before
+            self.restored_at(extra.step)
         return extra
+
+    def restored_at(self, step: int) -> None:
+        """Internal, for ``ckptd.dcp.Reader`` and the integrations: this process restored a step itself, as :meth:`restore` does.
+
+        Args:
+            step: The step read: saving the steps after it again starts a new line (a rollback), as a new attempt."""
+        self._stager.restored(step)
 
     def close(self) -> None:
         """Finish the background copy, then drop mappings and sockets. Pending durability is the daemon's."""

@@ -71,9 +71,9 @@ def check_step(step: object) -> None:
 
 def check_not_saved(client: Any, step: int) -> None:
     """A client that restored a step refuses to save a number it saved since (that would replace it)."""
-    if client._after is not None and step in client._saved:
+    if client._stager.after is not None and step in client._stager.saved:
         raise CheckpointError(
-            f"step {step} of job {client.job} was already saved by this client since it restored step {client._after}:"
+            f"step {step} of job {client.job} was already saved by this client since it restored step {client._stager.after}:"
             " saving it again would replace it"
         )
 

@@ -83,6 +83,7 @@ class Stager:
         self._layout_key: Any = None
         self._buffers: frozenset[str] = frozenset()  # the captured model's buffer keys (:func:`.capture.buffer_keys`)
         self._lowest: tuple[Any, frozenset[ChunkId]] = (None, frozenset())  # (items, the buffer chunks among them)
+        self.saved: set[int] = set()  # steps committed since the last restore: saved again, they would replace this run's own
 
     @property
     def run_id(self) -> int:
@@ -95,9 +96,15 @@ class Stager:
         self.capture.forget()
         self.stage = None
 
+    @property
+    def after(self) -> int | None:
+        """The step this rank last restored (through the daemon, DCP or an integration), or ``None``."""
+        return self._plan.after
+
     def restored(self, step: int) -> None:
-        """This rank restored ``step``: a new attempt (:meth:`WritePlan.restored`)."""
+        """This rank restored ``step``: a new attempt (:meth:`WritePlan.restored`), and no step saved since it."""
         self._plan.restored(step)
+        self.saved = set()
 
     def run(
         self,

@@ -230,8 +230,7 @@ class Reader(StorageReader):
                 self._close()
             self.last_restore = opened.info
             # as after ckptd.restore: this run continues from the step read, and may save the later numbers again
-            client = client_for(self.job, self.endpoint)
-            client._after, client._saved = step, set()
+            client_for(self.job, self.endpoint).restored_at(step)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut

@@ -107,6 +107,6 @@ def read_state(client: Client, step: int, rank: int = 0) -> dict[str, Any]:
         state = unflatten(tree, opened.reader.read_full)
     finally:
         opened.close()
-    client._after, client._saved = step, set()  # as after ckptd.restore: the run continues from this step
+    client.restored_at(step)  # as after ckptd.restore: the run continues from this step, as a new attempt
     client.last_restore = opened.info
     return state
