@@ -6,13 +6,11 @@ The module-level functions use one default :class:`Client` per process, configur
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
-
-from .errors import CheckpointError, DaemonUnavailable, FormatError, ProtocolError, StepDropped, StepUnknown  # noqa: E402
+from .errors import CheckpointError, DaemonUnavailable, FormatError, ProtocolError, StepDropped, StepUnknown
+from .version import __version__ as __version__
 
 if TYPE_CHECKING:
     import torch
@@ -50,18 +48,11 @@ __all__ = [
     "wait",
 ]
 
-_default: Client | None = None
-_default_lock = threading.Lock()
-
 
 def _client() -> Client:
-    global _default
-    with _default_lock:
-        if _default is None:
-            from .client import Client
+    from .client.default import default_client  # (torch is imported with the client: on first use)
 
-            _default = Client()
-        return _default
+    return default_client()
 
 
 def snapshot(
@@ -209,14 +200,20 @@ def restore(
         FormatError: A chunk's checksum does not match, or a file of the step is malformed.
         DaemonUnavailable: No daemon answers at the endpoint (without ``path``).
     """
-    if path is not None and _default is None:
-        from .client.copy import join_all
-        from .client.load import restore_state
-        from .client.options import dist_rank_world
+    from .client.default import current
 
-        join_all()  # a Client(job=...)'s background copy of these tensors ends first
-        return restore_state(path, model, optim, dist_rank_world()[0], strict=strict, dtype=dtype, rename=rename)  # no daemon needed
+    if path is not None and current() is None:  # no daemon needed
+        return _restore_path(path, model, optim, strict=strict, dtype=dtype, rename=rename)
     return _client().restore(model, optim, step=step, path=path, hot=hot, strict=strict, dtype=dtype, rename=rename)
+
+
+def _restore_path(path: str, model: torch.nn.Module, optim: torch.optim.Optimizer | None, **how: Any) -> Restored:
+    from .client.copy import join_all
+    from .client.load import restore_state
+    from .client.options import dist_rank_world
+
+    join_all()  # a Client(job=...)'s background copy of these tensors ends first
+    return restore_state(path, model, optim, dist_rank_world()[0], **how)
 
 
 def latest() -> int | None:

@@ -265,7 +265,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .tools.verify import stale_warning, verify_checkpoint
+    from .storage.verify import stale_warning, verify_checkpoint
 
     try:
         step_path = _checkpoint(args)

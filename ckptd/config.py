@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .storage.s3config import RemoteConfig
+    from .s3config import RemoteConfig
 
 # ---------------------------------------------------------------------------- defaults
 
@@ -295,7 +295,7 @@ def _from_env() -> dict[str, Any]:
 
 
 def _remote_table(table: object, where: str) -> dict[str, Any]:
-    from .storage.s3config import RemoteConfig
+    from .s3config import RemoteConfig
 
     if not isinstance(table, dict):
         raise ValueError(f"{where}: [remote] must be a table")
@@ -376,7 +376,6 @@ def daemon_config(flags: dict[str, Any] | None = None, config_file: str | None =
     if not 0 <= cfg["metrics_port"] <= 65535:
         raise ValueError(f"metrics_port must be a TCP port (0 = off), got {cfg['metrics_port']}")
     if cfg.get("group") is not None:
-        from .daemon.access import resolve_group
         from .errors import CheckpointError
 
         try:
@@ -390,3 +389,19 @@ def daemon_config(flags: dict[str, Any] | None = None, config_file: str | None =
     cfg["persist_interval"] = float(cfg.get("persist_interval", 0.0))
     known = {f.name for f in dataclasses.fields(DaemonConfig)}
     return DaemonConfig(**{k: v for k, v in cfg.items() if k in known})
+
+
+def resolve_group(group: str | int | None) -> int | None:
+    """The gid of a group given by name or number; ``None`` for none. Raises ``CheckpointError``."""
+    if group is None or group == "":
+        return None
+    import grp
+
+    from .errors import CheckpointError
+
+    try:
+        if isinstance(group, int) or group.isdigit():
+            return grp.getgrgid(int(group)).gr_gid
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise CheckpointError(f"unknown group {group!r}") from None

@@ -135,7 +135,7 @@ class SegmentDir:
         return True
 
     def _make(self) -> str:
-        from .storage.files import write_durable
+        from .files import write_durable
 
         while True:
             name = f"ckptd-{os.geteuid()}-{secrets.token_hex(8)}"

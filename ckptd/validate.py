@@ -13,7 +13,7 @@ never in a ``KeyError``, a ``RecursionError`` or a path outside the step directo
   lie inside their file and hold exactly their chunk, checksums are 16 lowercase hex digits.
 
 Coverage (every element saved exactly once) is :func:`ckptd.coverage.check_coverage`'s job, the bytes
-themselves :mod:`ckptd.tools.verify`'s. :mod:`ckptd.format` re-exports this module's public names.
+themselves :mod:`ckptd.storage.verify`'s. :mod:`ckptd.format` re-exports this module's public names.
 Pure functions, no torch: safe on any thread, in the daemon, the trainer and the CLI.
 """
 

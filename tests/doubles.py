@@ -189,7 +189,8 @@ class FaultyDisk:
 
     @contextmanager
     def phase(self, name: str, err: int = errno.ENOSPC) -> Iterator[None]:
-        from ckptd.storage import files, local
+        from ckptd import files
+        from ckptd.storage import local
 
         assert name in PHASES, name
         with self.mp.context() as mp:

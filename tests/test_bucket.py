@@ -49,7 +49,7 @@ from ckptd.storage.remote import (
     upload_step,
 )
 from ckptd.storage.retention import AnyOf, KeepEvery, KeepLatest, Protect
-from ckptd.tools.verify import verify_checkpoint
+from ckptd.storage.verify import verify_checkpoint
 from ckptd.validate import read_manifest
 
 JOB = "j"

@@ -30,7 +30,7 @@ from ckptd.errors import ProtocolError
 from ckptd.layout import MANIFEST, fragment_name, fragments_present, node_parts, shard_name, step_dir, tmp_dir
 from ckptd.storage.local import latest_step, read_latest
 from ckptd.storage.retention import Protect
-from ckptd.tools.verify import verify_checkpoint
+from ckptd.storage.verify import verify_checkpoint
 from ckptd.validate import read_manifest
 
 

@@ -608,7 +608,7 @@ def test_every_setting_is_listed_in_the_shipped_config_file() -> None:
     import re
 
     from ckptd.config import SERVE_KEYS
-    from ckptd.storage.s3config import RemoteConfig
+    from ckptd.s3config import RemoteConfig
 
     text = (Path(__file__).resolve().parents[1] / "systemd" / "ckptd.toml").read_text()
     listed = set(re.findall(r"^#?\s*([a-z_]+)\s*=", text, re.M))

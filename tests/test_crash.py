@@ -22,7 +22,7 @@ import ckptd
 from ckptd import shm
 from ckptd.layout import complete_steps, shard_name, tmp_dir
 from ckptd.storage import local
-from ckptd.tools.verify import verify_checkpoint
+from ckptd.storage.verify import verify_checkpoint
 from ckptd.validate import read_manifest
 
 

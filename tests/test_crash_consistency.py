@@ -51,7 +51,7 @@ from test_remote import remote_toml
 
 import ckptd
 from ckptd.storage.s3 import RemoteConfig
-from ckptd.tools.verify import verify_checkpoint
+from ckptd.storage.verify import verify_checkpoint
 
 SEED = int(os.environ.get("CKPTD_CRASH_SEED", "20240611"))
 ROUNDS = int(os.environ.get("CKPTD_CRASH_ROUNDS", "10"))  # the flood and copy rounds (3, 5) and four after them

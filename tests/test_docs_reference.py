@@ -33,7 +33,7 @@ import pytest
 
 from ckptd import cli, config
 from ckptd.config import DaemonConfig, daemon_config
-from ckptd.storage.s3config import RemoteConfig
+from ckptd.s3config import RemoteConfig
 
 REPO = Path(__file__).resolve().parent.parent
 PKG = REPO / "ckptd"

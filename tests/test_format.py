@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from ckptd.errors import FormatError
+from ckptd.files import write_json_durable
 from ckptd.format import FORMAT_VERSION, build_layout, parse_header
-from ckptd.storage.files import write_json_durable
 from ckptd.validate import read_manifest
 
 

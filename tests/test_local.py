@@ -32,7 +32,7 @@ from ckptd.layout import (
 )
 from ckptd.storage import local
 from ckptd.storage.retention import AnyOf, KeepLatest, Protect
-from ckptd.tools.verify import verify_checkpoint
+from ckptd.storage.verify import verify_checkpoint
 
 JOB = "job"
 WS = 2  # ranks per step unless a test says otherwise
@@ -496,7 +496,7 @@ def test_a_crash_mid_retention_never_leaves_a_half_deleted_step_that_looks_compl
 
 
 def test_a_failed_durable_write_leaves_no_temporary_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckptd.storage import files
+    from ckptd import files
 
     def full(fd: int, data: object) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

@@ -24,7 +24,7 @@ from _poll import until
 from safetensors.torch import load_file
 
 from ckptd.layout import complete_steps, step_dir
-from ckptd.tools.verify import verify_checkpoint
+from ckptd.storage.verify import verify_checkpoint
 
 pytestmark = pytest.mark.multiproc
 

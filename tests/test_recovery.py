@@ -27,7 +27,7 @@ from ckptd.errors import CheckpointError
 from ckptd.layout import GONE, fragment_name, fragments_present, is_complete, node_parts, shard_name, step_dir, tmp_dir
 from ckptd.storage import local
 from ckptd.storage.retention import KeepLatest
-from ckptd.tools.verify import verify_checkpoint
+from ckptd.storage.verify import verify_checkpoint
 from ckptd.validate import read_manifest
 
 

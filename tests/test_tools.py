@@ -71,7 +71,7 @@ def test_verify_passes_a_step_whose_empty_chunks_share_a_byte_range(daemon) -> N
     size (a ``Linear(h, 1)`` head on two ranks), and its Adam moments are empty too: several empty chunks
     at one offset. verify called them damaged ("do not match the shard header"), and a bucket download,
     which verifies, refused the step: it could never be restored from the bucket."""
-    from ckptd.tools.verify import verify_checkpoint
+    from ckptd.storage.verify import verify_checkpoint
 
     model = torch.nn.Module()
     model.w = torch.nn.Parameter(torch.ones(3))

@@ -28,7 +28,7 @@ from ckptd.errors import CheckpointError, FormatError
 from ckptd.format import build_fragment, build_manifest, digest, parse_header
 from ckptd.layout import MANIFEST, shard_name, step_dir
 from ckptd.state import TAG, flatten, unflatten
-from ckptd.tools.verify import verify_checkpoint
+from ckptd.storage.verify import verify_checkpoint
 from ckptd.validate import confined_name, parse_fragment, read_manifest
 
 JOB, STEP, WS = "j", 1, 2

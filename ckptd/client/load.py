@@ -39,7 +39,7 @@ import torch
 from ..errors import CheckpointError, FormatError
 from ..format import dtype_from_name
 from ..state import TAG, join_key, key_names, keys_tagged, local_chunks, split_key, unflatten
-from ..tools.verify import stale_check
+from ..storage.verify import stale_check
 from ..validate import gc_paused
 from .agree import agree, collective, fail_early, failed, gather, raise_failure
 from .capture import local_tensor, no_optimizer_init, refuse_meta, refuse_unnamed

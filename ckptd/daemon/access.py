@@ -22,6 +22,7 @@ from collections.abc import Iterator
 
 import zmq
 
+from ..config import resolve_group
 from ..errors import CheckpointError
 
 log = logging.getLogger("ckptd.daemon")
@@ -46,20 +47,6 @@ def _name_of_group(gid: int) -> str:
         return f"{grp.getgrgid(gid).gr_name} (gid {gid})"
     except KeyError:
         return f"gid {gid}"
-
-
-def resolve_group(group: str | int | None) -> int | None:
-    """The gid of a group given by name or number; ``None`` for none. Raises ``CheckpointError``."""
-    if group is None or group == "":
-        return None
-    import grp
-
-    try:
-        if isinstance(group, int) or group.isdigit():
-            return grp.getgrgid(int(group)).gr_gid
-        return grp.getgrnam(group).gr_gid
-    except KeyError:
-        raise CheckpointError(f"unknown group {group!r}") from None
 
 
 class Access:

@@ -31,8 +31,8 @@ from typing import Any
 
 from ..config import MAX_PROTECTED_NAME, MAX_STEP
 from ..errors import CheckpointError
+from ..files import fsync_dir, write_durable
 from ..layout import is_complete, step_dir
-from ..storage.files import fsync_dir, write_durable
 from ..storage.local import job_lock
 from ..storage.retention import KeepLatest, Protect, RetentionPolicy
 from .events import Answered, EventQueue

@@ -23,7 +23,7 @@ from typing import Any
 
 import zmq
 
-from .. import __version__, shm
+from .. import shm, version
 from ..config import HOUSEKEEPING_S, WAIT_CAP_S, DaemonConfig, default_shm_budget
 from ..errors import CheckpointError, ProtocolError
 from ..layout import step_dir
@@ -170,7 +170,7 @@ class Daemon:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: self.stop())
-        log.info("ckptd %s serving %s, root %s, shm budget %.2f GB", __version__, self.endpoint, self.root, self.pool.budget / 1e9)
+        log.info("ckptd %s serving %s, root %s, shm budget %.2f GB", version.__version__, self.endpoint, self.root, self.pool.budget / 1e9)
         notify(f"READY=1\nMAINPID={os.getpid()}\nSTATUS=serving {self.endpoint}")
         try:
             self._loop()
@@ -332,7 +332,7 @@ class Daemon:
 
     def _op_hello(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
         tiering = dataclasses.asdict(self.tiering.policy)  # prepare() sizes the slot pool by it
-        return {"server_version": __version__, "root": self.root, "pid": os.getpid(), "tiering": tiering}  # and instance
+        return {"server_version": version.__version__, "root": self.root, "pid": os.getpid(), "tiering": tiering}  # and instance
 
     def _op_status(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
         return build_status(self)

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .. import __version__
+from ..version import __version__
 
 if TYPE_CHECKING:
     from .server import Daemon

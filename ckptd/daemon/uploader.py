@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointError
+from ..files import fsync_dir
 from ..format import Attempt, attempt_of, commit_time
 from ..layout import GONE, MANIFEST, bucket_key, step_dir
-from ..storage.files import fsync_dir
 from ..storage.local import committed_at as local_committed_at
 from ..storage.local import read_fragment
 from ..storage.remote import (

@@ -17,11 +17,11 @@ _lock = threading.Lock()
 
 def client_for(job: str | None, endpoint: str | None) -> Client:
     """The process's client of ``job`` at ``endpoint`` (defaults as :class:`ckptd.Client`'s), made once."""
-    import ckptd
+    from ..client.default import current
 
     ep = endpoint or default_endpoint()
     name = validate_job(job if job is not None else default_job())
-    default = ckptd._default
+    default = current()
     if default is not None and not default._closed and (default.endpoint, default.job) == (ep, name):
         return default
     with _lock:

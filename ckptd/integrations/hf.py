@@ -326,8 +326,8 @@ def _replace_at(dfd: int, where: str, name: str, write: Callable[[IO[bytes]], ob
 def _write_weights(f: IO[bytes], reader: Any, keys: list[str]) -> None:
     """The step's tensors ``keys`` (``model/<fqn>``) as a safetensors file of FQNs, one tensor in memory at a time
     (``save_file`` takes a path, which could be a planted link, and every tensor at once)."""
+    from ..client.weights import write_safetensors
     from ..format import itemsize
-    from ..tools.export import write_safetensors
 
     ents = reader.manifest["tensors"]
     keys = sorted(keys, key=lambda k: (-itemsize(ents[k]["dtype"]), k))  # larger elements first, as save_file: each one aligned

@@ -32,6 +32,7 @@ import xxhash
 
 from .. import format as fmt
 from ..errors import CheckpointError, FormatError, write_failed
+from ..files import create_new, fsync_dir, write_durable, write_json_durable
 from ..format import MAX_HEADER_BYTES, ShardLayout, attempt_of, build_fragment, build_manifest, commit_time, digest, parse_header
 from ..layout import (
     MANIFEST,
@@ -50,7 +51,6 @@ from ..layout import (
 )
 from ..validate import parse_fragment, read_regular
 from .direct import StreamWriter, reserve
-from .files import create_new, fsync_dir, write_durable, write_json_durable
 from .retention import Protect, RetentionPolicy, doomed
 
 log = logging.getLogger("ckptd.daemon")

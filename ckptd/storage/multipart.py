@@ -36,8 +36,8 @@ from typing import Any
 import xxhash
 
 from ..errors import FormatError
+from ..files import write_json_durable
 from ..validate import read_regular
-from .files import write_json_durable
 
 log = logging.getLogger("ckptd.daemon")
 
@@ -161,7 +161,7 @@ class UploadLedger:
         many were aborted. One already gone is forgotten; one that cannot be aborted now (the bucket unreachable) is
         logged and kept for the next start; one recorded for another bucket or endpoint (the configuration changed)
         is logged and forgotten. Never raises."""
-        from .s3 import _boto_errors, _error_code
+        from .boto import boto_errors, error_code
 
         aborted = 0
         for up in uploads:
@@ -173,8 +173,8 @@ class UploadLedger:
                 continue
             try:
                 client.abort_multipart_upload(Bucket=up.bucket, Key=up.key, UploadId=up.upload_id)
-            except _boto_errors() as exc:
-                if _error_code(exc) in _GONE:  # it ended before its record went
+            except boto_errors() as exc:
+                if error_code(exc) in _GONE:  # it ended before its record went
                     self.forget(up.upload_id)
                 else:
                     log.warning("cannot abort the unfinished multipart upload %s (tried again at the next start): %s", what, exc)

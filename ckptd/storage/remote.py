@@ -32,6 +32,7 @@ from typing import Any
 
 from ..config import MAX_DOCUMENT_BYTES
 from ..errors import CheckpointError, FormatError
+from ..files import create_new, fsync_dir, write_all
 from ..format import Attempt, attempt_of, build_manifest, commit_time, encode_manifest, objects_folder
 from ..layout import (
     FETCHED,
@@ -62,7 +63,6 @@ from .documents import (
     step_objects,
     valid_manifest,
 )
-from .files import create_new, fsync_dir, write_all
 from .local import committed_at, job_lock, retire_now, update_latest
 from .retention import RetentionPolicy, doomed
 from .store import ObjectStore, Progress
@@ -330,7 +330,7 @@ def download_step(store: ObjectStore, root: str, job: str, step: int, progress: 
     Each file's size is checked as it arrives, and every chunk's checksum before the step is renamed
     into place: a corrupt object fails the fetch, naming the object and tensor, and leaves nothing.
     """
-    from ..tools.verify import verify_checkpoint
+    from .verify import verify_checkpoint
 
     final = step_dir(root, job, step)
     stale: int | None = None  # the local copy's commit time, if the bucket's step of that number replaced it

@@ -33,9 +33,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import CheckpointError, FormatError
-from .files import fsync_dir
+from ..files import fsync_dir
+from ..s3config import RemoteConfig, check_rel
+from .boto import boto_errors, error_code
 from .multipart import UploadLedger
-from .s3config import RemoteConfig, check_rel
 
 log = logging.getLogger("ckptd.daemon")
 
@@ -47,24 +48,6 @@ _MISSING_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
 _CONDITION_FAILED = frozenset({"PreconditionFailed", "412", "ConditionalRequestConflict", "409"})
 
 
-@functools.cache
-def _boto_errors() -> tuple[type[BaseException], ...]:
-    """Every exception class that means "the request failed" in boto3, botocore and s3transfer."""
-    import boto3.exceptions
-    import botocore.exceptions
-    import s3transfer.exceptions
-
-    return (
-        botocore.exceptions.BotoCoreError,
-        botocore.exceptions.ClientError,
-        boto3.exceptions.Boto3Error,
-        s3transfer.exceptions.RetriesExceededError,
-        s3transfer.exceptions.S3UploadFailedError,
-        s3transfer.exceptions.S3DownloadFailedError,
-        s3transfer.exceptions.FatalError,
-    )
-
-
 _TAG_SEP = "@"  # never in an ETag (a quoted hex digest, maybe with -<parts>)
 
 
@@ -72,13 +55,6 @@ def _tag(obj: dict[str, Any]) -> str:
     """A listed object's tag: its ETag (what ``If-Match`` compares) and its LastModified."""
     when = obj.get("LastModified")
     return f"{obj.get('ETag', '')}{_TAG_SEP}{when.isoformat() if hasattr(when, 'isoformat') else when}"
-
-
-def _error_code(exc: BaseException) -> str:
-    response = getattr(exc, "response", None)
-    if isinstance(response, dict):
-        return str(response.get("Error", {}).get("Code", ""))
-    return ""
 
 
 def _make_client(config: RemoteConfig) -> Any:
@@ -194,8 +170,8 @@ class S3Store:
                 try:
                     call(**({"IfNoneMatch": "*"} if etag is None else {"IfMatch": etag}))
                     return True
-                except _boto_errors() as exc:
-                    code = _error_code(exc)
+                except boto_errors() as exc:
+                    code = error_code(exc)
                     if code in _CONDITION_FAILED or (etag is not None and code in _MISSING_CODES):
                         return False
                     if code not in ("NotImplemented", "501"):
@@ -256,8 +232,8 @@ class S3Store:
         with self._translate("download", key, missing_is_error=False):
             try:
                 response = self.client.get_object(Bucket=self.config.bucket, Key=key, Range=f"bytes=0-{max(nbytes, 1) - 1}")
-            except _boto_errors() as exc:
-                if _error_code(exc) not in ("InvalidRange", "416"):
+            except boto_errors() as exc:
+                if error_code(exc) not in ("InvalidRange", "416"):
                     raise
                 return b"", 0  # an empty object has no byte 0 to start a range at
             body = response["Body"]
@@ -327,8 +303,8 @@ class S3Store:
         """Raise :class:`CheckpointError` unless the bucket exists and these credentials may use it."""
         try:
             self.client.head_bucket(Bucket=self.config.bucket)
-        except _boto_errors() as exc:
-            code = _error_code(exc)
+        except boto_errors() as exc:
+            code = error_code(exc)
             reason = {"404": "it does not exist", "NoSuchBucket": "it does not exist", "403": "access denied"}.get(code, "unreachable")
             raise CheckpointError(f"s3 bucket {self.config.bucket!r} at {self._endpoint()} is not usable ({reason}): {exc}") from exc
 
@@ -385,9 +361,9 @@ class S3Store:
         """Turn boto3/botocore failures into ``CheckpointError`` (or ``FileNotFoundError`` for a missing object)."""
         try:
             yield
-        except _boto_errors() as exc:
+        except boto_errors() as exc:
             where = f"s3://{self.config.bucket}/{key}"
-            if not missing_is_error and _error_code(exc) in _MISSING_CODES:
+            if not missing_is_error and error_code(exc) in _MISSING_CODES:
                 raise FileNotFoundError(f"no such object {where} at {self._endpoint()}") from exc
             raise CheckpointError(f"s3 {op} {where} at {self._endpoint()} failed: {exc}") from exc
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from .s3config import RemoteConfig
+    from ..s3config import RemoteConfig
 
 Progress = Callable[[int], None]  # bytes moved since the last call (negative when a retry rewinds)
 

@@ -15,7 +15,6 @@ import contextlib
 import errno
 import json
 import logging
-import math
 import mmap
 import os
 import shutil
@@ -24,11 +23,12 @@ import struct
 import sys
 import tempfile
 from collections.abc import Callable
-from typing import IO, Any
+from typing import IO
 
 import torch
 
 from ..client.reader import CheckpointReader, resolve_step_dir
+from ..client.weights import nbytes, write_safetensors
 from ..errors import CheckpointError
 from ..format import dtype_from_name
 from ..state import split_key
@@ -128,7 +128,7 @@ def export_checkpoint(
             )
             raise CheckpointError(f"{step_dir} holds no {what} tensors ({where}): --what all exports every tensor it holds")
         meta = {"format": "pt", "ckptd_step": str(reader.manifest["step"])}
-        total = sum(_nbytes(tensors[k]) for k in names)
+        total = sum(nbytes(tensors[k]) for k in names)
         show = progress or _progress_printer(total)
         if fmt == "hf":
             return _export_hf(reader, names, out, meta, show, max_shard_size, config_from)
@@ -172,36 +172,6 @@ def _temp_beside(out: str, made: list[str]) -> IO[bytes]:
     return os.fdopen(fd, "wb")
 
 
-def _nbytes(ent: dict[str, Any]) -> int:
-    return dtype_from_name(ent["dtype"]).itemsize * math.prod(ent["shape"])
-
-
-def write_safetensors(
-    reader: CheckpointReader, names: dict[str, str], f: IO[bytes], meta: dict[str, str], show: Callable[[int], None], done: int
-) -> int:
-    """Write the tensors ``names`` (state key -> name in the file) as a safetensors file to ``f``, one at a
-    time, fsynced; returns ``done`` plus the bytes written (for progress across files)."""
-    tensors = reader.manifest["tensors"]
-    header: dict[str, object] = {"__metadata__": meta}
-    pos = 0
-    for k, n in names.items():
-        nbytes = _nbytes(tensors[k])
-        header[n] = {"dtype": tensors[k]["dtype"], "shape": tensors[k]["shape"], "data_offsets": [pos, pos + nbytes]}
-        pos += nbytes
-    body = json.dumps(header, separators=(",", ":")).encode()
-    body += b" " * (-len(body) % 8)
-    f.write(struct.pack("<Q", len(body)) + body)
-    for k in names:
-        full = reader.read_full(k)
-        f.write(memoryview(full.reshape(-1).view(torch.uint8).numpy()))
-        done += full.numel() * full.element_size()
-        del full
-        show(done)
-    f.flush()
-    os.fsync(f.fileno())
-    return done
-
-
 def _export_hf(
     reader: CheckpointReader,
     names: dict[str, str],
@@ -237,11 +207,11 @@ def _write_hf_dir(
     shards: list[dict[str, str]] = [{}]
     size = 0
     for k, n in names.items():  # in key order, a new file when the next tensor would overflow this one
-        if shards[-1] and size + _nbytes(tensors[k]) > max_shard_size:
+        if shards[-1] and size + nbytes(tensors[k]) > max_shard_size:
             shards.append({})
             size = 0
         shards[-1][k] = n
-        size += _nbytes(tensors[k])
+        size += nbytes(tensors[k])
     files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     if len(shards) == 1:
         files = ["model.safetensors"]  # what save_pretrained writes for a model that fits one file
