@@ -1,4 +1,6 @@
-"""Exceptions raised by ckptd. Every failure a user can see is a :class:`CheckpointError`."""
+"""Exceptions raised by ckptd. Every failure to take, make durable or restore a checkpoint that a user can see is a
+:class:`CheckpointError`; an argument of the wrong kind is a ``ValueError`` or ``TypeError``, and a ``wait(timeout=...)``
+that runs out a ``TimeoutError``."""
 
 from __future__ import annotations
 
@@ -36,7 +38,9 @@ class StepUnknown(CheckpointError):
 
 
 class DiskFull(CheckpointError):
-    """A write did not fit (``ENOSPC``, ``EDQUOT``): the disk, or the user's quota on it, is full."""
+    """A write did not fit (``ENOSPC``, ``EDQUOT``): the disk, or the user's quota on it, is full. Raised inside the
+    daemon, which makes room and tries again; a trainer sees a step that still failed as a :class:`CheckpointError`
+    naming the error."""
 
 
 def write_failed(what: str, e: OSError) -> CheckpointError:

@@ -114,7 +114,7 @@ class Fetcher:
                 answer = {"step": found.step, "path": found.path, "source": found.source.to_wire()}
         except Exception as e:  # the bucket is unreachable: say so, never answer "none" or a possibly stale step
             log.error("latest of job %s: %s", job, e)
-            answer = {"error": f"cannot ask the bucket for job {job!r}'s latest step: {e}"}
+            answer = {"error": f"cannot ask the bucket for the latest step of job {job!r}: {e}"}
         self._events.post(Answered(ident, req_id, answer))
 
     def wait(self, fid: int, ident: bytes, req_id: Any, deadline: float) -> dict[str, Any] | None:
