@@ -69,7 +69,7 @@ def snapshot(
     ``CKPTD_OVERLAP``), it may return before the copy of the parameters and the optimizer state ends: a background
     thread finishes it, and an optimizer step pre-hook, the next ``snapshot()``, :func:`restore` and :func:`wait`
     all wait for it first. Everything else (buffers, ``extra``) is copied before it returns. Parameters mutated
-    outside ``optimizer.step()`` need ``blocking=True`` (see :doc:`/api`). Calls from several threads take turns (each
+    outside ``optimizer.step()`` need ``blocking=True`` (see :doc:`/training-loops`). Calls from several threads take turns (each
     joins the background copy of the one before).
 
     Args:
