@@ -4,6 +4,7 @@ and a number saved since that read is not saved again (that would replace this r
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Callable
 
@@ -53,3 +54,22 @@ def test_a_step_read_any_way_starts_a_new_attempt_and_guards_the_numbers_saved_s
     assert c.latest() == 2
     with pytest.raises(CheckpointError, match="already saved by this client since it restored step 1"):
         c.snapshot(model, optim, step=2, blocking=True)
+
+
+def test_a_dcp_writers_memory_tier_is_the_jobs_through_the_clients_own_call(daemon) -> None:  # noqa: ANN001
+    model, optim = make()
+    for step in (1, 2, 3):
+        train_step(model, optim, step)
+        msd, osd = get_state_dict(model, optim)
+        writer = ckptd.dcp.Writer("tiered", endpoint=daemon.endpoint, persist_every=1000)
+        dcp.save({"model": msd, "optim": osd}, storage_writer=writer, checkpoint_id=str(step))
+    c = client_for("tiered", daemon.endpoint)
+    deadline = time.monotonic() + 60
+    while c.latest() is None:  # the first step of a job is persisted; the next two stay in memory (one in 1000)
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert c.latest() == 1 and c.status()["memory_steps"] == 2  # steps 2 and 3 went to memory only
+    m2, o2 = make(seed=5)
+    assert c.restore(m2, o2).source == "memory" and c.last_restore["step"] == 3
+    with pytest.raises(ValueError, match="persist_every must be an int"):
+        ckptd.dcp.Writer("tiered", endpoint=daemon.endpoint, persist_every=0)

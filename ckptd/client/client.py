@@ -380,6 +380,18 @@ class Client(DaemonRequests):
             self.restored_at(extra.step)
         return extra
 
+    def tier(self, persist_every: int | None, persist_interval: float | None) -> None:
+        """Internal, for ``ckptd.dcp.Writer`` and the Lightning plugin: this job's memory tier from here on.
+
+        As ``Client(persist_every=..., persist_interval=...)`` would set it; the job's own setting rides on its commits.
+
+        Args:
+            persist_every: Persist one snapshot in N (``None``: the environment's, else the daemon's).
+            persist_interval: Or the first one T seconds after the last persisted one (``None`` likewise).
+        Raises:
+            ValueError: A value out of the daemon's bounds."""
+        self._tiering = tier_settings(persist_every, persist_interval)
+
     def restored_at(self, step: int) -> None:
         """Internal, for ``ckptd.dcp.Reader`` and the integrations: this process restored a step itself, as :meth:`restore` does.
 

@@ -101,9 +101,7 @@ class Writer(StorageWriter):
         self.step = None if step is None else step_of(step, "ckptd.dcp.Writer")
         self.durable = durable
         if persist_every is not None or persist_interval is not None:
-            from ..client.options import tier_settings
-
-            self._client._tiering = tier_settings(persist_every, persist_interval)
+            self._client.tier(persist_every, persist_interval)
         self._local = threading.local()  # this save's step and role: DCP runs a save on one thread
         self._staged: dict[str, StagedState] = {}  # staged by async_save, by the token in its state dict, until committed
         self._lock = threading.Lock()

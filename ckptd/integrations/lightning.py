@@ -80,9 +80,7 @@ class CkptdCheckpointIO(CheckpointIO):
     def client(self) -> Any:
         c = client_for(self.job, self.endpoint)
         if self._tiering != (None, None):
-            from ..client.options import tier_settings
-
-            c._tiering = tier_settings(*self._tiering)
+            c.tier(*self._tiering)
         return c
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
