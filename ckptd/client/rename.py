@@ -100,6 +100,8 @@ def target_to_saved(saved_names: set[str], fn: Callable[[str], str]) -> dict[str
 def rename_root(root: dict[str, Any], mapping: dict[str, str]) -> dict[str, Any]:
     """``root`` (``{"model": msd, "optim": osd}`` as ``get_state_dict`` gives them) with its parameter names mapped
     by ``mapping`` (names it does not hold are kept); the values are the same objects."""
+    if not mapping:
+        return root  # (every restore without rename: nothing copied)
     out = dict(root)
     if "model" in root:
         out["model"] = {mapping.get(k, k): v for k, v in root["model"].items()}
