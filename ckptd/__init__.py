@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from .errors import CheckpointError, DaemonUnavailable, FormatError, ProtocolError, StepDropped, StepUnknown
+from .errors import CheckpointError, DaemonUnavailable, DiskFull, FormatError, ProtocolError, StepDropped, StepUnknown, UnsupportedState
 from .version import __version__ as __version__
 
 if TYPE_CHECKING:
@@ -35,10 +35,12 @@ __all__ = [
     "CheckpointError",
     "Client",
     "DaemonUnavailable",
+    "DiskFull",
     "FormatError",
     "ProtocolError",
     "StepDropped",
     "StepUnknown",
+    "UnsupportedState",
     "Restored",
     "SnapshotHandle",
     "latest",

@@ -168,3 +168,14 @@ def test_links_go_to_pages_that_exist() -> None:
     assert targets
     missing = sorted({t for t in targets if not (PAGE.parent / t).is_file()})
     assert not missing, f"links to pages that do not exist: {missing}"
+
+
+def test_every_error_class_is_reachable_from_the_package_itself() -> None:
+    """``except ckptd.UnsupportedState`` works as the page names it: every CheckpointError kind is exported by ``ckptd``."""
+    import inspect
+
+    import ckptd
+    from ckptd import errors
+
+    kinds = {n for n, c in inspect.getmembers(errors, inspect.isclass) if issubclass(c, errors.CheckpointError)}
+    assert kinds <= set(ckptd.__all__) and all(getattr(ckptd, n) is getattr(errors, n) for n in kinds)
