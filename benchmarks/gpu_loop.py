@@ -119,7 +119,7 @@ from hot_restore import read_files  # noqa: E402
 
 import ckptd  # noqa: E402
 from ckptd.client import pinned as pinned_blocks  # noqa: E402
-from ckptd.client.hotreg import path_for  # noqa: E402
+from ckptd.client.hotreg import SHMEM_ENABLED, huge_backed, mount_of, path_for  # noqa: E402
 
 LOOP_MODES = (
     "floor", "default", "blocking", "memtier", "lag-wait", "lag-memory",
@@ -381,19 +381,14 @@ SHORT = {
 
 
 def shm_pages(path: str = "/dev/shm") -> str:
-    """What pages the daemon's segments get: the ``huge=`` option of the tmpfs at ``path`` and the kernel's
-    ``shmem_enabled`` (its ``force`` or ``deny`` overrides every mount)."""
-    opts = ""
-    with contextlib.suppress(OSError):
-        for line in open("/proc/self/mounts"):
-            f = line.split()
-            if len(f) > 3 and f[1] == path:
-                opts = f[3]
+    """What pages the daemon's segments get, as the hot restore judges it (:func:`ckptd.client.hotreg.huge_backed`),
+    with the ``huge=`` option of the tmpfs at ``path`` and the kernel's ``shmem_enabled``."""
+    opts = (mount_of(os.path.realpath(path)) or ("", ""))[1]
     huge = next((o.split("=", 1)[1] for o in opts.split(",") if o.startswith("huge=")), "never")
     shmem = "?"
-    with contextlib.suppress(OSError):
-        shmem = open("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read().split("[")[1].split("]")[0]
-    pages = "4 KiB pages" if huge == "never" and shmem != "force" else "huge pages"
+    with contextlib.suppress(OSError, IndexError):
+        shmem = open(SHMEM_ENABLED).read().split("[")[1].split("]")[0]
+    pages = "huge pages" if huge_backed(os.path.join(path, "segment")) else "4 KiB pages"
     return f"{pages} ({path} huge={huge}, shmem_enabled {shmem})"
 
 

@@ -15,10 +15,11 @@ mapped again, as a restarted trainer maps the daemon's segment. Measured, each o
 * a bounce path: one page-locked buffer per thread, ``memcpy`` from the mapping into it;
 * page-locked slots made three ways: ``cudaHostAlloc``; anonymous memory registered; and what ckptd makes now
   (:mod:`ckptd.client.pinned`: one block per thread on its thread, on huge pages where the kernel gives them);
-* ckptd's own path (``ckptd.client.hotread.HotRead``): ``pread`` from the segment (or ``memmove`` from a read-only
-  mapping of it: ``source="map"``) into two page-locked slots per thread, XXH3 as it is read, a copy on a side
-  stream into the device buffer, for ``--chunk-mb`` chunks, several thread counts and slot sizes, with and without
-  checksums (slots made inside each timing); the first and the last two configurations are the same, run again.
+* ckptd's own path (``ckptd.client.hotread.HotRead``): ``pread`` from the segment into two page-locked slots per
+  thread, XXH3 as it is read, a copy on a side stream into the device buffer, for ``--chunk-mb`` chunks, several
+  thread counts, slot and piece sizes, with and without checksums (slots made inside each timing); some
+  configurations are run twice, first and last;
+* ckptd's registered path (``ckptd.client.hotreg``), in ranges of 64, 256 and 1024 MiB, before and after the others.
 
 ``--only hotread`` measures the last three alone; ``--only ckptd`` ckptd's two paths alone.
 
@@ -233,12 +234,12 @@ def hotread_rows(fd: int, path: str, n: int, chunk: int, dev: torch.Tensor, row:
     if not ckptd_only:
         building_blocks(fd, n, row)
     configs = [
-        (16, 8, True, "pread", 1), (16, 8, True, "pread", 2), (16, 8, True, "pread", 4), (16, 8, True, "pread", 8),
-        (8, 8, True, "pread", 4), (16, 16, True, "pread", 4), (16, 16, True, "pread", 16), (16, 8, True, "map", 4),
-        (16, 8, False, "pread", 8), (16, 8, True, "pread", 1), (16, 8, True, "pread", 4),
+        (16, 8, True, 1), (16, 8, True, 2), (16, 8, True, 4), (16, 8, True, 8),
+        (8, 8, True, 4), (16, 16, True, 4), (16, 16, True, 16),
+        (16, 8, False, 8), (16, 8, True, 1), (16, 8, True, 4),
     ]  # fmt: skip
     registered_rows(fd, path, n, spans, sums, dev, row)
-    for workers, slot_mb, checked, source, piece_mb in configs:
+    for workers, slot_mb, checked, piece_mb in configs:
         hotread.PIECE_BYTES = piece_mb << 20
         flats = [
             Flat(f"c{i}", {"file": name, "byte_range": [b, e], "xxh3_64": h if checked else None}, dev[b:e], device)
@@ -248,11 +249,11 @@ def hotread_rows(fd: int, path: str, n: int, chunk: int, dev: torch.Tensor, row:
         dev.zero_()
         torch.cuda.synchronize()
         t0 = t()
-        HotRead({name: fd}, lambda _: path, lambda _, up=up: up, workers=workers, slot=slot_mb << 20, source=source).read(flats)
+        HotRead({name: fd}, lambda _: path, lambda _, up=up: up, workers=workers, slot=slot_mb << 20).read(flats)
         up.finish()  # waits for the copies, gives the slots back
         took = t() - t0
         what = f"{workers} threads, {slot_mb} MiB slots, {piece_mb} MiB pieces{'' if checked else ', no checksums'}"
-        row(f"ckptd HotRead: {source} -> page-locked slots -> H2D, {what}", took)
+        row(f"ckptd HotRead: pread -> page-locked slots -> H2D, {what}", took)
     hotread.PIECE_BYTES = PIECE_BYTES
     b, e = spans[len(spans) // 2]
     assert bytes(dev[b:e].cpu().numpy()) == _pread(fd, (b, e)), "HotRead copied wrong bytes"

@@ -160,9 +160,8 @@ def test_cuda_hot_restore_verifies_every_chunk_and_falls_back_to_disk_on_a_corru
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("source", ["pread", "map"])
 @pytest.mark.parametrize("corrupt", [None, "small", "big"])
-def test_cuda_hotread_through_page_locked_slots_is_exact_and_catches_a_flipped_byte(tmp_path, corrupt: str | None, source: str) -> None:  # noqa: ANN001
+def test_cuda_hotread_through_page_locked_slots_is_exact_and_catches_a_flipped_byte(tmp_path, corrupt: str | None) -> None:  # noqa: ANN001
     # chunks next to each other read together, one larger than a slot read in parts, several threads, real streams
     import os
 
@@ -182,7 +181,7 @@ def test_cuda_hotread_through_page_locked_slots_is_exact_and_catches_a_flipped_b
     up = cuda.Uploads(dev.device, {})
     fd = os.open(seg, os.O_RDONLY)
     try:
-        reader = HotRead({"segment": fd}, str, lambda _: up, workers=3, slot=1 << 20, source=source)
+        reader = HotRead({"segment": fd}, str, lambda _: up, workers=3, slot=1 << 20)
         if corrupt is None:
             reader.read(flats)
         else:

@@ -116,15 +116,14 @@ def _flip(path: str, key: str, at: int = 3) -> None:
         f.write(bytes([b[0] ^ 0xFF]))
 
 
-@pytest.mark.parametrize("source", ["pread", "map"])
 @pytest.mark.parametrize("workers", [1, 3])
-def test_every_chunk_arrives_through_the_slots_on_threads_of_their_own(tmp_path, state, workers, source, monkeypatch) -> None:  # noqa: ANN001
+def test_every_chunk_arrives_through_the_slots_on_threads_of_their_own(tmp_path, state, workers, monkeypatch) -> None:  # noqa: ANN001
     path = _step(tmp_path, state)
     out, flats = _flats(path, state, GPU)
     up = CopiesOnCpu()
     copies: list[int] = []
     monkeypatch.setattr(HotRead, "_copy", staticmethod(lambda dst, src: (copies.append(src.numel()), dst.copy_(src))))
-    _read(path, flats, up, workers=workers, slot=4096, source=source)
+    _read(path, flats, up, workers=workers, slot=4096)
     assert all(torch.equal(out[k], state[k]) for k in state)
     assert up.ordered == 1  # the side stream waits once for the work queued before (fresh zeros_like destinations)
     assert 1 <= len(up.made) == len(up.bound) <= workers  # a pair of slots and the stream, per thread that took a run
@@ -171,30 +170,27 @@ def test_a_slot_is_read_into_again_only_after_the_copies_from_it_ended(tmp_path,
     assert all(f.passed for f in last.values())  # the thread waits for its last copies before it ends
 
 
-@pytest.mark.parametrize("source", ["pread", "map"])
-def test_into_cpu_tensors_the_bytes_land_in_the_destination_without_slots(tmp_path, state, source) -> None:  # noqa: ANN001
+def test_into_cpu_tensors_the_bytes_land_in_the_destination_without_slots(tmp_path, state) -> None:  # noqa: ANN001
     path = _step(tmp_path, state)
     out, flats = _flats(path, state, None)
-    _read(path, flats, None, workers=2, source=source)  # no Uploads is asked for
+    _read(path, flats, None, workers=2)  # no Uploads is asked for
     assert all(torch.equal(out[k], state[k]) for k in state)
 
 
-@pytest.mark.parametrize("source", ["pread", "map"])
 @pytest.mark.parametrize("device", [None, GPU], ids=["cpu", "gpu"])
 @pytest.mark.parametrize("key,at", [("model/small4", 5), ("model/big", 27_990)], ids=["small", "big-last-part"])
-def test_a_corrupt_chunk_in_the_segment_is_a_format_error_naming_it(tmp_path, state, device, key, at, source) -> None:  # noqa: ANN001
+def test_a_corrupt_chunk_in_the_segment_is_a_format_error_naming_it(tmp_path, state, device, key, at) -> None:  # noqa: ANN001
     path = _step(tmp_path, state)
     _flip(path, key, at)
     _, flats = _flats(path, state, device)
     with pytest.raises(FormatError, match=rf"checksum mismatch .*{key!r}"):
-        _read(path, flats, CopiesOnCpu(), workers=2, slot=4096, source=source)
+        _read(path, flats, CopiesOnCpu(), workers=2, slot=4096)
 
 
-@pytest.mark.parametrize("source", ["pread", "map"])
 @pytest.mark.parametrize("device", [None, GPU], ids=["cpu", "gpu"])
 @pytest.mark.parametrize("piece", [100, 4096, 1 << 20])
 def test_chunks_hashed_piece_by_piece_as_they_are_read_verify_wherever_the_pieces_cut_them(
-    tmp_path, state, device, piece, source, monkeypatch
+    tmp_path, state, device, piece, monkeypatch
 ) -> None:  # noqa: ANN001
     """Chunks are hashed a piece at a time as they are read (not read whole, then hashed from memory): pieces that cut
     chunks anywhere (100 bytes: inside each 204-byte chunk; 4096: a slot), one chunk into two destinations, every
@@ -204,13 +200,13 @@ def test_chunks_hashed_piece_by_piece_as_they_are_read_verify_wherever_the_piece
     out, flats = _flats(path, state, device)
     twin = torch.zeros_like(state["model/small3"])
     flats.append(Flat("model/small3", next(f.c for f in flats if f.key == "model/small3"), twin.view(-1).view(torch.uint8), device))
-    _read(path, flats, CopiesOnCpu(), workers=2, slot=4096, source=source)
+    _read(path, flats, CopiesOnCpu(), workers=2, slot=4096)
     assert all(torch.equal(out[k], state[k]) for k in state) and torch.equal(twin, state["model/small3"])
     for key, at in (("model/small9", 200), ("model/big", 27_000)):
         _flip(path, key, at)
         _, flats = _flats(path, state, device)
         with pytest.raises(FormatError, match=rf"checksum mismatch .*{key!r}"):
-            _read(path, flats, CopiesOnCpu(), workers=2, slot=4096, source=source)
+            _read(path, flats, CopiesOnCpu(), workers=2, slot=4096)
         _flip(path, key, at)  # back as it was
 
 
@@ -227,8 +223,7 @@ def test_spans_hash_each_range_of_the_pieces_seen_once(step: int) -> None:
         assert spans.hexdigest(b, e) == digest(data[b:e])
 
 
-@pytest.mark.parametrize("source", ["pread", "map"])
-def test_a_segment_cut_short_under_the_reader_is_a_format_error_not_a_short_destination(tmp_path, state, source) -> None:  # noqa: ANN001
+def test_a_segment_cut_short_under_the_reader_is_a_format_error_not_a_short_destination(tmp_path, state) -> None:  # noqa: ANN001
     # the reader checked the size when it opened the segment; a file shortened after that must not leave zeros unnoticed
     path = _step(tmp_path, state)
     _, flats = _flats(path, state, GPU)
@@ -236,7 +231,7 @@ def test_a_segment_cut_short_under_the_reader_is_a_format_error_not_a_short_dest
         (c,) = json.load(f)["tensors"]["model/big"]["chunks"]
     os.truncate(os.path.join(path, c["file"]), c["byte_range"][0] + 10_000)
     with pytest.raises(FormatError, match="truncated"):
-        _read(path, flats, CopiesOnCpu(), workers=2, slot=4096, source=source)
+        _read(path, flats, CopiesOnCpu(), workers=2, slot=4096)
 
 
 def test_a_mismatch_is_raised_first_when_another_thread_failed_before_it(tmp_path, state, monkeypatch) -> None:  # noqa: ANN001
@@ -399,28 +394,3 @@ def test_a_rank_reads_with_its_share_of_the_nodes_cores(
         monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
     assert hotread.thread_share() == want
     assert hotread.HotRead({}, str, lambda dev: None).workers == want
-
-
-def test_a_source_other_than_pread_or_map_is_refused() -> None:
-    with pytest.raises(ValueError, match="'pread' or 'map'"):
-        HotRead({}, str, lambda dev: None, source="mmap")
-
-
-def test_the_segments_mapped_for_a_read_are_unmapped_once_it_ends_also_when_it_fails(tmp_path, state, monkeypatch) -> None:  # noqa: ANN001
-    path = _step(tmp_path, state)
-    made: list[Any] = []
-    real = hotread._Mapped.__enter__
-
-    def enter(self: Any) -> dict[str, tuple[int, int]]:
-        made.append(self)
-        return real(self)
-
-    monkeypatch.setattr(hotread._Mapped, "__enter__", enter)
-    _flip(path, "model/small4", 5)
-    _, flats = _flats(path, state, None)
-    with pytest.raises(FormatError, match="checksum mismatch"):
-        _read(path, flats, None, workers=2, source="map")
-    (m,) = made
-    assert m._maps == []  # every mapping closed (small: on this thread)
-    with open("/proc/self/maps") as f:
-        assert not any(os.path.join(path, flats[0].c["file"]) in line for line in f)

@@ -30,8 +30,6 @@ the hash, the copy and an event take the GIL back.
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -42,14 +40,11 @@ import torch
 
 from ..errors import FormatError
 from ..format import digester
-from ..shm import dont_fork
 
 SLOT_BYTES = 8 << 20  # one pread into a page-locked slot; chunks adjacent in a segment are read together up to this
 WORKERS = 16  # reading threads at most (on an H100 host, 16 read 6 GB faster than 8 or 12)
 GAP_BYTES = 4096  # chunks are read together across alignment padding up to this many bytes
 PIECE_BYTES = 4 << 20  # read and hashed at a time (H200 host, 6 GB on 16 threads: 1 MiB 341 ms, 4 MiB 248-261, 8 MiB 248-260)
-SOURCE = "pread"  # how the threads read a segment: "pread" from its descriptor, or "map": memmove from a read-only mapping
-UNMAP_AWAY = 1 << 30  # a mapping this large is unmapped on a thread of its own (6 GB took 0.11-0.15 s on an H100 host)
 
 
 def thread_share() -> int:
@@ -105,20 +100,6 @@ def plan(flats: list[Flat], slot: int = SLOT_BYTES) -> list[Run]:
             runs.append(Run(f.c["file"], b, e, f.device, [f]))
     runs.sort(key=lambda r: r.end - r.start, reverse=True)  # the longest first: no thread is left with one at the end
     return runs
-
-
-def map_into(src: int, size: int, into: torch.Tensor, offset: int, seen: Callable[[int, memoryview], None] | None = None) -> int:
-    """:func:`pread_into`'s work from a read-only mapping of ``size`` bytes at address ``src`` instead of a descriptor:
-    ``memmove`` (a ctypes call: the GIL is released) piece by piece, the pages faulted in by the copying thread."""
-    n = max(0, min(into.numel(), size - offset))
-    dst, step = into.data_ptr(), PIECE_BYTES if seen is not None else max(n, 1)
-    view = memoryview(into.numpy()) if seen is not None else None
-    for got in range(0, n, step):
-        k = min(step, n - got)
-        ctypes.memmove(dst + got, src + offset + got, k)
-        if seen is not None and view is not None:
-            seen(got, view[got : got + k])
-    return n
 
 
 def pread_into(fd: int, into: torch.Tensor, offset: int, seen: Callable[[int, memoryview], None] | None = None) -> int:
@@ -203,13 +184,9 @@ class HotRead:
         *,
         workers: int | None = None,
         slot: int = SLOT_BYTES,
-        source: str = SOURCE,
     ) -> None:
-        if source not in ("pread", "map"):
-            raise ValueError(f"source must be 'pread' or 'map', not {source!r}")
-        self.fds, self.where, self.upload, self.source = fds, where, upload, source
+        self.fds, self.where, self.upload = fds, where, upload
         self.workers, self.slot = max(1, thread_share() if workers is None else workers), slot
-        self._maps: dict[str, tuple[int, int]] = {}  # source "map": segment name -> (address, size) of its read-only mapping
         self._lock = threading.Lock()
         self._runs: Iterator[Run] = iter(())
         self._errors: list[BaseException] = []
@@ -218,13 +195,6 @@ class HotRead:
     def read(self, flats: list[Flat]) -> None:
         """Fill every destination of ``flats``; raise the first checksum mismatch, else the first other error."""
         runs = plan(flats, self.slot)
-        try:
-            with _Mapped(self.fds if self.source == "map" else {}) as self._maps:
-                self._read_runs(runs)
-        finally:
-            self._maps = {}
-
-    def _read_runs(self, runs: list[Run]) -> None:
         for dev in {r.device for r in runs if r.device is not None}:
             self.upload(dev).after_current()  # destinations made just before (zeros_like) are written after
         self._runs, self._errors = iter(runs), []
@@ -273,9 +243,7 @@ class HotRead:
                 slots.drain()  # a slot is not given back while a copy still reads it
 
     def _read(self, run: Run, into: torch.Tensor, offset: int, seen: Callable[[int, memoryview], None] | None = None) -> None:
-        m = self._maps.get(run.name)
-        got = map_into(m[0], m[1], into, offset, seen) if m is not None else pread_into(self.fds[run.name], into, offset, seen)
-        if got != into.numel():
+        if pread_into(self.fds[run.name], into, offset, seen) != into.numel():
             raise FormatError(f"{self.where(run.name)} ends inside bytes {offset}-{offset + into.numel()}: truncated")
 
     def _check(self, f: Flat, got: str | None) -> None:
@@ -319,47 +287,6 @@ class HotRead:
     @staticmethod
     def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=True)  # on the thread's current stream: the side stream (bound)
-
-
-class _Mapped:
-    """The segments ``fds`` mapped read-only for the time of a read (name -> (address, size)); unmapped on leaving, a
-    large mapping on a thread of its own (nothing reads its pages any more: every reading thread has ended)."""
-
-    def __init__(self, fds: dict[str, int]) -> None:
-        self._fds, self._maps = fds, []
-
-    def __enter__(self) -> dict[str, tuple[int, int]]:
-        import numpy as np
-
-        out: dict[str, tuple[int, int]] = {}
-        try:
-            for name, fd in self._fds.items():
-                size = os.fstat(fd).st_size
-                if size == 0:
-                    continue  # (read as a file of no bytes: pread_into finds its end at once)
-                mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-                self._maps.append(mm)
-                dont_fork(mm)
-                out[name] = (np.frombuffer(mm, dtype=np.uint8).ctypes.data, size)  # (the array is gone at once: no export held)
-        except BaseException:
-            self.__exit__()
-            raise
-        return out
-
-    def __exit__(self, *_: object) -> None:
-        maps, self._maps = self._maps, []
-        if sum(len(mm) for mm in maps) >= UNMAP_AWAY:
-            try:
-                threading.Thread(target=_close_all, args=(maps,), name="ckptd-unmap", daemon=True).start()
-                return
-            except RuntimeError:  # no thread to be had: unmapped here
-                pass
-        _close_all(maps)
-
-
-def _close_all(maps: list[mmap.mmap]) -> None:
-    for mm in maps:
-        mm.close()
 
 
 def _feeding(hasher: Any) -> Callable[[int, memoryview], None] | None:

@@ -64,13 +64,13 @@ def huge_backed(path: str) -> bool:
         return False  # (no shmem huge pages in this kernel)
     if "[deny]" in shmem or "[force]" in shmem:
         return "[force]" in shmem
-    mount = _mount_of(os.path.realpath(os.path.dirname(path)))
+    mount = mount_of(os.path.realpath(os.path.dirname(path)))
     if mount is None or mount[0] != "tmpfs":
         return False
     return any(o in ("huge=always", "huge=within_size") for o in mount[1].split(","))
 
 
-def _mount_of(directory: str) -> tuple[str, str] | None:
+def mount_of(directory: str) -> tuple[str, str] | None:
     """(type, options) of the mount holding ``directory``: the longest mount point above it."""
     best: tuple[int, str, str] | None = None
     try:
