@@ -10,6 +10,8 @@
 #   run(command="bash benchmarks/on_device.sh paths", carry=[".whl"])     # benchmarks/restore_paths.py
 #   run(command="bash benchmarks/on_device.sh profile", carry=[".whl"])   # the tests, then the hot read on 4 KiB and on huge pages
 #   run(command="bash benchmarks/on_device.sh issue39", carry=[".whl"])   # the whole GPU table in one call (about 8 minutes)
+#   run(command="bash benchmarks/on_device.sh ahead", carry=[".whl"])     # the tests, then the restores on 4 KiB and huge pages
+#   run(command="bash benchmarks/on_device.sh timeline", carry=[".whl"])  # a hot restore's phases, under variants
 #   run(command="bash benchmarks/on_device.sh all --max-minutes 4 --profile-restore", carry=[".whl"])  # both, one start
 #
 # A phase fits in one call (10 minutes): gpu_loop.py stops starting modes after --max-minutes (8 by default) and
@@ -125,6 +127,41 @@ issue39)
     fi
     exit 0
     ;;
+ahead)
+    # issue 39 after register-ahead: the GPU tests, then the restores with segments on 4 KiB pages and again on huge
+    # pages (gpu_loop_restore{,_huge}.*), each with the path before it ("memory_inline") in the same run, interleaved
+    set +e
+    {
+        cat "$out/env.txt"
+        timeout 150 "$py" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_hot.py tests/test_hotread.py tests/test_hot_to_device.py tests/test_pinned.py tests/test_hotreg.py -ra
+        echo "pytest rc=$?"
+    } 2>&1 | tee "$out/tests.log"
+    rm -f "$out/env.txt"
+    for tag in "" _huge; do
+        if [ "$tag" = _huge ]; then
+            { [ "$(id -u)" = 0 ] && mount -o remount,huge=within_size /dev/shm; } || break
+            findmnt -no OPTIONS /dev/shm
+        fi
+        timeout -s TERM "${RESTORE_TIMEOUT:-150}" "$py" benchmarks/gpu_loop.py --modes restore --batch 1024 --steps 10 --warmup-ckpts 1 \
+            --restore-reps 5 --profile-restore --json "$out/gpu_loop_restore$tag.json" --plot /tmp/gpu_loop_restore$tag.png 2>&1 |
+            tee "$out/gpu_loop_restore$tag.log"
+    done
+    [ "$(id -u)" = 0 ] && mount -o remount,huge=never /dev/shm
+    exit 0
+    ;;
+timeline)
+    # where a hot restore's time goes, phase by phase, under variants (benchmarks/restore_timeline.py): on huge pages, then 4 KiB
+    set +e
+    for tag in _huge ""; do
+        if [ "$tag" = _huge ]; then
+            { [ "$(id -u)" = 0 ] && mount -o remount,huge=within_size /dev/shm; } || continue
+        else
+            [ "$(id -u)" = 0 ] && mount -o remount,huge=never /dev/shm
+        fi
+        timeout -s TERM "${TIMELINE_TIMEOUT:-150}" "$py" benchmarks/restore_timeline.py "$@" 2>&1 | tee "$out/restore_timeline$tag.log"
+    done
+    exit 0
+    ;;
 all)
     # one machine start for both: the tests (capped, so a hang leaves the loop its time), then the loop
     set +e
@@ -140,7 +177,7 @@ all)
     exit "$rc"
     ;;
 *)
-    echo "usage: $0 tests | paths | profile | issue39 | loop [gpu_loop.py arguments] | all [gpu_loop.py arguments]" >&2
+    echo "usage: $0 tests | paths | profile | issue39 | ahead | timeline | loop [gpu_loop.py arguments] | all [gpu_loop.py arguments]" >&2
     exit 2
     ;;
 esac
