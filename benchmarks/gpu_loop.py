@@ -374,7 +374,6 @@ SHORT = {
     "h2d_pinned": "floor: pinned buffer -> device",
     "h2d_pageable": "floor: pageable buffer -> device",
     "memory": "ckptd.restore, hot (daemon memory)",
-    "memory_inline": "ckptd.restore, hot, no register-ahead",
     "disk_cold": "ckptd.restore, disk (cache evicted)",
     "disk_warm": "ckptd.restore, disk (page cache)",
     "disk_read": "disk floor: files read (evicted)",
@@ -406,19 +405,6 @@ def forced_wait(checkpoints: int, slots: int, interval: float, persist: float) -
             call = ends[k - slots]
         ends.append(max(call, ends[-1] if ends else 0.0) + persist)
     return waited
-
-
-@contextlib.contextmanager
-def no_register_ahead() -> Iterator[None]:
-    """A restore that registers its segment as it copies it, as before :class:`ckptd.client.hotreg.RegisterAhead`."""
-    from ckptd.client import load
-
-    real = load._register_ahead
-    load._register_ahead = lambda *a, **k: None
-    try:
-        yield
-    finally:
-        load._register_ahead = real
 
 
 def staging_note(counts: Counter[str]) -> str:
@@ -799,20 +785,17 @@ class Bench:
             "h2d_pinned": floors[0],
             "h2d_pageable": floors[1],
             "memory": "ckptd.restore from the daemon's memory (hot)",
-            "memory_inline": "the same, its segment registered as it is copied (register-ahead turned off: the path before it)",
             "disk_cold": "ckptd.restore(hot=False): from disk, files evicted from the page cache",
             "disk_warm": "ckptd.restore(hot=False): from disk, files in the page cache",
             "disk_read": "disk floor: the step's shard files, evicted from the page cache, read in 16 MiB reads (no hash, no copy)",
         }
-        if not cuda:  # (registering is a GPU restore's)
-            del names["memory_inline"]
         self.restores = {k: RestoreRow(k, n, SHORT[k]) for k, n in names.items()}
         log("restore: building a fresh model on the device")
         target = Trainer(self.args.params, self.device, 0, seed=1)
         pinned = self.host if self.host is not None and self.host.tensor.numel() == self.nbytes else HostBuffer(self.nbytes, pinned=cuda)
         pageable = HostBuffer(self.nbytes, pinned=False)
-        expect = {"memory": "memory", "memory_inline": "memory", "disk_cold": "disk", "disk_warm": "disk"}
-        made: dict[str, Counter[str]] = {k: Counter() for k in expect}  # page-locked blocks made
+        expect = {"memory": "memory", "disk_cold": "disk", "disk_warm": "disk"}
+        made: dict[str, Counter[str]] = {k: Counter() for k in ("memory", "disk_cold", "disk_warm")}  # page-locked blocks made
         try:
             with ckptd.Client(endpoint=endpoint, job=job) as rc:
                 for _ in range(self.args.restore_reps):
@@ -843,8 +826,7 @@ class Bench:
                             target.sync()
                             before = Counter(pinned_blocks.MADE)
                             t0 = time.perf_counter()
-                            with no_register_ahead() if key == "memory_inline" else contextlib.nullcontext():
-                                rc.restore(target.model, target.optim, hot=key.startswith("memory"))
+                            rc.restore(target.model, target.optim, hot=key == "memory")
                             target.sync()
                             row.samples_s.append(time.perf_counter() - t0)
                             made[key] += Counter(pinned_blocks.MADE) - before

@@ -10,7 +10,7 @@
 #   run(command="bash benchmarks/on_device.sh paths", carry=[".whl"])     # benchmarks/restore_paths.py
 #   run(command="bash benchmarks/on_device.sh profile", carry=[".whl"])   # the tests, then the hot read on 4 KiB and on huge pages
 #   run(command="bash benchmarks/on_device.sh issue39", carry=[".whl"])   # the whole GPU table in one call (about 8 minutes)
-#   run(command="bash benchmarks/on_device.sh ahead", carry=[".whl"])     # the tests, then the restores on 4 KiB and huge pages
+#   run(command="bash benchmarks/on_device.sh restores", carry=[".whl"])  # the tests, then the restores on 4 KiB and huge pages
 #   run(command="bash benchmarks/on_device.sh timeline", carry=[".whl"])  # a hot restore's phases, under variants
 #   run(command="bash benchmarks/on_device.sh all --max-minutes 4 --profile-restore", carry=[".whl"])  # both, one start
 #
@@ -127,9 +127,8 @@ issue39)
     fi
     exit 0
     ;;
-ahead)
-    # issue 39 after register-ahead: the GPU tests, then the restores with segments on 4 KiB pages and again on huge
-    # pages (gpu_loop_restore{,_huge}.*), each with the path before it ("memory_inline") in the same run, interleaved
+restores)
+    # the GPU tests, then gpu_loop.py's restores with segments on 4 KiB pages and again on huge pages (gpu_loop_restore{,_huge}.*)
     set +e
     {
         cat "$out/env.txt"
@@ -177,7 +176,7 @@ all)
     exit "$rc"
     ;;
 *)
-    echo "usage: $0 tests | paths | profile | issue39 | ahead | timeline | loop [gpu_loop.py arguments] | all [gpu_loop.py arguments]" >&2
+    echo "usage: $0 tests | paths | profile | issue39 | restores | timeline | loop [gpu_loop.py arguments] | all [gpu_loop.py arguments]" >&2
     exit 2
     ;;
 esac

@@ -1,15 +1,19 @@
 """Where a hot restore into a GPU spends its time, phase by phase (issue 39): one model + AdamW on the GPU, one step
 snapshotted into a daemon, then hot restores in turn under several variants, each timed from the call:
 
-- ``ahead``: as shipped (the segment registered ahead, while the restore plans, where it takes the registered path);
-- ``inline``: registered as it is copied (register-ahead turned off);
-- ``ahead-unchecked``: no checksum verified (what the checks cost; never shipped);
-- ``ahead-verify-behind``: each chunk verified only once its bytes are registered (no page faults racing the driver).
+- ``shipped``: as ckptd restores;
+- ``unchecked``: no checksum verified (what the checks cost; never shipped);
+- ``populated``: the segment's mapping given its page tables up front (``MAP_POPULATE``) before it is registered.
 
-Per variant, the median over ``--reps`` of: the reader open, the last range registered, the read starting, every copy
-enqueued, the read returning (every check done), the copies ending (``Uploads.finish``), and the restore returning.
+Per variant, the median over ``--reps`` of: the step open (its manifest read), the read starting, the last range
+registered and every copy enqueued (the registered path, segments on huge pages), the read returning (every check
+done), the copies ending (``Uploads.finish``), and the restore returning.
 
-    python benchmarks/restore_timeline.py --params 5e8 --reps 5    # on the device, /dev/shm on huge pages
+    bash benchmarks/on_device.sh timeline --reps 5    # on the device: on huge pages, then on 4 KiB pages
+
+An experiment measured with it (docs/bench/gpu/register_ahead_*): registering the segment on a thread from the moment
+the step is open, while the restore plans. The plan takes ~15 ms, registering bounds the path (~24 GB/s), and
+registering beside the copies slowed them: 354 ms against 284 ms inline; it was taken out.
 """
 
 from __future__ import annotations
@@ -32,10 +36,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import Block, DaemonProcess, shape_for  # noqa: E402
 
 import ckptd  # noqa: E402
-from ckptd.client import cuda, hotreg, load  # noqa: E402
+from ckptd.client import cuda, hotreg  # noqa: E402
 from ckptd.client.reader import CheckpointReader  # noqa: E402
 
-MARKS = ("open", "registered", "read", "enqueued", "checked", "copied", "returned")
+MARKS = ("open", "read", "registered", "enqueued", "checked", "copied", "returned")
 EVENTS: dict[str, float] = {}
 T0 = [0.0]
 
@@ -69,32 +73,20 @@ def timed(real: Callable[..., Any], before: str | None = None, after: str | None
     return run
 
 
-def verify_behind(real: Callable[..., Any]) -> Callable[..., Any]:
-    def run(self: Any, f: Any, view: Any) -> Any:
-        ahead = self.ahead.get(f.c["file"])
-        if ahead is not None:
-            ahead.wait((f.c["byte_range"][1] - 1) // self.register_bytes)
-        return real(self, f, view)
-
-    return run
-
-
 def variant(name: str) -> contextlib.ExitStack:
     """The patches that time a restore's phases, and those that make variant ``name``."""
     stack = contextlib.ExitStack()
-    stack.enter_context(patched(load, "_register_ahead", lambda real: timed(real, after="open")))
+    stack.enter_context(patched(CheckpointReader, "_check_step", lambda real: timed(real, after="open")))
     stack.enter_context(patched(cuda.Uploads, "register_range", lambda real: timed(real, after="registered", last=True)))
     stack.enter_context(patched(CheckpointReader, "read_many", lambda real: timed(real, before="read", after="checked")))
     stack.enter_context(patched(hotreg.RegisteredRead, "_copy_segment", lambda real: timed(real, after="enqueued", last=True)))
     stack.enter_context(patched(cuda.Uploads, "finish", lambda real: timed(real, after="copied", last=True)))
-    if name == "ahead-unchecked":
+    if name == "unchecked":
         stack.enter_context(patched(CheckpointReader, "_check", lambda real: lambda *a, **k: None))
-    elif name == "ahead-verify-behind":
-        stack.enter_context(patched(hotreg.RegisteredRead, "_verify", verify_behind))
-    if name.endswith("-populated"):  # the mapping's page tables built up front (MAP_POPULATE), before registering
+    elif name == "populated":
         stack.enter_context(patched(CheckpointReader, "_mapped", lambda real: lambda self, n, populate=True: real(self, n, True)))
-    if name.startswith("inline"):
-        stack.enter_context(patched(load, "_register_ahead", lambda real: timed(lambda *a, **k: None, after="open")))
+    elif name != "shipped":
+        raise SystemExit(f"no variant {name!r}: shipped, unchecked or populated")
     return stack
 
 
@@ -113,7 +105,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--params", type=float, default=5e8)
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--variants", default="ahead,inline,ahead-unchecked,ahead-verify-behind")
+    p.add_argument("--variants", default="shipped,unchecked,populated")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     names = args.variants.split(",")

@@ -76,20 +76,13 @@ def _as_if_reshaped(monkeypatch) -> None:  # noqa: ANN001
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize(
-    "hot,whole,path",
-    [(True, True, "pread"), (True, True, "register"), (True, False, "auto"), (True, False, "register"), (False, True, "auto")],
-    ids=["hot-pread", "hot-register", "hot-reshaped", "hot-reshaped-register", "disk"],
+    "hot,whole,path", [(True, True, "pread"), (True, True, "register"), (True, False, "auto"), (False, True, "auto")],
+    ids=["hot-pread", "hot-register", "hot-reshaped", "disk"],
 )  # fmt: skip
 def test_cuda_restore_from_memory_and_disk_is_exact(daemon, hot: bool, whole: bool, path: str, monkeypatch) -> None:  # noqa: ANN001
-    """On the registered path the segment is registered ahead, while the restore plans (undone for a reshaped one)."""
-    from ckptd.client import hotreg
-
     monkeypatch.setenv("CKPTD_HOT_PATH", path)  # (read by the trainer: this process)
     if not whole:
         _as_if_reshaped(monkeypatch)
-    aheads: list[hotreg.RegisterAhead] = []
-    real = hotreg.RegisterAhead.__init__
-    monkeypatch.setattr(hotreg.RegisterAhead, "__init__", lambda self, *a, **k: (aheads.append(self), real(self, *a, **k))[1])
     want, _ = _saved(daemon, "gr")
     with daemon.client("gr") as c:
         m2, o2 = _cuda_model()
@@ -97,8 +90,6 @@ def test_cuda_restore_from_memory_and_disk_is_exact(daemon, hot: bool, whole: bo
         assert c.last_restore["source"] == ("memory" if hot else "disk")
     torch.cuda.synchronize()
     assert_same({k: v.cpu() for k, v in full_state(m2, o2).items()}, want)
-    assert len(aheads) == (1 if hot and path == "register" else 0)
-    assert all(a.wait(0) for a in aheads)  # (its first range was registered, then let go with the reader)
 
 
 @pytest.mark.gpu
@@ -229,16 +220,13 @@ def test_page_locked_blocks_are_on_huge_pages_where_the_kernel_gives_them_and_co
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("corrupt,ahead", [(None, False), ("small", False), ("big", False), (None, True), ("big", True)])
-def test_cuda_registered_read_straight_from_the_segment_is_exact_and_catches_a_flipped_byte(
-    tmp_path: Any, corrupt: str | None, ahead: bool
-) -> None:
-    import math
+@pytest.mark.parametrize("corrupt", [None, "small", "big"])
+def test_cuda_registered_read_straight_from_the_segment_is_exact_and_catches_a_flipped_byte(tmp_path, corrupt: str | None) -> None:  # noqa: ANN001
     import mmap
     import warnings
 
     from ckptd.client.hotread import Flat
-    from ckptd.client.hotreg import RegisterAhead, RegisteredRead, ranges
+    from ckptd.client.hotreg import RegisteredRead, ranges
     from ckptd.errors import FormatError
     from ckptd.format import digest
 
@@ -263,20 +251,16 @@ def test_cuda_registered_read_straight_from_the_segment_is_exact_and_catches_a_f
     with warnings.catch_warnings():  # torch warns that the buffer is read-only: it is only read
         warnings.simplefilter("ignore", UserWarning)
         views = {"segment": torch.frombuffer(mm, dtype=torch.uint8)}
-    early = {"segment": RegisterAhead(views["segment"], up, 1 << 20)} if ahead else None
     try:
-        reader = RegisteredRead(views.__getitem__, lambda _: up, check, str, workers=3, register_bytes=1 << 20, ahead=early)
+        reader = RegisteredRead(views.__getitem__, lambda _: up, check, str, workers=3, register_bytes=1 << 20)
         if corrupt is None:
             assert reader.read(flats) == []
         else:
             with pytest.raises(FormatError, match="'t" + ("0" if corrupt == "small" else "4")):
                 reader.read(flats)
     finally:
-        for a in (early or {}).values():
-            a.stop()
         up.finish()
-        want = math.ceil(len(data) / (1 << 20)) if ahead else len(ranges(flats, len(data), 1 << 20))
-        assert len(registered) == want and want >= 5 and all(registered.values())  # each range page-locked
+        assert len(registered) == len(ranges(flats, len(data), 1 << 20)) == 5 and all(registered.values())  # each range page-locked
         cuda.unregister(registered)
         views.clear()
         mm.close()

@@ -6,8 +6,6 @@ The GPU side runs with a stand-in for ``cuda.Uploads`` that copies on the CPU an
 from __future__ import annotations
 
 import os
-import threading
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -15,8 +13,7 @@ import torch
 
 from ckptd.client import hotreg
 from ckptd.client.hotread import Flat
-from ckptd.client.hotreg import RegisterAhead, RegisteredRead, huge_backed, path_for, read_registered
-from ckptd.client.reader import CheckpointReader
+from ckptd.client.hotreg import RegisteredRead, huge_backed, path_for, read_registered
 from ckptd.errors import FormatError
 from ckptd.format import digest
 
@@ -28,31 +25,23 @@ class Registers:
     """What ``RegisteredRead`` asks of ``cuda.Uploads``: ranges registered (recorded, in order; ``refuse_at``: the
     n-th is refused), a side stream (None: the copies happen at once), destinations kept."""
 
-    def __init__(self, log: list[tuple[Any, ...]], refuse_at: int | None = None, gate: dict[int, threading.Event] | None = None) -> None:
+    def __init__(self, log: list[tuple[Any, ...]], refuse_at: int | None = None) -> None:
         self.log, self.refuse_at, self.stream, self.ordered, self.kept = log, refuse_at, None, 0, []
         self.ranges: list[tuple[int, int]] = []
-        self.gate = gate or {}  # the n-th registration waits for its event (a slow driver)
-        self.undone: list[int] = []
-        self.device = GPU
 
     def register_range(self, ptr: int, size: int) -> bool:
-        if len(self.ranges) in self.gate:
-            assert self.gate[len(self.ranges)].wait(10)
         if self.refuse_at is not None and len(self.ranges) == self.refuse_at:
             return False
         self.ranges.append((ptr, size))
         self.log.append(("register", ptr, size))
         return True
 
-    def unregister_range(self, ptr: int) -> None:
-        self.undone.append(ptr)
-
     def after_current(self) -> None:
         self.ordered += 1
 
     def keep(self, dst: torch.Tensor) -> None:
         self.kept.append(dst)
-        self.log.append(("copy", dst, len(self.ranges)))  # (with the ranges registered by then)
+        self.log.append(("copy", dst))
 
 
 def _check(key: str, c: dict[str, Any], raw: torch.Tensor) -> None:
@@ -77,11 +66,10 @@ def _flats(seg: torch.Tensor, spans: list[tuple[int, int]], checked: bool = True
     ]  # fmt: skip
 
 
-def _read(seg: torch.Tensor, flats: list[Flat], up: Registers, workers: int = 3, ahead: RegisterAhead | None = None) -> list[Flat]:
+def _read(seg: torch.Tensor, flats: list[Flat], up: Registers, workers: int = 3) -> list[Flat]:
     return RegisteredRead(
-        lambda name: seg, lambda dev: up, _check, lambda name: f"/dev/shm/{name}", workers=workers, register_bytes=CUT,
-        ahead=None if ahead is None else {"s": ahead},
-    ).read(flats)  # fmt: skip
+        lambda name: seg, lambda dev: up, _check, lambda name: f"/dev/shm/{name}", workers=workers, register_bytes=CUT
+    ).read(flats)
 
 
 SIZES = [300, 5000, 100 << 10, 17, 200 << 10, 4096, 30 << 10]
@@ -164,85 +152,6 @@ def test_a_step_kept_only_in_memory_has_no_checksums_and_is_copied_unchecked() -
     seg[spans[0][0]] ^= 1  # (nothing to catch it: a memory-tier step never left the daemon's memory)
     assert _read(seg, flats, Registers([])) == []
     assert torch.equal(flats[0].dst, seg[spans[0][0] : spans[0][1]])
-
-
-def test_registered_ahead_every_range_of_the_segment_is_registered_once_in_order_and_the_read_registers_none() -> None:
-    seg, spans = _segment(SIZES)
-    flats = _flats(seg, spans)
-    up = Registers([])
-    ahead = RegisterAhead(seg, up, CUT)
-    assert _read(seg, flats, up, ahead=ahead) == []
-    ahead.stop()
-    assert all(torch.equal(f.dst, seg[b:e]) for f, (b, e) in zip(flats, spans))
-    base, size = seg.data_ptr(), -(-seg.numel() // hotreg.PAGE) * hotreg.PAGE  # (up to the end of the mapping's last page)
-    assert up.ranges == [(base + k * CUT, min(CUT, size - k * CUT)) for k in range(-(-size // CUT))]  # the whole segment
-
-
-def test_a_copy_registered_ahead_waits_for_its_range_and_no_longer() -> None:
-    seg, spans = _segment(SIZES)
-    flats = _flats(seg, spans)
-    log: list[tuple[Any, ...]] = []
-    slow = threading.Event()
-    up = Registers(log, gate={2: slow})  # the third range is slow to register
-    ahead = RegisterAhead(seg, up, CUT)
-    copied = threading.Thread(target=_read, args=(seg, flats, up), kwargs={"ahead": ahead})
-    copied.start()
-    assert ahead.wait(1) and not copied.join(0.5) and copied.is_alive()  # held at the third range
-    before = [e for e in log if e[0] == "copy"]
-    starts = [b for f in flats for b in range(f.c["byte_range"][0] // CUT, -(-f.c["byte_range"][1] // CUT))]
-    assert before and len(before) < len(starts)  # the first ranges' parts went already, the later ones wait
-    slow.set()
-    copied.join(10)
-    ahead.stop()
-    for _, dst, registered in (e for e in log if e[0] == "copy"):  # no part copied before its range was registered
-        f = next(f for f in flats if f.dst.data_ptr() <= dst.data_ptr() < f.dst.data_ptr() + f.dst.numel())
-        at = f.c["byte_range"][0] + dst.data_ptr() - f.dst.data_ptr()
-        assert at // CUT < registered
-    assert all(torch.equal(f.dst, seg[b:e]) for f, (b, e) in zip(flats, spans))
-
-
-def test_a_refusal_ahead_leaves_the_rest_of_the_segment_to_the_slots_as_a_refusal_while_copying_does() -> None:
-    seg, spans = _segment(SIZES)
-    flats = _flats(seg, spans)
-    ahead = RegisterAhead(seg, Registers([], refuse_at=2), CUT)
-    left = _read(seg, flats, Registers([]), ahead=ahead)
-    want = _read(seg, _flats(seg, spans), Registers([], refuse_at=2))
-    assert [f.key for f in left] == [f.key for f in want] and left
-    assert all(f.c["byte_range"][1] > 2 * CUT for f in left)
-
-
-def test_stopped_ahead_registers_no_more_and_undo_gives_back_what_it_registered() -> None:
-    seg, _ = _segment(SIZES)
-    slow = threading.Event()
-    up = Registers([], gate={1: slow})
-    ahead = RegisterAhead(seg, up, CUT)
-    assert ahead.wait(0)
-    stopper = threading.Thread(target=ahead.undo)
-    stopper.start()
-    slow.set()  # the one under way ends; none after it starts
-    stopper.join(10)
-    assert len(up.ranges) == 2 and not ahead.wait(2)
-    assert up.undone == [p for p, _ in up.ranges]
-
-
-def test_a_segment_with_a_reshaped_chunk_for_a_gpu_is_not_registered_ahead() -> None:
-    """Such a chunk's copy registers the whole mapping, which CUDA refuses over ranges already registered: the reader
-    undoes the ranges first. Chunks copied whole, onto any GPU, or reshaped onto the CPU keep it."""
-    seg, spans = _segment(SIZES)
-    flats = _flats(seg, spans)
-    ups = {n: Registers([]) for n in ("a", "b", "c")}
-    reader = SimpleNamespace(_ahead={n: RegisterAhead(seg, u, CUT) for n, u in ups.items()})
-    for a in reader._ahead.values():
-        a.stop()
-    piece = lambda f, name, dev, whole: (f.key, dict(f.c, file=name), None, dev, f.dst if whole else None)  # noqa: E731
-    pieces = [
-        piece(flats[0], "a", GPU, True), piece(flats[1], "a", torch.device("cuda", 1), True), piece(flats[2], "a", None, False),
-        piece(flats[0], "b", GPU, True), piece(flats[3], "b", GPU, False),
-        piece(flats[0], "c", None, True),
-    ]  # fmt: skip
-    CheckpointReader._keep_ahead(reader, pieces)  # type: ignore[arg-type]
-    assert sorted(reader._ahead) == ["a", "c"]
-    assert ups["b"].undone == [p for p, _ in ups["b"].ranges] and ups["b"].undone and not ups["a"].undone
 
 
 def _fake_kernel(tmp_path: Any, monkeypatch: Any, shmem: str, mounts: list[str]) -> None:

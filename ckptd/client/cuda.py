@@ -162,12 +162,6 @@ class Uploads:
             self._registered[ptr] = ok = pin(ptr, size, REGISTER_READ_ONLY | REGISTER_PORTABLE)
         return ok
 
-    def unregister_range(self, ptr: int) -> None:
-        """Undo :meth:`register_range` at ``ptr`` now (no copy reads those bytes yet), rather than at the reader's close."""
-        if self._registered.pop(ptr, False):
-            with torch.cuda.device(self.device):
-                unpin(ptr)
-
     def host_source(self, view: torch.Tensor) -> torch.Tensor:
         """``view`` (of a read-only mapping) if its mapping is page-locked, else its bytes in a page-locked buffer."""
         if self.register(view):

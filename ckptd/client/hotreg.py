@@ -20,19 +20,12 @@ writes a committed step's segment meanwhile (the daemon pins it for the restore 
 snapshot; only its own user can write it). The copies may still run when :meth:`RegisteredRead.read` returns:
 the reader's ``close`` waits for them, then unregisters every range (``Uploads.register_range`` records them)
 and unmaps.
-
-Registering runs behind nothing else on the restore's own thread: 5.9 GB took 130 ms on an H200 host, longer than
-the copies it feeds (109 ms). Where a restore knows early which segment it will read whole (its own rank's, at the
-same world size), :class:`RegisterAhead` starts registering it on a thread the moment the step is open, while the
-restore plans (reads the manifest, gets the model's state dict, matches keys: about 60 ms), and the copies then wait
-only for the ranges not yet registered.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -109,13 +102,10 @@ class RegisteredRead:
         *,
         workers: int | None = None,
         register_bytes: int = REGISTER_BYTES,
-        ahead: dict[str, RegisterAhead] | None = None,
     ) -> None:
-        """``ahead``: segments (by name) whose ranges a :class:`RegisterAhead` of the same ``register_bytes`` registers."""
         self.mapped, self.upload, self.check, self.where = mapped, upload, check, where
         self.workers = max(1, thread_share() if workers is None else workers)
         self.register_bytes = register_bytes
-        self.ahead = {n: a for n, a in (ahead or {}).items() if a.register_bytes == register_bytes}
 
     def read(self, flats: list[Flat]) -> list[Flat]:
         """Copy every flat of ``flats`` (all on GPUs) and verify it; return those left uncopied because a registration
@@ -163,11 +153,9 @@ class RegisteredRead:
         after it; the flats not wholly copied (a range was refused: the rest of the segment is left to the caller)."""
         base = view.data_ptr()
         up0 = self.upload(group[0].device)  # registrations are portable: page-locked for every GPU of the process
-        ahead = self.ahead.get(group[0].c["file"])
         cuts = ranges(group, view.numel(), self.register_bytes)
         for k, (start, end, parts) in enumerate(cuts):
-            done = ahead.wait(start // self.register_bytes) if ahead is not None else up0.register_range(base + start, end - start)
-            if not done:
+            if not up0.register_range(base + start, end - start):
                 left = list({id(f): f for _, _, later in cuts[k:] for f, _, _ in later}.values())
                 log.info("a hot restore reads %d chunk(s) through page-locked slots: registering the segment was refused", len(left))
                 return left
@@ -203,7 +191,6 @@ def read_registered(
     mapped: Callable[[str], torch.Tensor],
     upload: Callable[[torch.device], Any],
     check: Callable[[str, dict[str, Any], torch.Tensor], None],
-    ahead: dict[str, RegisterAhead] | None = None,
 ) -> list[Flat]:
     """Copy the flats bound for a GPU whose segment :func:`path_for` says to register; return the others."""
     by_path = {name: path_for(where(name)) for name in {f.c["file"] for f in flats}}
@@ -211,60 +198,4 @@ def read_registered(
     if not direct:
         return flats
     rest = [f for f in flats if f.device is None or by_path[f.c["file"]] != "register"]
-    return rest + RegisteredRead(mapped, upload, check, where, ahead=ahead).read(direct)
-
-
-class RegisterAhead:
-    """Registers all of ``view`` (the start of a mapped segment: its shard's bytes) on a thread of its own, in order,
-    range ``k`` being bytes ``[k * register_bytes, (k + 1) * register_bytes)`` (the last one shorter), through
-    ``up.register_range`` (which records each for the reader's ``close`` to unregister). :meth:`wait` blocks until
-    range ``k`` is done. Stops at the first refusal (the ranges after it report False: their chunks go through
-    page-locked slots) or at :meth:`stop`."""
-
-    def __init__(self, view: torch.Tensor, up: Any, register_bytes: int = REGISTER_BYTES) -> None:
-        self.base, self.up, self.register_bytes = view.data_ptr(), up, register_bytes
-        self.size = -(-view.numel() // PAGE) * PAGE  # (the mapping's last page is all mapped)
-        self._done: list[bool | None] = [None] * -(-self.size // register_bytes)
-        self._cond = threading.Condition()
-        self._ended = self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="ckptd-register", daemon=True)
-        self._thread.start()  # (a RuntimeError where no thread can be had: the caller registers as it copies)
-
-    def _run(self) -> None:
-        try:
-            for k in range(len(self._done)):
-                start = k * self.register_bytes
-                ok = not self._stopping and self.up.register_range(self.base + start, min(self.register_bytes, self.size - start))
-                with self._cond:
-                    self._done[k] = ok
-                    self._cond.notify_all()
-                if not ok:
-                    break
-        except Exception as e:  # (a CUDA error): the ranges not done report False
-            log.warning("registering a segment ahead of a hot restore failed: %s", e)
-        finally:
-            with self._cond:
-                self._ended = True
-                self._cond.notify_all()
-
-    def wait(self, k: int) -> bool:
-        """Whether range ``k`` is registered, once it is (or registering has ended short of it); False past the end."""
-        if k >= len(self._done):
-            return False
-        with self._cond:
-            self._cond.wait_for(lambda: self._done[k] is not None or self._ended)
-            return bool(self._done[k])
-
-    def stop(self) -> None:
-        """Register no more ranges and wait for the one under way (the reader's ``close`` then unregisters them all)."""
-        self._stopping = True
-        self._thread.join()
-
-    def undo(self) -> None:
-        """:meth:`stop`, then unregister every range registered (``up.unregister_range``): for a segment some of whose
-        chunks go another way after all (a part of a chunk reshaped, a CPU destination), which registers the whole
-        mapping itself, or copies through a page-locked buffer."""
-        self.stop()
-        for k, ok in enumerate(self._done):
-            if ok:
-                self.up.unregister_range(self.base + k * self.register_bytes)
+    return rest + RegisteredRead(mapped, upload, check, where).read(direct)

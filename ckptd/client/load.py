@@ -38,7 +38,6 @@ import torch
 
 from ..errors import CheckpointError, FormatError
 from ..format import dtype_from_name
-from ..layout import shard_name
 from ..state import TAG, join_key, key_names, keys_tagged, local_chunks, split_key, unflatten
 from ..storage.verify import stale_check
 from ..validate import gc_paused
@@ -379,19 +378,6 @@ def _target_root(model: torch.nn.Module, optim: torch.optim.Optimizer | None) ->
     return {"model": msd, "optim": osd}
 
 
-def _register_ahead(reader: CheckpointReader, target_root: dict[str, Any], rank: int) -> None:
-    """A hot restore into a GPU at the world size it was saved at reads this rank's own shard whole: have the reader
-    start page-locking its segment now, while the restore plans (:meth:`.reader.CheckpointReader.register_ahead`)."""
-    if not reader.hot or not torch.cuda.is_available():
-        return
-    world = torch.distributed.get_world_size() if torch.distributed.is_available() and torch.distributed.is_initialized() else 1
-    if reader.manifest.get("world_size") != world:
-        return
-    device = next((v.device for v in target_root.get("model", {}).values() if isinstance(v, torch.Tensor) and v.is_cuda), None)
-    if device is not None:
-        reader.register_ahead(shard_name(rank), device)
-
-
 def _stale(pending: Callable[[], str | None]) -> None:
     try:
         stale = pending()
@@ -427,7 +413,6 @@ def restore_state(
         refuse_meta(model, optim)
         target_root = _target_root(model, optim)
         reader = opener() if opener is not None else CheckpointReader(resolve_step_dir(path))
-        _register_ahead(reader, target_root, rank)
         pending = stale_check(reader.path, reader.manifest)  # reads the step before's manifest beside the copies
         named = saved_names(Saved(reader.manifest, reader.path, rank), rename)  # model name -> saved name, where renamed
         target_root = rename_root(target_root, named)

@@ -29,7 +29,7 @@ from ..layout import MANIFEST, is_complete
 from ..storage.local import latest_step
 from ..validate import read_manifest, validate_manifest
 from .hotread import Flat, HotRead, pread_into
-from .hotreg import RegisterAhead, path_for, read_registered
+from .hotreg import read_registered
 
 log = logging.getLogger("ckptd.client")
 
@@ -88,7 +88,6 @@ class CheckpointReader:
         self._scratch = torch.empty(0, dtype=torch.uint8)  # disk reads into a CPU destination
         self._uploads: dict[torch.device, Any] = {}  # per GPU: a .cuda.Uploads
         self._registered: dict[int, bool] = {}  # mappings page-locked for those GPUs (base address -> done)
-        self._ahead: dict[str, RegisterAhead] = {}  # segments being registered before the read (register_ahead)
 
     def where(self, name: str) -> str:
         """The path the bytes of shard file ``name`` are read from."""
@@ -101,9 +100,6 @@ class CheckpointReader:
         and of those chained to it: they may hold views of the mappings, and reading one later (an error
         reporter printing locals) would read unmapped memory and crash the process."""
         errors: list[Exception] = []
-        for ahead in self._ahead.values():  # no registration under way from here: the ranges are all in _registered
-            ahead.stop()
-        self._ahead.clear()
         for up in self._uploads.values():
             try:
                 up.finish()
@@ -191,22 +187,6 @@ class CheckpointReader:
                 warnings.simplefilter("ignore", UserWarning)
                 got = self._maps[name] = (mm, torch.frombuffer(mm, dtype=torch.uint8))
         return got[1]
-
-    def register_ahead(self, name: str, device: torch.device) -> bool:
-        """Start page-locking the daemon's segment for shard file ``name`` on a thread (:class:`.hotreg.RegisterAhead`),
-        for a hot restore about to read it whole into GPU ``device``, where it takes the registered path
-        (:func:`.hotreg.path_for`); :meth:`read_many` then copies from the ranges as they are done. True if started."""
-        size = self.manifest["files"].get(name, {}).get("size", 0)
-        if name not in self._files or name in self._ahead or not size or path_for(self.where(name)) != "register":
-            return False
-        self._fd(name)  # opened and size-checked here
-        try:
-            view = self._mapped(name, populate=False)[:size]  # the shard's bytes (its slot may be longer)
-            self._ahead[name] = RegisterAhead(view, self._upload(device))
-        except RuntimeError as e:  # no thread to be had: registered as it is copied
-            log.debug("no registering ahead of %s: %s", name, e)
-            return False
-        return True
 
     def _pread(self, fd: int, into: torch.Tensor, offset: int) -> int:
         return pread_into(fd, into, offset)
@@ -300,11 +280,9 @@ class CheckpointReader:
                 self._copy_chunk(*p[:4])
             else:
                 disk.setdefault(p[3], []).append(p)
-        self._keep_ahead(pieces)
         if flat:
             fds = {f.c["file"]: self._fd(f.c["file"]) for f in flat}  # opened and size-checked here
-            mapped = lambda name: self._mapped(name, populate=False)  # noqa: E731
-            flat = read_registered(flat, self.where, mapped, self._upload, self._check, self._ahead)
+            flat = read_registered(flat, self.where, lambda name: self._mapped(name, populate=False), self._upload, self._check)
             HotRead(fds, self.where, self._upload).read(flat)
         for device, group in hot.items():
             self._hot_to_device(group, device)
@@ -314,13 +292,6 @@ class CheckpointReader:
                 continue
             group.sort(key=lambda p: (p[1]["file"], p[1]["byte_range"][0]))
             self._read_ahead(group, device)
-
-    def _keep_ahead(self, pieces: list[Piece]) -> None:
-        """Undo the registering ahead of each segment with a chunk bound for a GPU that is not copied whole from it (a
-        reshaped part): that copy registers the whole mapping, which CUDA refuses over ranges already registered."""
-        for name in [n for n in self._ahead if any(p[1]["file"] == n and p[3] is not None and p[4] is None for p in pieces)]:
-            log.info("a hot restore registers %s as it copies: some of its chunks are reshaped", name)
-            self._ahead.pop(name).undo()
 
     def _hot_to_device(self, group: list[Piece], device: torch.device) -> None:
         """The daemon's memory into GPU ``device``: every mapping page-locked (on this thread: the driver
