@@ -216,13 +216,13 @@ def test_a_failed_steps_partial_directory_stays_while_a_shard_is_still_being_wri
     release, writing = threading.Event(), threading.Event()
     real_write = persister.local.write_shard
 
-    def write_shard(root: str, job: str, step: int, rank: int, *a: Any, **k: Any) -> None:
-        if rank == 0:  # its shard begun in step-5.tmp, and the disk slow
-            os.makedirs(tmp_dir(root, job, step), exist_ok=True)
-            Path(tmp_dir(root, job, step), shard_name(0)).write_bytes(b"begun")
+    def write_shard(root: str, shard: Any, *a: Any, **k: Any) -> None:
+        if shard.rank == 0:  # its shard begun in step-5.tmp, and the disk slow
+            os.makedirs(tmp_dir(root, shard.job, shard.step), exist_ok=True)
+            Path(tmp_dir(root, shard.job, shard.step), shard_name(0)).write_bytes(b"begun")
             writing.set()
             assert release.wait(30)
-        real_write(root, job, step, rank, *a, **k)
+        real_write(root, shard, *a, **k)
 
     monkeypatch.setattr(persister.local, "write_shard", write_shard)
     rig = make_rig(workers=2)
@@ -463,8 +463,7 @@ def test_a_relaunchs_attempt_at_a_multi_node_step_never_writes_where_the_old_att
     ((old_dir, old_attempt),) = rig.uploader.nodes
     assert rig.wait(21, ident=b"w21") is None
     old = rig.steps.get((JOB, 21))
-    admission = Admission(rig.root, rig.steps, rig.pool, rig.completion.settle)
-    admission.give_up = rig.uploader.give_up
+    admission = Admission(rig.root, rig.steps, rig.pool, rig.completion.settle, give_up=rig.uploader.give_up)
     fresh = admission.admit(JOB, 21, 0, 4, 2, peer=None, after=19, run=22)
     assert fresh is not old and fresh.committed == set() and old.state is StepState.FAILED and old.abandoned
     assert rig.uploader.given_up == [(JOB, 21, old_attempt)]
@@ -490,8 +489,7 @@ def test_a_dead_runs_multi_node_step_still_being_written_here_is_refused_for_a_m
     rig = make_rig(uploader=FakeUploader())
     for r in (0, 1):
         rig.commit(22, r, 4, shard(22, r, 4), lws=2, run=11)
-    admission = Admission(rig.root, rig.steps, rig.pool, rig.completion.settle)
-    admission.give_up = rig.uploader.give_up
+    admission = Admission(rig.root, rig.steps, rig.pool, rig.completion.settle, give_up=rig.uploader.give_up)
     with pytest.raises(ProtocolError, match="is still being made durable"):
         admission.admit(JOB, 22, 0, 4, 2, peer=None, after=19, run=22)
     rig.pump(2)
@@ -543,8 +541,7 @@ def _saved_step_30(make_rig: Callable[..., Rig], workers: int) -> tuple[Rig, Adm
     for r in range(2):
         rig.commit(30, r, 2, shard(30, r, 2))
     rig.pump(2)
-    admission = Admission(rig.root, rig.steps, rig.pool, rig.completion.settle)
-    admission.writing = rig.persister.writing
+    admission = Admission(rig.root, rig.steps, rig.pool, rig.completion.settle, writing=rig.persister.writing)
     return rig, admission
 
 

@@ -720,12 +720,16 @@ def tier_parts(tmp_path) -> Any:  # noqa: ANN001
     os.makedirs(root)
     ctx = zmq.Context()
     events = EventQueue(ctx)
-    pool = SlotPool(shm.SegmentDir(root), 64 << 20)
+    tiering, made = Tiering(TierPolicy(persist_every=100)), {}
+    pool = SlotPool(
+        shm.SegmentDir(root), 64 << 20, reclaim=lambda job, step: made["tier"].reclaim(job, step),
+        soon=lambda job, step: made["tier"].sealing(job, step), want_spare=lambda job: tiering.policy_of(job).lagging == "wait",
+    )  # fmt: skip  (the pool asks the tier for room, as the daemon wires them)
     catalog = StepCatalog(root)
     steps = StepTable(catalog.complete_path)
     settled: list[Any] = []
-    tier = MemoryTier(
-        steps, pool, catalog, Tiering(TierPolicy(persist_every=100)), Counters(), events, persist=lambda slot: None,
+    tier = made["tier"] = MemoryTier(
+        steps, pool, catalog, tiering, Counters(), events, persist=lambda slot: None,
         settle=lambda key, track: settled.append((key, track.state)), after_complete=lambda job, step: None,
         run_gone=lambda job: False, answer=lambda r: None,
     )  # fmt: skip

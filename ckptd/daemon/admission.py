@@ -57,12 +57,24 @@ Settle = Callable[[StepKey, StepTrack], None]  # answer a step's waiters and cle
 
 
 class Admission:
-    def __init__(self, root: str, steps: StepTable, pool: SlotPool, settle: Settle) -> None:
+    def __init__(
+        self,
+        root: str,
+        steps: StepTable,
+        pool: SlotPool,
+        settle: Settle,
+        *,
+        writing: Callable[[str, int], int] = lambda job, step: 0,
+        give_up: Callable[[str, int, int], None] | None = None,
+        drop_memory: Callable[[StepKey, str], bool] = lambda key, why: False,
+    ) -> None:
+        """``settle(key, track)``: answer a step's waiters and clean up once it left pending; ``writing(job, step)``: the
+        persister's count of the step's shards being written (a new attempt never writes beside an old one's straggler);
+        ``give_up(job, step, attempt)``: the uploader's, for a dead run's multi-node step a relaunch takes over (None
+        without a bucket); ``drop_memory(key, why)``: the memory tier's, for a step a rolled-back run saves again."""
         self.root, self.steps, self.pool, self._settle = root, steps, pool, settle
         self._runs: dict[str, tuple[int | None, set[tuple[int, float]]]] = {}  # job -> (its run, (pid, start time) of committers)
-        self.drop_memory: Callable[[StepKey, str], bool] = lambda key, why: False  # the memory tier's, set by the daemon
-        self.give_up: Callable[[str, int, int], None] | None = None  # the uploader's (multi-node), set by the daemon
-        self.writing: Callable[[str, int], int] = lambda job, step: 0  # the persister's: shards of a step being written
+        self.drop_memory, self.give_up, self.writing = drop_memory, give_up, writing
 
     def admit(
         self, job: str, step: int, rank: int, ws: int, lws: int, peer: int | None, after: int | None, run: int | None = None

@@ -51,10 +51,12 @@ class Completion:
         events: EventQueue,
         answer: Answer,
         pool: SlotPool,
+        memory: MemoryTier | None = None,
     ) -> None:
+        """``memory``: the memory tier (memory-only steps superseded by a durable one are dropped; None: no memory tier)."""
         self.root, self.steps, self.catalog, self.persister, self.uploader = root, steps, catalog, persister, uploader
         self.counters, self._events, self._answer, self.pool = counters, events, answer, pool
-        self.memory: MemoryTier | None = None  # set by the daemon: memory-only steps superseded by a durable one are dropped
+        self.memory = memory
 
     def persist(self, slot: Slot) -> None:
         """A committed slot (just committed, or adopted at start-up) goes to a persist thread."""

@@ -68,11 +68,13 @@ class MemoryTier:
         after_complete: Callable[[str, int], None],
         run_gone: Callable[[str], bool],
         answer: Callable[[list[Any]], None],
+        protected: Callable[[str, int], bool] = lambda job, step: False,
     ) -> None:
         """``persist``: hand a committed slot to the persist threads; ``settle``: answer a step's waiters
         and clean up after its state changed; ``after_complete(job, step)``: what follows a step's
         completion (it calls :meth:`completed`); ``run_gone(job)``: every process that committed the
-        job's steps in its current run is gone."""
+        job's steps in its current run is gone; ``protected(job, step)``: a name keeps the step (:mod:`.protected`).
+        The slot pool asks it for room (:meth:`reclaim`, :meth:`sealing`): the daemon passes those to the pool."""
         self.steps, self.pool, self.catalog, self.tiering, self.counters = steps, pool, catalog, tiering, counters
         self._events, self._persist, self._settle, self._run_gone = events, persist, settle, run_gone
         self._after_complete, self._answer = after_complete, answer
@@ -81,9 +83,7 @@ class MemoryTier:
         # seal thread: fragments of steps being sealed, per attempt (job, step, attempt)
         self._frags: dict[tuple[str, int, int], dict[int, dict[str, Any]]] = {}
         self._last_check = 0.0
-        pool.reclaim, pool.soon = self.reclaim, self.sealing
-        pool.want_spare = lambda job: tiering.policy_of(job).lagging == "wait"
-        self.protected: Callable[[str, int], bool] = lambda job, step: False  # a name keeps the step (set by the daemon)
+        self.protected = protected
 
     # ------------------------------------------------------------------ committing
 

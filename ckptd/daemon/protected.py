@@ -50,12 +50,18 @@ _ALL = KeepLatest(0)  # every step: what an unreadable file protects
 
 class Protections:
     def __init__(
-        self, root: str, events: EventQueue, *, retain: Callable[[str], None], initializer: Callable[[], None] | None = None
+        self,
+        root: str,
+        events: EventQueue,
+        *,
+        retain: Callable[[str], None],
+        initializer: Callable[[], None] | None = None,
+        upload: Callable[[str, int], None] | None = None,
     ) -> None:
-        """``retain(job)``: a local retention pass, run once a step is let go. :attr:`upload` ``(job, step)``: have a
+        """``retain(job)``: a local retention pass, run once a step is let go. ``upload(job, step)``: have a
         complete local step the bucket may lack uploaded (the daemon's uploader, with a bucket)."""
         self.root, self._events, self._retain = root, events, retain
-        self.upload: Callable[[str, int], None] | None = None
+        self.upload = upload
         self._names: dict[str, dict[str, int]] = {}  # job -> name -> step; replaced whole under the lock
         self._policy: dict[str, RetentionPolicy] = {}  # job -> what retention keeps for it (read by any thread)
         self._broken: dict[str, str] = {}  # job -> why its file could not be read

@@ -97,22 +97,31 @@ class Daemon:
         self.events = EventQueue(self._ctx)
         self.catalog = StepCatalog(self.root, store if store is not None else open_store(config.remote, self.root))
         self.steps = StepTable(self.catalog.complete_path)
+        self.tiering = Tiering(TierPolicy(config.persist_every, config.persist_interval, config.lagging))
         budget = config.shm_budget if config.shm_budget is not None else default_shm_budget()
         segments = shm.SegmentDir(self.root, file_mode=self.access.file_mode, gid=self.access.gid)
         self.grower = Grower(segments, self.events)  # new segments are made off the loop
-        self.pool = SlotPool(segments, budget, on_grant=self._grant, lease_timeout=config.lease_timeout, grow=self.grower.submit)
-        self._wire(config, segments)
-
-    def _wire(self, config: DaemonConfig, segments: shm.SegmentDir) -> None:
-        """The components that persist, upload, fetch and complete steps, and the op and event tables."""
+        self.pool = SlotPool(
+            segments, budget, on_grant=self._grant, lease_timeout=config.lease_timeout, grow=self.grower.submit,
+            reclaim=lambda job, step: self.memtier.reclaim(job, step), soon=lambda job, step: self.memtier.sealing(job, step),
+            want_spare=lambda job: self.tiering.policy_of(job).lagging == "wait",
+        )  # fmt: skip
         self._req_peers: collections.OrderedDict[bytes, None] = collections.OrderedDict()  # REQ sockets: replies need a delimiter
         self.clock = CommitClock(self.catalog, self.pool)
+        self._wire_storage(config, segments)
+        self._wire_steps()
+
+    def _wire_storage(self, config: DaemonConfig, segments: shm.SegmentDir) -> None:
+        """The components that persist, upload, fetch and keep steps. Every one gets what it calls when it is made; an
+        edge back to one made later (the uploader asks the names kept, the persister what retention must keep) is a
+        call through this daemon, resolved once it serves."""
         background = lower_priority(config.nice, config.idle_priority)  # persist and upload threads yield to training
         self.uploader: Uploader | None = None
         if self.catalog.store is not None:
             self.uploader = Uploader(
                 self.catalog.store, self.root, lambda res: self.completion.uploaded(res), keep=config.remote_keep,
                 keep_every=config.remote_keep_every, commit_timeout=config.commit_timeout, initializer=background,
+                protected=lambda job: self.protections.policy(job),
             )  # fmt: skip
         self.persister = Persister(
             self.root, self.events, workers=config.workers, keep=config.keep, write_rate_limit=config.write_rate_limit,
@@ -120,24 +129,28 @@ class Daemon:
             uploads=self.uploader is not None,
         )  # fmt: skip
         self.fetcher = Fetcher(self.catalog, self.events, retain=self.persister.retain)
-        self.protections = Protections(self.root, self.events, retain=self.persister.retain, initializer=background)
-        self.completion = Completion(
-            self.root, self.steps, self.catalog, self.persister, self.uploader, self.counters, self.events, self._answer, self.pool
-        )
-        self.admission = Admission(self.root, self.steps, self.pool, self.completion.settle)
-        self.admission.writing = self.persister.writing  # a new attempt never writes beside an old one's straggler
-        if self.uploader is not None:
-            self.admission.give_up = self.uploader.give_up  # a relaunch takes over a dead run's multi-node step
-            self.uploader.protected = self.protections.policy
-            self.protections.upload = lambda job, step: self.uploader.submit(job, step, 0, catch_up=True)  # type: ignore[union-attr]
-        self.tiering = Tiering(TierPolicy(config.persist_every, config.persist_interval, config.lagging))
-        self.memtier = self.completion.memory = MemoryTier(
-            self.steps, self.pool, self.catalog, self.tiering, self.counters, self.events, persist=self.completion.persist,
-            settle=self.completion.settle, after_complete=self.completion.after_complete, run_gone=self.admission.run_gone,
-            answer=self._answer,
+        uploader = self.uploader
+        catch_up = None if uploader is None else lambda job, step: uploader.submit(job, step, 0, catch_up=True)
+        self.protections = Protections(self.root, self.events, retain=self.persister.retain, initializer=background, upload=catch_up)
+
+    def _wire_steps(self) -> None:
+        """The components that take commits and drive a step to complete, and the op and event tables. The memory tier
+        calls back into completion, which is made after it (completion holds the tier)."""
+        self.memtier = MemoryTier(
+            self.steps, self.pool, self.catalog, self.tiering, self.counters, self.events,
+            persist=lambda slot: self.completion.persist(slot), settle=lambda key, track: self.completion.settle(key, track),
+            after_complete=lambda job, step: self.completion.after_complete(job, step),
+            run_gone=lambda job: self.admission.run_gone(job), answer=self._answer,
+            protected=lambda job, step: bool(self.protections.policy(job).keeps([step])),
         )  # fmt: skip
-        self.admission.drop_memory = self.memtier.drop
-        self.memtier.protected = lambda job, step: bool(self.protections.policy(job).keeps([step]))
+        self.completion = Completion(
+            self.root, self.steps, self.catalog, self.persister, self.uploader, self.counters, self.events, self._answer, self.pool,
+            memory=self.memtier,
+        )  # fmt: skip
+        self.admission = Admission(
+            self.root, self.steps, self.pool, self.completion.settle, writing=self.persister.writing,
+            give_up=self.uploader.give_up if self.uploader is not None else None, drop_memory=self.memtier.drop,
+        )  # fmt: skip
         self._ops: dict[str, Handler] = {op: getattr(self, f"_op_{op}") for op in OPS}
         self._on_event: dict[type, Callable[[Any], None]] = {
             ShardPersisted: self.completion.on_persisted,

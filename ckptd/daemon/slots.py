@@ -47,25 +47,27 @@ class SlotPool:
         lease_timeout: float = LEASE_TIMEOUT_S,
         grow: Callable[[int, int], None] | None = None,
         reclaim: Callable[[str, int | None], bool] | None = None,
+        soon: Callable[[str, int | None], bool] | None = None,
+        want_spare: Callable[[str], bool] | None = None,
     ) -> None:
         """``grow(need, token)``: make a segment off the loop and report it to :meth:`created`; without
         it (unit tests) segments are made in place. ``reclaim(job, step)``: drop a memory-tier step of
-        ``job`` (not ``step``) to make room; True if it freed slots."""
+        ``job`` (not ``step``) to make room; True if it freed slots. ``soon(job, step)``: a seal under way will
+        complete a memory-tier step of the job and so drop an older one, freeing its slots in milliseconds (a
+        request short of a slot waits for that, not for a new segment). ``want_spare(job)``: the job queues every
+        due step for disk (``lagging = "wait"``): when its disk lags, a rank that takes its last free slot gets a
+        spare made off the loop, not on its next snapshot's path. The last three are the memory tier's."""
         self.segments, self.budget, self.lease_timeout = segments, noted(budget), lease_timeout
         self._on_grant = on_grant or (lambda ident, msg, result: None)
         self._clock, self._alive, self._grow = clock, alive, grow
         self.reclaim = reclaim or (lambda job, step: False)
-        # True if a seal under way will complete a memory-tier step of the job and so drop an older one, freeing its
-        # slots in milliseconds: a request short of a slot waits for that, not for a new segment (set by the memory tier)
-        self.soon: Callable[[str, int | None], bool] = lambda job, step: False
+        self.soon = soon or (lambda job, step: False)
         self.slots: dict[str, Slot] = {}
         self.deferred: list[tuple[bytes, dict[str, Any]]] = []  # (ident, alloc request) waiting for memory
         self.growing: dict[int, int] = {}  # grow token -> bytes being made off the loop (counted in the budget)
         self.spares: dict[int, tuple[str, int]] = {}  # grow token -> (job, rank) a spare is made for, on no request's path
         self.allocs_waited = 0  # snapshot allocations that had to wait (for memory, or for a segment to be made)
-        # True if a job queues every due step for disk (lagging="wait", set by the memory tier): when its disk lags,
-        # a rank that takes its last free slot gets a spare made off the loop, not on its next snapshot's path
-        self.want_spare: Callable[[str], bool] = lambda job: False
+        self.want_spare = want_spare or (lambda job: False)
 
     def __iter__(self) -> Iterator[Slot]:
         return iter(list(self.slots.values()))

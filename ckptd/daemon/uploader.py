@@ -76,10 +76,13 @@ class Uploader:
         keep_every: int,
         commit_timeout: float,
         initializer: Callable[[], None] | None = None,
+        protected: Callable[[str], RetentionPolicy] = lambda job: Protect(frozenset()),
     ) -> None:
+        """``done(result)``: an upload ended (the upload thread calls it); ``protected(job)``: the steps of ``job`` a
+        name keeps (:mod:`.protected`; any thread)."""
         self.store, self.root, self.done = store, root, done
         self.every, self.latest = KeepEvery(keep_every), KeepLatest(keep)
-        self.protected: Callable[[str], RetentionPolicy] = lambda job: Protect(frozenset())  # the steps named (any thread)
+        self.protected = protected
         self.commit_timeout = commit_timeout
         self.clock = time.monotonic  # tests move it
         self._partials: dict[
