@@ -37,7 +37,7 @@ from ckptd.layout import (
     step_dir,
     tmp_dir,
 )
-from ckptd.storage.local import finalize_step, read_latest, write_shard
+from ckptd.storage.local import ShardWrite, finalize_step, read_latest, write_shard
 from ckptd.storage.remote import (
     apply_remote_retention,
     bucket_attempt,
@@ -84,8 +84,9 @@ def write_rank(
     buf = shard_bytes(rank_chunks(step, rank, world_size) if chunks is None else chunks)
     tree = {"rank": rank, "step": step}
     attempt = {"committed_at": at, "run": run, "after": after}
+    lws, replicas = local_world_size, replicas or {}
     write_shard(
-        root, job, step, rank, world_size, memoryview(buf), len(buf), tree, replicas=replicas, local_world_size=local_world_size, **attempt
+        root, ShardWrite(job, step, rank, world_size, memoryview(buf), len(buf), tree, replicas=replicas, local_world_size=lws, **attempt)
     )
 
 

@@ -22,7 +22,7 @@ from ckptd.daemon.catalog import Found, InMemory, NoStep, StepCatalog
 from ckptd.errors import CheckpointError
 from ckptd.layout import MANIFEST, job_dir, latest_file, step_dir
 from ckptd.protocol import Source
-from ckptd.storage.local import finalize_step, write_shard
+from ckptd.storage.local import ShardWrite, finalize_step, write_shard
 from ckptd.storage.remote import download_step, upload_step
 from ckptd.validate import read_manifest
 
@@ -39,7 +39,7 @@ def make_step(root: str, job: str, step: int) -> str:
 def write_partial(root: str, job: str, step: int) -> None:
     """Rank 0's durable shard and fragment in ``step-N.tmp``: a step that never completed."""
     buf = shard_bytes([("model/w", torch.arange(6, dtype=torch.float32).reshape(2, 3) + step, (2, 3), (0, 0))])
-    write_shard(root, job, step, 0, 1, memoryview(buf), len(buf), {"step": step})
+    write_shard(root, ShardWrite(job, step, 0, 1, memoryview(buf), len(buf), {"step": step}))
 
 
 def set_latest(root: str, job: str, text: str | None) -> None:

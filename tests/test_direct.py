@@ -125,7 +125,7 @@ def test_a_shard_write_that_fails_otherwise_than_by_the_disk_leaves_no_partial_f
     buf = shard_bytes([("model/w", torch.ones(64, 64), (64, 64), (0, 0))])
     monkeypatch.setattr(StreamWriter, "submit", submit)
     with pytest.raises(MemoryError):
-        local.write_shard(str(tmp_path), "j", 1, 0, 1, memoryview(buf), len(buf), {})
+        local.write_shard(str(tmp_path), local.ShardWrite("j", 1, 0, 1, memoryview(buf), len(buf), {}))
     assert os.listdir(tmp_path / "j" / "step-1.tmp") == []
 
 
@@ -240,7 +240,7 @@ def test_a_shard_too_large_for_the_disk_fails_before_a_byte_is_written(small_dis
     monkeypatch.setattr(StreamWriter, "submit", lambda self, n: (written.append(n), real(self, n)))
     buf = shard_bytes([("model/w", torch.ones(2048, 1024), (2048, 1024), (0, 0))])  # 8 MiB onto a 4 MiB disk
     with pytest.raises(CheckpointError, match="No space left on device"):
-        local.write_shard(small_disk, "j", 1, 0, 1, memoryview(buf), len(buf), {})
+        local.write_shard(small_disk, local.ShardWrite("j", 1, 0, 1, memoryview(buf), len(buf), {}))
     assert written == [] and os.listdir(os.path.join(small_disk, "j", "step-1.tmp")) == []
     st = os.statvfs(small_disk)
     assert st.f_bavail * st.f_frsize > 2 << 20  # what the failed allocation took is free again

@@ -33,7 +33,7 @@ from ckptd.daemon.persister import Persister
 from ckptd.daemon.waiters import Waiter
 from ckptd.errors import CheckpointError, ProtocolError
 from ckptd.layout import FETCHED, MANIFEST, bucket_key, fetch_dir, shard_name, step_dir
-from ckptd.storage.local import apply_retention, complete_steps, finalize_step, latest_step, write_shard
+from ckptd.storage.local import ShardWrite, apply_retention, complete_steps, finalize_step, latest_step, write_shard
 from ckptd.storage.remote import upload_step
 from ckptd.storage.retention import KeepLatest, Protect
 from ckptd.storage.store import Progress
@@ -49,7 +49,7 @@ def write_step(root: str, job: str, step: int) -> str:
     """A complete single-rank step under ``root``, written by ckptd's local tier; returns its directory."""
     w, b = torch.full((2, 4), float(step), dtype=torch.float32), torch.arange(3, dtype=torch.int16) + step
     buf = shard_bytes([("model/w", w, (2, 4), (0, 0)), ("model/b", b, (3,), (0,))])
-    write_shard(root, job, step, 0, 1, memoryview(buf), len(buf), {"step": step})
+    write_shard(root, ShardWrite(job, step, 0, 1, memoryview(buf), len(buf), {"step": step}))
     return finalize_step(root, job, step, 1)
 
 

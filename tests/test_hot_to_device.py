@@ -57,7 +57,7 @@ def step(tmp_path) -> tuple[str, dict[str, torch.Tensor]]:  # noqa: ANN001
     buf = shard_bytes([(k, t.clone(), tuple(t.shape), (0, 0)) for k, t in full.items()])
     tree = {"model": {k.split("/", 1)[1]: {TAG: "tensor", "key": k} for k in full}}
     root = str(tmp_path)
-    local.write_shard(root, "j", 1, 0, 1, memoryview(buf), len(buf), tree, 0.0, {}, 1, 7)
+    local.write_shard(root, local.ShardWrite("j", 1, 0, 1, memoryview(buf), len(buf), tree, local_world_size=1, committed_at=7))
     return local.finalize_step(root, "j", 1, 1), full
 
 

@@ -72,7 +72,7 @@ class CopiesOnCpu:
 def _step(tmp_path: Any, tensors: dict[str, torch.Tensor]) -> str:
     buf = shard_bytes([(k, t.clone(), tuple(t.shape), (0,) * t.dim()) for k, t in tensors.items()])
     tree = {"model": {k.split("/", 1)[1]: {TAG: "tensor", "key": k} for k in tensors}}
-    local.write_shard(str(tmp_path), "j", 1, 0, 1, memoryview(buf), len(buf), tree, 0.0, {}, 1, 7)
+    local.write_shard(str(tmp_path), local.ShardWrite("j", 1, 0, 1, memoryview(buf), len(buf), tree, local_world_size=1, committed_at=7))
     return local.finalize_step(str(tmp_path), "j", 1, 1)
 
 

@@ -58,7 +58,7 @@ def _shard(rank: int, ws: int = WS, value: float = 1.0, rows: int = 2, slack: in
 def _write_ranks(root: str, step: int, ws: int = WS, value: float = 1.0) -> None:
     for r in range(ws):
         view, n = _shard(r, ws, value)
-        local.write_shard(root, JOB, step, r, ws, view, n, {"rank": r, "value": value}, committed_at=1000 + step)
+        local.write_shard(root, local.ShardWrite(JOB, step, r, ws, view, n, {"rank": r, "value": value}, committed_at=1000 + step))
 
 
 def _write_step(root: str, step: int, ws: int = WS, value: float = 1.0) -> str:
@@ -113,7 +113,7 @@ def test_shard_file_is_exactly_the_staged_bytes_and_its_checksums_those_of_its_c
     monkeypatch.setattr(local, "PIECE_BYTES", piece)
     view, n = _shard(0, ws=1, value=7.0, rows=40, slack=1000)  # the slot is longer than the shard
     view[n:] = b"\xee" * (len(view) - n)
-    local.write_shard(str(tmp_path), JOB, 1, 0, 1, view, n, {}, rate_limit=1e12)
+    local.write_shard(str(tmp_path), local.ShardWrite(JOB, 1, 0, 1, view, n, {}), local.WritePolicy(rate_limit=1e12))
     on_disk = Path(tmp_path, JOB, "step-1.tmp", shard_name(0)).read_bytes()
     assert len(on_disk) == n and on_disk == bytes(view[:n])
     frag = json.loads(Path(tmp_path, JOB, "step-1.tmp", fragment_name(0)).read_text())
@@ -128,7 +128,7 @@ def test_a_chunk_named_like_nothing_does_not_take_the_headers_checksum(tmp_path:
     data = bytes(range(16))
     layout = build_layout([("", "model/w", torch.uint8, (16,), (16,), (0,))])
     buf = layout.header + data
-    local.write_shard(str(tmp_path), JOB, 1, 0, 1, memoryview(buf), len(buf), {})
+    local.write_shard(str(tmp_path), local.ShardWrite(JOB, 1, 0, 1, memoryview(buf), len(buf), {}))
     frag = json.loads(Path(tmp_path, JOB, "step-1.tmp", fragment_name(0)).read_text())
     assert frag["header_xxh3_64"] == digest(layout.header) and frag["chunks"][0]["xxh3_64"] == digest(data)
 
@@ -142,7 +142,7 @@ def test_a_segment_truncated_under_the_persist_fails_its_shard_and_leaves_nothin
     fd = os.open(seg, os.O_RDONLY)
     try:
         with pytest.raises(FormatError, match="its segment was truncated"):
-            local.write_shard(str(tmp_path / "root"), JOB, 1, 0, 1, fd, n, {})
+            local.write_shard(str(tmp_path / "root"), local.ShardWrite(JOB, 1, 0, 1, fd, n, {}))
     finally:
         os.close(fd)
     assert os.listdir(tmp_path / "root" / JOB / "step-1.tmp") == []
@@ -151,7 +151,7 @@ def test_a_segment_truncated_under_the_persist_fails_its_shard_and_leaves_nothin
 def test_fragment_describes_its_shard(tmp_path: Path) -> None:
     root = str(tmp_path)
     view, n = _shard(1, ws=4, value=2.0)
-    local.write_shard(root, JOB, 9, 1, 4, view, n, {"t": [1, 2]}, replicas={"cid": "ab" * 8}, local_world_size=2)
+    local.write_shard(root, local.ShardWrite(JOB, 9, 1, 4, view, n, {"t": [1, 2]}, replicas={"cid": "ab" * 8}, local_world_size=2))
     frag = local.read_fragment(root, JOB, 9, 1)
     assert frag["kind"] == "ckptd-fragment"
     assert (frag["job"], frag["step"], frag["rank"], frag["world_size"], frag["local_world_size"]) == (JOB, 9, 1, 4, 2)
@@ -169,7 +169,7 @@ def test_fragment_describes_its_shard(tmp_path: Path) -> None:
 
 def test_local_world_size_defaults_to_world_size(tmp_path: Path) -> None:
     view, n = _shard(0)
-    local.write_shard(str(tmp_path), JOB, 1, 0, WS, view, n, {})
+    local.write_shard(str(tmp_path), local.ShardWrite(JOB, 1, 0, WS, view, n, {}))
     assert local.read_fragment(str(tmp_path), JOB, 1, 0)["local_world_size"] == WS
 
 
@@ -185,16 +185,16 @@ def test_write_shard_refuses_a_header_of_another_size(tmp_path: Path, delta: int
     else:
         n += delta
     with pytest.raises(FormatError, match=match):
-        local.write_shard(str(tmp_path), JOB, 1, 0, WS, view, n, {})
+        local.write_shard(str(tmp_path), local.ShardWrite(JOB, 1, 0, WS, view, n, {}))
     assert not os.path.exists(tmp_dir(str(tmp_path), JOB, 1)), "nothing may be written for a refused shard"
 
 
 def test_rewritten_shard_replaces_the_old_one(tmp_path: Path) -> None:
     root = str(tmp_path)
     big, n_big = _shard(0, ws=1, value=1.0, rows=8)
-    local.write_shard(root, JOB, 1, 0, 1, big, n_big, {})
+    local.write_shard(root, local.ShardWrite(JOB, 1, 0, 1, big, n_big, {}))
     small, n_small = _shard(0, ws=1, value=4.0, rows=2)
-    local.write_shard(root, JOB, 1, 0, 1, small, n_small, {})
+    local.write_shard(root, local.ShardWrite(JOB, 1, 0, 1, small, n_small, {}))
     assert os.path.getsize(os.path.join(tmp_dir(root, JOB, 1), shard_name(0))) == n_small  # truncated, not overlaid
     _assert_holds(local.finalize_step(root, JOB, 1, 1), 4.0, ws=1)
 
@@ -207,7 +207,7 @@ def test_fragment_sizes_reads_the_first_readable_fragment(tmp_path: Path) -> Non
     assert local.fragment_sizes(root, JOB, 3, {0, 1}) == (None, None)  # no step at all
     for r in (0, 1):
         view, n = _shard(r, ws=8)
-        local.write_shard(root, JOB, 3, r, 8, view, n, {}, local_world_size=4)
+        local.write_shard(root, local.ShardWrite(JOB, 3, r, 8, view, n, {}, local_world_size=4))
     assert local.fragment_sizes(root, JOB, 3, {0, 1}) == (8, 4)
     assert local.fragment_sizes(root, JOB, 3, set()) == (None, None)
     Path(tmp_dir(root, JOB, 3), fragment_name(0)).write_text("{not json")
@@ -374,7 +374,7 @@ def _attempt(root: str, step: int, value: float, calls: list[str]) -> str:
     for r in range(WS):
         view, n = _shard(r, WS, value)
         calls.append("write_shard")
-        local.write_shard(root, JOB, step, r, WS, view, n, {"rank": r}, committed_at=1000 + step)
+        local.write_shard(root, local.ShardWrite(JOB, step, r, WS, view, n, {"rank": r}, committed_at=1000 + step))
     calls.append("finalize_step")
     return local.finalize_step(root, JOB, step, WS)
 
@@ -443,7 +443,7 @@ def test_latest_follows_commit_order_not_step_numbers(tmp_path: Path) -> None:
     for at, step in enumerate((100, 200, 300, 110, 120)):
         for r in range(WS):
             view, n = _shard(r, WS, float(step))
-            local.write_shard(root, JOB, step, r, WS, view, n, {"rank": r}, committed_at=10 + at)
+            local.write_shard(root, local.ShardWrite(JOB, step, r, WS, view, n, {"rank": r}, committed_at=10 + at))
         local.finalize_step(root, JOB, step, WS)
         assert local.latest_step(root, JOB)[0] == step and local.read_latest(root, JOB) == step
     assert local.steps_by_commit(root, JOB) == [100, 200, 300, 110, 120]
@@ -458,7 +458,7 @@ def test_an_older_commit_completing_later_does_not_move_latest(tmp_path: Path) -
     for step, at in ((11, 2), (10, 1)):  # 10 was committed first, 11 completed first
         for r in range(WS):
             view, n = _shard(r, WS)
-            local.write_shard(root, JOB, step, r, WS, view, n, {"rank": r}, committed_at=at)
+            local.write_shard(root, local.ShardWrite(JOB, step, r, WS, view, n, {"rank": r}, committed_at=at))
     local.finalize_step(root, JOB, 11, WS)
     local.finalize_step(root, JOB, 10, WS)
     assert local.read_latest(root, JOB) == 11 and local.latest_step(root, JOB)[0] == 11

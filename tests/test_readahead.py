@@ -44,7 +44,7 @@ def step(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, torch
         chunks = [(k, t[half * r : half * (r + 1)].clone(), tuple(t.shape), (half * r, 0)) for k, t in full.items()]
         buf = shard_bytes(chunks)
         tree = {"model": {k.split("/", 1)[1]: {TAG: "tensor", "key": k} for k in full}}
-        local.write_shard(root, JOB, 1, r, WS, memoryview(buf), len(buf), tree, 0.0, {}, WS, 7)
+        local.write_shard(root, local.ShardWrite(JOB, 1, r, WS, memoryview(buf), len(buf), tree, local_world_size=WS, committed_at=7))
     return local.finalize_step(root, JOB, 1, WS), full
 
 

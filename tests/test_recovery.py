@@ -47,7 +47,9 @@ def write_fragment(
     data = shard(step, rank, world_size, row=row)
     at = record(step, rank, world_size, len(data), at=at)["committed_at"]
     tr = json.loads(tree(rank))
-    local.write_shard(root, JOB, step, rank, world_size, memoryview(data), len(data), tr, 0.0, {}, lws, at, run, None)
+    local.write_shard(
+        root, local.ShardWrite(JOB, step, rank, world_size, memoryview(data), len(data), tr, local_world_size=lws, committed_at=at, run=run)
+    )
 
 
 def complete_step(root: str, step: int, world_size: int) -> str:

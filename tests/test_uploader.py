@@ -25,7 +25,7 @@ from ckptd.daemon.events import Uploaded
 from ckptd.daemon.uploader import Uploader
 from ckptd.errors import CheckpointError
 from ckptd.layout import GONE, MANIFEST, bucket_key, bucket_prefix, node_parts, parse_bucket_key, step_dir, tmp_dir
-from ckptd.storage.local import finalize_step, hand_over, write_shard
+from ckptd.storage.local import ShardWrite, finalize_step, hand_over, write_shard
 from ckptd.storage.remote import (
     apply_remote_retention,
     bucket_committed_at,
@@ -55,7 +55,9 @@ def write_rank(
     if rank == 0:
         chunks.append(("model/b", torch.arange(3, dtype=torch.int16) + step, (3,), (0,)))
     buf = shard_bytes(chunks)
-    write_shard(root, job, step, rank, world_size, memoryview(buf), len(buf), {"step": step}, committed_at=at, run=run, after=after)
+    write_shard(
+        root, ShardWrite(job, step, rank, world_size, memoryview(buf), len(buf), {"step": step}, committed_at=at, run=run, after=after)
+    )
 
 
 def write_step(root: str, job: str, step: int, at: int = 0) -> str:
@@ -747,7 +749,7 @@ def test_a_given_up_attempt_on_a_real_bucket_stops_within_its_object_and_retries
         w = torch.zeros(n, dtype=torch.float32)
         data = shard_bytes([("model/w", w, (4 * n,), (rank * n,))])
         tree = {"w": {"__ckptd__": "tensor", "key": "model/w"}}
-        write_shard(root, JOB, 7, rank, 4, memoryview(data), len(data), tree, local_world_size=2, committed_at=5, run=11)
+        write_shard(root, ShardWrite(JOB, 7, rank, 4, memoryview(data), len(data), tree, local_world_size=2, committed_at=5, run=11))
     part = handed(root, 7)
     sends: list[str] = []
     results = Results()

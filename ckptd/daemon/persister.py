@@ -74,6 +74,25 @@ def parse_tree(raw: bytes) -> dict[str, Any]:
     return tree
 
 
+def _shard_write(rec: dict[str, Any], source: int) -> local.ShardWrite:
+    """The shard a commit record describes (its tree parsed), staged in the segment open as ``source``: what a persist
+    thread hands :func:`ckptd.storage.local.write_shard`, built once for every attempt at writing it."""
+    return local.ShardWrite(
+        rec["job"],
+        rec["step"],
+        rec["rank"],
+        rec["world_size"],
+        source,
+        rec["nbytes"],
+        parse_tree(rec["tree"]),
+        local_world_size=rec.get("local_world_size", rec["world_size"]),
+        replicas=rec.get("replicas", {}),
+        committed_at=rec.get("committed_at", 0),
+        run=rec.get("run"),
+        after=rec.get("after"),
+    )
+
+
 def _own_manifest(path: str) -> dict[str, Any]:
     with open(os.path.join(path, MANIFEST), "rb") as f:
         return json.loads(f.read())
@@ -98,7 +117,8 @@ class Persister:
         ``open_segment``: a read-only fd of a segment, checked to be the daemon's own file. ``uploads``: steps go to a
         bucket, so a step completed here is kept from retention until the loop has queued its upload (:meth:`reported`)."""
         self.root, self._events, self._open_segment = root, events, open_segment
-        self.keep, self.write_rate_limit, self._protect, self.direct_io = keep, write_rate_limit, protect, direct_io
+        self.keep, self._protect = keep, protect
+        self.write_policy = local.WritePolicy(write_rate_limit, direct_io)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptd-persist", initializer=initializer)
         self._writing: dict[tuple[str, int], int] = {}  # (job, step) -> its shards being written or queued (job's lock)
         # job -> steps completed here whose event the loop has not handled yet (job's lock): retention keeps them, since
@@ -147,12 +167,13 @@ class Persister:
             # end would kill the daemon (SIGBUS); a short read fails this shard alone
             fd = self._open_segment(slot.name) if self._open_segment is not None else os.open(shm.path_of(slot.name), os.O_RDONLY)
             try:
+                shard = _shard_write(rec, fd)
                 try:
-                    self._write(fd, rec)
+                    local.write_shard(self.root, shard, self.write_policy)
                 except DiskFull:
                     if not self._make_room(job, step):
                         raise
-                    self._write(fd, rec)
+                    local.write_shard(self.root, shard, self.write_policy)
             finally:
                 os.close(fd)
             seconds, wrote = time.monotonic() - t0, True
@@ -165,13 +186,6 @@ class Persister:
             log.error("persisting %s (job %s step %s rank %s) failed: %s", slot.name, job, step, rank, e)
             event = ShardPersisted(slot.name, job, step, rank, 0, 0.0, f"{e}", attempt=attempt)
         self._events.post(event)
-
-    def _write(self, fd: int, rec: dict[str, Any]) -> None:
-        local.write_shard(
-            self.root, rec["job"], rec["step"], rec["rank"], rec["world_size"], fd, rec["nbytes"], parse_tree(rec["tree"]),
-            self.write_rate_limit, rec.get("replicas", {}), rec.get("local_world_size", rec["world_size"]), rec.get("committed_at", 0),
-            rec.get("run"), rec.get("after"), direct_io=self.direct_io,
-        )  # fmt: skip
 
     def _make_room(self, job: str, step: int) -> bool:
         """A shard of ``step`` did not fit: remove now the steps its completion would remove (all but the newest

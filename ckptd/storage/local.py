@@ -1,7 +1,8 @@
 """The local-disk tier: make staged shards durable and complete steps atomically (layout in
 :mod:`ckptd.layout`).
 
-Order of calls: :func:`write_shard` once per rank (any thread), then :func:`finalize_step` by whoever
+Order of calls: :func:`write_shard` once per rank (any thread; a :class:`ShardWrite` is the shard and what its fragment
+records, a :class:`WritePolicy` how it is written), then :func:`finalize_step` by whoever
 observes every rank's fragment (the daemon serializes it per job; across daemons the rename of
 ``step-N.tmp`` arbitrates), then :func:`apply_retention`. A step directory without ``manifest.json``
 is never named by ``latest`` and is removed on restart. Blocking disk I/O: the daemon's persist
@@ -26,6 +27,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import xxhash
@@ -112,21 +114,93 @@ def _header(read: Callable[[memoryview, int], int], nbytes: int) -> bytes:
     return bytes(buf)
 
 
+@dataclass(frozen=True)
+class WritePolicy:
+    """How the local tier writes shards: the daemon's settings, the same for every shard.
+
+    Attributes:
+        rate_limit: bytes per second at most (0: unlimited), so that training I/O is not starved.
+        direct_io: write past the page cache (``O_DIRECT``) where the file system takes it (:mod:`ckptd.storage.direct`).
+    """
+
+    rate_limit: float = 0.0
+    direct_io: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.rate_limit >= 0:  # NaN too
+            raise ValueError(f"write rate limit {self.rate_limit} is not a number of bytes per second >= 0 (0: unlimited)")
+
+
+@dataclass(frozen=True)
+class ShardWrite:
+    """One rank's committed shard, for :func:`write_shard` to make durable in its step's ``step-N.tmp``.
+
+    Built once, and checked then, by whoever holds the commit (a persist thread of the daemon, a test, a tool); the
+    storage layer takes it as it is. The optional fields are keyword-only.
+
+    Attributes:
+        job: the job, as it names the job's directory.
+        step: the step number.
+        rank: which rank's shard (it names the shard's and the fragment's files).
+        world_size: how many ranks the step has.
+        source: the staged shard: a segment's file descriptor (read with ``pread``, never mapped) or a buffer.
+        nbytes: how many bytes of ``source`` the shard is, header included.
+        tree: the rank's non-tensor state, recorded in the fragment.
+        local_world_size: how many of the step's ranks this node writes (``None``: all of them); fewer than
+            ``world_size``: a multi-node step, completed through the bucket.
+        replicas: chunk id -> sample digest of each chunk other ranks hold too.
+        committed_at: when the daemon accepted the commit (ns since the epoch): it orders steps.
+        run: the launch that saved it (``None``: not known); with ``after``, the step that launch last restored,
+            it names the attempt (:func:`ckptd.format.build_fragment`).
+        after: see ``run``.
+
+    Raises:
+        ValueError: a rank outside the world, a local world larger than the world, a negative step or size.
+        TypeError: ``replicas`` not a dict.
+    """
+
+    job: str
+    step: int
+    rank: int
+    world_size: int
+    source: Any
+    nbytes: int
+    tree: dict[str, Any]
+    _: KW_ONLY
+    local_world_size: int | None = None
+    replicas: dict[str, str] = field(default_factory=dict)
+    committed_at: int = 0
+    run: int | None = None
+    after: int | None = None
+
+    def __post_init__(self) -> None:
+        what = f"shard of job {self.job!r} step {self.step} rank {self.rank}"
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"{what}: rank {self.rank} is outside world_size {self.world_size}")
+        if self.local_world_size is not None and not 1 <= self.local_world_size <= self.world_size:
+            raise ValueError(f"{what}: local_world_size {self.local_world_size} is not within 1..world_size ({self.world_size})")
+        if self.step < 0 or self.nbytes < 0:
+            raise ValueError(f"{what}: a step number and a size are never negative (step {self.step}, {self.nbytes} bytes)")
+        if not isinstance(self.replicas, dict):  # None was how the old signature said "none": a fragment no reader takes
+            raise TypeError(f"{what}: replicas must be a dict (chunk id -> digest), not {type(self.replicas).__name__}")
+
+
 def _copy_paced(
-    read: Callable[[memoryview, int], int], fd: int, layout: ShardLayout, nbytes: int, rate_limit: float, direct_io: bool = True
+    read: Callable[[memoryview, int], int], fd: int, layout: ShardLayout, nbytes: int, policy: WritePolicy
 ) -> tuple[str, dict[str, str]]:
     """Write the header as parsed (the lessee may have changed the segment's copy since), then copy the
     chunks' bytes block by block into the writer's buffers, hashing each piece of a block right after it is read and
     before the block is written (what is hashed is what is written, whatever the lessee does to its segment meanwhile); return the
     header's and each chunk's XXH3-64 (as :func:`build_fragment` takes them). Written with direct I/O where the file
-    system takes it and ``direct_io`` is set (:mod:`ckptd.storage.direct`). ``rate_limit`` (bytes/s, 0 = unlimited) paces it so training I/O
-    is not starved."""
+    system takes it and ``policy`` says so (:mod:`ckptd.storage.direct`), paced to ``policy.rate_limit`` (bytes/s, 0 = unlimited)
+    so training I/O is not starved."""
     head, names = layout.header, [c.name for c in layout.chunks]
     ends = [layout.data_start + c.end for c in layout.chunks]
     hashers = [xxhash.xxh3_64() for _ in names]
+    rate_limit = policy.rate_limit
     reserve(fd, nbytes)  # a full disk fails before the first byte
     t0, pos, part = time.monotonic(), 0, 0
-    with StreamWriter(fd, COPY_BLOCK, nbytes, direct=direct_io) as out:
+    with StreamWriter(fd, COPY_BLOCK, nbytes, direct=policy.direct_io) as out:
         while pos < nbytes:
             with memoryview(out.block()) as whole, whole[: min(COPY_BLOCK, nbytes - pos)] as block:
                 off = max(0, min(len(block), len(head) - pos))  # the header's bytes in this block
@@ -148,29 +222,13 @@ def _copy_paced(
     return digest(layout.header), {name: h.hexdigest() for name, h in zip(names, hashers)}
 
 
-def write_shard(
-    root: str,
-    job: str,
-    step: int,
-    rank: int,
-    world_size: int,
-    source: Any,
-    nbytes: int,
-    tree: dict[str, Any],
-    rate_limit: float = 0.0,
-    replicas: dict[str, str] | None = None,
-    local_world_size: int | None = None,
-    committed_at: int = 0,
-    run: int | None = None,
-    after: int | None = None,
-    direct_io: bool = True,
-) -> None:
-    """Write one staged shard (``nbytes`` of ``source``: a segment's file descriptor, or a buffer) and then its
-    fragment into ``step-N.tmp`` durably, checksumming each chunk on the bytes written.
+def write_shard(root: str, shard: ShardWrite, policy: WritePolicy = WritePolicy()) -> None:
+    """Write one staged shard (``shard.nbytes`` of ``shard.source``) and then its fragment into ``step-N.tmp`` under
+    ``root`` durably, checksumming each chunk on the bytes written; written and paced as ``policy`` says.
 
     Raises :class:`CheckpointError` (full disk, bad header, a segment truncated); the partial files are removed.
     """
-    read = _reader(source)
+    read, nbytes, job, step = _reader(shard.source), shard.nbytes, shard.job, shard.step
     layout = parse_header(_header(read, nbytes), nbytes)
     if layout.file_size != nbytes:
         raise FormatError(f"staged shard is {nbytes} bytes but its header describes {layout.file_size}")
@@ -179,20 +237,17 @@ def write_shard(
     os.makedirs(d, exist_ok=True)
     if new_job:
         fsync_dir(root)  # the job's directory entry itself must survive a power loss
-    path, frag_path = os.path.join(d, shard_name(rank)), os.path.join(d, fragment_name(rank))
-    lws = local_world_size or world_size
+    path, frag_path = os.path.join(d, shard_name(shard.rank)), os.path.join(d, fragment_name(shard.rank))
     try:
         if os.path.exists(frag_path):
             os.unlink(frag_path)  # first: while the shard is rewritten, this rank does not count as durable
         fd = create_new(path)
         try:
-            sums = _copy_paced(read, fd, layout, nbytes, rate_limit, direct_io)
+            sums = _copy_paced(read, fd, layout, nbytes, policy)
             os.fsync(fd)
         finally:
             os.close(fd)
-        frag = build_fragment(
-            job, step, rank, world_size, lws, layout.header, layout, replicas or {}, tree, committed_at, run=run, after=after, sums=sums
-        )
+        frag = _fragment(shard, layout, sums)
         write_json_durable(frag_path, frag)  # last: a fragment present means its shard is durable
     except BaseException as e:  # whatever failed (a full disk, a truncated segment, no thread to write with): no partial files
         for p in (path, frag_path):
@@ -203,6 +258,25 @@ def write_shard(
         if not isinstance(e, OSError):
             raise
         raise write_failed(path, e) from None
+
+
+def _fragment(shard: ShardWrite, layout: ShardLayout, sums: tuple[str, dict[str, str]]) -> dict[str, Any]:
+    """The fragment recording ``shard``, written as ``layout`` says, with the checksums :func:`_copy_paced` returned."""
+    return build_fragment(
+        shard.job,
+        shard.step,
+        shard.rank,
+        shard.world_size,
+        shard.local_world_size or shard.world_size,
+        layout.header,
+        layout,
+        shard.replicas,
+        shard.tree,
+        shard.committed_at,
+        run=shard.run,
+        after=shard.after,
+        sums=sums,
+    )
 
 
 def read_fragment(root: str, job: str, step: int, rank: int, directory: str | None = None) -> dict[str, Any]:
