@@ -122,7 +122,7 @@ class Rig:
         run: int | None = None,
         after: int | None = None,
     ) -> Slot:
-        """Lease a slot, fill it with ``data`` and commit it as ``Daemon._op_commit`` does (``at``: its
+        """Lease a slot, fill it with ``data`` and commit it as ``Commits.commit`` (ckptd/daemon/commits.py) does (``at``: its
         ``committed_at``, default :func:`record`'s; ``track``: the one ``Admission.admit`` returned; ``run`` and
         ``after``: the attempt, a launch and the step it restored)."""
         lws = world_size if lws is None else lws
@@ -183,7 +183,7 @@ class Rig:
 def record(
     step: int, rank: int, world_size: int, nbytes: int, lws: int | None = None, at: int | None = None, run: int | None = 7
 ) -> dict[str, Any]:
-    """A commit record as ``Daemon._op_commit`` writes it (the tree is added by ``shm.write_record``)."""
+    """A commit record as ``Commits.commit`` (ckptd/daemon/commits.py) writes it (the tree is added by ``shm.write_record``)."""
     lws = world_size if lws is None else lws
     return {
         "job": JOB, "rank": rank, "world_size": world_size, "local_world_size": lws, "step": step, "nbytes": nbytes, "replicas": {},

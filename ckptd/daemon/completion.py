@@ -61,9 +61,7 @@ class Completion:
     def persist(self, slot: Slot) -> None:
         """A committed slot (just committed, or adopted at start-up) goes to a persist thread."""
         rec = slot.lease or {}
-        track = self.steps.get((rec["job"], rec["step"]))
-        assert track is not None, "a committed slot's step is tracked"
-        track.inflight += 1
+        track = self.steps.shard_started((rec["job"], rec["step"]))  # (a committed slot's step is tracked)
         self.persister.submit(slot, track.attempt)
 
     def on_persisted(self, ev: ShardPersisted) -> None:
@@ -95,7 +93,7 @@ class Completion:
             self.pool.persisted(slot, (ev.job, ev.step, ev.rank) if ev.error is None else None)
         if track is None:
             return
-        track.inflight -= 1
+        self.steps.shard_done(track)
         self.counters.persisted_bytes += ev.nbytes
         self.counters.persist_seconds += ev.seconds
         if ev.error is not None and from_memory:

@@ -99,9 +99,7 @@ class MemoryTier:
         """A committed slot goes to the seal thread (a memory-tier step's, or one being persisted: sealed so
         that a hot restore reads it at once)."""
         rec = slot.lease or {}
-        track = self.steps.get((rec["job"], rec["step"]))
-        assert track is not None, "a committed slot's step is tracked"
-        track.inflight += 1
+        track = self.steps.shard_started((rec["job"], rec["step"]))  # (a committed slot's step is tracked)
         self._exec.submit(self._seal, slot.name, dict(rec), track.attempt)
 
     def _seal(self, name: str, rec: dict[str, Any], attempt: int) -> None:
@@ -141,7 +139,7 @@ class MemoryTier:
             if self.pool.deferred:  # a request that waited for this seal (sealing()) asks again
                 self.pool.retry_deferred()
             return
-        track.inflight -= 1
+        self.steps.shard_done(track)
         if track.tier == Tier.DISK.value:
             self._sealed_on_the_way_to_disk(key, track, slot, ev)
             return
@@ -163,7 +161,7 @@ class MemoryTier:
             self.steps.fail(key, "the sealed shards are not those of the ranks that committed (a stale attempt's)")
             self._settle(key, track)
             return
-        track.state, track.sealed = StepState.MEMORY, True
+        self.steps.sealed(key)
         if track.replaces:  # a rolled-back run's re-save, complete in memory: the old line's step goes now
             local.retire_step(self.catalog.root, ev.job, ev.step, track.replaces_at)
         self.catalog.note_memory(ev.job, ev.step, ev.manifest)

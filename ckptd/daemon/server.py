@@ -26,15 +26,14 @@ import zmq
 from .. import shm, version
 from ..config import HOUSEKEEPING_S, WAIT_CAP_S, DaemonConfig, default_shm_budget
 from ..errors import CheckpointError, ProtocolError
-from ..layout import step_dir
 from ..protocol import EXTRA_FRAMES, Source, decode_request, reply_error, reply_ok
-from ..storage.local import committed_at
 from ..storage.retention import AnyOf, Protect, RetentionPolicy
 from ..storage.store import ObjectStore, open_store
 from . import inbox, recovery
 from .access import Access, peer_cred
 from .admission import Admission
 from .catalog import CommitClock, StepCatalog
+from .commits import Commits
 from .completion import Completion
 from .connections import ConnectionCaps, ConnectionGuard, raise_open_files_limit
 from .endpoint import bind, check_endpoint, identity, unlink_own
@@ -151,6 +150,9 @@ class Daemon:
             self.root, self.steps, self.pool, self.completion.settle, writing=self.persister.writing,
             give_up=self.uploader.give_up if self.uploader is not None else None, drop_memory=self.memtier.drop,
         )  # fmt: skip
+        self.commits = Commits(
+            self.root, self.pool, self.catalog, self.steps, self.clock, self.admission, self.tiering, self.memtier, self.completion
+        )
         self._ops: dict[str, Handler] = {op: getattr(self, f"_op_{op}") for op in OPS}
         self._on_event: dict[type, Callable[[Any], None]] = {
             ShardPersisted: self.completion.on_persisted,
@@ -359,36 +361,7 @@ class Daemon:
         return {}
 
     def _op_commit(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
-        slot = self.pool.leased(msg["segment"], msg["lease"], msg["peer"])
-        job, step, rank, ws, lws = msg["job"], msg["step"], msg["rank"], msg["world_size"], msg["local_world_size"]
-        lease = slot.lease or {}
-        if any(lease.get(k) != msg[k] for k in ("job", "rank", "world_size")) or lease.get("step") not in (None, step):
-            raise ProtocolError(f"commit for {job}/{step}/rank {rank} does not match the lease of {slot.name}")
-        if msg["nbytes"] > slot.size:
-            raise ProtocolError(f"commit of {msg['nbytes']} bytes exceeds segment size {slot.size}")
-        if lws < ws and self.catalog.store is None:
-            raise ProtocolError(
-                f"step {step} of job {job} spans several nodes ({lws} of {ws} ranks on this one):"
-                " a multi-node job is committed through a shared bucket; configure [remote] on every node's daemon"
-            )
-        track = self.admission.admit(job, step, rank, ws, lws, msg["peer"], msg["after"], msg["run"])
-        self.tiering.set_job(job, msg["persist_every"], msg["persist_interval"])
-        self.memtier.decide(job, step, track, lws < ws)
-        record = {k: msg[k] for k in ("job", "rank", "world_size", "local_world_size", "step", "nbytes", "replicas")}
-        restored = 0 if msg["after"] is None else committed_at(step_dir(self.root, job, msg["after"]))  # maybe another node's clock
-        record["committed_at"] = self.clock.stamp(job, max(track.replaces_at, restored))
-        # into the fragment: the attempt (launch, restored step), never merged with another attempt's fragments
-        record["run"], record["after"] = msg["run"], msg["after"]
-        tree = msg["frames"][0]
-        self.pool.segments.write_record(slot.name, record, tree=tree)  # from here on the shard survives any crash
-        record["tree"] = tree  # raw JSON: parsed on the persist thread
-        self.pool.commit(slot, record, len(tree))
-        self.steps.record_commit((job, step), track, rank, lws, msg["run"], record["committed_at"])
-        self.admission.committed(job, step, rank, msg["peer"], msg["run"])
-        if track.tier == "disk":
-            self.completion.persist(slot)
-        if lws == ws:  # sealed into the memory tier (or, bound for disk, readable by a hot restore at once)
-            self.memtier.seal(slot)
+        self.commits.commit(msg)
         return {}
 
     def _op_wait(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any] | None:

@@ -30,6 +30,23 @@ class StepState(StrEnum):
     DROPPED = "dropped"  # a memory-only step dropped without being persisted, as the tiering policy allows
 
 
+# Every state change a step may make, named, and the states it may make it from: the step table makes them all
+# (:meth:`StepTable.move`); the other components report what happened (a commit, a seal, a persisted shard, an upload)
+# and the table moves the step. docs/architecture.md shows this table (tests/test_step_states.py keeps them alike).
+TRANSITIONS: dict[str, tuple[frozenset[StepState], StepState]] = {
+    "sealed": (frozenset({StepState.PENDING}), StepState.MEMORY),  # every rank's shard sealed into the memory tier
+    "complete": (frozenset({StepState.PENDING}), StepState.DURABLE),  # on disk (single node) or in the bucket (multi-node)
+    "fail": (frozenset({StepState.PENDING}), StepState.FAILED),  # a shard not written, abandoned, superseded
+    "to_disk": (frozenset({StepState.MEMORY}), StepState.PENDING),  # a memory-only step persisted after all
+    "back_to_memory": (frozenset({StepState.PENDING}), StepState.MEMORY),  # persisting it from memory failed
+    "drop": (frozenset({StepState.MEMORY}), StepState.DROPPED),  # a memory-only step let go unpersisted
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A step was asked to make a state change its state does not allow: a bug in the daemon, never a client's doing."""
+
+
 @dataclass
 class StepTrack:
     world_size: int
@@ -55,6 +72,14 @@ class StepTrack:
     # this track's own number: a step number saved again (abandoned, rolled back) is a new attempt, and work
     # still in flight for an earlier one (a seal) must not count toward this one
     attempt: int = field(default_factory=lambda: next(_ATTEMPTS))
+
+    def move(self, transition: str) -> None:
+        """Make the state change ``transition`` names (:data:`TRANSITIONS`); :class:`IllegalTransition` from a state
+        it may not start from."""
+        start, end = TRANSITIONS[transition]
+        if self.state not in start:
+            raise IllegalTransition(f"a step in state {self.state.value} cannot be {transition!r} (to {end.value})")
+        self.state = end
 
     @property
     def all_committed(self) -> bool:
@@ -152,7 +177,8 @@ class StepTable:
         out = []
         for (j, s), t in list(self.tracks.items()):
             if j == job and which(s) and t.state is StepState.PENDING and not t.all_committed:
-                t.state, t.error, t.abandoned = StepState.FAILED, why(s, t), abandoned
+                t.move("fail")
+                t.error, t.abandoned = why(s, t), abandoned
                 out.append(((j, s), t))
         return out
 
@@ -161,7 +187,8 @@ class StepTable:
         track = self.tracks.get(key)
         if track is None or track.state is not StepState.PENDING:
             return False
-        track.state, track.error = StepState.FAILED, error
+        track.move("fail")
+        track.error = error
         return True
 
     def drop_memory(self, key: StepKey, why: str) -> bool:
@@ -170,13 +197,15 @@ class StepTable:
         track = self.tracks.get(key)
         if track is None or track.state is not StepState.MEMORY:
             return False
-        track.state, track.error, track.abandoned = StepState.DROPPED, why, True
+        track.move("drop")
+        track.error, track.abandoned = why, True
         return True
 
     def to_disk(self, key: StepKey) -> StepTrack:
         """A memory-only step is persisted after all: pending again, bound for disk."""
         track = self.tracks[key]
-        track.state, track.tier, track.promote = StepState.PENDING, "disk", False
+        track.move("to_disk")
+        track.tier, track.promote = "disk", False
         track.from_memory, track.persist_error = True, None
         return track
 
@@ -185,14 +214,34 @@ class StepTable:
         Returns the waiters for its durability with the failure, forgotten here."""
         track = self.tracks[key]
         error = f"persisting step {key[1]} of job {key[0]} failed ({track.persist_error}); it is still held in memory on this node"
-        track.state, track.tier, track.from_memory, track.persist_failed_at = StepState.MEMORY, "memory", False, now
+        track.move("back_to_memory")
+        track.tier, track.from_memory, track.persist_failed_at = "memory", False, now
         track.persist_failures += 1
         failed = {"state": StepState.FAILED.value, "path": None, "error": error, "in_memory": True}  # a later wait tries again
         return [(w, failed) for w in self.waiters.pop(key)] + [(w, self.answer(key, sealed_ok=True)) for w in self.seal_waiters.pop(key)]
 
     def complete(self, key: StepKey, path: str) -> None:
+        """Step ``key`` is durable at ``path`` (a directory, or the bucket's URL)."""
         track = self.tracks[key]
-        track.state, track.path = StepState.DURABLE, path
+        track.move("complete")
+        track.path = path
+
+    def sealed(self, key: StepKey) -> StepTrack:
+        """Every rank of step ``key`` is sealed into the memory tier: complete in memory, readable by a hot restore."""
+        track = self.tracks[key]
+        track.move("sealed")
+        track.sealed = True
+        return track
+
+    def shard_started(self, key: StepKey) -> StepTrack:
+        """A shard of step ``key`` went to a persist or seal thread: the step's files are being written or read."""
+        track = self.tracks[key]
+        track.inflight += 1
+        return track
+
+    def shard_done(self, track: StepTrack) -> None:
+        """A persist or seal thread reported back on one of ``track``'s shards."""
+        track.inflight -= 1
 
     def supersede(self, job: str, step: int) -> list[tuple[StepKey, StepTrack]]:
         """Step ``step`` of ``job`` completed: fail older pending steps some rank never committed (they
