@@ -161,6 +161,47 @@ def test_no_import_cycles() -> None:
     assert cycles(import_graph(REPO, "ckptd")) == []
 
 
+# the one client module the adapters (dcp, integrations) may import: the internal API its docstring documents
+CLIENT_API = "ckptd.client.api"
+ADAPTERS = ("dcp", "integrations")
+
+
+def client_api_violations(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{a} ({layer(a)}) imports {b}, not {CLIENT_API}"
+        for a, targets in graph.items()
+        for b in targets
+        if layer(a) in ADAPTERS and layer(b) == "client" and b != CLIENT_API
+    )
+
+
+def test_dcp_and_the_integrations_use_only_the_clients_internal_api() -> None:
+    """``ckptd.dcp`` and ``ckptd.integrations`` reach the client through ``ckptd.client.api`` alone: no other client
+    module, the package itself included. Imports inside functions count (``if TYPE_CHECKING:`` ones aside)."""
+    graph = import_graph(REPO, "ckptd")
+    assert client_api_violations(graph) == []
+    assert any(CLIENT_API in targets for a, targets in graph.items() if layer(a) in ADAPTERS)  # not vacuous
+
+
+def test_the_client_api_check_catches_an_adapter_reaching_past_it(tmp_path: Path) -> None:
+    pkg = tmp_path / "ckptd"
+    for d in ("", "client", "dcp", "integrations"):
+        (pkg / d).mkdir(parents=True, exist_ok=True)
+        (pkg / d / "__init__.py").write_text('"""pkg"""\n')
+    for m in ("api", "restore", "plan"):
+        (pkg / "client" / f"{m}.py").write_text('"""m"""\n')
+    (pkg / "dcp" / "reader.py").write_text("from ..client.api import open_step\ndef f():\n    from ..client.restore import settled\n")
+    (pkg / "dcp" / "shared.py").write_text("def f():\n    from ..client import Client\n")  # the package: not the API either
+    (pkg / "integrations" / "hf.py").write_text("import ckptd.client.plan\nfrom ckptd.client import api\n")
+    typing_only = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..client import restore\n"
+    (pkg / "integrations" / "pointer.py").write_text(typing_only)
+    assert client_api_violations(import_graph(tmp_path, "ckptd")) == [
+        "ckptd.dcp.reader (dcp) imports ckptd.client.restore, not ckptd.client.api",
+        "ckptd.dcp.shared (dcp) imports ckptd.client, not ckptd.client.api",
+        "ckptd.integrations.hf (integrations) imports ckptd.client.plan, not ckptd.client.api",
+    ]  # (pointer's TYPE_CHECKING import is not one)
+
+
 def test_the_checks_catch_an_upward_import_and_a_cycle_hidden_in_a_function(tmp_path: Path) -> None:
     pkg = tmp_path / "ckptd"
     for d in ("", "client", "daemon", "storage"):

@@ -4,8 +4,9 @@ Modules: :mod:`.rpc` (the torch-free channel to the daemon, also used by the CLI
 (snapshot / prepare / wait / restore), :mod:`.stage` (capture :mod:`.capture`, plan :mod:`.plan`,
 layout cache), :mod:`.copy` (slot mappings, copies, the optimizer guard; :mod:`.cuda` for the GPU),
 :mod:`.restore` (memory / disk / bucket), :mod:`.load` (loading into any layout, strict or not) and
-:mod:`.reader` (verified reads of saved chunks). Importing
-this package does not import torch; :class:`Client` does.
+:mod:`.reader` (verified reads of saved chunks). :mod:`.api` is the internal API that :mod:`ckptd.dcp` and
+:mod:`ckptd.integrations` use, and the only client module they import. Importing this package does not import
+torch; :class:`Client` does.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from ..client.reader import CheckpointReader, resolve_step_dir
+from ..client.api import CheckpointReader, OpenStep, join_all, open_step, resolve_step_dir
 from ..errors import CheckpointError
 from ..format import dtype_from_name
 from ..layout import is_complete
@@ -117,21 +117,15 @@ class Reader(StorageReader):
                     opened.close()
                 self._reader, self.path = opened.reader, opened.reader.path
             else:
-                from ..client.copy import join_all
-
                 join_all()  # DCP then loads into tensors a client of this process may still be copying
                 self._reader = CheckpointReader(self.path)  # type: ignore[arg-type]
                 self._index(self._reader)
         return self._reader
 
-    def _open_step(self, step: int | None = None) -> Any:
-        from ..client.copy import join_all
-        from ..client.restore import open_step
-
+    def _open_step(self, step: int | None = None) -> OpenStep:
         client = client_for(self.job, self.endpoint)
-        client._guard.finish()
         join_all()  # DCP then loads into tensors a client of this process may still be copying
-        return open_step(client._rpc, client.job, self.step if step is None else step, hot=self.hot)
+        return open_step(client, self.step if step is None else step, hot=self.hot)  # (this client's copy's error raised)
 
     def _close(self) -> None:
         if self._reader is not None:

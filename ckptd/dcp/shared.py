@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from ..config import default_endpoint, default_job, validate_job
 
 if TYPE_CHECKING:
-    from ..client import Client
+    from ..client.api import Client
 
 _clients: dict[tuple[str, str], Client] = {}
 _lock = threading.Lock()
@@ -17,18 +17,16 @@ _lock = threading.Lock()
 
 def client_for(job: str | None, endpoint: str | None) -> Client:
     """The process's client of ``job`` at ``endpoint`` (defaults as :class:`ckptd.Client`'s), made once."""
-    from ..client.default import current
+    from ..client.api import Client, default_for, is_open
 
     ep = endpoint or default_endpoint()
     name = validate_job(job if job is not None else default_job())
-    default = current()
-    if default is not None and not default._closed and (default.endpoint, default.job) == (ep, name):
+    default = default_for(ep, name)
+    if default is not None:
         return default
     with _lock:
         c = _clients.get((ep, name))
-        if c is None or c._closed:
-            from ..client import Client
-
+        if c is None or not is_open(c):
             c = _clients[(ep, name)] = Client(ep, name)
         return c
 
@@ -60,7 +58,7 @@ def rank0_step(pick: Callable[[], int | None]) -> int | None:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return pick()
-    from ..client.plan import _device
+    from ..client.api import collective_device
     from ..errors import CheckpointError
 
     got, error = _NONE, None
@@ -70,7 +68,7 @@ def rank0_step(pick: Callable[[], int | None]) -> int | None:
             got = _NONE if step is None else step
         except Exception as e:
             got, error = _FAILED, e
-    t = torch.tensor([got], dtype=torch.int64, device=_device())
+    t = torch.tensor([got], dtype=torch.int64, device=collective_device())
     dist.broadcast(t, src=0)
     if error is not None:
         raise error
@@ -83,7 +81,7 @@ def rank0_step(pick: Callable[[], int | None]) -> int | None:
 def resume_step(client: Client) -> int | None:
     """The step a relaunch resumes: the newest the daemon holds — one it is still persisting, or holds in its memory
     tier only, is persisted first and waited for — else the latest durable one; ``None`` if the job has none."""
-    from ..client.restore import settled
+    from ..client.api import settled
 
-    newest = settled(client._rpc, client.job, None, persist=True)
+    newest = settled(client, None, persist=True)
     return newest if newest is not None else client.latest()

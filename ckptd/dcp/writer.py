@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ..client.staged import StagedState, commit_staged, stage_state
+from ..client.api import StagedState, commit_staged, stage_state, wait_step
 from ..errors import CheckpointError
 from .shared import client_for, step_of
 
@@ -210,10 +210,9 @@ class Writer(StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Wait until the step is complete in the daemon (``durable``: on its disk); raise if it failed."""
         saved = getattr(self._local, "saved", None)
-        step, rpc = (self._step() if saved is None else saved), self._client._rpc
+        step = self._step() if saved is None else saved
         while True:
-            rep = rpc.call("wait", rpc_timeout=rpc.timeout + WAIT_POLL_S + 5.0, job=self.job, step=step,
-                           timeout=WAIT_POLL_S, persist=self.durable)  # fmt: skip
+            rep = wait_step(self._client, step, persist=self.durable, timeout=WAIT_POLL_S)
             state = rep["state"]
             if state == "durable" or (state in ("memory", "dropped") and not self.durable):
                 return  # dropped: a later step is complete already, as the job's memory tier allows

@@ -211,12 +211,12 @@ class CkptdCallback(TrainerCallback):
 
     def _write_resume_dir(self, output_dir: str) -> int | None:
         """Write ``checkpoint-<step>`` for the newest step; return the step (``None``: the job has none)."""
-        from ..client.restore import open_step
+        from ..client.api import open_step
         from ..errors import CheckpointError
 
         client = self.client
         try:
-            opened = open_step(client._rpc, client.job, None, hot=True)
+            opened = open_step(client, None, hot=True)
         except CheckpointError as e:
             if "no committed checkpoint" in str(e):
                 return None
@@ -326,7 +326,7 @@ def _replace_at(dfd: int, where: str, name: str, write: Callable[[IO[bytes]], ob
 def _write_weights(f: IO[bytes], reader: Any, keys: list[str]) -> None:
     """The step's tensors ``keys`` (``model/<fqn>``) as a safetensors file of FQNs, one tensor in memory at a time
     (``save_file`` takes a path, which could be a planted link, and every tensor at once)."""
-    from ..client.weights import write_safetensors
+    from ..client.api import write_safetensors
     from ..format import itemsize
 
     ents = reader.manifest["tensors"]

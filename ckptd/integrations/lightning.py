@@ -33,7 +33,7 @@ from typing import Any
 
 from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 
-from ..client.staged import commit_staged, stage_state
+from ..client.api import commit_staged, stage_state
 from ..dcp.shared import client_for
 from ..errors import CheckpointError, FormatError
 from .overlay import ENTRY_BYTES, SKIP, Record, apply, changed, record

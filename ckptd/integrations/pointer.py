@@ -19,7 +19,7 @@ from ..errors import CheckpointError, FormatError
 from ..state import unflatten
 
 if TYPE_CHECKING:
-    from ..client import Client
+    from ..client.api import Client
 
 KEY = "ckptd_pointer"
 MAX_POINTER_BYTES = 16 << 20  # an overlay carries small entries inline
@@ -98,10 +98,9 @@ def load_pointer(path: str | os.PathLike[str]) -> dict[str, Any] | None:
 def read_state(client: Client, step: int, rank: int = 0) -> dict[str, Any]:
     """The whole state saved as step ``step`` of the client's job (rank ``rank``'s tree, or rank 0's), on the
     CPU, read through the daemon (its memory, disk or bucket). A later save of this client continues from it."""
-    from ..client.restore import open_step
+    from ..client.api import open_step
 
-    client._guard.finish()
-    opened = open_step(client._rpc, client.job, step, hot=True)
+    opened = open_step(client, step, hot=True)  # after this client's own copy
     try:
         _, tree = opened.reader.tree_for(rank)
         state = unflatten(tree, opened.reader.read_full)
