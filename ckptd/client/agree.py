@@ -5,7 +5,8 @@ more than one rank is collective (:func:`collective`): every rank checks in once
 restore on some ranks only is an error, not a hang), and then, after the tensors were read, shares its
 read errors once more (:func:`failed` of :func:`gather`). Every rank makes exactly these calls on every
 attempt, whatever failed on it and wherever (:func:`fail_early`), so a retry never pairs with an
-earlier attempt's collective.
+earlier attempt's collective. What a rank does after a failure is decided by the type it raises
+(:func:`raise_failure`): a :class:`ReadAgain` reads the step from disk again, anything else is raised to the caller.
 """
 
 from __future__ import annotations
@@ -56,28 +57,33 @@ def agree(
     return all_missing, [k for k in unexpected if k in common], failed(every)
 
 
+class ReadAgain(FormatError):
+    """A restore read a bad file, and a rank read the daemon's memory: every rank of the restore reads the step
+    from disk again, together (:func:`.restore.read_step`), the ranks that read the disk already as well, so that
+    their collectives stay paired. Raised by :func:`raise_failure` (and by a reader of one rank's own segments:
+    :func:`.restore.open_step`), caught by :func:`.restore.read_step`; the message is the failure's."""
+
+
 def raise_failure(error: BaseException | None, failures: list[Failure], then: str, *, mine_too: bool = False, hot: bool = False) -> None:
     """Raise this rank's error, or (it had none) one naming the ranks that failed and saying ``then``
     (``mine_too``: this rank's own error says it as well, its type kept). A FormatError only where every
-    failure was one, on every rank alike, with ``fall_back`` true where one of them read the daemon's memory
-    (``hot``: this rank did): then every rank reads the step from disk again, together (:mod:`.restore`),
-    the ranks that read the disk already as well, so that their collectives stay paired; else none does."""
+    failure was one, on every rank alike: a :class:`ReadAgain` where one of them read the daemon's memory
+    (``hot``: this rank did), and then every rank reads the step from disk again, together; else a plain one,
+    and none does."""
     if error is None and not failures:
         return
     bad_file = all(f for _, _, f, _ in failures)
-    fall_back = bad_file and (any(h for *_, h in failures) if failures else hot)
+    again = (bad_file and any(h for *_, h in failures)) if failures else (hot and isinstance(error, FormatError))
     if error is not None and (bad_file or not isinstance(error, FormatError)):
+        if again:  # this rank's own bad file, the message kept, the type the decision's
+            raise ReadAgain(f"{error}; {then}" if mine_too else str(error)) from error
         if not mine_too:
-            error.fall_back = fall_back  # type: ignore[attr-defined]
             raise error
         said = type(error) if isinstance(error, CheckpointError) else CheckpointError
-        out = said(f"{error}; {then}")
-        out.fall_back = fall_back  # type: ignore[attr-defined]
-        raise out from error
+        raise said(f"{error}; {then}") from error
     first = failures[0][1] if len(failures[0][1]) <= 300 else failures[0][1][:300] + "..."
-    exc = (FormatError if bad_file else CheckpointError)(f"restore failed on rank(s) {[r for r, *_ in failures][:8]} ({first}); {then}")
-    exc.fall_back = fall_back  # type: ignore[attr-defined]
-    raise exc from error
+    kind = ReadAgain if again else FormatError if bad_file else CheckpointError
+    raise kind(f"restore failed on rank(s) {[r for r, *_ in failures][:8]} ({first}); {then}") from error
 
 
 def fail_early(error: BaseException, strict: bool, hot: bool = False) -> NoReturn:

@@ -11,6 +11,11 @@ conversation with the daemon that decides it. The reading itself is :mod:`.reade
 * else ``fetch``: the daemon picks the newest complete step (or the one asked for) under its root or
   in its bucket, downloading it into the root first if only the bucket has it
   (:attr:`Source.DISK` / :attr:`Source.BUCKET`).
+* a hot read that met a bad segment (:class:`.agree.ReadAgain`) reads the step from disk instead; a disk read that
+  raised it (another rank's hot read failed) reads it again, with that rank.
+
+:func:`read_step` is that ladder, once: :func:`restore_from_daemon` loads what it reads into a model and optimizer,
+:func:`open_step` opens a reader on it (DCP, Lightning, Hugging Face).
 
 Runs on the calling (training) thread. Every rank asks the daemon on its own: no collectives, except that
 a failure before the restore reads anything is shared with the other ranks of a collective restore
@@ -21,21 +26,24 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 import torch
 
 from .. import shm
 from ..errors import CheckpointError, FormatError
 from ..protocol import Source
-from .agree import shared
+from .agree import ReadAgain, shared
 from .load import Restored, restore_state
 from .reader import CheckpointReader
 from .rpc import Channel
 
 log = logging.getLogger("ckptd.client")
 
+T = TypeVar("T")
 FETCH_POLL_S = 25.0  # each fetch_wait; the daemon is probed between polls (a download may take minutes)
 
 
@@ -95,17 +103,16 @@ def _settle(rpc: Channel, job: str, step: int | None, *, persist: bool) -> int |
 
 
 @dataclass
-class OpenStep:
-    """A step opened for reading through the daemon (:func:`open_step`): close it when done."""
+class Hold:
+    """What keeps a step where a restore reads it until :meth:`release`: the daemon's segments pinned by
+    ``hot_open`` (``held``, its reply), or the fetch that holds the step on disk (``fid``)."""
 
-    reader: CheckpointReader
-    info: dict[str, Any]  # what :attr:`Client.last_restore` says
     rpc: Channel
-    held: dict[str, Any] | None = None  # hot_open's reply, while its segments are pinned
-    fid: int | None = None  # the fetch holding the step on disk, until closed
+    held: dict[str, Any] | None = None
+    fid: int | None = None
 
-    def close(self) -> None:
-        self.reader.close()
+    def release(self) -> None:
+        """Let go of the step: ``hot_close`` its segments, or close its fetch (best effort). Once: a second call does nothing."""
         held, self.held = self.held, None
         if held is not None:
             self.rpc.call("hot_close", pin=held["pin"], segments=list(held["segments"].values()))
@@ -114,44 +121,117 @@ class OpenStep:
             close_fetch(self.rpc, fid)
 
 
+def _alone(call: Callable[..., T], *args: Any, **kw: Any) -> T:
+    """``call(*args, **kw)``: a read of this process alone shares nothing with other ranks."""
+    return call(*args, **kw)
+
+
+def _kept(hold: Hold, read: Callable[[], T]) -> T:
+    """``read()``, the step let go of if it raises (the caller releases ``hold`` once done with what it returns)."""
+    try:
+        return read()
+    except BaseException:
+        hold.release()
+        raise
+
+
+def _from_disk(read: Callable[[str], T], rep: dict[str, Any]) -> T:
+    """``read`` of the step directory ``fetch`` answered, twice where the first read raised :class:`.agree.ReadAgain`."""
+    try:
+        return read(rep["path"])
+    except ReadAgain as e:  # another rank's hot read failed, and it reads the step from disk now: so does this one, again, with it
+        log.warning("restore of step %s again from disk, with a rank whose hot restore failed (%s)", rep["step"], e)
+        return read(rep["path"])
+
+
+def read_step(
+    rpc: Channel,
+    job: str,
+    step: int | None,
+    *,
+    hot: bool,
+    memory: Callable[[dict[str, Any]], T],
+    disk: Callable[[str], T],
+    share: Callable[..., Any] = _alone,
+) -> tuple[T, dict[str, Any], Hold]:
+    """Read the newest complete step of ``job`` (or ``step``) through the daemon: the one restore ladder.
+
+    1. ``hot``, and the daemon holds the step in shared memory (``hot_open``): ``memory`` reads it there.
+    2. Else, or where that raised :class:`.agree.ReadAgain` (a bad segment, on this rank or on another of a
+       collective restore): the step is made durable, fetched (from the bucket if need be), and ``disk`` reads it.
+    3. Where that raised :class:`.agree.ReadAgain` (another rank's hot read failed, and it reads the disk now):
+       ``disk`` reads it again, with that rank, so that their collectives stay paired.
+
+    Runs on the calling thread. A read that raises has the step released first.
+
+    Args:
+        rpc: The channel to the daemon.
+        job: The job whose step is read.
+        step: The step asked for; ``None``: the newest.
+        hot: Whether the daemon's shared memory may be read.
+        memory: Reads the step from ``hot_open``'s reply (its pinned segments).
+        disk: Reads the step from its directory.
+        share: Calls the daemon: :func:`.agree.shared`'s wrapper in a restore whose ranks all raise when one fails.
+
+    Returns:
+        What ``memory`` or ``disk`` returned, what :attr:`Client.last_restore` says, and the :class:`Hold` that keeps
+        the step until the caller releases it.
+    """
+    asked, step = step, share(_settle, rpc, job, step, persist=not hot)
+    if hot:
+        held = share(rpc.call, "hot_open", job=job, step=step, pid=os.getpid())
+        if held["step"] is not None:
+            hold = Hold(rpc, held=held)
+            try:  # a segment reused or not what the manifest says: the disk has the step
+                return _kept(hold, lambda: memory(held)), restored(held["step"], held["path"], Source.MEMORY), hold
+            except ReadAgain as e:
+                log.warning("hot restore of step %s failed (%s): restoring from disk", held["step"], e)
+                # the newest asked for: if the step cannot be made durable either (its segments are gone), the newest
+                # step that can be restored is, with a warning (settled's)
+                step = share(settled, rpc, job, held["step"] if asked is not None else None, persist=True)
+        else:
+            log.info("restoring from disk: %s", held["reason"])
+            # the step settled on (or one the daemon holds in memory only) may not be on disk yet: it is made durable
+            # first, so the restore reads exactly that step, never an older one the disk already has
+            step = share(_settle, rpc, job, step, persist=True)
+    rep = share(fetch, rpc, job, step)
+    hold = Hold(rpc, fid=rep["fetch"])
+    got = _kept(hold, lambda: _from_disk(disk, rep))
+    return got, restored(rep["step"], rep["path"], Source.from_wire(rep["source"])), hold
+
+
+@dataclass
+class OpenStep:
+    """A step opened for reading through the daemon (:func:`open_step`): close it when done."""
+
+    reader: CheckpointReader
+    info: dict[str, Any]  # what :attr:`Client.last_restore` says
+    hold: Hold  # the step's segments pinned, or its fetch, until closed
+
+    def close(self) -> None:
+        """Close the reader and let go of the step."""
+        self.reader.close()
+        self.hold.release()
+
+
 def _hot_reader(held: dict[str, Any]) -> CheckpointReader:
     files = {f: shm.path_of(seg) for f, seg in held["segments"].items()}
     return CheckpointReader(held["path"], manifest=held["manifest"], files=files, memory=held.get("tier") == "memory")
 
 
-def open_step(rpc: Channel, job: str, step: int | None, *, hot: bool = True) -> OpenStep:
-    """The newest complete step of ``job`` (or ``step``) opened for reading: from the daemon's shared memory
-    while it holds the step (``hot``), else from its root, downloaded from the bucket first if need be."""
-    step = _settle(rpc, job, step, persist=not hot)
-    if hot:
-        held = rpc.call("hot_open", job=job, step=step, pid=os.getpid())
-        if held["step"] is None:
-            step = _settle(rpc, job, step, persist=True)  # as in restore_from_daemon
-        else:
-            try:
-                return OpenStep(_hot_reader(held), restored(held["step"], held["path"], Source.MEMORY), rpc, held)
-            except FormatError as e:
-                rpc.call("hot_close", pin=held["pin"], segments=list(held["segments"].values()))
-                log.warning("hot read of step %s failed (%s): reading it from disk", held["step"], e)
-                step = settled(rpc, job, held["step"], persist=True)
-    rep = fetch(rpc, job, step)
+def _open_hot(held: dict[str, Any]) -> CheckpointReader:
+    """:func:`_hot_reader`; a bad segment is this process's alone (no other rank to agree with): it reads the disk."""
     try:
-        reader = CheckpointReader(rep["path"])
-    except BaseException:
-        close_fetch(rpc, rep["fetch"])
-        raise
-    return OpenStep(reader, restored(rep["step"], rep["path"], Source.from_wire(rep["source"])), rpc, fid=rep["fetch"])
+        return _hot_reader(held)
+    except FormatError as e:
+        raise ReadAgain(str(e)) from e
 
 
-def _restore_hot(
-    rpc: Channel, held: dict[str, Any], model: torch.nn.Module, optim: torch.optim.Optimizer | None, rank: int, how: dict[str, Any]
-) -> tuple[Restored, dict[str, Any]]:
-    try:  # the reader is opened in there: a malformed manifest fails every rank of a collective restore alike
-        extra = restore_state(held["path"], model, optim, rank, opener=lambda: _hot_reader(held), **how)
-    finally:
-        rpc.call("hot_close", pin=held["pin"], segments=list(held["segments"].values()))
-    extra.source = Source.MEMORY.value
-    return extra, restored(held["step"], held["path"], Source.MEMORY)
+def open_step(rpc: Channel, job: str, step: int | None, *, hot: bool = True) -> OpenStep:
+    """The newest complete step of ``job`` (or ``step``) opened for reading (:func:`read_step`): from the daemon's
+    shared memory while it holds the step (``hot``), else from its root, downloaded from the bucket first if need be."""
+    reader, info, hold = read_step(rpc, job, step, hot=hot, memory=_open_hot, disk=CheckpointReader)
+    return OpenStep(reader, info, hold)
 
 
 def restore_from_daemon(
@@ -165,40 +245,18 @@ def restore_from_daemon(
     hot: bool,
     how: dict[str, Any],
 ) -> tuple[Restored, dict[str, Any]]:
-    """Load the newest complete step of ``job`` (or ``step``) in place; returns ``(extra, last_restore)``.
+    """Load the newest complete step of ``job`` (or ``step``) in place (:func:`read_step`); returns ``(extra, last_restore)``.
     ``how``: :func:`.load.restore_state`'s ``strict``, ``dtype`` and ``rename``. The daemon's failures before the
     restore itself (it is gone, the step asked for failed) are shared as :func:`.load.restore_state` shares
     its own: every rank of a collective restore raises."""
-    strict = how.get("strict", True)
-    asked, step = step, shared(strict, _settle, rpc, job, step, persist=not hot)
-    if hot:
-        held = shared(strict, rpc.call, "hot_open", job=job, step=step, pid=os.getpid())
-        if held["step"] is not None:
-            try:
-                return _restore_hot(rpc, held, model, optim, rank, how)
-            except FormatError as e:  # a segment reused or not what the manifest says: the disk has the step
-                if not getattr(e, "fall_back", True):  # another rank's file on disk is bad: every rank raises
-                    raise
-                log.warning("hot restore of step %s failed (%s): restoring from disk", held["step"], e)
-                # the newest asked for: if the step cannot be made durable either (its segments are gone), the newest
-                # step that can be restored is, with a warning (settled's)
-                step = shared(strict, settled, rpc, job, held["step"] if asked is not None else None, persist=True)
-        else:
-            log.info("restoring from disk: %s", held["reason"])
-            # the step settled on (or one the daemon holds in memory only) may not be on disk yet: it is made durable
-            # first, so the restore reads exactly that step, never an older one the disk already has
-            step = shared(strict, _settle, rpc, job, step, persist=True)
-    rep = shared(strict, fetch, rpc, job, step)
-    try:
-        try:
-            extra = restore_state(rep["path"], model, optim, rank, **how)
-        except FormatError as e:
-            if not getattr(e, "fall_back", False):
-                raise
-            # another rank's hot restore failed, and it reads the step from disk now: so does this one, again, with it
-            log.warning("restore of step %s again from disk, with a rank whose hot restore failed (%s)", rep["step"], e)
-            extra = restore_state(rep["path"], model, optim, rank, **how)
-    finally:
-        close_fetch(rpc, rep["fetch"])
-    extra.source = Source.from_wire(rep["source"]).value
-    return extra, restored(rep["step"], rep["path"], Source.from_wire(rep["source"]))
+
+    def memory(held: dict[str, Any]) -> Restored:  # the reader is opened in there: a malformed manifest fails every rank alike
+        return restore_state(held["path"], model, optim, rank, opener=lambda: _hot_reader(held), **how)
+
+    def disk(path: str) -> Restored:
+        return restore_state(path, model, optim, rank, **how)
+
+    extra, info, hold = read_step(rpc, job, step, hot=hot, memory=memory, disk=disk, share=partial(shared, how.get("strict", True)))
+    hold.release()
+    extra.source = info["source"]
+    return extra, info
