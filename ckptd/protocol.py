@@ -78,6 +78,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import dataclass
 from enum import StrEnum
 from functools import cache
 from typing import Any
@@ -142,7 +143,8 @@ OPTIONAL: dict[str, dict[str, tuple[tuple[type, ...], Any]]] = {
         "persist_interval": ((int, float, type(None)), None),
     },
 }
-# the commit record the daemon keeps in shared memory beside a committed segment (read back after a crash)
+# the commit record the daemon keeps in shared memory beside a committed segment (read back after a crash): the fields
+# of its JSON line, in the order written (:class:`CommitRecord`)
 RECORD_SCHEMA: dict[str, tuple[type, ...]] = {
     "job": _STR, "rank": _INT, "world_size": _INT, "local_world_size": _INT, "step": _INT, "nbytes": _INT,
     "replicas": (dict,), "committed_at": _INT, "run": (int, type(None)),
@@ -208,14 +210,63 @@ def decode_request(frame: bytes) -> dict[str, Any]:
     return msg
 
 
-def validate_record(rec: Any) -> dict[str, Any]:
-    """A commit record read back from shared memory after a crash, checked like a ``commit`` message."""
-    if not isinstance(rec, dict):
+@dataclass(frozen=True, kw_only=True)
+class CommitRecord:
+    """One rank's commit of a staged shard, as the daemon keeps it from the commit to the shard's persist (and beside the
+    segment, through a crash). Built in two places only, each an edge where its fields were checked: from a validated
+    ``commit`` request (``ckptd.daemon.commits``) and by :func:`validate_record` from a record read back from shared
+    memory. Main thread, persist threads and the seal thread share it: nothing changes it.
+
+    The file beside a committed segment (``<segment>.commit``, :meth:`ckptd.shm.SegmentDir.write_record`) is one line, the
+    JSON object :meth:`fields` (compact separators, keys in :data:`RECORD_SCHEMA`'s order), then ``\\n``, then :attr:`tree`
+    as it came.
+
+    Attributes:
+        job: the job, as it names the job's directory.
+        rank: the rank whose shard the segment holds.
+        world_size: how many ranks the step has.
+        local_world_size: how many of the step's ranks this daemon serves (fewer than ``world_size``: multi-node).
+        step: the step number.
+        nbytes: how many bytes of the segment the shard is, header included.
+        replicas: chunk id -> sample digest of each chunk other ranks hold too (never changed once built).
+        committed_at: the commit's stamp in the job's commit order (ns since the epoch): it orders the job's steps.
+        run: the launch that committed it (``None``: not named, or a record written before records named it).
+        after: the step that launch last restored (``None``: none); with ``run``, the step's attempt.
+        tree: the rank's non-tensor tree, the raw JSON the trainer sent, parsed on a persist or seal thread.
+    """
+
+    job: str
+    rank: int
+    world_size: int
+    local_world_size: int
+    step: int
+    nbytes: int
+    replicas: dict[str, str]
+    committed_at: int
+    run: int | None
+    after: int | None
+    tree: bytes
+
+    def __repr__(self) -> str:  # never the tree nor every replica: it may be megabytes
+        return f"CommitRecord({self.job!r} step {self.step} rank {self.rank}/{self.world_size}, {self.nbytes} bytes)"
+
+    def fields(self) -> dict[str, Any]:
+        """The record's JSON line as an object: every field but the tree, in :data:`RECORD_SCHEMA`'s order."""
+        return {name: getattr(self, name) for name in RECORD_SCHEMA}
+
+
+def validate_record(fields: Any, tree: bytes) -> CommitRecord:
+    """A commit record read back from shared memory after a crash (its JSON line's object and the tree after it),
+    checked like a ``commit`` message; one written before records named their attempt has no ``run`` and ``after``.
+
+    Raises:
+        ProtocolError: ``fields`` is not an object, or a field is missing, unknown, of the wrong type or out of bounds.
+    """
+    if not isinstance(fields, dict):
         raise ProtocolError("commit record is not a JSON object")
-    rec.setdefault("run", None)  # written before records named their attempt
-    rec.setdefault("after", None)
-    check_fields("commit record", RECORD_SCHEMA, rec)
-    return rec
+    fields = {"run": None, "after": None, **fields}
+    check_fields("commit record", RECORD_SCHEMA, fields)
+    return CommitRecord(**fields, tree=tree)
 
 
 def check_fields(

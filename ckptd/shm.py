@@ -32,9 +32,12 @@ import os
 import re
 import secrets
 import stat
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import CheckpointError
+
+if TYPE_CHECKING:  # config imports this module, and protocol imports config
+    from .protocol import CommitRecord
 
 log = logging.getLogger("ckptd.daemon")
 
@@ -324,9 +327,9 @@ class SegmentDir:
 
     # ------------------------------------------------------------------ commit records
 
-    def write_record(self, name: str, record: dict[str, Any], tree: bytes = b"{}") -> None:
+    def write_record(self, name: str, record: CommitRecord) -> None:
         """Record a commit for segment ``name`` atomically (tmpfs: no fsync needed, it lives as long
-        as the segment): the record's fields as one JSON line, then the raw tree bytes."""
+        as the segment): the record's fields as one JSON line, then the raw tree bytes (:class:`~ckptd.protocol.CommitRecord`)."""
         path = self._path(name) + RECORD_SUFFIX
         tmp = path + ".tmp"
         try:
@@ -335,13 +338,13 @@ class SegmentDir:
             pass
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN, RECORD_MODE)
         with open(fd, "wb") as f:
-            f.write(json.dumps(record, separators=(",", ":")).encode() + b"\n")
-            f.write(tree)
+            f.write(json.dumps(record.fields(), separators=(",", ":")).encode() + b"\n")
+            f.write(record.tree)
         os.replace(tmp, path)
 
     def read_record(self, name: str) -> tuple[dict[str, Any], bytes] | None:
-        """``(fields, tree)`` of segment ``name``'s commit record, or ``None`` when there is none or it
-        is torn; :class:`Untrusted` when the record is not this daemon's file."""
+        """``(fields, tree)`` of segment ``name``'s commit record, unchecked (:func:`~ckptd.protocol.validate_record`), or
+        ``None`` when there is none or it is torn; :class:`Untrusted` when the record is not this daemon's file."""
         try:
             fd = self.open_owned(name + RECORD_SUFFIX)
         except FileNotFoundError:

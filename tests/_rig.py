@@ -23,6 +23,7 @@ from ckptd.daemon.slots import Slot, SlotPool
 from ckptd.daemon.status import Counters
 from ckptd.daemon.steps import StepTable, StepTrack
 from ckptd.daemon.waiters import Waiter
+from ckptd.protocol import CommitRecord
 from ckptd.storage.retention import Protect, RetentionPolicy
 
 MiB = 1 << 20
@@ -130,14 +131,13 @@ class Rig:
         assert slot is not None
         with open(shm.path_of(slot.name), "r+b") as f:
             f.write(data)
-        rec = {**record(step, rank, world_size, len(data), lws, at, 7 if run is None else run), "after": after}
-        raw = tree(rank) if raw_tree is None else raw_tree
-        self.pool.segments.write_record(slot.name, rec, tree=raw)
-        rec["tree"] = raw
+        fields = {**record(step, rank, world_size, len(data), lws, at, 7 if run is None else run), "after": after}
+        rec = CommitRecord(**fields, tree=tree(rank) if raw_tree is None else raw_tree)
+        self.pool.segments.write_record(slot.name, rec)
         self.pool.commit(slot, rec)
         key = (JOB, step)
         track = track or self.steps.check_commit(key, rank, world_size, lws)
-        self.steps.record_commit(key, track, rank, lws, run, committed_at=rec["committed_at"])
+        self.steps.record_commit(key, track, rank, lws, run, committed_at=rec.committed_at)
         self.completion.persist(slot)
         return slot
 
@@ -183,13 +183,19 @@ class Rig:
 def record(
     step: int, rank: int, world_size: int, nbytes: int, lws: int | None = None, at: int | None = None, run: int | None = 7
 ) -> dict[str, Any]:
-    """A commit record as ``Commits.commit`` (ckptd/daemon/commits.py) writes it (the tree is added by ``shm.write_record``)."""
+    """A commit record's fields as ``Commits.commit`` (ckptd/daemon/commits.py) writes them (its JSON line: the tree follows)."""
     lws = world_size if lws is None else lws
     return {
         "job": JOB, "rank": rank, "world_size": world_size, "local_world_size": lws, "step": step, "nbytes": nbytes, "replicas": {},
         "committed_at": 1_000_000 + step if at is None else at,  # commit order follows the step here, unless told
         "run": run, "after": None,  # the attempt: one launch that restored nothing, unless told
     }  # fmt: skip
+
+
+def old_record(fields: dict[str, Any], tree: bytes = b"{}") -> bytes:
+    """The bytes of a commit record as daemons before typed records wrote ``fields`` (``shm.SegmentDir.write_record``
+    then took a dict): one compact JSON line, then the raw tree. What a daemon after an upgrade finds and adopts."""
+    return json.dumps(fields, separators=(",", ":")).encode() + b"\n" + tree
 
 
 def tear_down(rigs: list[Rig], root: str) -> None:

@@ -405,6 +405,7 @@ def test_a_failed_persist_leaves_no_partial_step_when_its_waiters_hear_even_with
 def test_restart_after_finalize_drops_the_stale_record(make_daemon) -> None:  # noqa: ANN001
     """A crash between the manifest rename and dropping the commit record must not re-persist."""
     from ckptd import shm
+    from ckptd.protocol import validate_record
 
     daemon = make_daemon()
     model, optim = make()
@@ -415,7 +416,7 @@ def test_restart_after_finalize_drops_the_stale_record(make_daemon) -> None:  # 
     daemon.kill()
     record = {"job": "j", "rank": 0, "world_size": 1, "local_world_size": 1, "step": 1, "nbytes": 4096, "replicas": {}, "committed_at": 1}
     segs = shm.SegmentDir(daemon.root)
-    segs.write_record(rep["segment"], record)  # as if the crash came right after finalizing step 1
+    segs.write_record(rep["segment"], validate_record(record, b"{}"))  # as if the crash came right after finalizing step 1
     segs.close()  # the test lets go of the directory's lock: the restarted daemon takes it and finds the record
     daemon.start([])
     assert daemon.segments() == []

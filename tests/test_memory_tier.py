@@ -26,6 +26,7 @@ from ckptd.daemon.steps import StepState
 from ckptd.daemon.tiering import Tier, Tiering, TierPolicy
 from ckptd.errors import CheckpointError, StepDropped
 from ckptd.layout import complete_steps
+from ckptd.protocol import CommitRecord
 
 
 def job_status(c: Any, job: str) -> dict[str, Any]:
@@ -721,10 +722,11 @@ def tier_parts(tmp_path) -> Any:  # noqa: ANN001
     ctx = zmq.Context()
     events = EventQueue(ctx)
     tiering, made = Tiering(TierPolicy(persist_every=100)), {}
+    # the pool asks the tier for room, as the daemon wires them
     pool = SlotPool(
         shm.SegmentDir(root), 64 << 20, reclaim=lambda job, step: made["tier"].reclaim(job, step),
         soon=lambda job, step: made["tier"].sealing(job, step), want_spare=lambda job: tiering.policy_of(job).lagging == "wait",
-    )  # fmt: skip  (the pool asks the tier for room, as the daemon wires them)
+    )  # fmt: skip
     catalog = StepCatalog(root)
     steps = StepTable(catalog.complete_path)
     settled: list[Any] = []
@@ -758,7 +760,7 @@ def test_a_seal_of_an_earlier_attempt_never_completes_a_later_attempt_of_the_ste
         slot = pool.lease({"job": "j", "rank": rank, "world_size": 2, "step": 5, "nbytes": len(data), "pid": os.getpid()})
         with open(shm.path_of(slot.name), "r+b") as f:
             f.write(data)
-        pool.commit(slot, {**record(5, rank, 2, len(data)), "tree": tree(rank)})
+        pool.commit(slot, CommitRecord(**record(5, rank, 2, len(data)), tree=tree(rank)))
         track = steps.check_commit(("j", 5), rank, 2, 2)
         steps.record_commit(("j", 5), track, rank, 2)
         track.tier = Tier.MEMORY.value
@@ -809,7 +811,7 @@ def test_a_snapshot_short_of_a_slot_while_the_step_before_it_is_sealed_waits_for
         data = shard(step, 0, 1)
         with open(shm.path_of(slot.name), "r+b") as f:
             f.write(data)
-        pool.commit(slot, {**record(step, 0, 1, len(data)), "tree": tree(0)})
+        pool.commit(slot, CommitRecord(**record(step, 0, 1, len(data)), tree=tree(0)))
         track = steps.check_commit(("j", step), 0, 1, 1)
         steps.record_commit(("j", step), track, 0, 1)
         track.tier = Tier.MEMORY.value

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _rig import JOB, FakeUploader, Rig, record, shard, tear_down, tree
+from _rig import JOB, FakeUploader, Rig, old_record, record, shard, tear_down, tree
 
 from ckptd import shm
 from ckptd.daemon import recovery
@@ -25,6 +25,7 @@ from ckptd.daemon.slots import Slot, SlotState
 from ckptd.daemon.steps import StepState
 from ckptd.errors import CheckpointError
 from ckptd.layout import GONE, fragment_name, fragments_present, is_complete, node_parts, shard_name, step_dir, tmp_dir
+from ckptd.protocol import CommitRecord, validate_record
 from ckptd.storage import local
 from ckptd.storage.retention import KeepLatest
 from ckptd.storage.verify import verify_checkpoint
@@ -68,13 +69,13 @@ class Node(Rig):
     # what the previous run left in shared memory
 
     def segment(self, data: bytes = b"", rec: dict[str, Any] | None = None, *, raw_record: bytes | None = None) -> str:
-        """A segment of this daemon's directory holding ``data``, with commit record ``rec`` (tree added)
-        or the bytes ``raw_record`` (as the daemon's own file: mode 0600)."""
+        """A segment of this daemon's directory holding ``data``, with commit record ``rec`` written as a daemon before
+        typed records wrote it (tree added), or the bytes ``raw_record`` (as the daemon's own file: mode 0600)."""
         name, _ = self.pool.segments.create(max(len(data), 1))
         with open(shm.path_of(name), "r+b") as f:
             f.write(data)
         if rec is not None:
-            self.pool.segments.write_record(name, rec, tree=tree(rec.get("rank", 0)))
+            raw_record = old_record(rec, tree(rec.get("rank", 0)))
         if raw_record is not None:
             with open(os.open(shm.path_of(name) + shm.RECORD_SUFFIX, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
                 f.write(raw_record)
@@ -137,7 +138,8 @@ def test_segments_with_commit_records_are_adopted_and_handed_to_persist(node: No
     for name, (step, rank, ws) in {a: (5, 1, 2), b: (5, 0, 2), c: (6, 0, 1)}.items():
         slot = node.pool.get(name)
         assert slot is not None and slot.state is SlotState.COMMITTED and slot.owner == (JOB, rank)
-        assert slot.lease == {**record(step, rank, ws, len(shard(step, rank, ws))), "tree": tree(rank)}
+        assert slot.record == CommitRecord(**record(step, rank, ws, len(shard(step, rank, ws))), tree=tree(rank))
+        assert slot.lease is None and slot.tree_bytes == len(tree(rank))
         assert slot.size == node.pool.segments.size_of(name)
     five, six = node.steps.get((JOB, 5)), node.steps.get((JOB, 6))
     assert five is not None and (five.world_size, five.local_world_size, five.committed) == (2, 2, {0, 1})
@@ -340,7 +342,7 @@ def test_this_nodes_whole_part_of_a_multi_node_step_is_uploaded_again(node: Node
     # handed to the uploader: the persist threads do not report this node's part a second time
     name = node.committed(step=10, rank=3, world_size=4, lws=2)
     rec, raw = node.pool.segments.read_record(name) or ({}, b"")
-    slot = node.pool.adopt(name, node.pool.segments.size_of(name), {**rec, "tree": raw})
+    slot = node.pool.adopt(name, node.pool.segments.size_of(name), validate_record(rec, raw))
     node.completion.persist(slot)
     (ev,) = node.pump(1)
     assert ev.error is None and ev.node_ranks is None

@@ -14,6 +14,7 @@ from ckptd import shm
 from ckptd.config import HOT_PIN_MAX_S
 from ckptd.daemon.slots import SlotPool, SlotState
 from ckptd.errors import CheckpointError, ProtocolError
+from ckptd.protocol import CommitRecord
 
 MiB = 1 << 20
 
@@ -45,6 +46,12 @@ def env(tmp_path: Path) -> Iterator[dict[str, Any]]:
 
 def _req(rank: int = 0, nbytes: int = MiB, pid: int | None = None, job: str = "j", step: int = 1) -> dict[str, Any]:
     return {"id": 7, "job": job, "rank": rank, "world_size": 4, "step": step, "nbytes": nbytes, "pid": pid or os.getpid()}
+
+
+def _record(job: str = "j", rank: int = 0, step: int = 1, nbytes: int = 10) -> CommitRecord:
+    """A commit of ``rank``'s shard of ``step`` (4 ranks, all on this node)."""
+    fields = {"local_world_size": 4, "replicas": {}, "committed_at": 1, "run": None, "after": None}
+    return CommitRecord(job=job, rank=rank, world_size=4, step=step, nbytes=nbytes, **fields, tree=b"{}")
 
 
 def test_a_rank_gets_its_own_slot_back(env: dict[str, Any]) -> None:
@@ -94,7 +101,7 @@ def test_with_a_group_another_jobs_free_segment_is_retired_not_leased(env: dict[
     pool = SlotPool(segments, 2 * MiB, on_grant=lambda i, m, r: None, clock=env["clock"])
     a = pool.lease(_req(job="A"))
     assert a is not None
-    pool.commit(a, {"job": "A"})
+    pool.commit(a, _record(job="A"))
     assert os.stat(shm.path_of(a.name)).st_mode & 0o777 == 0o640
     pool.persisted(a, ("A", 1, 0))
     again = pool.lease(_req(job="A", step=2))
@@ -143,7 +150,7 @@ def test_committed_and_pinned_slots_are_never_leased(env: dict[str, Any]) -> Non
     a = pool.lease(_req(rank=0, nbytes=2 * MiB))
     b = pool.lease(_req(rank=1, nbytes=2 * MiB))
     assert a is not None and b is not None
-    pool.commit(a, {"job": "j", "rank": 0, "step": 1, "nbytes": 10})
+    pool.commit(a, _record())
     pool.persisted(b, ("j", 1, 1))
     pin = pool.pin([b], pid=os.getpid())
     assert pool.lease(_req(rank=2, nbytes=2 * MiB)) is None  # nothing free to reuse or evict
@@ -169,7 +176,7 @@ def test_persisted_sets_what_the_slot_holds_before_a_waiting_request_takes_it(en
     pool = env["make"](2 * MiB)
     a = pool.request(b"a", _req(rank=0))
     assert a is not None
-    pool.commit(a, {"job": "j", "rank": 0, "step": 1, "nbytes": 10})
+    pool.commit(a, _record())
     assert pool.request(b"b", _req(rank=1)) is None
     pool.persisted(a, ("j", 1, 0))
     assert env["grants"][0][2] is a and a.state is SlotState.LEASED
@@ -239,7 +246,7 @@ def test_a_failed_segment_creation_is_refused_to_the_waiting_request(env: dict[s
     first = pool.lease(_req(rank=0, nbytes=3 * MiB))
     assert first is not None
     assert pool.request(b"w", _req(rank=1, nbytes=2 * MiB)) is None
-    pool.commit(first, {"job": "j", "rank": 0, "step": 1, "nbytes": 10})
+    pool.commit(first, _record())
 
     def full(size: int) -> tuple[str, int]:
         raise CheckpointError("cannot allocate: /dev/shm is full")
@@ -255,7 +262,7 @@ def test_close_keeps_only_committed_segments(env: dict[str, Any]) -> None:
     pool = env["make"](8 * MiB)
     kept, leased, free = (pool.lease(_req(rank=r)) for r in range(3))
     assert kept is not None and leased is not None and free is not None
-    pool.commit(kept, {"job": "j", "rank": 0, "step": 1, "nbytes": 10})
+    pool.commit(kept, _record())
     pool.free(free)
     pool.close()
     assert shm.segments_of(env["root"]) == [kept.name]  # a restart persists it

@@ -22,7 +22,7 @@ from ckptd import shm
 from ckptd.errors import ProtocolError
 from ckptd.format import encode_manifest
 from ckptd.layout import complete_steps, step_dir
-from ckptd.protocol import request
+from ckptd.protocol import request, validate_record
 from ckptd.storage.s3 import RemoteConfig
 
 
@@ -180,12 +180,12 @@ def test_a_foreign_file_in_the_segment_directory_is_never_adopted_and_never_fata
     foreign = f"{segs.name}/{'a' * 32}"
     with open(shm.path_of(foreign), "wb") as f:
         f.write(b"\0" * 4096)
-    segs.write_record(foreign, rec)
+    segs.write_record(foreign, validate_record(rec, b"{}"))
     os.chown(shm.path_of(foreign), 65534, 65534)
     # a symlink to a file outside, with a record of our own
     link = f"{segs.name}/{'b' * 32}"
     os.symlink("/etc/hostname", shm.path_of(link))
-    segs.write_record(link, {**rec, "step": 8})
+    segs.write_record(link, validate_record({**rec, "step": 8}, b"{}"))
     before = open("/etc/hostname", "rb").read()
     segs.close()  # the test lets go of the directory's lock: the daemon takes it and looks at what is there
     d.start()

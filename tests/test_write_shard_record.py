@@ -20,6 +20,7 @@ from ckptd.daemon.slot import Slot
 from ckptd.errors import DiskFull
 from ckptd.format import build_fragment, parse_header
 from ckptd.layout import fragment_name, shard_name, step_dir, tmp_dir
+from ckptd.protocol import CommitRecord
 from ckptd.storage import local
 from ckptd.storage.local import ShardWrite, WritePolicy
 from ckptd.storage.verify import verify_checkpoint
@@ -33,14 +34,14 @@ def _staged() -> bytearray:
     return shard_bytes([("model/w", W, (4, 6), (0, 0)), ("model/b", B, (5,), (0,))])
 
 
-def _committed(tmp_path: Path, **fields: Any) -> tuple[dict[str, Any], str]:
+def _committed(tmp_path: Path, **fields: Any) -> tuple[CommitRecord, str]:
     """A commit record of step 3 as the daemon keeps it beside a committed segment (the tree still the raw frame), and
     the segment holding the staged shard."""
     buf = _staged()
     segment = tmp_path / "segment"
     segment.write_bytes(bytes(buf))
     rec = {"job": JOB, "step": 3, "rank": 0, "world_size": 1, "local_world_size": 1, "nbytes": len(buf), "replicas": {}, "tree": b"{}"}
-    return rec | {"committed_at": 0, "run": None, "after": None} | fields, str(segment)
+    return CommitRecord(**rec | {"committed_at": 0, "run": None, "after": None} | fields), str(segment)
 
 
 class _Events:
@@ -51,7 +52,7 @@ class _Events:
         self.posted.append(event)
 
 
-def _persist(root: str, rec: dict[str, Any], segment: str, **patches: Any) -> Any:
+def _persist(root: str, rec: CommitRecord, segment: str, **patches: Any) -> Any:
     """Run one persist thread's job on ``rec`` (the persister's methods ``patches`` replaced); the event it posts."""
     events = _Events()
     open_segment = lambda name: os.open(segment, os.O_RDONLY)  # noqa: E731
@@ -59,7 +60,7 @@ def _persist(root: str, rec: dict[str, Any], segment: str, **patches: Any) -> An
     for name, fn in patches.items():
         setattr(p, name, fn)
     try:
-        p._run(Slot("seg", rec["nbytes"], lease=rec), rec, attempt=1)
+        p._run(Slot("seg", rec.nbytes, record=rec), rec, attempt=1)
     finally:
         p.shutdown()
     (event,) = events.posted

@@ -228,7 +228,7 @@ class CommitClock:
         and the old step a rolled-back run's re-save replaces, which another node's clock may have stamped,
         one that ran ahead and has left the job since)."""
         if job not in self._last:  # after a restart: later than every step on disk or adopted, whatever the clock says
-            times = [sl.lease.get("committed_at", 0) for sl in self._pool if sl.lease is not None and sl.lease.get("job") == job]
+            times = [sl.record.committed_at for sl in self._pool if sl.record is not None and sl.record.job == job]
             self._last[job] = max([committed_at(p) for p in [self._catalog.latest(job)[1]] if p is not None] + times, default=0)
         t = min(max(time.time_ns(), self._last[job] + 1, after + 1), I64_MAX)  # a stamp readers accept
         self._last[job] = t

@@ -16,6 +16,7 @@ from typing import Any
 
 from ..errors import ProtocolError
 from ..layout import step_dir
+from ..protocol import CommitRecord
 from ..storage.local import committed_at
 from .admission import Admission
 from .catalog import CommitClock, StepCatalog
@@ -26,7 +27,6 @@ from .steps import StepTable, StepTrack
 from .tiering import Tiering
 
 LEASE_KEYS = ("job", "rank", "world_size")  # what a commit must say as its lease said it
-RECORD_KEYS = ("job", "rank", "world_size", "local_world_size", "step", "nbytes", "replicas")  # copied from the request
 
 
 class Commits:
@@ -55,11 +55,9 @@ class Commits:
         self.tiering.set_job(job, msg["persist_every"], msg["persist_interval"])
         self.memory.decide(job, step, track, lws < ws)
         record = self._record(msg, track)
-        tree = msg["frames"][0]
-        self.pool.segments.write_record(slot.name, record, tree=tree)  # from here on the shard survives any crash
-        record["tree"] = tree  # raw JSON: parsed on the persist thread
-        self.pool.commit(slot, record, len(tree))
-        self.steps.record_commit((job, step), track, rank, lws, msg["run"], record["committed_at"])
+        self.pool.segments.write_record(slot.name, record)  # from here on the shard survives any crash
+        self.pool.commit(slot, record, len(record.tree))
+        self.steps.record_commit((job, step), track, rank, lws, record.run, record.committed_at)
         self.admission.committed(job, step, rank, msg["peer"], msg["run"])
         if track.tier == "disk":
             self.completion.persist(slot)
@@ -82,12 +80,21 @@ class Commits:
             )
         return slot
 
-    def _record(self, msg: dict[str, Any], track: StepTrack) -> dict[str, Any]:
-        """The commit record kept beside the segment: what the request said, its commit time, its attempt."""
-        record = {k: msg[k] for k in RECORD_KEYS}
-        after = msg["after"]
-        restored = 0 if after is None else committed_at(step_dir(self.root, msg["job"], after))  # maybe another node's clock
-        record["committed_at"] = self.clock.stamp(msg["job"], max(track.replaces_at, restored))
-        # into the fragment: the attempt (launch, restored step), never merged with another attempt's fragments
-        record["run"], record["after"] = msg["run"], after
-        return record
+    def _record(self, msg: dict[str, Any], track: StepTrack) -> CommitRecord:
+        """The commit record kept beside the segment: what the request said, its commit time, its attempt, its tree."""
+        job, after = msg["job"], msg["after"]
+        restored = 0 if after is None else committed_at(step_dir(self.root, job, after))  # maybe another node's clock
+        return CommitRecord(
+            job=job,
+            rank=msg["rank"],
+            world_size=msg["world_size"],
+            local_world_size=msg["local_world_size"],
+            step=msg["step"],
+            nbytes=msg["nbytes"],
+            replicas=msg["replicas"],
+            committed_at=self.clock.stamp(job, max(track.replaces_at, restored)),
+            # into the fragment: the attempt (launch, restored step), never merged with another attempt's fragments
+            run=msg["run"],
+            after=after,
+            tree=msg["frames"][0],  # raw JSON as it came: parsed on the persist thread
+        )

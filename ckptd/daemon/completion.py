@@ -60,8 +60,8 @@ class Completion:
 
     def persist(self, slot: Slot) -> None:
         """A committed slot (just committed, or adopted at start-up) goes to a persist thread."""
-        rec = slot.lease or {}
-        track = self.steps.shard_started((rec["job"], rec["step"]))  # (a committed slot's step is tracked)
+        rec = slot.committed()
+        track = self.steps.shard_started((rec.job, rec.step))  # (a committed slot's step is tracked)
         self.persister.submit(slot, track.attempt)
 
     def on_persisted(self, ev: ShardPersisted) -> None:

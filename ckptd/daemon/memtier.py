@@ -36,6 +36,7 @@ from typing import Any
 from ..errors import FormatError
 from ..format import build_fragment, build_manifest, commit_time, parse_header
 from ..layout import shard_name
+from ..protocol import CommitRecord
 from ..storage import local
 from ..storage.local import committed_at
 from .catalog import StepCatalog
@@ -98,25 +99,25 @@ class MemoryTier:
     def seal(self, slot: Slot) -> None:
         """A committed slot goes to the seal thread (a memory-tier step's, or one being persisted: sealed so
         that a hot restore reads it at once)."""
-        rec = slot.lease or {}
-        track = self.steps.shard_started((rec["job"], rec["step"]))  # (a committed slot's step is tracked)
-        self._exec.submit(self._seal, slot.name, dict(rec), track.attempt)
+        rec = slot.committed()
+        track = self.steps.shard_started((rec.job, rec.step))  # (a committed slot's step is tracked)
+        self._exec.submit(self._seal, slot.name, rec, track.attempt)
 
-    def _seal(self, name: str, rec: dict[str, Any], attempt: int) -> None:
-        job, step, rank, ws = rec["job"], rec["step"], rec["rank"], rec["world_size"]
+    def _seal(self, name: str, rec: CommitRecord, attempt: int) -> None:
+        job, step, rank, ws = rec.job, rec.step, rec.rank, rec.world_size
         key = (job, step, attempt)
         try:
             fd = self.pool.segments.open_owned(name)
             try:
-                head = local.read_header(fd, rec["nbytes"])
+                head = local.read_header(fd, rec.nbytes)
             finally:
                 os.close(fd)
-            layout = parse_header(head, rec["nbytes"])
-            if layout.file_size != rec["nbytes"]:
-                raise FormatError(f"staged shard is {rec['nbytes']} bytes but its header describes {layout.file_size}")
+            layout = parse_header(head, rec.nbytes)
+            if layout.file_size != rec.nbytes:
+                raise FormatError(f"staged shard is {rec.nbytes} bytes but its header describes {layout.file_size}")
             frag = build_fragment(
-                job, step, rank, ws, rec.get("local_world_size", ws), head, layout, rec.get("replicas", {}), parse_tree(rec["tree"]),
-                rec.get("committed_at", 0), run=rec.get("run"), after=rec.get("after"), digests=False,
+                job, step, rank, ws, rec.local_world_size, head, layout, rec.replicas, parse_tree(rec.tree),
+                rec.committed_at, run=rec.run, after=rec.after, digests=False,
             )  # fmt: skip
             manifest = None
             with self._lock:
@@ -181,9 +182,9 @@ class MemoryTier:
             self.forget(key)
             self._settle(key, track)  # a step that failed while this seal was out: its partial files go now
             return
-        rec = (slot.lease or {}) if slot is not None and slot.state is SlotState.COMMITTED else {}
-        if (rec.get("job"), rec.get("step"), rec.get("rank")) == (ev.job, ev.step, ev.rank):
-            slot.holds = (ev.job, ev.step, ev.rank)  # type: ignore[union-attr]
+        rec = slot.record if slot is not None and slot.state is SlotState.COMMITTED else None
+        if slot is not None and rec is not None and (rec.job, rec.step, rec.rank) == (ev.job, ev.step, ev.rank):
+            slot.holds = (ev.job, ev.step, ev.rank)
         if ev.manifest is not None:
             track.sealed = True
             self.catalog.note_memory(ev.job, ev.step, ev.manifest)

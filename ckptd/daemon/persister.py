@@ -24,6 +24,7 @@ from .. import shm
 from ..config import MAX_TREE_DEPTH
 from ..errors import DiskFull, FormatError, ProtocolError
 from ..layout import MANIFEST, fragments_present, tmp_dir
+from ..protocol import CommitRecord
 from ..storage import local
 from ..storage.retention import AnyOf, KeepLatest, Protect, RetentionPolicy
 from ..validate import load_json, nesting_depth
@@ -74,22 +75,22 @@ def parse_tree(raw: bytes) -> dict[str, Any]:
     return tree
 
 
-def _shard_write(rec: dict[str, Any], source: int) -> local.ShardWrite:
+def _shard_write(rec: CommitRecord, source: int) -> local.ShardWrite:
     """The shard a commit record describes (its tree parsed), staged in the segment open as ``source``: what a persist
     thread hands :func:`ckptd.storage.local.write_shard`, built once for every attempt at writing it."""
     return local.ShardWrite(
-        rec["job"],
-        rec["step"],
-        rec["rank"],
-        rec["world_size"],
+        rec.job,
+        rec.step,
+        rec.rank,
+        rec.world_size,
         source,
-        rec["nbytes"],
-        parse_tree(rec["tree"]),
-        local_world_size=rec.get("local_world_size", rec["world_size"]),
-        replicas=rec.get("replicas", {}),
-        committed_at=rec.get("committed_at", 0),
-        run=rec.get("run"),
-        after=rec.get("after"),
+        rec.nbytes,
+        parse_tree(rec.tree),
+        local_world_size=rec.local_world_size,
+        replicas=rec.replicas,
+        committed_at=rec.committed_at,
+        run=rec.run,
+        after=rec.after,
     )
 
 
@@ -135,13 +136,13 @@ class Persister:
         """Main thread: persist this committed slot, of the step's ``attempt`` (its event names it). It is the
         worker's until its event is handled. Counted as being written from now (:meth:`writing`), queued or not:
         until it is written whole, its step's directory is neither finalized nor handed over."""
-        rec = dict(slot.lease or {})
-        with self.job_lock(rec["job"]):
-            self._writing[(rec["job"], rec["step"])] = self._writing.get((rec["job"], rec["step"]), 0) + 1
+        rec = slot.committed()
+        with self.job_lock(rec.job):
+            self._writing[(rec.job, rec.step)] = self._writing.get((rec.job, rec.step), 0) + 1
         try:
             self._pool.submit(self._run, slot, rec, attempt)
         except BaseException:
-            self._written(rec["job"], rec["step"])
+            self._written(rec.job, rec.step)
             raise
 
     def retain(self, job: str) -> None:
@@ -157,9 +158,8 @@ class Persister:
         """Finish every submitted shard, then stop the threads."""
         self._pool.shutdown(wait=True)
 
-    def _run(self, slot: Slot, rec: dict[str, Any], attempt: int) -> None:
-        job, step, rank, ws = rec["job"], rec["step"], rec["rank"], rec["world_size"]
-        lws = rec.get("local_world_size", ws)
+    def _run(self, slot: Slot, rec: CommitRecord, attempt: int) -> None:
+        job, step, rank, ws, lws = rec.job, rec.step, rec.rank, rec.world_size, rec.local_world_size
         wrote = False
         try:
             t0 = time.monotonic()
@@ -179,7 +179,7 @@ class Persister:
             seconds, wrote = time.monotonic() - t0, True
             path, manifest, node = self._after_write(job, step, ws, lws)
             ranks = sorted(fragments_present(self.root, job, step, node)) if node else None
-            event = ShardPersisted(slot.name, job, step, rank, rec["nbytes"], seconds, None, path, manifest, ranks, attempt, node)
+            event = ShardPersisted(slot.name, job, step, rank, rec.nbytes, seconds, None, path, manifest, ranks, attempt, node)
         except Exception as e:  # reported to every waiter of the step, never swallowed
             if not wrote:
                 self._written(job, step)

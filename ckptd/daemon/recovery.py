@@ -22,7 +22,6 @@ import logging
 import os
 import shutil
 from collections.abc import Callable
-from typing import Any
 
 from .. import shm
 from ..errors import CheckpointError, FormatError, ProtocolError
@@ -38,7 +37,7 @@ from ..layout import (
     shard_name,
     step_dir,
 )
-from ..protocol import validate_record
+from ..protocol import CommitRecord, validate_record
 from ..storage import local
 from .persister import Persister
 from .slots import Slot, SlotPool, SlotState
@@ -68,19 +67,19 @@ def adopt_segments(pool: SlotPool, steps: StepTable, root: str) -> None:
             log.warning("ignoring segment %s: %s", name, e)
 
 
-def finished(root: str, rec: dict[str, Any]) -> bool:
+def finished(root: str, rec: CommitRecord) -> bool:
     """The step of commit record ``rec`` is complete on disk, with this commit in it: a complete step of that
     number committed before it is the old line's, which a rolled-back run's re-save replaces once persisted."""
-    path = step_dir(root, rec["job"], rec["step"])
-    return is_complete(path) and local.committed_at(path) >= rec.get("committed_at", 0)
+    path = step_dir(root, rec.job, rec.step)
+    return is_complete(path) and local.committed_at(path) >= rec.committed_at
 
 
-def _handed_over(root: str, rec: dict[str, Any]) -> bool:
+def _handed_over(root: str, rec: CommitRecord) -> bool:
     """The shard of commit record ``rec`` is in this node's part of its multi-node step, handed to the uploader (the
     crash came after the persist thread moved it, before the record was dropped)."""
-    for d in node_parts(root, rec["job"]).get(rec["step"], []):
+    for d in node_parts(root, rec.job).get(rec.step, []):
         try:
-            if commit_time(local.read_fragment(root, rec["job"], rec["step"], rec["rank"], d)) == rec.get("committed_at", 0):
+            if commit_time(local.read_fragment(root, rec.job, rec.step, rec.rank, d)) == rec.committed_at:
                 return True
         except (OSError, FormatError):
             continue
@@ -96,30 +95,29 @@ def adopt_segment(pool: SlotPool, steps: StepTable, root: str, name: str) -> Non
     if got is None:
         segs.unlink(name)  # never committed (or the record is torn: never acknowledged)
         return
-    rec, tree = validate_record(got[0]), got[1]
-    if rec["nbytes"] > size:
-        raise ProtocolError(f"its record claims {rec['nbytes']} bytes, the segment has {size}")
+    rec = validate_record(*got)  # the disk edge: a record that does not check out is never adopted
+    if rec.nbytes > size:
+        raise ProtocolError(f"its record claims {rec.nbytes} bytes, the segment has {size}")
     if finished(root, rec):
         segs.unlink(name)  # finalized just before the crash: nothing left to do
         return
-    if rec["rank"] in fragments_present(root, rec["job"], rec["step"]) or _handed_over(root, rec):
+    if rec.rank in fragments_present(root, rec.job, rec.step) or _handed_over(root, rec):
         # its shard and fragment are durable (the crash came before the record was dropped): writing it
         # again would truncate a shard another rank's completion may publish; the partial step has it
         segs.unlink(name)
         return
-    known = steps.get((rec["job"], rec["step"]))
-    sizes = (rec["world_size"], rec["local_world_size"])
-    if known is not None and ((known.world_size, known.local_world_size) != sizes or rec["rank"] in known.committed):
-        raise ProtocolError(f"its record (rank {rec['rank']} of {rec['world_size']}) contradicts another segment of step {rec['step']}")
-    rec["tree"] = tree
-    track = steps.adopt((rec["job"], rec["step"]), rec["world_size"], rec["local_world_size"])
+    known = steps.get((rec.job, rec.step))
+    sizes = (rec.world_size, rec.local_world_size)
+    if known is not None and ((known.world_size, known.local_world_size) != sizes or rec.rank in known.committed):
+        raise ProtocolError(f"its record (rank {rec.rank} of {rec.world_size}) contradicts another segment of step {rec.step}")
+    track = steps.adopt((rec.job, rec.step), rec.world_size, rec.local_world_size)
     pool.adopt(name, size, rec)
-    track.committed.add(rec["rank"])
-    track.run = track.run if track.run is not None else rec.get("run")  # its ranks still to commit join it
-    at = rec.get("committed_at", 0)  # its first commit's time orders the job's steps
+    track.committed.add(rec.rank)
+    track.run = track.run if track.run is not None else rec.run  # its ranks still to commit join it
+    at = rec.committed_at  # its first commit's time orders the job's steps
     if at and (not track.committed_at or at < track.committed_at):
         track.committed_at = at
-    log.info("recovered committed shard %s: job %s step %s rank %s", name, rec["job"], rec["step"], rec["rank"])
+    log.info("recovered committed shard %s: job %s step %s rank %s", name, rec.job, rec.step, rec.rank)
 
 
 def finish_partial_step(root: str, job: str, step: int, steps: StepTable, persister: Persister, uploader: Uploader | None) -> None:
@@ -219,9 +217,10 @@ def recover(
     for slot in pool:
         if slot.state is not SlotState.COMMITTED:
             continue
-        job, step = (slot.lease or {})["job"], (slot.lease or {})["step"]
+        rec = slot.committed()
+        job, step = rec.job, rec.step
         path = step_dir(root, job, step)
-        if finished(root, slot.lease or {}):  # every fragment was on disk: the previous run died just before finalizing
+        if finished(root, rec):  # every fragment was on disk: the previous run died just before finalizing
             steps.complete((job, step), path)
             pool.unlink(slot)
         else:

@@ -12,6 +12,7 @@ from typing import Any
 import psutil
 
 from ..errors import CheckpointError
+from ..protocol import CommitRecord
 
 LEASE_FIELDS = ("job", "rank", "world_size", "step")
 ADOPTED = -1  # in Slot.uids: the segment comes from an earlier run, whose readers are unknown
@@ -34,7 +35,8 @@ class Slot:
     born: float | None = None  # its start time (a pid is reused: the lessee is (pid, born)); None where unknown
     token: str | None = None  # leased: the secret only the lessee got; it must name it to commit or release
     leased_at: float = 0.0
-    lease: dict[str, Any] | None = None  # leased: the lease's fields; committed: the commit record
+    lease: dict[str, Any] | None = None  # leased: the lease's fields (LEASE_FIELDS), what a commit must match
+    record: CommitRecord | None = None  # committed or held: the commit record (the shard it holds, until persisted)
     tree_bytes: int = 0  # committed: the tree the daemon holds in memory (counted in the budget)
     used_at: float = 0.0
     holds: tuple[str, int, int] | None = None  # (job, step, rank) a free slot still holds, persisted
@@ -44,6 +46,12 @@ class Slot:
     uids: set[int | None] = field(default_factory=set)
     spare: bool = False  # made as a spare for ``owner`` and not leased since: its trainer may warm it
     pins: dict[str, tuple[int, float | None, float]] = field(default_factory=dict)  # pin token -> (reader pid, born, deadline)
+
+    def committed(self) -> CommitRecord:
+        """The commit record of a committed or held slot; ``LookupError`` for a slot that holds none (a caller's bug)."""
+        if self.record is None:
+            raise LookupError(f"slot {self.name} ({self.state.value}) holds no committed shard")
+        return self.record
 
 
 Grant = Callable[[bytes, Any, "Slot | CheckpointError"], None]  # (ident, request, slot or refusal)

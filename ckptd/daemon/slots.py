@@ -28,6 +28,7 @@ from typing import Any
 from .. import shm
 from ..config import HOT_PIN_MAX_S, LEASE_TIMEOUT_S, MAX_DEFERRED_ALLOCS, MAX_PINS_PER_READER, MAX_PINS_UNNAMED
 from ..errors import CheckpointError, ProtocolError
+from ..protocol import CommitRecord
 from .budget import aligned, check_fits, noted
 from .slot import ADOPTED, LEASE_FIELDS, Grant, Slot, SlotState, foreign, is_running, started
 
@@ -259,9 +260,10 @@ class SlotPool:
             raise ProtocolError(f"segment {name!r} is not leased to this client (another process took the lease)")
         return slot
 
-    def commit(self, slot: Slot, record: dict[str, Any], tree_bytes: int = 0) -> None:
-        """The lessee filled the slot and committed it: it is the persist threads' until :meth:`persisted`."""
-        slot.state, slot.lease, slot.token, slot.tree_bytes = SlotState.COMMITTED, record, None, tree_bytes
+    def commit(self, slot: Slot, record: CommitRecord, tree_bytes: int = 0) -> None:
+        """The lessee filled the slot and committed it (``record``; ``tree_bytes``: its tree, counted in the budget): it is
+        the persist threads' until :meth:`persisted`. Its lease is over."""
+        slot.state, slot.lease, slot.record, slot.token, slot.tree_bytes = SlotState.COMMITTED, None, record, None, tree_bytes
         try:
             self.segments.seal(slot.name)  # --group: no member opens it for writing any more
         except OSError as e:
@@ -297,7 +299,7 @@ class SlotPool:
         self.retry_deferred()
 
     def _reset(self, slot: Slot) -> None:
-        slot.state, slot.pid, slot.born, slot.lease, slot.used_at = SlotState.FREE, None, None, None, self._clock()
+        slot.state, slot.pid, slot.born, slot.lease, slot.record, slot.used_at = SlotState.FREE, None, None, None, None, self._clock()
         slot.token, slot.tree_bytes, slot.spare = None, 0, False
 
     def created(self, token: int, name: str | None, size: int, error: str | None = None) -> None:
@@ -338,12 +340,12 @@ class SlotPool:
 
     # ------------------------------------------------------------------ recovery
 
-    def adopt(self, name: str, size: int, record: dict[str, Any]) -> Slot:
+    def adopt(self, name: str, size: int, record: CommitRecord) -> Slot:
         """Take over a segment a previous run committed (its commit ``record`` read back, checked)."""
-        slot = Slot(name, size, state=SlotState.COMMITTED, owner=(record["job"], record["rank"]), lease=record)
+        slot = Slot(name, size, state=SlotState.COMMITTED, owner=(record.job, record.rank), record=record)
         slot.exposed = True  # the daemon before this one may have given its name to readers
         slot.uids.add(ADOPTED)
-        slot.tree_bytes = len(record.get("tree") or b"")
+        slot.tree_bytes = len(record.tree)
         self.slots[name] = slot
         return slot
 
@@ -440,7 +442,7 @@ class SlotPool:
         return {
             "shm_budget": self.budget,
             "shm_bytes": self.bytes_held(),
-            "staged_bytes": sum((s.lease or {}).get("nbytes", 0) for s in self.slots.values() if s.state in _UNSAFE),
+            "staged_bytes": sum(s.record.nbytes for s in self.slots.values() if s.state in _UNSAFE and s.record is not None),
             "slots": dict(states),
             "deferred_allocs": len(self.deferred),
             "allocs_waited": self.allocs_waited,
