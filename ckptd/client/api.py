@@ -23,12 +23,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from .client import Client
 from .copy import join_all
 from .default import current
-from .plan import _device
+from .plan import collective_device
 from .reader import CheckpointReader, resolve_step_dir
 from .restore import OpenStep
 from .restore import open_step as _open_step
@@ -128,8 +126,3 @@ def wait_step(client: Client, step: int, *, persist: bool, timeout: float) -> di
     """
     rpc = client._rpc
     return rpc.call("wait", rpc_timeout=rpc.timeout + timeout + 5.0, job=client.job, step=step, timeout=timeout, persist=persist)
-
-
-def collective_device() -> torch.device:
-    """The device a collective over the default group takes its tensors on: the current GPU under NCCL, else the CPU."""
-    return _device()

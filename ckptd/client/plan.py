@@ -36,7 +36,8 @@ WARN_EVERY_S = 60.0  # while ranks are missing at a collective of ckptd's
 ChunkId = tuple[str, tuple[int, ...], tuple[int, ...]]  # key, offsets, sizes
 
 
-def _device() -> torch.device:
+def collective_device() -> torch.device:
+    """The device a collective over the default group takes its tensors on: the current GPU under NCCL, else the CPU."""
     backend = str(dist.get_backend())
     if "nccl" in backend and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
@@ -164,7 +165,7 @@ class WritePlan:
             self._items = items
         blob = self._blob
         h = xxhash.xxh3_64_intdigest(blob) & 0x7FFFFFFFFFFFFFFF
-        dev = _device()
+        dev = collective_device()
         world = dist.get_world_size()
         what = "ckptd.prepare()" if step is None else f"ckptd.snapshot(step={step})"
         self.arrivals.check(what)
