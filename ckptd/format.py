@@ -273,30 +273,43 @@ def parse_header(buf: Any, limit: int) -> ShardLayout:
 # ----------------------------------------------------------------------------- manifest
 
 
+@dataclass(frozen=True, kw_only=True)
+class ShardOf:
+    """Whose shard a fragment describes and the commit that made it: all a fragment records besides its chunks.
+
+    Attributes:
+        job: the job.
+        step: the step number.
+        rank: the rank whose shard it is (it names the shard's file).
+        world_size: how many ranks the step has.
+        local_world_size: how many of them the node that wrote it serves (fewer than ``world_size``: a multi-node step,
+            completed through the bucket).
+        replicas: chunk id -> sample digest of each chunk other ranks hold too.
+        tree: the rank's non-tensor state, parsed.
+        committed_at: when the daemon accepted the rank's commit (ns since the epoch): it orders steps.
+        run: the launch that saved it (every rank of a launch shares it; ``None``: not known).
+        after: the step that launch last restored (``None``: none). With ``run`` it names the attempt
+            (:func:`attempt_of`): a step saved again after a rollback is never merged with an earlier attempt's fragments.
+    """
+
+    job: str
+    step: int
+    rank: int
+    world_size: int
+    local_world_size: int
+    replicas: dict[str, str]
+    tree: Any
+    committed_at: int = 0
+    run: int | None = None
+    after: int | None = None
+
+
 def build_fragment(
-    job: str,
-    step: int,
-    rank: int,
-    world_size: int,
-    local_world_size: int,
-    shard: Any,
-    layout: ShardLayout,
-    replicas: dict[str, str],
-    tree: Any,
-    committed_at: int = 0,
-    *,
-    run: int | None = None,
-    after: int | None = None,
-    digests: bool = True,
-    sums: tuple[str, dict[str, str]] | None = None,
+    of: ShardOf, shard: Any, layout: ShardLayout, *, digests: bool = True, sums: tuple[str, dict[str, str]] | None = None
 ) -> dict[str, Any]:
-    """The fragment of one rank's shard (``shard``: its bytes, header included); checksums every chunk.
-    ``committed_at``: when the daemon accepted the rank's commit (ns since the epoch), which orders steps.
-    ``run``: the launch that saved it (every rank of a launch shares it; ``None``: not known) and ``after``:
-    the step that launch last restored (``None``: none). Together they name the attempt (:func:`attempt_of`):
-    a step saved again after a rollback is never merged with an earlier attempt's fragments.
-    ``digests=False``: no checksums (``null``): a memory-tier step's, never written to disk. ``sums``: computed
-    already (the header's, and each chunk's by its name). With either, ``shard`` is the header alone."""
+    """The fragment of the shard ``of`` describes (``shard``: its bytes, header included, laid out as ``layout``);
+    checksums every chunk. ``digests=False``: no checksums (``null``): a memory-tier step's, never written to disk.
+    ``sums``: computed already (the header's, and each chunk's by its name). With either, ``shard`` is the header alone."""
     start = layout.data_start
     if sums is None:
         digest_of = digest if digests else (lambda buf: None)
@@ -318,19 +331,19 @@ def build_fragment(
     return {
         "format_version": FORMAT_VERSION,
         "kind": "ckptd-fragment",
-        "job": job,
-        "step": step,
-        "rank": rank,
-        "world_size": world_size,
-        "local_world_size": local_world_size,  # fewer than world_size: a multi-node step, completed through the bucket
-        "file": shard_name(rank),
+        "job": of.job,
+        "step": of.step,
+        "rank": of.rank,
+        "world_size": of.world_size,
+        "local_world_size": of.local_world_size,  # fewer than world_size: a multi-node step, completed through the bucket
+        "file": shard_name(of.rank),
         "size": layout.file_size,
         "header_xxh3_64": header_sum,
         "chunks": chunks,
-        "replicas": replicas,
-        "committed_at": committed_at,
-        "tree": tree,
-    } | ({} if run is None else {"run": run, "after": after})
+        "replicas": of.replicas,
+        "committed_at": of.committed_at,
+        "tree": of.tree,
+    } | ({} if of.run is None else {"run": of.run, "after": of.after})
 
 
 def _region(cid: str) -> str:

@@ -107,7 +107,7 @@ def test_shard_file_is_exactly_the_staged_bytes_and_its_checksums_those_of_its_c
     """Copied block by block, each block read and hashed a piece at a time while in cache: blocks and pieces that
     end inside the header or a chunk, or hold several, must neither drop nor repeat bytes, in the file or in a
     checksum."""
-    from ckptd.format import build_fragment, parse_header
+    from ckptd.format import ShardOf, build_fragment, parse_header
 
     monkeypatch.setattr(local, "COPY_BLOCK", block)
     monkeypatch.setattr(local, "PIECE_BYTES", piece)
@@ -117,7 +117,8 @@ def test_shard_file_is_exactly_the_staged_bytes_and_its_checksums_those_of_its_c
     on_disk = Path(tmp_path, JOB, "step-1.tmp", shard_name(0)).read_bytes()
     assert len(on_disk) == n and on_disk == bytes(view[:n])
     frag = json.loads(Path(tmp_path, JOB, "step-1.tmp", fragment_name(0)).read_text())
-    want = build_fragment(JOB, 1, 0, 1, 1, view[:n], parse_header(view, n), {}, {})  # hashed over the whole buffer
+    of = ShardOf(job=JOB, step=1, rank=0, world_size=1, local_world_size=1, replicas={}, tree={})
+    want = build_fragment(of, view[:n], parse_header(view, n))  # hashed over the whole buffer
     assert frag["header_xxh3_64"] == want["header_xxh3_64"] and frag["chunks"] == want["chunks"]
 
 

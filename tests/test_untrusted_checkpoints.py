@@ -25,7 +25,7 @@ from conftest import REPO
 from ckptd.config import MAX_TREE_DEPTH
 from ckptd.coverage import check_coverage
 from ckptd.errors import CheckpointError, FormatError
-from ckptd.format import build_fragment, build_manifest, digest, parse_header
+from ckptd.format import ShardOf, build_fragment, build_manifest, digest, parse_header
 from ckptd.layout import MANIFEST, shard_name, step_dir
 from ckptd.state import TAG, flatten, unflatten
 from ckptd.storage.verify import verify_checkpoint
@@ -43,7 +43,8 @@ def _shards_and_fragments() -> list[tuple[bytes, dict[str, Any]]]:
         t = torch.arange(6, dtype=torch.float32).view(2, 3) + 6 * r
         buf = bytes(shard_bytes([(KEY, t, (2 * WS, 3), (2 * r, 0))]))
         layout = parse_header(memoryview(buf), len(buf))
-        out.append((buf, build_fragment(JOB, STEP, r, WS, WS, buf, layout, {}, TREE, committed_at=7)))
+        of = ShardOf(job=JOB, step=STEP, rank=r, world_size=WS, local_world_size=WS, replicas={}, tree=TREE, committed_at=7)
+        out.append((buf, build_fragment(of, buf, layout)))
     return out
 
 

@@ -18,7 +18,7 @@ from ckptd.client.reader import CheckpointReader
 from ckptd.daemon import persister
 from ckptd.daemon.slot import Slot
 from ckptd.errors import DiskFull
-from ckptd.format import build_fragment, parse_header
+from ckptd.format import ShardOf, build_fragment, parse_header
 from ckptd.layout import fragment_name, shard_name, step_dir, tmp_dir
 from ckptd.protocol import CommitRecord
 from ckptd.storage import local
@@ -138,7 +138,11 @@ def test_a_shard_written_through_its_record_reads_back_bit_exact_with_its_checks
     assert Path(d, shard_name(0)).read_bytes() == bytes(buf)
     frag = json.loads(Path(d, fragment_name(0)).read_text())
     layout = parse_header(buf, len(buf))
-    assert frag == build_fragment(JOB, 3, 0, 1, 1, bytes(buf), layout, {"cid": "ab" * 8}, {"epoch": 2}, 77, run=9, after=2)
+    of = ShardOf(
+        job=JOB, step=3, rank=0, world_size=1, local_world_size=1, replicas={"cid": "ab" * 8}, tree={"epoch": 2}, committed_at=77,
+        run=9, after=2,
+    )  # fmt: skip
+    assert frag == build_fragment(of, bytes(buf), layout)
     path = local.finalize_step(root, JOB, 3, 1)
     assert verify_checkpoint(path) == []
     with CheckpointReader(path) as reader:

@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..errors import FormatError
-from ..format import build_fragment, build_manifest, commit_time, parse_header
+from ..format import ShardOf, build_fragment, build_manifest, commit_time, parse_header
 from ..layout import shard_name
 from ..protocol import CommitRecord
 from ..storage import local
@@ -115,10 +115,11 @@ class MemoryTier:
             layout = parse_header(head, rec.nbytes)
             if layout.file_size != rec.nbytes:
                 raise FormatError(f"staged shard is {rec.nbytes} bytes but its header describes {layout.file_size}")
-            frag = build_fragment(
-                job, step, rank, ws, rec.local_world_size, head, layout, rec.replicas, parse_tree(rec.tree),
-                rec.committed_at, run=rec.run, after=rec.after, digests=False,
+            of = ShardOf(
+                job=job, step=step, rank=rank, world_size=ws, local_world_size=rec.local_world_size, replicas=rec.replicas,
+                tree=parse_tree(rec.tree), committed_at=rec.committed_at, run=rec.run, after=rec.after,
             )  # fmt: skip
+            frag = build_fragment(of, head, layout, digests=False)
             manifest = None
             with self._lock:
                 got = self._frags.setdefault(key, {})

@@ -35,7 +35,7 @@ import xxhash
 from .. import format as fmt
 from ..errors import CheckpointError, FormatError, write_failed
 from ..files import create_new, fsync_dir, write_durable, write_json_durable
-from ..format import MAX_HEADER_BYTES, ShardLayout, attempt_of, build_fragment, build_manifest, commit_time, digest, parse_header
+from ..format import MAX_HEADER_BYTES, ShardLayout, ShardOf, attempt_of, build_fragment, build_manifest, commit_time, digest, parse_header
 from ..layout import (
     MANIFEST,
     complete_steps,
@@ -262,21 +262,12 @@ def write_shard(root: str, shard: ShardWrite, policy: WritePolicy = WritePolicy(
 
 def _fragment(shard: ShardWrite, layout: ShardLayout, sums: tuple[str, dict[str, str]]) -> dict[str, Any]:
     """The fragment recording ``shard``, written as ``layout`` says, with the checksums :func:`_copy_paced` returned."""
-    return build_fragment(
-        shard.job,
-        shard.step,
-        shard.rank,
-        shard.world_size,
-        shard.local_world_size or shard.world_size,
-        layout.header,
-        layout,
-        shard.replicas,
-        shard.tree,
-        shard.committed_at,
-        run=shard.run,
-        after=shard.after,
-        sums=sums,
-    )
+    of = ShardOf(
+        job=shard.job, step=shard.step, rank=shard.rank, world_size=shard.world_size,
+        local_world_size=shard.local_world_size or shard.world_size, replicas=shard.replicas, tree=shard.tree,
+        committed_at=shard.committed_at, run=shard.run, after=shard.after,
+    )  # fmt: skip
+    return build_fragment(of, layout.header, layout, sums=sums)
 
 
 def read_fragment(root: str, job: str, step: int, rank: int, directory: str | None = None) -> dict[str, Any]:
