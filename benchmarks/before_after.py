@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -56,7 +57,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import machine_info, write_json  # noqa: E402
+from _harness import alternate, machine_info, write_json  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 WORKTREE = "worktree"  # a checkout spec: the working tree of REPO as it is, not a revision
@@ -354,14 +355,17 @@ def run_benchmark(bench: Benchmark, co: Checkout, argv: list[str], tmp: Path, rn
 
 def run_rounds(benches: list[Benchmark], sides: tuple[Checkout, Checkout], argvs: dict[str, list[str]], rounds: int,
                tmp: Path, runs: list[dict[str, Any]]) -> None:  # fmt: skip
-    """Every benchmark on both sides, ``rounds`` times; the sides' order swapped every round. Appends to ``runs``."""
+    """Every benchmark on both sides, ``rounds`` times; the sides' order swapped every round (:func:`_harness.alternate`).
+    Appends to ``runs``."""
+
+    def run(bench: Benchmark, co: Checkout, rnd: int) -> None:
+        log(f"round {rnd + 1}/{rounds}: {bench.name} on {co.side} ({co.label})")
+        runs.append(run_benchmark(bench, co, argvs[bench.name], tmp, rnd))
+        log(f"  {runs[-1]['wall_s']:.0f} s")
+
     for rnd in range(rounds):
-        order = sides if rnd % 2 == 0 else sides[::-1]
         for bench in benches:
-            for co in order:
-                log(f"round {rnd + 1}/{rounds}: {bench.name} on {co.side} ({co.label})")
-                runs.append(run_benchmark(bench, co, argvs[bench.name], tmp, rnd))
-                log(f"  {runs[-1]['wall_s']:.0f} s")
+            alternate(rnd, functools.partial(run, bench, sides[0], rnd), functools.partial(run, bench, sides[1], rnd))
 
 
 # ---------------------------------------------------------------------------- main
