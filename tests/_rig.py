@@ -15,10 +15,11 @@ import zmq
 from _shards import shard_bytes
 
 from ckptd import shm
+from ckptd.daemon.books import Books
 from ckptd.daemon.catalog import StepCatalog
 from ckptd.daemon.completion import Completion
 from ckptd.daemon.events import EventQueue, ShardPersisted
-from ckptd.daemon.persister import Persister
+from ckptd.daemon.persister import Persister, PersistOptions
 from ckptd.daemon.slots import Slot, SlotPool
 from ckptd.daemon.status import Counters
 from ckptd.daemon.steps import StepTable, StepTrack
@@ -94,20 +95,12 @@ class Rig:
         self.pool = SlotPool(shm.SegmentDir(root), 64 * MiB)
         self.catalog = StepCatalog(root)
         self.steps = StepTable(self.catalog.complete_path)
-        self.persister = Persister(root, self.events, workers=workers, keep=keep, protect=protect, uploads=uploader is not None)
+        options = PersistOptions(workers, keep, uploads=uploader is not None)
+        self.persister = Persister(root, self.events, options, protect=protect)
         self.uploader = uploader
         self.answers: list[tuple[Waiter, dict[str, Any]]] = []
-        self.completion = Completion(
-            root,
-            self.steps,
-            self.catalog,
-            self.persister,
-            uploader,
-            self.counters,
-            self.events,
-            self.answers.extend,  # type: ignore[arg-type]
-            self.pool,
-        )
+        books = Books(root, self.steps, self.catalog, self.counters, self.events, self.answers.extend)  # type: ignore[arg-type]
+        self.completion = Completion(books, self.persister, uploader, self.pool)
 
     def commit(
         self,

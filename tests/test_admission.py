@@ -15,15 +15,15 @@ from ckptd.daemon.steps import StepState, StepTable
 from ckptd.errors import ProtocolError
 
 
-class _Pool:
-    def forget_held(self, job: str, step: int) -> None:
+class _Holdings:
+    def forget(self, job: str, step: int) -> None:
         pass
 
 
 def _admission(tmp_path: Any) -> tuple[Admission, StepTable, list[Any]]:
     steps = StepTable(lambda job, step: None)
     settled: list[Any] = []
-    return Admission(str(tmp_path), steps, _Pool(), lambda k, t: settled.append(k)), steps, settled  # type: ignore[arg-type]
+    return Admission(str(tmp_path), steps, _Holdings(), lambda k, t: settled.append(k)), steps, settled  # type: ignore[arg-type]
 
 
 def test_a_half_step_recovered_after_a_daemon_crash_is_not_joined_by_a_new_run(tmp_path: Any) -> None:

@@ -19,6 +19,7 @@ import pytest
 
 from ckptd import shm
 from ckptd.daemon import recovery
+from ckptd.daemon.books import Books
 from ckptd.daemon.catalog import CommitClock, StepCatalog
 from ckptd.daemon.commits import Commits
 from ckptd.daemon.slots import Slot, SlotPool, SlotState
@@ -216,7 +217,8 @@ def _commits(pool: SlotPool, root: str) -> tuple[Commits, _Tier, _Completion]:
     catalog = StepCatalog(root)
     memory, completion = _Tier(), _Completion()
     steps = StepTable(catalog.complete_path)
-    commits = Commits(root, pool, catalog, steps, CommitClock(catalog, pool), _Admission(), _Tier(), memory, completion)  # type: ignore[arg-type]
+    books = Books(root, steps, catalog, None, None, None)  # type: ignore[arg-type]  # what Commits reads of it: root, steps, catalog
+    commits = Commits(books, pool, CommitClock(catalog, pool), _Admission(), _Tier(), memory, completion)  # type: ignore[arg-type]
     return commits, memory, completion
 
 

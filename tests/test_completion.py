@@ -94,7 +94,7 @@ def test_every_ranks_shard_persisted_makes_the_step_durable(make_rig: Callable[.
     for r, slot in enumerate(slots):  # freed, still holding the persisted shard for hot restores
         assert slot.state is SlotState.FREE and slot.holds == (JOB, 3, r)
         assert rig.pool.segments.read_record(slot.name) is None
-    assert set(rig.pool.held(JOB, 3)) == {0, 1}
+    assert set(rig.pool.holdings.of(JOB, 3)) == {0, 1}
 
 
 def test_a_step_stays_pending_until_every_rank_persisted(make_rig: Callable[..., Rig]) -> None:
@@ -291,7 +291,7 @@ def test_a_shard_of_a_replaced_attempt_written_before_the_rollback_never_counts_
     old_slot = rig.commit(20, 0, 1, shard(20, 0, 1))
     (late,) = rig.collect(1)
     assert late.path == step_dir(rig.root, JOB, 20)
-    admission = Admission(rig.root, rig.steps, rig.pool, rig.completion.settle)
+    admission = Admission(rig.root, rig.steps, rig.pool.holdings, rig.completion.settle)
     admission.admit(JOB, 20, 0, 1, 1, None, after=10, run=2)
     rig.commit(20, 0, 1, shard(21, 0, 1), at=2_000_000)  # the new line's bytes differ
     new = rig.steps.get((JOB, 20))
@@ -319,7 +319,7 @@ def test_a_rolled_back_re_save_replaces_the_old_step_only_once_every_rank_is_on_
         rig.commit(30, r, 2, shard(30, r, 2))
     rig.pump(2)
     path = step_dir(rig.root, JOB, 30)
-    admission = Admission(rig.root, rig.steps, rig.pool, rig.completion.settle)
+    admission = Admission(rig.root, rig.steps, rig.pool.holdings, rig.completion.settle)
     with pytest.raises(ProtocolError, match="already committed and this client restored no step"):
         admission.admit(JOB, 30, 0, 2, 2, None, after=None, run=2)  # a fresh run never overwrites it
 
@@ -345,7 +345,7 @@ def test_a_re_save_joins_by_the_old_steps_commit_time_and_a_multi_node_copy_goes
     rig = make_rig()
     rig.commit(40, 0, 1, shard(40, 0, 1), at=9_000_000_000)  # stamped by a clock far ahead (another node's)
     rig.pump(1)
-    admission = Admission(rig.root, rig.steps, rig.pool, rig.completion.settle)
+    admission = Admission(rig.root, rig.steps, rig.pool.holdings, rig.completion.settle)
     a = admission.admit(JOB, 40, 0, 2, 2, None, after=10, run=2)
     assert a.replaces and a.replaces_at == 9_000_000_000  # the daemon stamps the new commits later than this
     rig.commit(40, 0, 2, shard(41, 0, 2), at=1_000_000, track=a)  # even if this clock is behind
@@ -444,7 +444,7 @@ def test_a_multi_node_step_that_timed_out_may_be_saved_afresh_by_a_relaunch(make
     track = rig.steps.get((JOB, 20))
     rig.completion.on_uploaded(Uploaded(JOB, 20, timeout, 0, 600.0, False, True, attempt=track.attempt))
     assert track is not None and track.state is StepState.FAILED and track.abandoned
-    admission = Admission(rig.root, rig.steps, rig.pool, rig.completion.settle)
+    admission = Admission(rig.root, rig.steps, rig.pool.holdings, rig.completion.settle)
     fresh = admission.admit(JOB, 20, 2, 4, 2, peer=None, after=19, run=22)
     assert fresh is not track and fresh.committed == set()
 
@@ -463,7 +463,7 @@ def test_a_relaunchs_attempt_at_a_multi_node_step_never_writes_where_the_old_att
     ((old_dir, old_attempt),) = rig.uploader.nodes
     assert rig.wait(21, ident=b"w21") is None
     old = rig.steps.get((JOB, 21))
-    admission = Admission(rig.root, rig.steps, rig.pool, rig.completion.settle, give_up=rig.uploader.give_up)
+    admission = Admission(rig.root, rig.steps, rig.pool.holdings, rig.completion.settle, give_up=rig.uploader.give_up)
     fresh = admission.admit(JOB, 21, 0, 4, 2, peer=None, after=19, run=22)
     assert fresh is not old and fresh.committed == set() and old.state is StepState.FAILED and old.abandoned
     assert rig.uploader.given_up == [(JOB, 21, old_attempt)]
@@ -489,7 +489,7 @@ def test_a_dead_runs_multi_node_step_still_being_written_here_is_refused_for_a_m
     rig = make_rig(uploader=FakeUploader())
     for r in (0, 1):
         rig.commit(22, r, 4, shard(22, r, 4), lws=2, run=11)
-    admission = Admission(rig.root, rig.steps, rig.pool, rig.completion.settle, give_up=rig.uploader.give_up)
+    admission = Admission(rig.root, rig.steps, rig.pool.holdings, rig.completion.settle, give_up=rig.uploader.give_up)
     with pytest.raises(ProtocolError, match="is still being made durable"):
         admission.admit(JOB, 22, 0, 4, 2, peer=None, after=19, run=22)
     rig.pump(2)
@@ -541,7 +541,7 @@ def _saved_step_30(make_rig: Callable[..., Rig], workers: int) -> tuple[Rig, Adm
     for r in range(2):
         rig.commit(30, r, 2, shard(30, r, 2))
     rig.pump(2)
-    admission = Admission(rig.root, rig.steps, rig.pool, rig.completion.settle, writing=rig.persister.writing)
+    admission = Admission(rig.root, rig.steps, rig.pool.holdings, rig.completion.settle, writing=rig.persister.writing)
     return rig, admission
 
 

@@ -29,7 +29,7 @@ from ckptd.daemon import fetcher as fetcher_mod
 from ckptd.daemon.catalog import StepCatalog
 from ckptd.daemon.events import ErrorReported, Event, EventQueue, Fetched
 from ckptd.daemon.fetcher import Fetcher
-from ckptd.daemon.persister import Persister
+from ckptd.daemon.persister import Persister, PersistOptions
 from ckptd.daemon.waiters import Waiter
 from ckptd.errors import CheckpointError, ProtocolError
 from ckptd.layout import FETCHED, MANIFEST, bucket_key, fetch_dir, shard_name, step_dir
@@ -92,9 +92,8 @@ def running(catalog: StepCatalog, keep: int | None = None) -> Iterator[tuple[Fet
     try:
         events = EventQueue(ctx)
         try:
-            persister = Persister(
-                catalog.root, events, workers=1, keep=keep or 0, protect=lambda job: Protect(frozenset(fetcher.held(job)))
-            )
+            protect = lambda job: Protect(frozenset(fetcher.held(job)))  # noqa: E731
+            persister = Persister(catalog.root, events, PersistOptions(1, keep or 0), protect=protect)
             fetcher = Fetcher(catalog, events, retain=persister.retain if keep is not None else None)
             fetcher.persister = persister  # type: ignore[attr-defined]  # the test completes steps through it
             try:

@@ -710,10 +710,11 @@ def tier_parts(tmp_path) -> Any:  # noqa: ANN001
     ``settled`` records its settle calls."""
     import zmq
 
+    from ckptd.daemon.books import Books
     from ckptd.daemon.catalog import StepCatalog
     from ckptd.daemon.events import EventQueue
-    from ckptd.daemon.memtier import MemoryTier
-    from ckptd.daemon.slots import SlotPool
+    from ckptd.daemon.memtier import MemoryTier, TierHooks
+    from ckptd.daemon.slots import Room, SlotPool
     from ckptd.daemon.status import Counters
     from ckptd.daemon.steps import StepTable
 
@@ -723,18 +724,19 @@ def tier_parts(tmp_path) -> Any:  # noqa: ANN001
     events = EventQueue(ctx)
     tiering, made = Tiering(TierPolicy(persist_every=100)), {}
     # the pool asks the tier for room, as the daemon wires them
-    pool = SlotPool(
-        shm.SegmentDir(root), 64 << 20, reclaim=lambda job, step: made["tier"].reclaim(job, step),
-        soon=lambda job, step: made["tier"].sealing(job, step), want_spare=lambda job: tiering.policy_of(job).lagging == "wait",
+    room = Room(
+        reclaim=lambda job, step: made["tier"].reclaim(job, step), soon=lambda job, step: made["tier"].sealing(job, step),
+        want_spare=lambda job: tiering.policy_of(job).lagging == "wait",
     )  # fmt: skip
+    pool = SlotPool(shm.SegmentDir(root), 64 << 20, room=room)
     catalog = StepCatalog(root)
     steps = StepTable(catalog.complete_path)
     settled: list[Any] = []
-    tier = made["tier"] = MemoryTier(
-        steps, pool, catalog, tiering, Counters(), events, persist=lambda slot: None,
-        settle=lambda key, track: settled.append((key, track.state)), after_complete=lambda job, step: None,
-        run_gone=lambda job: False, answer=lambda r: None,
+    hooks = TierHooks(
+        persist=lambda slot: None, settle=lambda key, track: settled.append((key, track.state)), after_complete=lambda job, step: None,
+        run_gone=lambda job: False,
     )  # fmt: skip
+    tier = made["tier"] = MemoryTier(Books(root, steps, catalog, Counters(), events, lambda r: None), pool, tiering, hooks)
     try:
         yield {"tier": tier, "steps": steps, "pool": pool, "events": events, "settled": settled}
     finally:
@@ -840,26 +842,30 @@ def test_a_failed_later_step_never_counts_as_complete_for_the_memory_only_step_b
     """Memory-only step 1 failed to persist (a full disk) and is back in memory; disk-bound step 2, committed
     later, was sealed, then failed on one rank while another still writes. Step 1 is still the newest state
     there is: it must not be dropped as if a later step were complete, and no restore is served step 2."""
+    from ckptd.daemon.books import Books
     from ckptd.daemon.catalog import StepCatalog
-    from ckptd.daemon.memtier import MemoryTier
+    from ckptd.daemon.memtier import MemoryTier, TierHooks
     from ckptd.daemon.status import Counters
     from ckptd.daemon.steps import StepTable, StepTrack
 
-    class Pool:
-        reclaim = None
-
-        def held(self, job: str, step: int) -> dict[int, Any]:
+    class Holdings:
+        def of(self, job: str, step: int) -> dict[int, Any]:
             return {}
 
-        def drop_held(self, job: str, step: int) -> int:
+        def drop(self, job: str, step: int) -> int:
             return 0
+
+    class Pool:
+        reclaim = None
+        holdings = Holdings()
 
     cat = StepCatalog(str(tmp_path))
     steps = StepTable(cat.complete_path)
-    tier = MemoryTier(
-        steps, Pool(), cat, Tiering(TierPolicy(persist_every=100)), Counters(), None, persist=lambda slot: None,  # type: ignore[arg-type]
-        settle=lambda key, track: None, after_complete=lambda job, step: None, run_gone=lambda job: False, answer=lambda r: None,
-    )  # fmt: skip
+    hooks = TierHooks(
+        persist=lambda slot: None, settle=lambda key, track: None, after_complete=lambda job, step: None, run_gone=lambda job: False
+    )
+    books = Books(str(tmp_path), steps, cat, Counters(), None, lambda r: None)  # type: ignore[arg-type]
+    tier = MemoryTier(books, Pool(), Tiering(TierPolicy(persist_every=100)), hooks)  # type: ignore[arg-type]
     manifest = lambda step, at: {"step": step, "world_size": 1, "committed_at": at, "ranks": [{"rank": 0}]}  # noqa: E731
     steps.tracks[("j", 1)] = StepTrack(1, 1, {0}, state=StepState.MEMORY, tier="memory", committed_at=100, persist_error="ENOSPC")
     cat.note_memory("j", 1, manifest(1, 100))

@@ -152,11 +152,11 @@ def test_committed_and_pinned_slots_are_never_leased(env: dict[str, Any]) -> Non
     assert a is not None and b is not None
     pool.commit(a, _record())
     pool.persisted(b, ("j", 1, 1))
-    pin = pool.pin([b], pid=os.getpid())
+    pin = pool.holdings.pin([b], pid=os.getpid())
     assert pool.lease(_req(rank=2, nbytes=2 * MiB)) is None  # nothing free to reuse or evict
-    pool.unpin([b.name], "0" * 32)  # another reader's token: the pin stays
+    pool.holdings.unpin([b.name], "0" * 32)  # another reader's token: the pin stays
     assert pool.lease(_req(rank=2, nbytes=2 * MiB)) is None
-    pool.unpin([b.name, 3, None], pin)  # names that are not segments are ignored
+    pool.holdings.unpin([b.name, 3, None], pin)  # names that are not segments are ignored
     assert pool.lease(_req(rank=2, nbytes=2 * MiB)) is b
 
 
@@ -166,10 +166,10 @@ def test_held_names_the_free_slots_of_one_step(env: dict[str, Any]) -> None:
     for r, s in enumerate(slots):
         assert s is not None
         pool.persisted(s, ("j", 5, r) if r < 2 else ("j", 4, r))
-    assert {r: s.name for r, s in pool.held("j", 5).items()} == {0: slots[0].name, 1: slots[1].name}
-    assert pool.steps_held() == {("j", 5), ("j", 4)}
+    assert {r: s.name for r, s in pool.holdings.of("j", 5).items()} == {0: slots[0].name, 1: slots[1].name}
+    assert pool.holdings.steps() == {("j", 5), ("j", 4)}
     pool.lease(_req(rank=0, step=6))  # leasing a slot forgets the shard it held
-    assert set(pool.held("j", 5)) == {1}
+    assert set(pool.holdings.of("j", 5)) == {1}
 
 
 def test_persisted_sets_what_the_slot_holds_before_a_waiting_request_takes_it(env: dict[str, Any]) -> None:
@@ -180,7 +180,7 @@ def test_persisted_sets_what_the_slot_holds_before_a_waiting_request_takes_it(en
     assert pool.request(b"b", _req(rank=1)) is None
     pool.persisted(a, ("j", 1, 0))
     assert env["grants"][0][2] is a and a.state is SlotState.LEASED
-    assert a.holds is None and pool.held("j", 1) == {}  # its bytes are being overwritten: no hot restore reads it
+    assert a.holds is None and pool.holdings.of("j", 1) == {}  # its bytes are being overwritten: no hot restore reads it
 
 
 def test_a_pin_lapses_even_if_its_pid_lives(env: dict[str, Any]) -> None:
@@ -190,9 +190,9 @@ def test_a_pin_lapses_even_if_its_pid_lives(env: dict[str, Any]) -> None:
     slot = pool.lease(_req())
     assert slot is not None
     pool.persisted(slot, ("j", 1, 0))
-    pool.pin([slot], pid=1)  # pid 1 lives
+    pool.holdings.pin([slot], pid=1)  # pid 1 lives
     env["clock"].now += HOT_PIN_MAX_S / 2
-    pool.pin([slot], pid=os.getpid())
+    pool.holdings.pin([slot], pid=os.getpid())
     env["clock"].now += HOT_PIN_MAX_S / 2 + 1
     pool.reap(env["clock"].now)
     assert [pid for pid, _, _ in slot.pins.values()] == [os.getpid()]  # pid 1's pin is past its deadline
@@ -210,13 +210,13 @@ def test_a_reader_that_opens_and_never_closes_cannot_pile_up_pins(env: dict[str,
     pool = env["make"](2 * MiB)
     slot = pool.lease(_req())
     assert slot is not None
-    tokens = [pool.pin([slot], 4242) for _ in range(MAX_PINS_PER_READER)]
+    tokens = [pool.holdings.pin([slot], 4242) for _ in range(MAX_PINS_PER_READER)]
     with pytest.raises(CheckpointError, match="already holds 16 open hot restores"):
-        pool.pin([slot], 4242)
+        pool.holdings.pin([slot], 4242)
     assert len(slot.pins) == MAX_PINS_PER_READER
-    pool.pin([slot], 4343)  # another reader
-    pool.unpin([slot.name], tokens[0], 4242)
-    pool.pin([slot], 4242)  # one closed: one more may open
+    pool.holdings.pin([slot], 4343)  # another reader
+    pool.holdings.unpin([slot.name], tokens[0], 4242)
+    pool.holdings.pin([slot], 4242)  # one closed: one more may open
 
 
 def test_a_lapsed_pin_grants_a_waiting_request(env: dict[str, Any]) -> None:
@@ -224,7 +224,7 @@ def test_a_lapsed_pin_grants_a_waiting_request(env: dict[str, Any]) -> None:
     slot = pool.lease(_req())
     assert slot is not None
     pool.persisted(slot, ("j", 1, 0))
-    pool.pin([slot], pid=424242)
+    pool.holdings.pin([slot], pid=424242)
     assert pool.request(b"w", _req(rank=1)) is None
     env["dead"].add(424242)
     pool.reap(env["clock"].now)

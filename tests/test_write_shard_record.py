@@ -56,7 +56,8 @@ def _persist(root: str, rec: CommitRecord, segment: str, **patches: Any) -> Any:
     """Run one persist thread's job on ``rec`` (the persister's methods ``patches`` replaced); the event it posts."""
     events = _Events()
     open_segment = lambda name: os.open(segment, os.O_RDONLY)  # noqa: E731
-    p = persister.Persister(root, events, workers=1, keep=2, write_rate_limit=1e12, open_segment=open_segment)  # type: ignore[arg-type]
+    options = persister.PersistOptions(1, 2, local.WritePolicy(1e12))
+    p = persister.Persister(root, events, options, open_segment=open_segment)  # type: ignore[arg-type]
     for name, fn in patches.items():
         setattr(p, name, fn)
     try:

@@ -39,8 +39,8 @@ from ..errors import ProtocolError
 from ..layout import step_dir
 from ..storage import local
 from ..storage.local import committed_at
+from .holdings import Holdings
 from .slot import started
-from .slots import SlotPool
 from .steps import StepKey, StepState, StepTable, StepTrack
 
 log = logging.getLogger("ckptd.daemon")
@@ -61,7 +61,7 @@ class Admission:
         self,
         root: str,
         steps: StepTable,
-        pool: SlotPool,
+        holdings: Holdings,
         settle: Settle,
         *,
         writing: Callable[[str, int], int] = lambda job, step: 0,
@@ -72,7 +72,7 @@ class Admission:
         persister's count of the step's shards being written (a new attempt never writes beside an old one's straggler);
         ``give_up(job, step, attempt)``: the uploader's, for a dead run's multi-node step a relaunch takes over (None
         without a bucket); ``drop_memory(key, why)``: the memory tier's, for a step a rolled-back run saves again."""
-        self.root, self.steps, self.pool, self._settle = root, steps, pool, settle
+        self.root, self.steps, self.holdings, self._settle = root, steps, holdings, settle
         self._runs: dict[str, tuple[int | None, set[tuple[int, float]]]] = {}  # job -> (its run, (pid, start time) of committers)
         self.drop_memory, self.give_up, self.writing = drop_memory, give_up, writing
 
@@ -181,7 +181,7 @@ class Admission:
         if track is not None and self.writing(job, step):  # an earlier re-save that failed still writes into step-N.tmp
             raise ProtocolError(f"step {step} of job {job}: an earlier attempt's shards are still being written; retry")
         self.steps.drop((job, step))  # the old step's track (or its attempt's, finalized, event not yet handled)
-        self.pool.forget_held(job, step)  # hot restores read the old step from disk until it is replaced
+        self.holdings.forget(job, step)  # hot restores read the old step from disk until it is replaced
         if multi_node:
             local.retire_step(self.root, job, step, old_at)
         log.info("job %s: step %s is saved again by a run rolled back to step %s; it replaces the old one when complete", job, step, after)

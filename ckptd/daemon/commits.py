@@ -19,11 +19,12 @@ from ..layout import step_dir
 from ..protocol import CommitRecord
 from ..storage.local import committed_at
 from .admission import Admission
-from .catalog import CommitClock, StepCatalog
+from .books import Books
+from .catalog import CommitClock
 from .completion import Completion
 from .memtier import MemoryTier
 from .slots import Slot, SlotPool
-from .steps import StepTable, StepTrack
+from .steps import StepTrack
 from .tiering import Tiering
 
 LEASE_KEYS = ("job", "rank", "world_size")  # what a commit must say as its lease said it
@@ -34,17 +35,16 @@ class Commits:
 
     def __init__(
         self,
-        root: str,
+        books: Books,
         pool: SlotPool,
-        catalog: StepCatalog,
-        steps: StepTable,
         clock: CommitClock,
         admission: Admission,
         tiering: Tiering,
         memory: MemoryTier,
         completion: Completion,
     ) -> None:
-        self.root, self.pool, self.catalog, self.steps, self.clock = root, pool, catalog, steps, clock
+        """``books``: the root, steps and catalog it reads (:class:`.books.Books`); ``clock``: the commit order."""
+        self.root, self.pool, self.catalog, self.steps, self.clock = books.root, pool, books.catalog, books.steps, clock
         self.admission, self.tiering, self.memory, self.completion = admission, tiering, memory, completion
 
     def commit(self, msg: dict[str, Any]) -> None:

@@ -17,18 +17,15 @@ import logging
 import shutil
 import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..storage import local
-from .catalog import StepCatalog
-from .events import EventQueue, ShardPersisted, Uploaded
+from .books import Books
+from .events import ShardPersisted, Uploaded
 from .persister import Persister
 from .slots import Slot
-from .status import Counters
-from .steps import StepKey, StepState, StepTable, StepTrack
+from .steps import StepKey, StepState, StepTrack
 from .uploader import Uploader
-from .waiters import Waiter
 
 if TYPE_CHECKING:
     from .memtier import MemoryTier
@@ -36,26 +33,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ckptd.daemon")
 
-Answer = Callable[[list[tuple[Waiter, dict[str, Any]]]], None]  # sends held-back replies
-
 
 class Completion:
     def __init__(
-        self,
-        root: str,
-        steps: StepTable,
-        catalog: StepCatalog,
-        persister: Persister,
-        uploader: Uploader | None,
-        counters: Counters,
-        events: EventQueue,
-        answer: Answer,
-        pool: SlotPool,
-        memory: MemoryTier | None = None,
+        self, books: Books, persister: Persister, uploader: Uploader | None, pool: SlotPool, memory: MemoryTier | None = None
     ) -> None:
-        """``memory``: the memory tier (memory-only steps superseded by a durable one are dropped; None: no memory tier)."""
-        self.root, self.steps, self.catalog, self.persister, self.uploader = root, steps, catalog, persister, uploader
-        self.counters, self._events, self._answer, self.pool = counters, events, answer, pool
+        """``books``: the root, steps, catalog, counters, events and replies it shares (:class:`.books.Books`);
+        ``memory``: the memory tier (memory-only steps superseded by a durable one are dropped; None: no memory tier)."""
+        self.root, self.steps, self.catalog, self.persister, self.uploader = books.root, books.steps, books.catalog, persister, uploader
+        self.counters, self._events, self._answer, self.pool = books.counters, books.events, books.answer, pool
         self.memory = memory
 
     def persist(self, slot: Slot) -> None:
@@ -88,7 +74,7 @@ class Completion:
             return
         from_memory = track is not None and track.from_memory and track.state is StepState.PENDING
         if slot is not None and from_memory:
-            self.pool.hold(slot, (ev.job, ev.step, ev.rank))  # its bytes stay the step's only sure copy
+            self.pool.holdings.hold(slot, (ev.job, ev.step, ev.rank))  # its bytes stay the step's only sure copy
         elif slot is not None:
             self.pool.persisted(slot, (ev.job, ev.step, ev.rank) if ev.error is None else None)
         if track is None:
@@ -116,7 +102,7 @@ class Completion:
             self.counters.steps_committed += 1
             log.info("committed job %s step %s -> %s", ev.job, ev.step, ev.path)
             if track.from_memory:  # durable now: its held slots are free (and still serve hot restores)
-                for held in self.pool.held_now(*key):
+                for held in self.pool.holdings.memory_only(*key):
                     self.pool.persisted(held, held.holds)
             self.after_complete(ev.job, ev.step)
         elif track.persist_error is not None and track.inflight == 0 and track.state is StepState.PENDING:
@@ -180,7 +166,7 @@ class Completion:
         if track.state is StepState.FAILED and not self.persister.writing(*key):
             local.remove_partial(self.root, *key)  # before waiters hear of it (a seal still out writes nothing there)
         if track.state is StepState.FAILED and track.inflight == 0:
-            if self.pool.drop_held(*key):  # ranks of it that were sealed into the memory tier
+            if self.pool.holdings.drop(*key):  # ranks of it that were sealed into the memory tier
                 self.pool.retry_deferred()
             if self.memory is not None:
                 self.memory.forget(key)

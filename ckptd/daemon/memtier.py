@@ -31,6 +31,7 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import FormatError
@@ -39,12 +40,11 @@ from ..layout import shard_name
 from ..protocol import CommitRecord
 from ..storage import local
 from ..storage.local import committed_at
-from .catalog import StepCatalog
-from .events import EventQueue, ShardSealed
+from .books import Books
+from .events import ShardSealed
 from .persister import parse_tree
 from .slots import Slot, SlotPool, SlotState
-from .status import Counters
-from .steps import StepKey, StepState, StepTable, StepTrack
+from .steps import StepKey, StepState, StepTrack
 from .tiering import Tier, Tiering
 
 log = logging.getLogger("ckptd.daemon")
@@ -54,37 +54,37 @@ PERSIST_RETRY_S = 60.0  # a gone run's step that failed to persist (a full disk)
 PERSIST_RETRY_MAX_S = 3600.0  # doubled after each failure, up to this
 
 
+@dataclass(frozen=True)
+class TierHooks:
+    """What the memory tier calls in components made after it (the daemon passes calls through itself).
+
+    ``persist(slot)``: hand a committed slot to the persist threads; ``settle(key, track)``: answer a step's waiters
+    and clean up after its state changed; ``after_complete(job, step)``: what follows a step's completion (it calls
+    :meth:`MemoryTier.completed`); ``run_gone(job)``: every process that committed the job's steps in its current run
+    is gone; ``protected(job, step)``: a name keeps the step (:mod:`.protected`).
+    """
+
+    persist: Callable[[Slot], None]
+    settle: Callable[[StepKey, StepTrack], None]
+    after_complete: Callable[[str, int], None]
+    run_gone: Callable[[str], bool]
+    protected: Callable[[str, int], bool] = lambda job, step: False
+
+
 class MemoryTier:
-    def __init__(
-        self,
-        steps: StepTable,
-        pool: SlotPool,
-        catalog: StepCatalog,
-        tiering: Tiering,
-        counters: Counters,
-        events: EventQueue,
-        *,
-        persist: Callable[[Slot], None],
-        settle: Callable[[StepKey, StepTrack], None],
-        after_complete: Callable[[str, int], None],
-        run_gone: Callable[[str], bool],
-        answer: Callable[[list[Any]], None],
-        protected: Callable[[str, int], bool] = lambda job, step: False,
-    ) -> None:
-        """``persist``: hand a committed slot to the persist threads; ``settle``: answer a step's waiters
-        and clean up after its state changed; ``after_complete(job, step)``: what follows a step's
-        completion (it calls :meth:`completed`); ``run_gone(job)``: every process that committed the
-        job's steps in its current run is gone; ``protected(job, step)``: a name keeps the step (:mod:`.protected`).
-        The slot pool asks it for room (:meth:`reclaim`, :meth:`sealing`): the daemon passes those to the pool."""
-        self.steps, self.pool, self.catalog, self.tiering, self.counters = steps, pool, catalog, tiering, counters
-        self._events, self._persist, self._settle, self._run_gone = events, persist, settle, run_gone
-        self._after_complete, self._answer = after_complete, answer
+    def __init__(self, books: Books, pool: SlotPool, tiering: Tiering, hooks: TierHooks) -> None:
+        """``books``: the steps, catalog, counters, events and replies it shares (:class:`.books.Books`); ``hooks``: its
+        calls into completion, admission and protections. The slot pool asks it for room (:meth:`reclaim`,
+        :meth:`sealing`): the daemon passes those to the pool."""
+        self.steps, self.pool, self.catalog, self.tiering, self.counters = books.steps, pool, books.catalog, tiering, books.counters
+        self._events, self._persist, self._settle, self._run_gone = books.events, hooks.persist, hooks.settle, hooks.run_gone
+        self._after_complete, self._answer = hooks.after_complete, books.answer
         self._exec = ThreadPoolExecutor(1, thread_name_prefix="ckptd-seal")
         self._lock = threading.Lock()
         # seal thread: fragments of steps being sealed, per attempt (job, step, attempt)
         self._frags: dict[tuple[str, int, int], dict[int, dict[str, Any]]] = {}
         self._last_check = 0.0
-        self.protected = protected
+        self.protected = hooks.protected
 
     # ------------------------------------------------------------------ committing
 
@@ -154,7 +154,7 @@ class MemoryTier:
             self.forget(key)  # the other ranks' held slots are freed by settle
             self._settle(key, track)
             return
-        self.pool.hold(slot, (ev.job, ev.step, ev.rank))
+        self.pool.holdings.hold(slot, (ev.job, ev.step, ev.rank))
         if ev.manifest is None:
             if self.pool.deferred:  # a request held back while this slot was committed may be served now
                 self.pool.retry_deferred()
@@ -213,10 +213,10 @@ class MemoryTier:
 
     def drop(self, key: StepKey, why: str) -> bool:
         """Drop memory-only step ``key`` unless a hot restore is reading it; True if dropped."""
-        held = self.pool.held(*key)
+        held = self.pool.holdings.of(*key)
         if any(s.pins for s in held.values()) or not self.steps.drop_memory(key, why):
             return False
-        self.pool.drop_held(*key)
+        self.pool.holdings.drop(*key)
         self.catalog.forget_memory(*key)
         self.counters.memory_steps_dropped += 1
         log.info("job %s step %s %s", key[0], key[1], why)
@@ -253,11 +253,11 @@ class MemoryTier:
         track = self.steps.get(key)
         if track is None or track.state is not StepState.MEMORY:
             return False
-        held = self.pool.held_now(*key)
+        held = self.pool.holdings.memory_only(*key)
         self.steps.to_disk(key)
         self.tiering.persisted(key[0])
         for slot in held:
-            self.pool.unhold(slot)
+            self.pool.holdings.release(slot)
             self._persist(slot)
         log.info("job %s step %s: persisting it from memory", *key)
         return True
@@ -320,15 +320,15 @@ class MemoryTier:
         for job in self.steps.memory_steps():
             step, track = self.steps.of_job(job, StepState.MEMORY)[-1]  # the newest by commit order (a rollback saves lower numbers later)
             if track.persist_failures:
-                for slot in self.pool.held_now(job, step):
-                    self.pool.unhold(slot)
+                for slot in self.pool.holdings.memory_only(job, step):
+                    self.pool.holdings.release(slot)
                 log.warning("job %s step %s could not be persisted: kept in shared memory for the next start", job, step)
         # a memory-tier step some ranks had committed and others not yet: its shards are the only copy, and the other
         # ranks commit to the next daemon (the step stays open for its launch): kept with their records, for it to adopt
         partial = {s.holds[:2] for s in self.pool if s.state is SlotState.HELD and s.holds is not None}
         for key in sorted(k for k in partial if (t := self.steps.get(k)) is not None and t.state is StepState.PENDING):
-            for slot in self.pool.held_now(*key):
-                self.pool.unhold(slot)
+            for slot in self.pool.holdings.memory_only(*key):
+                self.pool.holdings.release(slot)
             log.warning("job %s step %s: not every rank had committed it; its shards stay in shared memory for the next start", *key)
 
     def disk_free(self, job: str) -> None:
@@ -386,11 +386,11 @@ class MemoryTier:
             return {"step": None, "reason": f"step {entry.step} of job {job!r} is in memory, but the latest step is {latest}"}
         if entry.manifest is None or (entry.tier is Tier.DISK and not os.path.isdir(entry.path)):
             return {"step": None, "reason": f"step {entry.step} of job {job!r} is no longer on disk"}
-        held = self.pool.held(job, entry.step)
+        held = self.pool.holdings.of(job, entry.step)
         missing = sorted(set(range(entry.manifest["world_size"])) - set(held))
         if missing:
             return {"step": None, "reason": f"the shards of ranks {missing[:8]} of step {entry.step} are no longer in memory"}
-        pin = self.pool.pin(list(held.values()), pid, uid)
+        pin = self.pool.holdings.pin(list(held.values()), pid, uid)
         segments = {shard_name(rank): slot.name for rank, slot in held.items()}
         return {
             "step": entry.step, "path": entry.path, "manifest": entry.manifest, "segments": segments, "pin": pin, "reason": None,

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from .. import shm
@@ -99,33 +100,41 @@ def _own_manifest(path: str) -> dict[str, Any]:
         return json.loads(f.read())
 
 
+@dataclass(frozen=True)
+class PersistOptions:
+    """How the persist threads work: ``workers`` threads; ``keep`` complete local steps kept per job, besides those
+    retention protects; ``policy``: the write rate limit and O_DIRECT (:class:`ckptd.storage.local.WritePolicy`);
+    ``uploads``: steps go to a bucket, so a step completed here is kept from retention until the loop has queued its
+    upload (:meth:`Persister.reported`)."""
+
+    workers: int = 1
+    keep: int = 0
+    policy: local.WritePolicy = local.WritePolicy()
+    uploads: bool = False
+
+
 class Persister:
     def __init__(
         self,
         root: str,
         events: EventQueue,
+        options: PersistOptions,
         *,
-        workers: int,
-        keep: int,
-        write_rate_limit: float = 0.0,
-        direct_io: bool = True,
         protect: Callable[[str], RetentionPolicy] = lambda job: Protect(frozenset()),
         initializer: Callable[[], None] | None = None,
         open_segment: Callable[[str], int] | None = None,
-        uploads: bool = False,
     ) -> None:
-        """``keep``: complete local steps kept per job, besides those ``protect(job)`` keeps (not uploaded yet, named...).
-        ``open_segment``: a read-only fd of a segment, checked to be the daemon's own file. ``uploads``: steps go to a
-        bucket, so a step completed here is kept from retention until the loop has queued its upload (:meth:`reported`)."""
+        """``protect(job)``: what retention keeps besides ``options.keep`` (not uploaded yet, named...); ``initializer``:
+        run on each persist thread first; ``open_segment``: a read-only fd of a segment, checked to be the daemon's own."""
         self.root, self._events, self._open_segment = root, events, open_segment
-        self.keep, self._protect = keep, protect
-        self.write_policy = local.WritePolicy(write_rate_limit, direct_io)
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptd-persist", initializer=initializer)
+        self.keep, self._protect = options.keep, protect
+        self.write_policy = options.policy
+        self._pool = ThreadPoolExecutor(max_workers=options.workers, thread_name_prefix="ckptd-persist", initializer=initializer)
         self._writing: dict[tuple[str, int], int] = {}  # (job, step) -> its shards being written or queued (job's lock)
         # job -> steps completed here whose event the loop has not handled yet (job's lock): retention keeps them, since
         # until then no upload of theirs is queued, and another thread's retention would otherwise remove one unsent
         self._unreported: dict[str, set[int]] = {}
-        self._uploads = uploads
+        self._uploads = options.uploads
 
     def job_lock(self, job: str) -> threading.RLock:
         """Serializes completing and pruning a job's steps and moving its ``latest`` across persist,

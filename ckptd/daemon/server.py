@@ -27,11 +27,13 @@ from .. import shm, version
 from ..config import HOUSEKEEPING_S, WAIT_CAP_S, DaemonConfig, default_shm_budget
 from ..errors import CheckpointError, ProtocolError
 from ..protocol import EXTRA_FRAMES, Source, decode_request, reply_error, reply_ok
+from ..storage import local
 from ..storage.retention import AnyOf, Protect, RetentionPolicy
 from ..storage.store import ObjectStore, open_store
 from . import inbox, recovery
 from .access import Access, peer_cred
 from .admission import Admission
+from .books import Books
 from .catalog import CommitClock, StepCatalog
 from .commits import Commits
 from .completion import Completion
@@ -40,11 +42,11 @@ from .endpoint import bind, check_endpoint, identity, unlink_own
 from .events import Answered, ErrorReported, EventQueue, Fetched, ShardPersisted, ShardSealed, SlotCreated, Uploaded
 from .fetcher import Fetcher
 from .growth import Grower
-from .memtier import MemoryTier
-from .persister import Persister, lower_priority
+from .memtier import MemoryTier, TierHooks
+from .persister import Persister, PersistOptions, lower_priority
 from .protected import Protections
 from .sdnotify import notify, watchdog_interval
-from .slots import Slot, SlotPool
+from .slots import Room, Slot, SlotPool
 from .status import Counters, build_status
 from .steps import StepTable
 from .tiering import Tiering, TierPolicy
@@ -102,8 +104,10 @@ class Daemon:
         self.grower = Grower(segments, self.events)  # new segments are made off the loop
         self.pool = SlotPool(
             segments, budget, on_grant=self._grant, lease_timeout=config.lease_timeout, grow=self.grower.submit,
-            reclaim=lambda job, step: self.memtier.reclaim(job, step), soon=lambda job, step: self.memtier.sealing(job, step),
-            want_spare=lambda job: self.tiering.policy_of(job).lagging == "wait",
+            room=Room(
+                reclaim=lambda job, step: self.memtier.reclaim(job, step), soon=lambda job, step: self.memtier.sealing(job, step),
+                want_spare=lambda job: self.tiering.policy_of(job).lagging == "wait",
+            ),
         )  # fmt: skip
         self._req_peers: collections.OrderedDict[bytes, None] = collections.OrderedDict()  # REQ sockets: replies need a delimiter
         self.clock = CommitClock(self.catalog, self.pool)
@@ -122,11 +126,12 @@ class Daemon:
                 keep_every=config.remote_keep_every, commit_timeout=config.commit_timeout, initializer=background,
                 protected=lambda job: self.protections.policy(job),
             )  # fmt: skip
+        options = PersistOptions(
+            config.workers, config.keep, local.WritePolicy(config.write_rate_limit, config.direct_io), uploads=self.uploader is not None
+        )
         self.persister = Persister(
-            self.root, self.events, workers=config.workers, keep=config.keep, write_rate_limit=config.write_rate_limit,
-            direct_io=config.direct_io, protect=self._protected, initializer=background, open_segment=segments.open_owned,
-            uploads=self.uploader is not None,
-        )  # fmt: skip
+            self.root, self.events, options, protect=self._protected, initializer=background, open_segment=segments.open_owned
+        )
         self.fetcher = Fetcher(self.catalog, self.events, retain=self.persister.retain)
         uploader = self.uploader
         catch_up = None if uploader is None else lambda job, step: uploader.submit(job, step, 0, catch_up=True)
@@ -135,24 +140,22 @@ class Daemon:
     def _wire_steps(self) -> None:
         """The components that take commits and drive a step to complete, and the op and event tables. The memory tier
         calls back into completion, which is made after it (completion holds the tier)."""
+        books = Books(self.root, self.steps, self.catalog, self.counters, self.events, self._answer)
         self.memtier = MemoryTier(
-            self.steps, self.pool, self.catalog, self.tiering, self.counters, self.events,
-            persist=lambda slot: self.completion.persist(slot), settle=lambda key, track: self.completion.settle(key, track),
-            after_complete=lambda job, step: self.completion.after_complete(job, step),
-            run_gone=lambda job: self.admission.run_gone(job), answer=self._answer,
-            protected=lambda job, step: bool(self.protections.policy(job).keeps([step])),
+            books, self.pool, self.tiering,
+            TierHooks(
+                persist=lambda slot: self.completion.persist(slot), settle=lambda key, track: self.completion.settle(key, track),
+                after_complete=lambda job, step: self.completion.after_complete(job, step),
+                run_gone=lambda job: self.admission.run_gone(job),
+                protected=lambda job, step: bool(self.protections.policy(job).keeps([step])),
+            ),
         )  # fmt: skip
-        self.completion = Completion(
-            self.root, self.steps, self.catalog, self.persister, self.uploader, self.counters, self.events, self._answer, self.pool,
-            memory=self.memtier,
-        )  # fmt: skip
+        self.completion = Completion(books, self.persister, self.uploader, self.pool, memory=self.memtier)
         self.admission = Admission(
-            self.root, self.steps, self.pool, self.completion.settle, writing=self.persister.writing,
+            self.root, self.steps, self.pool.holdings, self.completion.settle, writing=self.persister.writing,
             give_up=self.uploader.give_up if self.uploader is not None else None, drop_memory=self.memtier.drop,
         )  # fmt: skip
-        self.commits = Commits(
-            self.root, self.pool, self.catalog, self.steps, self.clock, self.admission, self.tiering, self.memtier, self.completion
-        )
+        self.commits = Commits(books, self.pool, self.clock, self.admission, self.tiering, self.memtier, self.completion)
         self._ops: dict[str, Handler] = {op: getattr(self, f"_op_{op}") for op in OPS}
         self._on_event: dict[type, Callable[[Any], None]] = {
             ShardPersisted: self.completion.on_persisted,
@@ -399,7 +402,7 @@ class Daemon:
     _op_unprotect = _op_protect
 
     def _op_hot_close(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
-        self.pool.unpin(msg["segments"], msg["pin"], msg["peer"])
+        self.pool.holdings.unpin(msg["segments"], msg["pin"], msg["peer"])
         return {}
 
     def _op_fetch(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
@@ -431,6 +434,6 @@ class Daemon:
         if self.connections is not None:
             self.connections.housekeeping(now)
         self.memtier.housekeeping(now)
-        self.catalog.prune(self.pool.steps_held())  # manifests of steps whose slots were reused go
+        self.catalog.prune(self.pool.holdings.steps())  # manifests of steps whose slots were reused go
         self._answer(self.fetcher.due(now))
         self._answer(self.steps.due(now))

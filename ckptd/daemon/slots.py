@@ -10,7 +10,8 @@ granted as soon as a slot frees up, unless ``reclaim`` can drop a memory-tier st
 that a seal under way will serve in milliseconds (``soon``: the step it completes makes an older memory-only step
 stale) waits for it rather than for a new segment. A rank that took its last free slot while the disk lags gets a
 spare made off the loop (:mod:`.growth`, like every new segment), which its trainer maps ahead before a snapshot of
-that rank may take it. Hot restores pin what they read.
+that rank may take it. What a slot holds once its lease is over, and the pins of hot restores that read it, are
+:attr:`SlotPool.holdings` (:mod:`.holdings`).
 
 Main thread only (the daemon's loop). Deferred grants go out through ``on_grant`` (a test passes a list's ``append``).
 """
@@ -23,17 +24,33 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from .. import shm
-from ..config import HOT_PIN_MAX_S, LEASE_TIMEOUT_S, MAX_DEFERRED_ALLOCS, MAX_PINS_PER_READER, MAX_PINS_UNNAMED
+from ..config import LEASE_TIMEOUT_S, MAX_DEFERRED_ALLOCS
 from ..errors import CheckpointError, ProtocolError
 from ..protocol import CommitRecord
 from .budget import aligned, check_fits, noted
+from .holdings import Holdings
 from .slot import ADOPTED, LEASE_FIELDS, Grant, Slot, SlotState, foreign, is_running, started
 
 log = logging.getLogger("ckptd.daemon")
 _UNSAFE = (SlotState.COMMITTED, SlotState.HELD)  # what a crash of the node would lose: shards being persisted, memory-only ones
+
+
+@dataclass(frozen=True)
+class Room:
+    """What the pool asks the memory tier when it is short of room (the daemon passes calls through itself, the tier
+    being made after the pool). ``reclaim(job, step)``: drop a memory-tier step of ``job`` (not ``step``) to make room;
+    True if it freed slots. ``soon(job, step)``: a seal under way will complete a memory-tier step of the job and so drop
+    an older one, freeing its slots in milliseconds (a request short of a slot waits for that, not for a new segment).
+    ``want_spare(job)``: the job queues every due step for disk (``lagging = "wait"``): when its disk lags, a rank that
+    takes its last free slot gets a spare made off the loop, not on its next snapshot's path."""
+
+    reclaim: Callable[[str, int | None], bool] = lambda job, step: False
+    soon: Callable[[str, int | None], bool] = lambda job, step: False
+    want_spare: Callable[[str], bool] = lambda job: False
 
 
 class SlotPool:
@@ -47,28 +64,20 @@ class SlotPool:
         alive: Callable[[int, float | None], bool] = is_running,
         lease_timeout: float = LEASE_TIMEOUT_S,
         grow: Callable[[int, int], None] | None = None,
-        reclaim: Callable[[str, int | None], bool] | None = None,
-        soon: Callable[[str, int | None], bool] | None = None,
-        want_spare: Callable[[str], bool] | None = None,
+        room: Room = Room(),
     ) -> None:
-        """``grow(need, token)``: make a segment off the loop and report it to :meth:`created`; without
-        it (unit tests) segments are made in place. ``reclaim(job, step)``: drop a memory-tier step of
-        ``job`` (not ``step``) to make room; True if it freed slots. ``soon(job, step)``: a seal under way will
-        complete a memory-tier step of the job and so drop an older one, freeing its slots in milliseconds (a
-        request short of a slot waits for that, not for a new segment). ``want_spare(job)``: the job queues every
-        due step for disk (``lagging = "wait"``): when its disk lags, a rank that takes its last free slot gets a
-        spare made off the loop, not on its next snapshot's path. The last three are the memory tier's."""
+        """``grow(need, token)``: make a segment off the loop and report it to :meth:`created`; without it (unit tests)
+        segments are made in place. ``room``: the memory tier's answers when the pool is short (none: no memory tier)."""
         self.segments, self.budget, self.lease_timeout = segments, noted(budget), lease_timeout
         self._on_grant = on_grant or (lambda ident, msg, result: None)
         self._clock, self._alive, self._grow = clock, alive, grow
-        self.reclaim = reclaim or (lambda job, step: False)
-        self.soon = soon or (lambda job, step: False)
+        self.reclaim, self.soon, self.want_spare = room.reclaim, room.soon, room.want_spare
         self.slots: dict[str, Slot] = {}
         self.deferred: list[tuple[bytes, dict[str, Any]]] = []  # (ident, alloc request) waiting for memory
         self.growing: dict[int, int] = {}  # grow token -> bytes being made off the loop (counted in the budget)
         self.spares: dict[int, tuple[str, int]] = {}  # grow token -> (job, rank) a spare is made for, on no request's path
         self.allocs_waited = 0  # snapshot allocations that had to wait (for memory, or for a segment to be made)
-        self.want_spare = want_spare or (lambda job: False)
+        self.holdings = Holdings(self.slots, segments, reset=self._reset, freed=self.retry_deferred, clock=clock, alive=alive)
 
     def __iter__(self) -> Iterator[Slot]:
         return iter(list(self.slots.values()))
@@ -276,24 +285,6 @@ class SlotPool:
         slot.holds = holds
         self.free(slot)
 
-    def hold(self, slot: Slot, holds: tuple[str, int, int]) -> None:
-        """A committed slot holds the only copy of a memory-tier step's shard: kept, with its commit record
-        (a daemon that crashes persists it on restart), until :meth:`unhold` or :meth:`drop_held`."""
-        slot.state, slot.holds = SlotState.HELD, holds
-
-    def unhold(self, slot: Slot) -> None:
-        """A held slot's step is persisted after all: committed again, for a persist thread."""
-        slot.state = SlotState.COMMITTED
-
-    def drop_held(self, job: str, step: int) -> int:
-        """Free the held slots of ``step`` of ``job`` (the step is dropped from memory); returns how many."""
-        dropped = [s for s in self.slots.values() if s.state is SlotState.HELD and s.holds is not None and s.holds[:2] == (job, step)]
-        for slot in dropped:  # no retry of deferred requests here: this may run inside lease() (reclaim)
-            self.segments.drop_record(slot.name)
-            slot.holds = None
-            self._reset(slot)
-        return len(dropped)
-
     def free(self, slot: Slot) -> None:
         self._reset(slot)
         self.retry_deferred()
@@ -349,49 +340,6 @@ class SlotPool:
         self.slots[name] = slot
         return slot
 
-    # ------------------------------------------------------------------ hot restores
-
-    def held(self, job: str, step: int) -> dict[int, Slot]:
-        """The slots that still hold a complete shard of ``step`` (persisted, held in the memory tier, or
-        being persisted from it), by rank (the newest, should an abandoned attempt have left one too)."""
-        hold = [s for s in self.slots.values() if s.state is not SlotState.LEASED and s.holds is not None and s.holds[:2] == (job, step)]
-        return {s.holds[2]: s for s in sorted(hold, key=lambda s: s.used_at)}  # type: ignore[index]
-
-    def held_now(self, job: str, step: int) -> list[Slot]:
-        """Of :meth:`held`, the slots in state HELD: a memory-tier step's, not being persisted or freed."""
-        return [s for s in self.held(job, step).values() if s.state is SlotState.HELD]
-
-    def forget_held(self, job: str, step: int) -> None:
-        """Step ``step`` of ``job`` is gone (replaced): no slot serves its shards to a hot restore any more."""
-        for s in self.slots.values():
-            if s.holds is not None and s.holds[:2] == (job, step):
-                s.holds = None
-
-    def pin(self, slots: list[Slot], pid: int, uid: int | None = None) -> str:
-        """Keep ``slots`` from reuse while ``pid`` reads them: until :meth:`unpin` with the returned token, the reader's
-        death, or HOT_PIN_MAX_S. A reader holds at most ``MAX_PINS_PER_READER`` pins on a slot (a client that opens and
-        never closes would pile up pins, each checked every housekeeping pass); pid 0 (unnamed) shares ``MAX_PINS_UNNAMED``."""
-        limit = MAX_PINS_PER_READER if pid else MAX_PINS_UNNAMED
-        for slot in slots:
-            if sum(1 for p, _, _ in slot.pins.values() if p == pid) >= limit:
-                who = f"process {pid}" if pid else "processes outside this PID namespace"
-                raise CheckpointError(f"{who} already holds {limit} open hot restores of {slot.name}: close them (hot_close) first")
-        token, deadline, born = secrets.token_hex(16), self._clock() + HOT_PIN_MAX_S, started(pid) if pid else None
-        for slot in slots:
-            slot.pins[token] = (pid, born, deadline)
-            slot.exposed = True
-            slot.uids.add(uid)
-        return token
-
-    def unpin(self, names: list[Any], token: str, peer: int | None = None) -> None:
-        """Drop pin ``token`` (taken by process ``peer``, when the transport tells) from the slots
-        ``names``; another reader's pins are untouched."""
-        for name in names:
-            slot = self.slots.get(name) if isinstance(name, str) else None
-            if slot is not None and token in slot.pins and (not peer or slot.pins[token][0] == peer):
-                slot.pins.pop(token)
-        self.retry_deferred()
-
     # ------------------------------------------------------------------ housekeeping
 
     def reap(self, now: float) -> None:
@@ -417,10 +365,7 @@ class SlotPool:
                 )
                 self.unlink(slot)
                 lapsed = True
-            for token, (pid, born, deadline) in list(slot.pins.items()):
-                if deadline < now or (pid and not self._alive(pid, born)):
-                    slot.pins.pop(token)  # a hot restore's reader died, or holds the slot longer than any restore takes
-                    lapsed = True
+            lapsed = self.holdings.lapse_pins(slot, now) or lapsed
         if lapsed:
             self.retry_deferred()
 
@@ -448,7 +393,3 @@ class SlotPool:
             "allocs_waited": self.allocs_waited,
             "hot_pins": {s.name: sorted(pid for pid, _, _ in s.pins.values()) for s in self.slots.values() if s.pins},
         }
-
-    def steps_held(self) -> set[tuple[str, int]]:
-        """(job, step) of every complete shard a slot still holds."""
-        return {(s.holds[0], s.holds[1]) for s in self.slots.values() if s.holds is not None and s.state is not SlotState.LEASED}

@@ -63,7 +63,7 @@ def _jobs(d: Daemon) -> dict[str, Any]:
             job(name)["protected"] = sorted(set(protected.values()))  # steps kept from retention by name (daemon/protected.py)
     for name, step in d.catalog.uploaded().items():
         job(name)["uploaded"] = step
-    held = d.pool.steps_held()
+    held = d.pool.holdings.steps()
     for name, step in d.catalog.in_memory_steps().items():
         if (name, step) in held:
             job(name)["in_memory"] = step  # a hot restore can read it (if every rank's shard is held)
