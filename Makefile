@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # workers on the 2-core CI machine take ~0.6x the serial time (TEST_WORKERS=0 runs the suite in one process)
 TEST_WORKERS ?= 2
 
-.PHONY: install demo test docs lint bench bench-gpu device-wheels clean systemd-analyze
+.PHONY: install demo test docs lint bench bench-gpu device-wheels clean systemd-analyze sshfs
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -32,6 +32,14 @@ systemd-analyze:
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends systemd >/dev/null) ; } || \
 		echo "systemd-analyze not installed: tests/test_systemd.py::test_unit_passes_systemd_analyze_verify will skip"
 
+# tests/test_shared_dir.py and tests/test_posix_store.py run their multi-node cases on a real network file system too:
+# sshfs mounts of one directory over a loopback sshd (tests/sshfs.py). Installed where we may (root with apt);
+# otherwise those cases skip, saying why
+sshfs:
+	@{ command -v sshfs >/dev/null 2>&1 && [ -x /usr/sbin/sshd ]; } || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends sshfs openssh-server >/dev/null) ; } || \
+		echo "sshfs or sshd not installed: the network file system cases of tests/test_shared_dir.py will skip"
+
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
@@ -40,7 +48,7 @@ demo: $(STAMP)
 docs: $(STAMP)
 	$(BIN)/python -m sphinx -W --keep-going -q -b html docs docs/_build/html
 
-test: $(STAMP) systemd-analyze docs
+test: $(STAMP) systemd-analyze sshfs docs
 	$(BIN)/ruff check ckptd tests benchmarks examples
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=15 tests
 

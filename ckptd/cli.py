@@ -95,7 +95,7 @@ def format_status(st: dict[str, Any]) -> str:
     slots = st.get("slots", {})
     lines = [
         f"ckptd {st.get('version', '?')}, pid {st['pid']}, up {up // 3600}h{up % 3600 // 60:02d}m, root {st['root']}",
-        f"bucket      {st.get('remote') or 'none (local disk only)'}",
+        f"remote      {st.get('remote') or 'none (local disk only)'}",
         f"memory      {_gb(st['shm_bytes'])} of {_gb(st['shm_budget'])} in {sum(slots.values())} slot(s)"
         f" ({', '.join(f'{k} {v}' for k, v in sorted(slots.items())) or 'none'}); {_gb(st.get('staged_bytes', 0))} committed,"
         f" not yet durable; {st['deferred_allocs']} allocation(s) waiting",
@@ -160,6 +160,11 @@ def _serve_parser(s: argparse.ArgumentParser) -> None:
     s.add_argument("--config", default=None, help="TOML file with any of the settings below (command-line flags win)")
     s.add_argument("--root", default=None, help="directory that holds the checkpoints (<root>/<job>/step-N); required")
     s.add_argument("--endpoint", default=None, help="ZeroMQ endpoint (default: CKPTD_ENDPOINT or a per-user ipc socket)")
+    s.add_argument(
+        "--remote-path",
+        default=None,
+        help="a shared directory every node mounts (Lustre, GPFS, NFS...): the multi-node tier, instead of [remote] bucket",
+    )
     s.add_argument("--shm-budget", type=_size, default=None, help="shared memory to stage into (default: half of /dev/shm)")
     s.add_argument("--keep", type=int, default=None, help="committed steps kept per job (default 3, CKPTD_KEEP)")
     s.add_argument("--workers", type=int, default=None, help="persist threads (default 2, CKPTD_WORKERS)")
@@ -219,7 +224,7 @@ def _check_checkpoint_usage(parser: argparse.ArgumentParser, args: argparse.Name
 
 def _serve(args: argparse.Namespace) -> int:
     try:
-        cfg = daemon_config({k: getattr(args, k, None) for k in SERVE_KEYS}, args.config)
+        cfg = daemon_config({**{k: getattr(args, k, None) for k in SERVE_KEYS}, "remote_path": args.remote_path}, args.config)
     except (ValueError, OSError) as e:
         print(f"ckptd serve: {e}", file=sys.stderr)
         return 2

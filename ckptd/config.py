@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .s3config import RemoteConfig
+    from .s3config import DirConfig, RemoteConfig
 
 # ---------------------------------------------------------------------------- defaults
 
@@ -253,7 +253,7 @@ class DaemonConfig:
     log_level: str = "INFO"
     group: str | int | None = None  # also let this group use the socket, segments and checkpoints
     metrics_port: int = 0  # Prometheus metrics on 127.0.0.1:PORT, 0: off
-    remote: RemoteConfig | None = None  # the [remote] table: the bucket
+    remote: RemoteConfig | DirConfig | None = None  # the [remote] table: a bucket, or a shared directory (--remote-path)
     remote_keep: int = REMOTE_KEEP  # newest steps kept in the bucket...
     remote_keep_every: int = REMOTE_KEEP_EVERY  # ...plus every Nth step, forever (0: none)
     commit_timeout: float = COMMIT_TIMEOUT_S  # multi-node: seconds to wait for the other nodes' shards
@@ -291,15 +291,17 @@ def _from_env() -> dict[str, Any]:
         "persist_every": env_int("CKPTD_PERSIST_EVERY", 1),
         "persist_interval": env_float("CKPTD_PERSIST_INTERVAL", 0.0),
         "lagging": os.environ.get("CKPTD_LAGGING") or None,
+        "remote_path": os.environ.get("CKPTD_REMOTE_PATH") or None,
     }
 
 
 def _remote_table(table: object, where: str) -> dict[str, Any]:
-    from .s3config import RemoteConfig
+    from .s3config import DirConfig, RemoteConfig
 
     if not isinstance(table, dict):
         raise ValueError(f"{where}: [remote] must be a table")
     conf = {k: v for k, v in table.items() if k not in _REMOTE_TIER_KEYS}
+    kind = DirConfig if "path" in conf else RemoteConfig
     for key in ("max_bandwidth", "part_size"):
         if isinstance(conf.get(key), str):
             try:
@@ -307,7 +309,7 @@ def _remote_table(table: object, where: str) -> dict[str, Any]:
             except ValueError as e:
                 raise ValueError(f"{where}: remote.{key}: {e}") from None
     try:
-        out: dict[str, Any] = {"remote": RemoteConfig.from_dict(conf)}
+        out: dict[str, Any] = {"remote": kind.from_dict(conf)}
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     for key, (field, least) in _REMOTE_TIER_KEYS.items():
@@ -350,10 +352,17 @@ def daemon_config(flags: dict[str, Any] | None = None, config_file: str | None =
     """The daemon's settings: ``flags`` (``None`` values ignored) over ``config_file`` (TOML) over
     ``CKPTD_*`` over the defaults. Raises ``ValueError`` naming an unknown key, a wrong type, a bad
     value or a missing root."""
+    from .s3config import DirConfig
+
     cfg = {k: v for k, v in _from_env().items() if v is not None}
+    flags = {k: v for k, v in (flags or {}).items() if v is not None}
+    if "remote_path" in cfg:  # CKPTD_REMOTE_PATH: a shared directory, unless the config file names a [remote]
+        cfg["remote"] = DirConfig(cfg.pop("remote_path"))
     if config_file:
         cfg.update(_from_file(config_file))
-    cfg.update({k: v for k, v in (flags or {}).items() if v is not None})
+    if "remote_path" in flags:  # --remote-path replaces the file's [remote] (its keep and commit_timeout stay)
+        cfg["remote"] = DirConfig(flags.pop("remote_path"))
+    cfg.update(flags)
     if not cfg.get("root"):
         raise ValueError("no checkpoint root: give --root, root in --config, or CKPTD_ROOT")
     for key, least in (

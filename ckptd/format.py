@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 import time
 from dataclasses import dataclass
@@ -450,3 +451,13 @@ def objects_folder(doc: Any) -> str:
     if attempt is None or doc.get("attempt_objects") is not True:
         return ""
     return attempt_folder(*attempt)
+
+
+def files_dir(step_path: str, manifest: Any) -> str:
+    """The directory a step's shard files are read from: the step's own, or, for a multi-node step read in place in a
+    shared directory (:class:`ckptd.storage.posix.DirStore`), its attempt's folder under it (:func:`objects_folder`). A
+    step downloaded to a node's root keeps that manifest but holds its files directly: the folder decides."""
+    folder = objects_folder(manifest)
+    if folder and os.path.isdir(os.path.join(step_path, folder)):
+        return os.path.join(step_path, folder)
+    return step_path

@@ -1,9 +1,11 @@
-"""The bucket's settings (``[remote]`` in the daemon's config), validated on construction, and the rule
-for a safe relative key; apart from :mod:`.s3`, the client, so that reading a config never needs boto3."""
+"""The multi-node tier's settings (``[remote]`` in the daemon's config): a bucket (:class:`RemoteConfig`) or a
+shared directory (:class:`DirConfig`), validated on construction, and the rule for a safe relative key; apart from
+:mod:`.storage.s3`, the client, so that reading a config never needs boto3."""
 
 from __future__ import annotations
 
 import dataclasses
+import posixpath
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -112,3 +114,31 @@ class RemoteConfig:
         if "bucket" not in d:
             raise ValueError("remote config: 'bucket' is required")
         return cls(**d)
+
+
+@dataclass(frozen=True)
+class DirConfig:
+    """A shared directory every node of a job mounts (``[remote] path = "/lustre/ckpts"``, ``--remote-path``): the
+    multi-node tier instead of a bucket (:class:`ckptd.storage.posix.DirStore`). ``path``: absolute, normalized."""
+
+    path: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, str) or not self.path:
+            raise ValueError(f"remote config: path must be a non-empty string, got {self.path!r}")
+        if not self.path.startswith("/"):
+            raise ValueError(f"remote config: path {self.path!r} must be absolute (every node mounts it at the same place)")
+        if "\0" in self.path or "\n" in self.path:
+            raise ValueError("remote config: path must not contain NUL or newline characters")
+        object.__setattr__(self, "path", posixpath.normpath(self.path))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DirConfig:
+        """Build from a parsed ``[remote]`` table that names ``path``; a bucket's keys beside it raise ``ValueError``."""
+        unknown = sorted(set(d) - {"path"})
+        if unknown:
+            raise ValueError(
+                f"remote config: {', '.join(map(repr, unknown))} do not go with 'path': [remote] names a bucket or a shared"
+                " directory, not both"
+            )
+        return cls(d["path"])

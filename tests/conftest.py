@@ -256,3 +256,47 @@ def _small_mount(short_tmp: Path, kind: str) -> Iterator[str]:
         yield str(mnt)
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+class SharedFS:
+    """One shared directory, and what each "node" sees of it: ``kind`` "dir" (every node the same local path) or
+    "sshfs" (each node its own sshfs mount of one export over a loopback sshd: a real network file system)."""
+
+    def __init__(self, kind: str, base: Path) -> None:
+        self.kind = kind
+        self.server = None
+        if kind == "sshfs":
+            from sshfs import SshfsServer
+
+            self.server = SshfsServer(base).start()
+            self.export = str(self.server.export)
+        else:
+            self.export = str(base / "export")
+            os.makedirs(self.export)
+
+    def mount(self, name: str) -> str:
+        """The directory as node ``name`` sees it (its own mount, for sshfs)."""
+        return self.export if self.server is None else str(self.server.mount(name))
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+
+@pytest.fixture(params=["dir", "sshfs"])
+def shared_fs(request: pytest.FixtureRequest, short_tmp: Path) -> Iterator[SharedFS]:
+    """A shared directory for multi-node tests, on local disk and on sshfs; the sshfs case skips, saying why, where
+    FUSE or sshfs is not available."""
+    if request.param == "sshfs":
+        from sshfs import missing
+
+        why = missing()
+        if why is not None:
+            pytest.skip(f"no network file system to test on: {why}")
+    base = short_tmp / "fs"
+    base.mkdir()
+    fs = SharedFS(request.param, base)
+    try:
+        yield fs
+    finally:
+        fs.close()

@@ -33,7 +33,7 @@ import pytest
 
 from ckptd import cli, config
 from ckptd.config import DaemonConfig, daemon_config
-from ckptd.s3config import RemoteConfig
+from ckptd.s3config import DirConfig, RemoteConfig
 
 REPO = Path(__file__).resolve().parent.parent
 PKG = REPO / "ckptd"
@@ -226,13 +226,28 @@ def _actual_defaults() -> dict[tuple[str, str], Any]:
     out = {("", k): getattr(cfg, k) for k in config.SERVE_KEYS}
     out |= {("remote", f.name): getattr(cfg.remote, f.name) for f in dataclasses.fields(RemoteConfig)}
     out |= {("remote", k): getattr(cfg, field) for k, (field, _) in config._REMOTE_TIER_KEYS.items()}
-    return out
+    return out | {("remote", "path"): None}  # a shared directory instead of the bucket: required where it is the tier
+
+
+def _remote_path_setters() -> frozenset[str]:
+    """The variables that make a shared directory the ``[remote]`` tier (``path``), probed as :func:`_setters` does."""
+    found = set()
+    for var in {r.var for r in _env_reads()}:
+        try:
+            with _environ(**{"CKPTD_ROOT": BASE_ROOT, var: "/probe/shared"}):
+                cfg = daemon_config()
+        except ValueError:
+            continue
+        if isinstance(cfg.remote, DirConfig) and cfg.remote.path == "/probe/shared":
+            found.add(var)
+    return frozenset(found)
 
 
 def _prose_defaults() -> set[tuple[str, str]]:
     """Keys whose default is ``None`` or required in the code: the page says what happens in words."""
     unset = (None, dataclasses.MISSING)
     out = {("", f.name) for f in dataclasses.fields(DaemonConfig) if f.default in unset}
+    out |= {("remote", f.name) for f in dataclasses.fields(DirConfig) if f.default in unset}
     return out | {("remote", f.name) for f in dataclasses.fields(RemoteConfig) if f.default in unset}
 
 
@@ -272,6 +287,8 @@ def configuration_problems(text: str) -> list[str]:
         problems.append(f"a row for `ckptd serve` {flag}, which the parser does not have")
     for key, row in rows.items():
         want = set(serve[key[1]].option_strings) if not key[0] and key[1] in serve else set()
+        if key == ("remote", "path"):
+            want = set(serve["remote_path"].option_strings)
         got = set(FLAG_RE.findall(row["`ckptd serve` flag"]))
         if got != want and not (got - real_flags):
             problems.append(f"the row of {key[1]!r} names the flags {sorted(got)}; the parser's are {sorted(want)}")
@@ -292,7 +309,7 @@ def configuration_problems(text: str) -> list[str]:
     setters = _setters()
     for key, row in rows.items():
         listed = set(VAR_RE.findall(row["environment variable"]))
-        want = set(setters.get(key[1], ())) if not key[0] else set()
+        want = set(setters.get(key[1], ())) if not key[0] else set(_remote_path_setters()) if key == ("remote", "path") else set()
         if listed != want:
             problems.append(f"the row of {key[1]!r} names {sorted(listed)}; the variables that set it are {sorted(want)}")
     daemon_vars = {v for row in daemon for v in VAR_RE.findall(row["environment variable"])}

@@ -53,7 +53,7 @@ def test_status_and_metrics(make_daemon, short_tmp: Path, s3_bucket: RemoteConfi
     r = _cli("status", "--endpoint", d.endpoint)
     assert r.returncode == 0, r.stderr
     text = r.stdout
-    assert f"bucket      s3://{s3_bucket.bucket}/{s3_bucket.prefix}" in text
+    assert f"remote      s3://{s3_bucket.bucket}/{s3_bucket.prefix}" in text
     assert re.search(r"persist .* 2 steps committed", text)
     assert re.search(r"upload .* 2 steps uploaded; 0 queued", text)
     assert "last error  none" in text
@@ -90,7 +90,7 @@ def test_status_without_bucket_and_metrics_port_in_use(make_daemon, short_tmp: P
     assert "cannot serve metrics on 127.0.0.1:" in other.log.read_text()
     _left_nothing(other)
     r = _cli("status", "--endpoint", d.endpoint)
-    assert "bucket      none (local disk only)" in r.stdout and "last error  none" in r.stdout
+    assert "remote      none (local disk only)" in r.stdout and "last error  none" in r.stdout
     r = _cli("status", "--endpoint", f"ipc://{short_tmp}/nobody.sock")
     assert r.returncode == 1 and "ckptd:" in r.stderr
 

@@ -24,7 +24,7 @@ import torch
 from .. import shm
 from ..coverage import check_coverage
 from ..errors import CheckpointError, FormatError
-from ..format import digest, dtype_from_name
+from ..format import digest, dtype_from_name, files_dir
 from ..layout import MANIFEST, is_complete
 from ..storage.local import latest_step
 from ..validate import read_manifest, validate_manifest
@@ -81,6 +81,7 @@ class CheckpointReader:
         else:
             self.manifest = validate_manifest(manifest, os.path.join(path, MANIFEST), memory=memory)
         self._files = dict(files or {})
+        self._folder = files_dir(path, self.manifest)  # a multi-node step read in a shared directory
         self.hot = bool(self._files)  # it reads the daemon's segments (a hot restore), not the disk
         self._check_step()
         self._fds: dict[str, int] = {}
@@ -90,8 +91,9 @@ class CheckpointReader:
         self._registered: dict[int, bool] = {}  # mappings page-locked for those GPUs (base address -> done)
 
     def where(self, name: str) -> str:
-        """The path the bytes of shard file ``name`` are read from."""
-        return self._files.get(name) or os.path.join(self.path, name)
+        """The path the bytes of shard file ``name`` are read from: a segment (hot), else the step's folder, or the
+        folder of the attempt that saved it where the step is a multi-node one in a shared directory."""
+        return self._files.get(name) or os.path.join(self._folder, name)
 
     def close(self) -> None:
         """Wait for the device copies in flight, then let go of every registration, mapping, buffer and

@@ -76,7 +76,8 @@ class Commits:
         if lws < ws and self.catalog.store is None:
             raise ProtocolError(
                 f"step {step} of job {job} spans several nodes ({lws} of {ws} ranks on this one):"
-                " a multi-node job is committed through a shared bucket; configure [remote] on every node's daemon"
+                " a multi-node job is committed through a bucket or a shared directory every node mounts; configure [remote]"
+                " (bucket = ... or path = ...) or --remote-path on every node's daemon"
             )
         return slot
 

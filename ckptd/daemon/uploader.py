@@ -316,7 +316,8 @@ class Uploader:
             if time.monotonic() > deadline:
                 raise CheckpointError(
                     f"step {u.step} of job {u.job}: not every rank's shard of this attempt reached the bucket within"
-                    f" {self.commit_timeout:g} s (is every node's daemon configured with the same bucket and prefix?)"
+                    f" {self.commit_timeout:g} s (is every node's daemon configured with the same bucket and prefix, or the same"
+                    " shared directory?)"
                 )
             time.sleep(self.POLL_S)
 

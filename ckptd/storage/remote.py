@@ -244,9 +244,28 @@ def try_complete(store: ObjectStore, job: str, step: int, world_size: int, attem
         if complete and not ours and (why := _refusal(job, step, attempt, manifest["committed_at"], doc)) is not None:
             raise CheckpointError(why)
     if not store.put_bytes_if(bucket_key(job, step, MANIFEST), encode_manifest(manifest), tag):
-        return False  # another writer came first: the next poll reads what it wrote
+        return _won_by_another(store, job, step, attempt)
     forget_commit(store, job, step)
     log.info("step %s of job %s is complete in the bucket: wrote its manifest (attempt %s)", step, job, attempt_of(manifest))
+    return True
+
+
+def _won_by_another(store: ObjectStore, job: str, step: int, attempt: Attempt | None) -> bool:
+    """After another writer came first: whether what it wrote completes this attempt's step, read at once by its key
+    (a listing may lag on a network file system's cached directory, which would otherwise hide it until it expires).
+    False when it is another attempt's, or not a manifest: the next poll judges it."""
+    try:  # by its key, bounded by the step's other objects as listed: not through the listing's view of the manifest
+        raw = read_document(store, bucket_key(job, step, MANIFEST), None, manifest_limit(step_objects(store, job, step)))
+    except (FileNotFoundError, FormatError):
+        return False
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError):
+        return False
+    if (attempt is not None and attempt_of(doc) != attempt) or valid_manifest(store, job, step, raw) is None:
+        return False
+    forget_commit(store, job, step)
+    log.info("step %s of job %s is complete in the bucket: another node wrote its manifest first", step, job)
     return True
 
 

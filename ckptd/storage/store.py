@@ -1,10 +1,10 @@
-"""The object-store interface the bucket tier (:mod:`.remote`) is written against.
+"""The object-store interface the multi-node tier (:mod:`.remote`) is written against.
 
-:class:`~ckptd.storage.s3.S3Store` implements it for S3-compatible buckets; tests use an in-memory
-double. Keys (``rel``) are relative to the store's own prefix, ``/``-separated, never starting with
-``/`` and free of ``.``/``..``/empty segments. Every method blocks until done and may be called from
-any thread. Failures raise :class:`~ckptd.errors.CheckpointError` naming the operation and key;
-reading a missing object raises :class:`FileNotFoundError`.
+:class:`~ckptd.storage.s3.S3Store` implements it for S3-compatible buckets, :class:`~ckptd.storage.posix.DirStore`
+for a shared directory every node mounts; tests use an in-memory double. Keys (``rel``) are relative to the
+store's own prefix (or directory), ``/``-separated, never starting with ``/`` and free of ``.``/``..``/empty
+segments. Every method blocks until done and may be called from any thread. Failures raise
+:class:`~ckptd.errors.CheckpointError` naming the operation and key; reading a missing object raises :class:`FileNotFoundError`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from ..s3config import RemoteConfig
+    from ..s3config import DirConfig, RemoteConfig
 
 Progress = Callable[[int], None]  # bytes moved since the last call (negative when a retry rewinds)
 
@@ -94,11 +94,18 @@ class SizedStore(Protocol):
         ...
 
 
-def open_store(remote: RemoteConfig | None, root: str | None = None) -> ObjectStore | None:
-    """The bucket ``remote`` describes (an :class:`ObjectStore`), or ``None`` without one. ``root``: the daemon's, where
-    the multipart uploads it begins are recorded until they end (:mod:`.multipart`)."""
+def open_store(remote: RemoteConfig | DirConfig | None, root: str | None = None) -> ObjectStore | None:
+    """The store ``remote`` describes (an :class:`ObjectStore`): a bucket, or a shared directory
+    (:class:`~.posix.DirStore`); ``None`` without one. ``root``: the daemon's, where the multipart uploads it begins
+    are recorded until they end (:mod:`.multipart`)."""
     if remote is None:
         return None
+    from ..s3config import DirConfig
+
+    if isinstance(remote, DirConfig):
+        from .posix import DirStore
+
+        return DirStore(remote.path)
     from .multipart import UploadLedger
     from .s3 import S3Store
 

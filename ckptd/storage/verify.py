@@ -18,7 +18,7 @@ import xxhash
 
 from ..coverage import check_coverage
 from ..errors import CheckpointError, FormatError
-from ..format import MAX_HEADER_BYTES, ChunkSpec, parse_header
+from ..format import MAX_HEADER_BYTES, ChunkSpec, files_dir, parse_header
 from ..layout import MANIFEST, complete_steps, step_dir
 from ..validate import confined_name, read_manifest
 
@@ -55,8 +55,9 @@ def verify_checkpoint(step_path: str) -> list[str]:
         for c in ent["chunks"]:
             chunks[c["file"]].append((key, ent["dtype"], c))
     problems: list[str] = []
+    folder = files_dir(step_path, manifest)  # a multi-node step in a shared directory: its attempt's
     for name, meta in manifest["files"].items():
-        path = os.path.join(step_path, confined_name(name, manifest_path, "files"))
+        path = os.path.join(folder, confined_name(name, manifest_path, "files"))
         problems += _verify_file(path, meta, chunks[name])
     try:
         check_coverage(manifest["tensors"])
