@@ -623,3 +623,39 @@ def test_a_nice_value_that_would_not_yield_to_training_is_refused(tmp_path: Path
 
     with pytest.raises(ValueError, match=r"nice must be 0\.\.19"):
         daemon_config({"root": str(tmp_path), "nice": nice}, None)
+
+
+# ---------------------------------------------------------------------------- the shared directory as the remote tier
+
+
+def test_a_shared_directory_as_the_remote_tier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptd.s3config import DirConfig
+
+    conf = _toml(tmp_path, '[remote]\npath = "/lustre/ckpts/"\nkeep = 5\ncommit_timeout = 90\n')
+    cfg = daemon_config({"root": "/r"}, conf)
+    assert cfg.remote == DirConfig("/lustre/ckpts") and cfg.remote_keep == 5 and cfg.commit_timeout == 90.0
+    # the flag replaces the file's directory (or bucket); the tier's keys stay
+    cfg = daemon_config({"root": "/r", "remote_path": "/gpfs/other"}, conf)
+    assert cfg.remote == DirConfig("/gpfs/other") and cfg.remote_keep == 5
+    bucket = _toml(tmp_path, '[remote]\nbucket = "b-1"\n', "bucket.toml")
+    assert daemon_config({"root": "/r", "remote_path": "/gpfs/x"}, bucket).remote == DirConfig("/gpfs/x")
+    # the variable applies where the file names no [remote]; the file's wins over it
+    monkeypatch.setenv("CKPTD_REMOTE_PATH", "/nfs/ckpts")
+    assert daemon_config({"root": "/r"}).remote == DirConfig("/nfs/ckpts")
+    assert isinstance(daemon_config({"root": "/r"}, bucket).remote, RemoteConfig)
+
+
+@pytest.mark.parametrize(
+    ("text", "flags", "message"),
+    [
+        ('[remote]\npath = "/a"\nbucket = "b-1"\n', {}, "'bucket' do not go with 'path'"),
+        ('[remote]\npath = "relative/dir"\n', {}, "must be absolute"),
+        ('[remote]\npath = ""\n', {}, "non-empty"),
+        ("[remote]\npath = 3\n", {}, "must be a non-empty string"),
+        ("", {"remote_path": "ckpts"}, "must be absolute"),
+        ('remote_path = "/x"\n', {}, "unknown settings"),
+    ],
+)
+def test_a_wrong_shared_directory_setting_is_refused_naming_it(tmp_path: Path, text: str, flags: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        daemon_config({"root": "/r", **flags}, _toml(tmp_path, text) if text else None)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _dist import run_ranks
@@ -66,7 +67,8 @@ def test_two_nodes_save_to_a_shared_directory_and_a_third_restores_elsewhere(mak
     step = os.path.join(shared_fs.export, "sd", "step-4")
     r = _cli("verify", step)
     assert r.returncode == 0 and r.stdout.strip().endswith(": OK"), r.stdout + r.stderr
-    listed = _cli("ls", "--root", nodes[0].mount, "--job", "sd").stdout  # the shared directory, as a node sees it
+    # a fresh mount: a mount that listed the job's folder before may show the old listing for its cache's lifetime
+    listed = _cli("ls", "--root", shared_fs.mount("ls"), "--job", "sd").stdout
     assert [line.split()[1] for line in listed.splitlines()[1:]] == ["2", "4"] and "<- latest" in listed.splitlines()[-1], listed
     out = short_tmp / "model.safetensors"
     r = _cli("export", "--job", "sd", "--root", nodes[1].mount, "--out", str(out))
@@ -145,3 +147,41 @@ def test_a_shared_directory_that_is_not_mounted_is_reported_not_used(make_daemon
         error = c.status()["last_error"]
     assert f"shared directory {short_tmp / 'not-mounted'} is not usable" in error and "is it mounted?" in error
     assert not (short_tmp / "not-mounted").exists(), "the daemon made the mount point itself"
+
+
+def test_a_full_shared_file_system_fails_the_step_clearly_and_loses_none(make_daemon, small_fs: str) -> None:  # noqa: ANN001
+    """The shared directory is a 3 MiB tmpfs. Step 1 completes; then the file system fills up: step 2 fails on both
+    nodes with an error naming ENOSPC and the file, is never complete, and step 1 stays the newest complete step.
+    With room again, step 3 completes."""
+    from test_multinode import _commit_raw
+
+    nodes = [make_daemon("--remote-path", small_fs, "--config", _commit_timeout_toml(small_fs), sub=f"node{i}") for i in range(2)]
+    store = DirStore(small_fs)
+
+    def save(step: int) -> list[Any]:
+        answers = []
+        with nodes[0].rpc() as rpc0, nodes[1].rpc() as rpc1:
+            for rank in range(4):
+                _commit_raw(rpc0 if rank < 2 else rpc1, "full", step, rank, run=7)
+            for rpc in (rpc0, rpc1):
+                answers.append(rpc.call("wait", job="full", step=step, timeout=60.0, rpc_timeout=65.0))
+        return answers
+
+    assert [a["state"] for a in save(1)] == ["durable", "durable"]
+    filler = os.path.join(small_fs, "filler")
+    with open(filler, "wb") as f:  # another user's file takes the room that is left
+        f.write(b"\0" * (os.statvfs(small_fs).f_bavail * os.statvfs(small_fs).f_frsize - 4096))
+    failed = save(2)
+    assert [a["state"] for a in failed] == ["failed", "failed"], failed
+    assert all("No space left on device" in a["error"] and "/full/step-2/" in a["error"] for a in failed), failed
+    assert remote_steps(store, "full")[0] == [1]  # step 2 never complete; step 1 still the newest complete step
+    assert not [n for n in _all_names(small_fs) if n.startswith(".ckptd-")], "temporary files were left behind"
+    os.unlink(filler)
+    assert [a["state"] for a in save(3)] == ["durable", "durable"]
+    assert remote_steps(store, "full")[0] == [1, 3]
+
+
+def _commit_timeout_toml(path: str) -> str:
+    conf = Path(path).parent / "full.toml"
+    conf.write_text(f'[remote]\npath = "{path}"\ncommit_timeout = 30\n')
+    return str(conf)

@@ -82,6 +82,8 @@ class DirStore:
     """The objects under directory ``path`` (absolute; it must exist: an unmounted mount point is refused at
     :meth:`check` only if it is not a writable directory, so mount it before the daemon starts)."""
 
+    listing_may_lag = True  # a mount's cached directory can miss what another node wrote (sshfs: ~20 s): see remote._probe
+
     def __init__(self, path: str, *, sleep: Callable[[float], None] = time.sleep) -> None:
         if not isinstance(path, str) or not os.path.isabs(path):
             raise ValueError(f"shared directory {path!r} must be an absolute path")
@@ -147,7 +149,10 @@ class DirStore:
         with self._dir_of(rel, create=True) as (dfd, name):
             if self._tag(dfd, name) != tag:
                 return False
-            tmp = self._temp(dfd, name, lambda fd: _write_all(fd, data), rel)
+            try:
+                tmp = self._temp(dfd, name, lambda fd: _write_all(fd, data), rel)
+            except FileNotFoundError:  # another node removed the folder meanwhile: the objects it judged are gone
+                return False
             try:
                 if tag is None:
                     won = self._link(dfd, tmp, name, data, rel)

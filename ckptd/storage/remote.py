@@ -65,7 +65,7 @@ from .documents import (
 )
 from .local import committed_at, job_lock, retire_now, update_latest
 from .retention import RetentionPolicy, doomed
-from .store import ObjectStore, Progress
+from .store import ObjectStore, Progress, SizedStore
 
 log = logging.getLogger("ckptd.daemon")
 
@@ -215,7 +215,27 @@ def _own_fragments(
     return frags
 
 
-def try_complete(store: ObjectStore, job: str, step: int, world_size: int, attempt: Attempt | None = None) -> bool:
+PROBE_MAX = 64  # ranks whose missing objects one probe asks for by name (beyond: the listing decides)
+
+
+def _probe(store: ObjectStore, prefix: str, objects: Objects, world_size: int, attempt: Attempt | None) -> None:
+    """Where the store's listings may lag (a network file system's cached directory, :attr:`DirStore.listing_may_lag`):
+    ask for this attempt's shards and fragments the listing misses by name (a lookup the cache does not hold back), at
+    most :data:`PROBE_MAX` ranks' worth, and add those found to ``objects`` with their sizes."""
+    if not getattr(store, "listing_may_lag", False) or not isinstance(store, SizedStore):
+        return
+    folder = "" if attempt is None else attempt_folder(*attempt)
+    missing = [r for r in range(world_size) if folder + fragment_name(r) not in objects or folder + shard_name(r) not in objects]
+    for r in missing[:PROBE_MAX]:
+        for name in (folder + shard_name(r), folder + fragment_name(r)):
+            if name not in objects:
+                try:
+                    objects[name] = ("", store.get_head(prefix + name, 0)[1])
+                except FileNotFoundError:
+                    pass
+
+
+def try_complete(store: ObjectStore, job: str, step: int, world_size: int, attempt: Attempt | None = None, probe: bool = False) -> bool:
     """Multi-node: write the step's manifest if every rank's fragment of ``attempt`` is in the bucket.
 
     True when the step is (now, or already) complete in the bucket. ``attempt``: whose step this is; only
@@ -225,10 +245,13 @@ def try_complete(store: ObjectStore, job: str, step: int, world_size: int, attem
     completes the step number meanwhile is judged at the next poll, never overwritten unseen. Raises
     ``CheckpointError`` too when the fragments do not make a whole checkpoint (coverage, differing
     replicas, mismatched steps). ``attempt`` None: fragments of an older ckptd, any manifest completes it.
-    Its own manifest (or for ``None``, any) completes it only if it validates; else it is written again.
+    Its own manifest (or for ``None``, any) completes it only if it validates; else it is written again. ``probe``:
+    also look for objects a lagging listing misses (:func:`_probe`); the caller asks for it every few polls.
     """
     prefix = bucket_prefix(job, step)
     objects = {k[len(prefix) :]: v for k, v in list_objects(store, prefix).items()}
+    if probe:
+        _probe(store, prefix, objects, world_size, attempt)
     tag = objects[MANIFEST][0] if MANIFEST in objects else None
     complete, doc, raw = _bucket_doc(store, job, step, objects) if tag is not None else (False, None, None)
     ours = complete and (attempt is None or attempt_of(doc) == attempt)
