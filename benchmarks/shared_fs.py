@@ -155,7 +155,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "resume_s": statistics.median(max(r for r, _ in rep) for rep in per_rep),
             "durable_s": statistics.median(max(d for _, d in rep) for rep in per_rep),
         }
-    return {"rows": rows, "param_bytes": sum(g[2] for g in got), "fs": args.fs, "reps": args.reps, "gb": args.gb}
+    raw = {mode: {str(g[0]): g[1][mode] for g in got} for mode in MODES}  # mode -> rank -> [(resume, durable)] per rep
+    return {"rows": rows, "raw": raw, "param_bytes": sum(g[2] for g in got), "fs": args.fs, "reps": args.reps, "gb": args.gb}
 
 
 def main(argv: list[str] | None = None) -> int:
