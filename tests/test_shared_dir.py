@@ -185,3 +185,50 @@ def _commit_timeout_toml(path: str) -> str:
     conf = Path(path).parent / "full.toml"
     conf.write_text(f'[remote]\npath = "{path}"\ncommit_timeout = 30\n')
     return str(conf)
+
+
+def test_a_single_node_job_keeps_its_steps_in_the_shared_directory(make_daemon, shared_fs: SharedFS) -> None:  # noqa: ANN001
+    """A one-node job uses the shared directory as it uses a bucket: every step copied there once durable, the
+    directory's retention (the newest 2 and every 2nd), a step protected by name kept, and a node that lost its root
+    restoring from the directory, newest first or any kept step, bit-exact; a step copied back is read locally after."""
+    import shutil
+
+    from _models import train_step
+
+    from ckptd.errors import CheckpointError
+
+    mount = shared_fs.mount("single")
+    conf = Path(shared_fs.export).parent / "single.toml"
+    conf.write_text(f'[remote]\npath = "{shared_fs.export}"\nkeep = 2\nkeep_every = 2\n')
+    d = make_daemon("--remote-path", mount, "--config", str(conf), "--keep", "2", sub="single")
+    model, optim = make()
+    states = {}
+    with d.client("one") as c:
+        for step in range(1, 6):
+            train_step(model, optim, step)
+            states[step] = full_state(model, optim)
+            c.snapshot(model, optim, step=step, extra={"step": step}, blocking=True).wait()
+            if step == 1:
+                c.protect(1, "baseline")
+    wait_uploaded(d, "one", 5)
+    store = DirStore(shared_fs.export)
+    deadline = time.monotonic() + 30
+    while remote_steps(store, "one") != ([1, 2, 4, 5], []) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert remote_steps(store, "one") == ([1, 2, 4, 5], [])  # 3 went; 1 is protected by name
+    for name in os.listdir(Path(d.root) / "one" / "step-5"):  # byte-identical to the local files they came from
+        assert store.get_bytes(f"one/step-5/{name}") == (Path(d.root) / "one" / "step-5" / name).read_bytes()
+    assert not [n for n in _all_names(shared_fs.export) if n.startswith(".ckptd-")]
+    d.stop()
+    shutil.rmtree(Path(d.root) / "one")  # the node lost its disk
+    d.start()
+    with d.client("one") as c:
+        m2, o2 = make(seed=9)
+        assert c.restore(m2, o2) == {"step": 5} and c.last_restore["source"] == "bucket"
+        assert_same(full_state(m2, o2), states[5])
+        assert c.restore(m2, o2, step=2) == {"step": 2}
+        assert_same(full_state(m2, o2), states[2])
+        c.restore(m2, o2, step=5)
+        assert c.last_restore["source"] == "disk"  # copied back once, local from then on
+        with pytest.raises(CheckpointError, match="step 3 of job 'one' is not a committed checkpoint"):
+            c.restore(m2, o2, step=3)
