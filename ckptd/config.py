@@ -302,6 +302,7 @@ def _remote_table(table: object, where: str) -> dict[str, Any]:
         raise ValueError(f"{where}: [remote] must be a table")
     conf = {k: v for k, v in table.items() if k not in _REMOTE_TIER_KEYS}
     kind = DirConfig if "path" in conf else RemoteConfig
+    out: dict[str, Any] = {"remote_unnamed": True} if not conf else {}  # only the tier's keys: --remote-path names it
     for key in ("max_bandwidth", "part_size"):
         if isinstance(conf.get(key), str):
             try:
@@ -309,7 +310,8 @@ def _remote_table(table: object, where: str) -> dict[str, Any]:
             except ValueError as e:
                 raise ValueError(f"{where}: remote.{key}: {e}") from None
     try:
-        out: dict[str, Any] = {"remote": kind.from_dict(conf)}
+        if conf:
+            out["remote"] = kind.from_dict(conf)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     for key, (field, least) in _REMOTE_TIER_KEYS.items():
@@ -348,6 +350,21 @@ def _from_file(path: str) -> dict[str, Any]:
     return out
 
 
+def _check_apart(root: str, remote: Any) -> None:
+    """``ValueError`` for a shared directory that is the root, or holds it, or lies inside it: both keep
+    ``<job>/step-N``, and each tier's retention would remove the other's steps."""
+    from .s3config import DirConfig
+
+    if not isinstance(remote, DirConfig):
+        return
+    a, b = os.path.realpath(root), os.path.realpath(remote.path)
+    if a == b or a.startswith(b.rstrip(os.sep) + os.sep) or b.startswith(a.rstrip(os.sep) + os.sep):
+        raise ValueError(
+            f"the shared directory {remote.path} and the root {root} overlap: give the daemon a root of its own on local"
+            " disk, apart from the directory every node shares"
+        )
+
+
 def daemon_config(flags: dict[str, Any] | None = None, config_file: str | None = None) -> DaemonConfig:
     """The daemon's settings: ``flags`` (``None`` values ignored) over ``config_file`` (TOML) over
     ``CKPTD_*`` over the defaults. Raises ``ValueError`` naming an unknown key, a wrong type, a bad
@@ -363,8 +380,11 @@ def daemon_config(flags: dict[str, Any] | None = None, config_file: str | None =
     if "remote_path" in flags:  # --remote-path replaces the file's [remote] (its keep and commit_timeout stay)
         cfg["remote"] = DirConfig(flags.pop("remote_path"))
     cfg.update(flags)
+    if cfg.pop("remote_unnamed", False) and cfg.get("remote") is None:
+        raise ValueError(f"{config_file}: [remote] names neither a bucket nor a path: give bucket = or path =, or --remote-path")
     if not cfg.get("root"):
         raise ValueError("no checkpoint root: give --root, root in --config, or CKPTD_ROOT")
+    _check_apart(cfg["root"], cfg.get("remote"))
     for key, least in (
         ("keep", 1), ("workers", 1), ("shm_budget", 1), ("write_rate_limit", 0), ("metrics_port", 0), ("lease_timeout", 1),
         ("persist_every", 1), ("persist_interval", 0),

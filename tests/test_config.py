@@ -659,3 +659,19 @@ def test_a_shared_directory_as_the_remote_tier(tmp_path: Path, monkeypatch: pyte
 def test_a_wrong_shared_directory_setting_is_refused_naming_it(tmp_path: Path, text: str, flags: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         daemon_config({"root": "/r", **flags}, _toml(tmp_path, text) if text else None)
+
+
+def test_remote_keys_without_a_bucket_or_path_take_the_flag_and_a_root_inside_the_shared_directory_is_refused(
+    tmp_path: Path,
+) -> None:
+    from ckptd.s3config import DirConfig
+
+    conf = _toml(tmp_path, "[remote]\nkeep = 4\ncommit_timeout = 60\n")
+    cfg = daemon_config({"root": "/r", "remote_path": "/shared"}, conf)
+    assert cfg.remote == DirConfig("/shared") and cfg.remote_keep == 4 and cfg.commit_timeout == 60.0
+    with pytest.raises(ValueError, match=r"names neither a bucket nor a path"):
+        daemon_config({"root": "/r"}, conf)
+    for root, shared in (("/shared", "/shared/"), ("/shared/node0", "/shared"), ("/data", "/data/shared")):
+        with pytest.raises(ValueError, match="overlap"):
+            daemon_config({"root": root, "remote_path": shared})
+    assert daemon_config({"root": "/shared-local", "remote_path": "/shared"}).remote == DirConfig("/shared")

@@ -296,20 +296,68 @@ def test_links_and_special_files_planted_in_the_shared_directory_are_not_followe
 
 
 def test_unfinished_writes_of_dead_writers_are_cleaned_up(tmp_path: Path) -> None:
+    """A temporary or set-aside file untouched for an hour is a crashed writer's, whichever node or container wrote
+    it; a recent one may be a live writer's (another node's, or this host's in another PID namespace): kept."""
     store = DirStore(str(tmp_path))
     store.put_bytes("j/step-1/manifest.json", b"{}")
     folder = tmp_path / "j" / "step-1"
-    me = posix._host()
-    dead = folder / f"{posix.HIDDEN}tmp.rank-00000.json.{me}.999999999.abcd"  # this host, a pid that is gone
-    alive = folder / f"{posix.HIDDEN}tmp.rank-00001.json.{me}.1.abcd"  # pid 1 lives
-    other = folder / f"{posix.HIDDEN}tmp.rank-00002.json.elsewhere.5.abcd"  # another node's, recent
-    old = folder / f"{posix.HIDDEN}del.rank-00003.json.elsewhere.5.abcd"  # another node's, a day old
-    for p in (dead, alive, other, old):
+    old_tmp = folder / f"{posix.HIDDEN}tmp.rank-00000.json.{posix._host()}.999999999.abcd"
+    old_del = folder / f"{posix.HIDDEN}del.rank-00003.json.elsewhere.5.abcd"
+    recent = folder / f"{posix.HIDDEN}tmp.rank-00002.json.elsewhere.5.abcd"
+    for p in (old_tmp, old_del, recent):
         p.write_bytes(b"partial")
-    os.utime(old, (time.time() - 2 * 86400, time.time() - 2 * 86400))
+    for p in (old_tmp, old_del):
+        os.utime(p, (time.time() - 2 * 3600, time.time() - 2 * 3600))
     assert store.abort_unfinished() == 2
-    assert sorted(p.name for p in folder.iterdir()) == sorted(["manifest.json", alive.name, other.name])
+    assert sorted(p.name for p in folder.iterdir()) == sorted(["manifest.json", recent.name])
     assert store.list("") == ["j/step-1/manifest.json"]
+
+
+def test_a_delete_whose_rename_reported_a_failure_after_it_was_done_completes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = DirStore(str(tmp_path))
+    key = bucket_key(JOB, 1, MANIFEST)
+    store.put_bytes(key, b"old")
+    tag = store.list_tagged("")[key]
+
+    def done_then_lost(real: Callable[..., Any], *args: Any, **kw: Any) -> None:
+        real(*args, **kw)
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory")
+
+    monkeypatch.setattr(posix, "os", FaultyOS(rename=_once(done_then_lost)))
+    assert store.delete_if(key, tag) is True and not store.exists(key)
+    assert not [n for n in _names(str(tmp_path)) if n.startswith(posix.HIDDEN)], "the set-aside object was left behind"
+
+
+def test_errors_making_a_folder_or_reading_are_the_store_s_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A quota hit making a step's folder is a DiskFull naming the key; an I/O error while reading a CheckpointError."""
+    store = DirStore(str(tmp_path))
+    store.put_bytes("j/step-1/a.json", b"data")
+
+    def quota(real: Callable[..., Any], *args: Any, **kw: Any) -> None:
+        raise OSError(errno.EDQUOT, "Disk quota exceeded")
+
+    def eio(real: Callable[..., Any], *args: Any, **kw: Any) -> bytes:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(posix, "os", FaultyOS(mkdir=quota))
+    with pytest.raises(DiskFull, match="step-2/a.json failed: Disk quota exceeded"):
+        store.put_bytes("j/step-2/a.json", b"data")
+    monkeypatch.setattr(posix, "os", FaultyOS(read=eio, readv=eio))
+    with pytest.raises(CheckpointError, match="reading .*step-1/a.json failed: Input/output error"):
+        store.get_bytes("j/step-1/a.json")
+    with pytest.raises(CheckpointError, match="reading .*step-1/a.json failed"):
+        store.get_file("j/step-1/a.json", str(tmp_path / "copy"))
+    assert not (tmp_path / "copy").exists() and not (tmp_path / "copy.part").exists()
+
+
+def test_a_file_system_without_hard_links_is_not_usable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_links(real: Callable[..., Any], *args: Any, **kw: Any) -> None:
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(posix, "os", FaultyOS(link=no_links))
+    with pytest.raises(CheckpointError, match=r"not usable: no hard links \(link\(2\)\)"):
+        DirStore(str(tmp_path)).check()
+    assert os.listdir(tmp_path) == []
 
 
 def test_a_directory_that_is_not_there_or_not_writable_is_not_usable(tmp_path: Path) -> None:
@@ -317,3 +365,22 @@ def test_a_directory_that_is_not_there_or_not_writable_is_not_usable(tmp_path: P
         DirStore(str(tmp_path / "absent")).check()
     with pytest.raises(ValueError, match="absolute"):
         DirStore("relative/path")
+
+
+def test_a_delete_that_finds_the_object_written_again_puts_it_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another node writes the key again between this delete's check and its rename: the object set aside is not the
+    one judged, so it goes back under its key, and the delete says it did not delete."""
+    store = DirStore(str(tmp_path))
+    key = bucket_key(JOB, 1, MANIFEST)
+    store.put_bytes(key, b"judged")
+    tag = store.list_tagged("")[key]
+
+    def rewritten_first(real: Callable[..., Any], *args: Any, **kw: Any) -> None:
+        DirStore(str(tmp_path)).put_bytes(key, b"written again")  # the other node, just before this rename
+        real(*args, **kw)
+
+    monkeypatch.setattr(posix, "os", FaultyOS(rename=_once(rewritten_first)))
+    assert store.delete_if(key, tag) is False
+    monkeypatch.setattr(posix, "os", os)
+    assert store.get_bytes(key) == b"written again"
+    assert not [n for n in _names(str(tmp_path)) if n.startswith(posix.HIDDEN)]

@@ -77,7 +77,10 @@ class SlotPool:
         self.growing: dict[int, int] = {}  # grow token -> bytes being made off the loop (counted in the budget)
         self.spares: dict[int, tuple[str, int]] = {}  # grow token -> (job, rank) a spare is made for, on no request's path
         self.allocs_waited = 0  # snapshot allocations that had to wait (for memory, or for a segment to be made)
-        self.holdings = Holdings(self.slots, segments, reset=self._reset, freed=self.retry_deferred, clock=clock, alive=alive)
+        self.holdings = Holdings(  # clock and alive through the pool: one answer for leases and pins
+            self.slots, segments, reset=self._reset, freed=self.retry_deferred,
+            clock=lambda: self._clock(), alive=lambda pid, born: self._alive(pid, born),
+        )  # fmt: skip
 
     def __iter__(self) -> Iterator[Slot]:
         return iter(list(self.slots.values()))

@@ -44,9 +44,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-import psutil
-
 from ..errors import CheckpointError, FormatError, write_failed
+from ..files import fsync_dir
 from ..s3config import check_rel
 
 if TYPE_CHECKING:
@@ -63,7 +62,7 @@ RETRIES = 5  # tries of one rename, link or listing that fails transiently
 _BACKOFF_S = 0.05  # doubled after each
 MAX_DEPTH = 8  # directories below the store's: keys are <job>/step-N[/attempt]/name
 MAX_LISTED = 1_000_000  # objects in one listing: a directory that holds more is refused, not held in memory
-STALE_TEMP_S = 24 * 3600.0  # a temporary file of any node untouched this long is a crashed writer's
+STALE_TEMP_S = 3600.0  # a temporary or set-aside file untouched this long is a crashed writer's (a live one writes on)
 CHUNK = 8 << 20  # bytes copied per read and write
 _D = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _R = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # O_NONBLOCK: a FIFO put there does not hang a read
@@ -184,17 +183,39 @@ class DirStore:
             try:
                 self._retry(lambda: os.rename(name, aside, src_dir_fd=dfd, dst_dir_fd=dfd), "delete", rel)
             except FileNotFoundError:
-                return False
-            if self._tag(dfd, aside) != tag:  # written again between the check and the rename: it stays
-                try:
-                    os.link(aside, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
-                except FileExistsError:
-                    pass  # a newer one still: the one set aside is older than what the key holds
-                _unlink_quietly(dfd, aside)
+                if not _lexists(dfd, aside):
+                    return False  # another deleter or writer took it first
+                # the rename went through and its retransmission found no source: go on with what was set aside
+            if self._tag(dfd, aside) != tag:  # written again between the check and the rename: it goes back
+                self._put_back(dfd, aside, name, rel)
                 return False
             _unlink_quietly(dfd, aside)
             self._sync_dir(dfd)
             return True
+
+    def _put_back(self, dfd: int, aside: str, name: str, rel: str) -> None:
+        """An object :meth:`delete_if` set aside but must keep: linked back under its key unless the key holds a newer
+        one (then the old one set aside goes); the set-aside file stays, and the failure is raised, only when neither
+        a link nor a rename can bring it back to an empty key."""
+        for attempt in range(RETRIES):
+            try:
+                os.link(aside, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+                break
+            except OSError as e:
+                if isinstance(e, FileExistsError) or self._tag(dfd, name) is not None:
+                    break  # a newer object holds the key (sshfs says EPERM for it)
+                if e.errno in _TRANSIENT and attempt < RETRIES - 1:
+                    self._sleep(_BACKOFF_S * 2**attempt)
+                    continue
+                try:
+                    os.rename(aside, name, src_dir_fd=dfd, dst_dir_fd=dfd)  # the key is empty: nothing is replaced
+                    return
+                except OSError as e2:
+                    raise CheckpointError(
+                        f"delete of {self.url(rel)} stopped: it was written again meanwhile, and putting it back failed"
+                        f" ({e2.strerror or e2}); it is kept as {aside} in that folder"
+                    ) from None
+        _unlink_quietly(dfd, aside)
 
     def delete(self, rels: builtins.list[str]) -> None:
         """Delete these objects (missing ones are not an error), then the directories left empty."""
@@ -234,7 +255,10 @@ class DirStore:
         with self._open(rel) as (src, size):
             if limit is not None and size > limit:
                 raise FormatError(f"{self.url(rel)} is {size} bytes, more than the {limit} expected; not read")
-            fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            except OSError as e:
+                raise write_failed(part, e) from None
             try:
                 try:
                     _copy(src, fd, limit, progress, self.url(rel))
@@ -242,9 +266,15 @@ class DirStore:
                 finally:
                     os.close(fd)
                 os.replace(part, path)
-            except BaseException:
+            except BaseException as e:
                 _unlink_quietly(None, part)
+                if isinstance(e, OSError):
+                    raise write_failed(path, e) from None
                 raise
+        try:
+            fsync_dir(os.path.dirname(os.path.abspath(path)))
+        except OSError as e:
+            raise write_failed(path, e) from None
 
     def get_bytes(self, rel: str, limit: int | None = None) -> bytes:
         """The object's bytes; past ``limit`` bytes :class:`~ckptd.errors.FormatError` (never held whole); a missing
@@ -252,7 +282,7 @@ class DirStore:
         with self._open(rel) as (fd, size):
             if limit is not None and size > limit:
                 raise FormatError(f"{self.url(rel)} is {size} bytes, more than the {limit} expected; not read")
-            data = _read_up_to(fd, (size if limit is None else limit) + 1)
+            data = _read_up_to(fd, (size if limit is None else limit) + 1, self.url(rel))
         if limit is not None and len(data) > limit:
             raise FormatError(f"{self.url(rel)} grew past the {limit} bytes expected while it was read; not read")
         return data
@@ -261,7 +291,7 @@ class DirStore:
         """The first ``nbytes`` bytes of ``rel`` (all of a shorter object) and its size; ``FileNotFoundError`` if
         missing."""
         with self._open(rel) as (fd, size):
-            return _read_up_to(fd, max(nbytes, 0)), size
+            return _read_up_to(fd, max(nbytes, 0), self.url(rel)), size
 
     def exists(self, rel: str) -> bool:
         """Whether ``rel`` is an object (a regular file, not one of the store's own temporary files)."""
@@ -323,34 +353,45 @@ class DirStore:
     # ------------------------------------------------------------------ the store as a whole
 
     def check(self) -> None:
-        """Raise :class:`CheckpointError` unless the directory exists and this process can write and fsync there."""
+        """Raise :class:`CheckpointError` unless the directory exists and this process can write, fsync and hard-link
+        there (a step's manifest is published with ``link(2)``)."""
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as e:
             raise CheckpointError(f"shared directory {self.path} is not usable: {e.strerror or e} (is it mounted?)") from None
+        linked = f"{_TMP}probe-link.{self._me}.{secrets.token_hex(4)}"
+        probe = None
         try:
-            probe = self._temp(fd, "probe", lambda f: _write_all(f, b"ckptd"), "probe")
-            _unlink_quietly(fd, probe)
+            try:
+                probe = self._temp(fd, "probe", lambda f: _write_all(f, b"ckptd"), "probe")
+            except OSError as e:  # the folder vanished under us: a mount going away
+                raise CheckpointError(e.strerror or str(e)) from None
+            try:
+                os.link(probe, linked, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
+            except OSError as e:
+                raise CheckpointError(f"no hard links (link(2)), which publishing a step's manifest needs: {e.strerror or e}") from None
         except CheckpointError as e:
             raise CheckpointError(f"shared directory {self.path} is not usable: {e}") from None
         finally:
+            for name in (probe, linked):
+                if name is not None:
+                    _unlink_quietly(fd, name)
             os.close(fd)
 
     def abort_unfinished(self) -> int:
-        """Remove the temporary and set-aside files that crashed writers left: this host's of processes that are gone,
-        and any node's untouched for a day. Returns how many; never raises."""
+        """Remove the temporary and set-aside files that crashed writers left: any node's untouched for an hour (a live
+        writer's file is written to, then renamed, within seconds of its last write; a pid says nothing across nodes or
+        containers that share a host name). Returns how many; never raises."""
         removed = 0
-        host = _host()
         try:
             for folder, name, st in self._hidden():
-                owner = name.rsplit(".", 3)
-                mine = len(owner) == 4 and owner[1] == host and owner[2].isdigit() and int(owner[2]) != os.getpid()
-                dead = mine and not psutil.pid_exists(int(owner[2]))
-                if dead or time.time() - st.st_mtime > STALE_TEMP_S:
+                if time.time() - st.st_mtime > STALE_TEMP_S:
                     dfd = self._walk([p for p in folder.split("/") if p], create=False)
                     try:
-                        _unlink_quietly(dfd, name)
+                        os.unlink(name, dir_fd=dfd)
                         removed += 1
+                    except OSError:
+                        pass  # gone already (another node cleaned it up), or not ours to remove
                     finally:
                         os.close(dfd)
         except Exception as e:  # never fatal: what is left is invisible to readers and tried again at the next start
@@ -372,7 +413,11 @@ class DirStore:
                         if entry.is_dir(follow_symlinks=False) and depth < MAX_DEPTH:
                             stack.append((folder + entry.name + "/", depth + 1))
                         elif entry.name.startswith((_TMP, _DEL)) and entry.is_file(follow_symlinks=False):
-                            yield folder, entry.name, entry.stat(follow_symlinks=False)
+                            try:
+                                st = entry.stat(follow_symlinks=False)
+                            except OSError:
+                                continue  # another node cleaned it up meanwhile
+                            yield folder, entry.name, st
             finally:
                 os.close(fd)
 
@@ -397,6 +442,10 @@ class DirStore:
             if create:
                 raise CheckpointError(f"writing {self.url(rel)} failed: its folder keeps vanishing") from None
             fd = -1
+        except OSError as e:  # EACCES, EIO, a full file system or quota making a folder, ESTALE past the retries
+            if create:
+                raise write_failed(self.url(rel), e) from None
+            raise CheckpointError(f"{self.url(rel)}: {e.strerror or e}") from None
         try:
             yield fd, parts[-1]
         finally:
@@ -413,6 +462,10 @@ class DirStore:
             except FileNotFoundError:
                 if not create or attempt == RETRIES - 1:
                     raise
+            except OSError as e:
+                if e.errno not in _TRANSIENT or attempt == RETRIES - 1:
+                    raise
+                self._sleep(_BACKOFF_S * 2**attempt)
         raise AssertionError("not reached")
 
     def _walk_once(self, parts: builtins.list[str], create: bool) -> int:
@@ -450,7 +503,10 @@ class DirStore:
                     raise FileNotFoundError(errno.ENOENT, f"no such object {self.url(rel)}") from None
                 raise CheckpointError(f"reading {self.url(rel)} failed: {e.strerror or e}") from None
         try:
-            st = os.fstat(fd)
+            try:
+                st = os.fstat(fd)
+            except OSError as e:
+                raise CheckpointError(f"reading {self.url(rel)} failed: {e.strerror or e}") from None
             if not stat.S_ISREG(st.st_mode):
                 raise CheckpointError(f"{self.url(rel)} is not a regular file; not read")
             yield fd, st.st_size
@@ -518,8 +574,8 @@ class DirStore:
         except OSError:
             return False
         try:
-            return stat.S_ISREG(os.fstat(fd).st_mode) and _read_up_to(fd, len(data) + 1) == data
-        except OSError:
+            return stat.S_ISREG(os.fstat(fd).st_mode) and _read_up_to(fd, len(data) + 1, name) == data
+        except (OSError, CheckpointError):
             return False
         finally:
             os.close(fd)
@@ -562,11 +618,15 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
 
 
 def _copy(src: int, dst: int, limit: int | None, progress: Progress | None, where: str) -> None:
-    """Copy ``src`` to ``dst`` in chunks; :class:`FormatError` at the chunk that passes ``limit``."""
+    """Copy ``src`` (``where``, for messages) to ``dst`` in chunks; :class:`FormatError` at the chunk that passes
+    ``limit``; a failed read a :class:`CheckpointError` naming ``where``, a failed write the ``OSError`` itself."""
     buf = bytearray(CHUNK)
     view, total = memoryview(buf), 0
     while True:
-        n = os.readv(src, [buf])
+        try:
+            n = os.readv(src, [buf])
+        except OSError as e:
+            raise CheckpointError(f"reading {where} failed: {e.strerror or e}") from None
         if n == 0:
             return
         total += n
@@ -577,10 +637,13 @@ def _copy(src: int, dst: int, limit: int | None, progress: Progress | None, wher
             progress(n)
 
 
-def _read_up_to(fd: int, nbytes: int) -> bytes:
+def _read_up_to(fd: int, nbytes: int, where: str) -> bytes:
     chunks, left = [], nbytes
     while left > 0:
-        chunk = os.read(fd, min(left, CHUNK))
+        try:
+            chunk = os.read(fd, min(left, CHUNK))
+        except OSError as e:
+            raise CheckpointError(f"reading {where} failed: {e.strerror or e}") from None
         if not chunk:
             break
         chunks.append(chunk)

@@ -227,12 +227,16 @@ def _probe(store: ObjectStore, prefix: str, objects: Objects, world_size: int, a
     folder = "" if attempt is None else attempt_folder(*attempt)
     missing = [r for r in range(world_size) if folder + fragment_name(r) not in objects or folder + shard_name(r) not in objects]
     for r in missing[:PROBE_MAX]:
-        for name in (folder + shard_name(r), folder + fragment_name(r)):
-            if name not in objects:
+        # the fragment first: a node publishes a rank's shard before its fragment, so a fragment found has its shard
+        # (asked second); the other order could find a fragment published between the two asks without its shard
+        found: dict[str, tuple[str, int | None]] | None = {}
+        for name in (folder + fragment_name(r), folder + shard_name(r)):
+            if name not in objects and found is not None:
                 try:
-                    objects[name] = ("", store.get_head(prefix + name, 0)[1])
+                    found[name] = ("", store.get_head(prefix + name, 0)[1])
                 except FileNotFoundError:
-                    pass
+                    found = None  # not both there yet: the rank is judged at a later poll
+        objects.update(found or {})
 
 
 def try_complete(store: ObjectStore, job: str, step: int, world_size: int, attempt: Attempt | None = None, probe: bool = False) -> bool:
@@ -267,18 +271,19 @@ def try_complete(store: ObjectStore, job: str, step: int, world_size: int, attem
         if complete and not ours and (why := _refusal(job, step, attempt, manifest["committed_at"], doc)) is not None:
             raise CheckpointError(why)
     if not store.put_bytes_if(bucket_key(job, step, MANIFEST), encode_manifest(manifest), tag):
-        return _won_by_another(store, job, step, attempt)
+        return _won_by_another(store, job, step, attempt, objects)
     forget_commit(store, job, step)
     log.info("step %s of job %s is complete in the bucket: wrote its manifest (attempt %s)", step, job, attempt_of(manifest))
     return True
 
 
-def _won_by_another(store: ObjectStore, job: str, step: int, attempt: Attempt | None) -> bool:
+def _won_by_another(store: ObjectStore, job: str, step: int, attempt: Attempt | None, objects: Objects) -> bool:
     """After another writer came first: whether what it wrote completes this attempt's step, read at once by its key
     (a listing may lag on a network file system's cached directory, which would otherwise hide it until it expires).
-    False when it is another attempt's, or not a manifest: the next poll judges it."""
+    False when it is another attempt's, or not a manifest: the next poll judges it. ``objects``: the step's, as this
+    try listed (and probed) them, which bound the read."""
     try:  # by its key, bounded by the step's other objects as listed: not through the listing's view of the manifest
-        raw = read_document(store, bucket_key(job, step, MANIFEST), None, manifest_limit(step_objects(store, job, step)))
+        raw = read_document(store, bucket_key(job, step, MANIFEST), None, manifest_limit(objects))
     except (FileNotFoundError, FormatError):
         return False
     try:
