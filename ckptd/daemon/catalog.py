@@ -33,7 +33,7 @@ from ..format import commit_time
 from ..layout import is_complete, list_jobs, step_dir, was_fetched
 from ..protocol import Source
 from ..storage.local import committed_at, latest_step, steps_by_commit
-from ..storage.remote import bucket_committed_at, bucket_steps_by_commit, remote_steps
+from ..storage.remote import bucket_committed_at, bucket_steps_by_commit, remote_steps, step_complete
 from ..storage.store import ObjectStore
 from ..validate import I64_MAX
 from .tiering import Tier
@@ -141,7 +141,7 @@ class StepCatalog:
         path = self.complete_path(job, step)
         if path is not None and not self._replaced_in_bucket(job, step, path):
             return Found(step, Source.DISK, path)
-        if step not in self.bucket_steps(job):
+        if self.store is None or not step_complete(self.store, job, step):
             raise NoStep(f"step {step} of job {job!r} is not a committed checkpoint {self.where()}")
         return Found(step, Source.BUCKET, None)
 

@@ -97,16 +97,14 @@ def get_document(store: ObjectStore, key: str, ceiling: int = MAX_DOCUMENT_BYTES
     if parsed is None:
         return store.get_bytes(key, limit=ceiling)
     step, name = parsed
-    objects = step_objects(store, job, step)
-    if objects is not None and name not in objects:
-        raise FileNotFoundError(f"no such object {store.url(key)}")
+    objects = step_objects(store, job, step)  # a name it misses is still read by its key: a cached listing may lag
     folder, _, base = name.rpartition("/")
     rank = fragment_rank(base)
     if name == MANIFEST:
         limit = manifest_limit(objects, ceiling)
     else:
         limit = ceiling if rank is None else fragment_limit(objects, folder + "/" if folder else "", rank, ceiling)
-    return read_document(store, key, None if objects is None else objects[name], limit)
+    return read_document(store, key, None if objects is None else objects.get(name), limit)
 
 
 def valid_manifest(store: ObjectStore, job: str, step: int, raw: bytes) -> dict[str, Any] | None:

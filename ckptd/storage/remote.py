@@ -151,6 +151,18 @@ def _bucket_doc(store: ObjectStore, job: str, step: int, objects: Objects | None
         return True, None, raw
 
 
+def step_complete(store: ObjectStore, job: str, step: int) -> bool:
+    """Whether step ``step`` of ``job`` is complete in the bucket: its manifest read by its key (bounded by the step's
+    listing) and valid. Not through a listing of the manifest itself, which a network file system's cached directory
+    may not show yet (a restore of a step another node just completed)."""
+    objects = step_objects(store, job, step)
+    try:
+        raw = read_document(store, bucket_key(job, step, MANIFEST), None, manifest_limit(objects))
+    except (FileNotFoundError, FormatError):
+        return False
+    return valid_manifest(store, job, step, raw) is not None
+
+
 def bucket_attempt(store: ObjectStore, job: str, step: int) -> tuple[bool, Attempt | None]:
     """``(complete, attempt)``: whether step ``step`` has a manifest in the bucket, and the attempt it names."""
     complete, doc, _ = _bucket_doc(store, job, step)
