@@ -214,7 +214,9 @@ def test_a_wait_in_progress_when_the_daemon_restarts_gets_the_new_daemons_answer
     d = make_daemon("--write-rate-limit", "1")  # 1 byte/s: the step stays pending until the restart
     model, optim = make()
     out: dict = {}
-    with d.client("j", timeout=3.0) as c:
+    # each request slice, and the hello probe after it, lasts the client's timeout: the restarted daemon must answer
+    # within it. 10 s, not 3: on a loaded 2-core CI machine a daemon's start and recovery took longer than 3 s
+    with d.client("j", timeout=10.0) as c:
         h = c.snapshot(model, optim, step=1, blocking=True)
 
         connected = threading.Event()
