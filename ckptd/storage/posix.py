@@ -32,6 +32,7 @@ one run saves at a time, so the racers there are the nodes of one attempt writin
 from __future__ import annotations
 
 import builtins
+import contextlib
 import errno
 import logging
 import os
@@ -387,11 +388,10 @@ class DirStore:
             for folder, name, st in self._hidden():
                 if time.time() - st.st_mtime > STALE_TEMP_S:
                     dfd = self._walk([p for p in folder.split("/") if p], create=False)
-                    try:
-                        os.unlink(name, dir_fd=dfd)
-                        removed += 1
-                    except OSError:
-                        pass  # gone already (another node cleaned it up), or not ours to remove
+                    try:  # one gone already (another node cleaned it up), or not ours to remove, is not counted
+                        with contextlib.suppress(OSError):
+                            os.unlink(name, dir_fd=dfd)
+                            removed += 1
                     finally:
                         os.close(dfd)
         except Exception as e:  # never fatal: what is left is invisible to readers and tried again at the next start
