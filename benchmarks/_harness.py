@@ -377,3 +377,22 @@ def stop_dcp_checkpoint_process() -> None:
     ape._CHECKPOINT_PROCESS = None
     with contextlib.suppress(Exception):
         p.__del__()  # sends TERMINATE, joins, SIGTERMs if needed
+
+
+def gather(q: Any, procs: list[Any], timeout: float, failed: Callable[[], str]) -> list[Any]:
+    """One result from ``q`` per rank process in ``procs``, then every process joined: ``RuntimeError`` (``failed()``
+    says what) when a rank exits with an error, or the results take longer than ``timeout`` seconds."""
+    got: list[Any] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < len(procs):
+        if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+            raise RuntimeError(f"a rank failed or timed out: {failed()}")
+        try:
+            got.append(q.get(timeout=1.0))
+        except Exception:  # queue.Empty
+            continue
+    for p in procs:
+        p.join(60)
+        if p.exitcode != 0:
+            raise RuntimeError(f"a rank exited with {p.exitcode}")
+    return got

@@ -111,7 +111,7 @@ def _rank(rank: int, world: int, params: float, endpoint: str, tmp: str, reps: i
 
 def _run_config(gb: float, world: int, reps: int, ctx: Any) -> dict[str, Any]:
     """``world`` ranks on a state of ``gb`` GB, one daemon of their own: the slowest rank's figures."""
-    from _harness import DaemonProcess
+    from _harness import DaemonProcess, gather
 
     params = gb * 1e9 / 12  # float32 parameter + two AdamW moments
     work = tempfile.mkdtemp(prefix="cksc")
@@ -123,19 +123,7 @@ def _run_config(gb: float, world: int, reps: int, ctx: Any) -> dict[str, Any]:
         procs = [ctx.Process(target=_rank, args=(r, world, params, daemon.endpoint, work, reps, q)) for r in range(world)]
         for pr in procs:
             pr.start()
-        got: list[Any] = []
-        deadline = time.monotonic() + 900
-        while len(got) < world:
-            if any(pr.exitcode not in (None, 0) for pr in procs) or time.monotonic() > deadline:
-                raise RuntimeError(f"{gb} GB x {world} ranks: a rank failed or timed out")
-            try:
-                got.append(q.get(timeout=1.0))
-            except Exception:  # queue.Empty
-                continue
-        for pr in procs:
-            pr.join(60)
-            if pr.exitcode != 0:
-                raise RuntimeError(f"a rank exited with {pr.exitcode}")
+        got = gather(q, procs, 900, lambda: f"{gb} GB x {world} ranks")
     finally:
         for pr in procs:
             if pr.is_alive():

@@ -108,7 +108,7 @@ def _mounts(kind: str, work: str) -> tuple[list[str], str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from _harness import DaemonProcess
+    from _harness import DaemonProcess, gather
 
     work = tempfile.mkdtemp(prefix="cksf")
     mounts, shared, server = _mounts(args.fs, work)
@@ -128,17 +128,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         procs = [ctx.Process(target=_rank, args=(r, args, endpoints, mounts, work, q)) for r in range(NODES * PER_NODE)]
         for p in procs:
             p.start()
-        got: list[Any] = []
-        deadline = time.monotonic() + 3600
-        while len(got) < len(procs):
-            if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
-                raise RuntimeError("a rank failed or timed out:\n" + "\n".join(d.log_tail() for d in daemons))
-            try:
-                got.append(q.get(timeout=1.0))
-            except Exception:  # queue.Empty
-                continue
-        for p in procs:
-            p.join(60)
+        got = gather(q, procs, 3600, lambda: "\n".join(d.log_tail() for d in daemons))
     finally:
         for p in procs:
             if p.is_alive():
