@@ -1,8 +1,8 @@
-"""Before and after a change: stall.py, many_tensors.py and training_loop.py on two checkouts of this repository,
+"""Before and after a change: stall.py, many_tensors.py, training_loop.py and cpu_per_checkpoint.py on two checkouts of this repository,
 the two alternating in one run on one machine.
 
     .venv/bin/python benchmarks/before_after.py [--before 0d2d4fa] [--after worktree] [--rounds 2]
-        [--benchmarks stall,many_tensors,training_loop] [--stall-args "..."] [--many-tensors-args "..."]
+        [--benchmarks stall,many_tensors,training_loop,cpu_per_checkpoint] [--stall-args "..."] [--many-tensors-args "..."]
         [--training-loop-args "..."] [--json bench-out/before_after.json]
 
 What it is for: showing that a change (issue 36's refactor of the daemon) leaves the benchmarks unchanged within
@@ -17,9 +17,11 @@ included (the default for ``--after``; ``--before`` defaults to 0d2d4fa, the com
 Each run is ``<this python> <checkout>/benchmarks/<script>.py --json <tmp> <args>`` in the checkout with
 ``PYTHONPATH=<checkout>``, so the checkout's ``ckptd`` is imported, by the benchmark and by the ``python -m ckptd
 serve`` daemon it starts, before the installed one (checked for each checkout before the first run); torch is the
-same on both sides. The default arguments are small (2 rounds take about 10-15 minutes on 2 cores) and skip torch
-DCP rows where a flag allows (DCP is the same code on both sides); ``--stall-args`` etc. replace a benchmark's
-arguments (a single option needs ``=``: ``--stall-args=--skip-process``).
+same on both sides. cpu_per_checkpoint.py, which uses only the public API, is the exception: both sides run this
+repository's copy of it (with the checkout's ``ckptd``), so that a checkout older than the script is measured too.
+The default arguments are small (2 rounds take about 10-15 minutes on 2 cores) and skip torch DCP rows where a flag
+allows (DCP is the same code on both sides); ``--stall-args`` etc. replace a benchmark's arguments (a single option
+needs ``=``: ``--stall-args=--skip-process``).
 
 The headline numbers taken from each run's JSON (a key missing in an older checkout's JSON reads n/a):
 
@@ -28,6 +30,8 @@ The headline numbers taken from each run's JSON (a key missing in an older check
 * many_tensors: warm blocking and default snapshot (ms), the first snapshot, a restore from disk, and the median
   of the per-pair ratios warm blocking / fused floor.
 * training_loop: each ckptd mode's overhead per checkpoint (ms, the median of the script's own rounds).
+* cpu_per_checkpoint: each mode's CPU time per checkpoint (ms) in the trainer's process and in the daemon, and the
+  idle daemon's CPU per second: what a wall-clock overhead is made of, and far less noisy than one.
 
 Each benchmark also gives a reference row with no ckptd code in it (the floor copy, the quiet training step): its
 after/before is how much the machine itself moved between the sides. Prints a markdown table (per metric: the median
@@ -147,11 +151,25 @@ def training_loop_metrics(out: dict[str, Any]) -> Metrics:
     return m
 
 
+def cpu_metrics(out: dict[str, Any]) -> Metrics:
+    """cpu_per_checkpoint.py's JSON: each mode's trainer and daemon CPU per checkpoint (ms), the copy floor's CPU (ms)."""
+    m: Metrics = {}
+    for mode, r in (out.get("modes") if isinstance(out.get("modes"), dict) else {}).items():
+        m[f"{mode}: trainer CPU per checkpoint (ms)"] = number(dig(r, "trainer_cpu_s"), 1e3)
+        m[f"{mode}: daemon CPU per checkpoint (ms)"] = number(dig(r, "daemon_cpu_s"), 1e3)
+    m["idle daemon CPU (ms per s)"] = number(out.get("idle_cpu_per_s"), 1e3)
+    m[REF + "CPU to copy the state once (ms)"] = number(out.get("floor_cpu_s"), 1e3)
+    return m
+
+
 @dataclass(frozen=True)
 class Benchmark:
     name: str  # the script's stem; its option is --<name with dashes>-args
     args: str  # the default arguments: small, no DCP rows where a flag allows
     metrics: Callable[[dict[str, Any]], Metrics]
+    # the script is this repository's, run against each checkout's ckptd (it uses only the public API, so a checkout
+    # older than the script measures too); otherwise each checkout runs its own copy
+    script_from_here: bool = False
 
 
 BENCHMARKS = (
@@ -159,6 +177,7 @@ BENCHMARKS = (
     Benchmark("many_tensors", "--layers 1250 --reps 5", many_tensors_metrics),
     # DCP's thread mode has no flag to skip it: it runs, and is not reported
     Benchmark("training_loop", "--params 5.5e6 --steps 24 --every 4 --rounds 2 --skip-process", training_loop_metrics),
+    Benchmark("cpu_per_checkpoint", "--params 5.5e6 --checkpoints 12 --rounds 3", cpu_metrics, script_from_here=True),
 )
 
 
@@ -337,7 +356,8 @@ def run_benchmark(bench: Benchmark, co: Checkout, argv: list[str], tmp: Path, rn
     """One run of ``bench`` in ``co``: its wall time, metrics and raw JSON. Raises BenchFailed with its output's tail."""
     stem = tmp / f"{bench.name}-{co.side}-r{rnd}"
     out_json, out_log, err_log = (stem.with_suffix(s) for s in (".json", ".out", ".err"))
-    cmd = [sys.executable, str(co.path / "benchmarks" / f"{bench.name}.py"), "--json", str(out_json), *argv]
+    script = (REPO if bench.script_from_here else co.path) / "benchmarks" / f"{bench.name}.py"
+    cmd = [sys.executable, str(script), "--json", str(out_json), *argv]
     t0 = time.perf_counter()
     with open(out_log, "wb") as fo, open(err_log, "wb") as fe:
         rc = run_child(cmd, co, fo, fe)

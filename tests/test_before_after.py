@@ -184,3 +184,34 @@ def test_a_checkout_runs_its_own_ckptd(tmp_path: Path) -> None:
     # a directory with no ckptd of its own: the installed one (this repository's, editable) is imported instead
     with pytest.raises(ba.BenchFailed, match="imports ckptd from"):
         ba.check_imports(ba.Checkout("before", "x", tmp_path, "0" * 40, 0))
+
+
+def test_cpu_metrics_are_each_modes_trainer_and_daemon_cpu_in_ms() -> None:
+    modes = {"blocking": {"trainer_cpu_s": 0.031, "daemon_cpu_s": 0.12, "wall_s": 0.3}, "memory": {"trainer_cpu_s": 0.02}}
+    m = ba.cpu_metrics({"modes": modes, "floor_cpu_s": 0.0225, "idle_cpu_per_s": 0.004})
+    assert m == pytest.approx(
+        {
+            "blocking: trainer CPU per checkpoint (ms)": 31.0,
+            "blocking: daemon CPU per checkpoint (ms)": 120.0,
+            "memory: trainer CPU per checkpoint (ms)": 20.0,
+            "memory: daemon CPU per checkpoint (ms)": None,
+            "idle daemon CPU (ms per s)": 4.0,
+            REF + "CPU to copy the state once (ms)": 22.5,
+        }
+    )
+    assert ba.cpu_metrics({"modes": ["garbage"]}) == {"idle daemon CPU (ms per s)": None, REF + "CPU to copy the state once (ms)": None}
+
+
+def test_a_script_from_here_runs_this_repositorys_copy_against_the_checkouts_ckptd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    here, old = tmp_path / "here", tmp_path / "old"
+    script = "import json, sys; json.dump({'argv0': sys.argv[0]}, open(sys.argv[sys.argv.index('--json') + 1], 'w'))\n"
+    for d in (here, old):
+        (d / "benchmarks").mkdir(parents=True)
+    (here / "benchmarks" / "probe.py").write_text(script)  # the older checkout has no copy of the script
+    monkeypatch.setattr(ba, "REPO", here)
+    co = ba.Checkout("before", "x", old, "0" * 40, 0)
+    bench = ba.Benchmark("probe", "", lambda out: {"argv0": None}, script_from_here=True)
+    got = ba.run_benchmark(bench, co, [], tmp_path, 0)
+    assert got["raw"]["argv0"] == str(here / "benchmarks" / "probe.py")
+    with pytest.raises(ba.BenchFailed, match="exited with status"):  # without the flag, the checkout's own copy: none
+        ba.run_benchmark(ba.Benchmark("probe", "", lambda out: {}), co, [], tmp_path, 1)
