@@ -89,6 +89,24 @@ def _format_jobs(jobs: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _format_peers(st: dict[str, Any]) -> list[str]:
+    """The replication lines of ``ckptd status``: what goes to peers, and what this daemon holds for them."""
+    lines = []
+    rep = st.get("replication")
+    if isinstance(rep, dict):
+        peers = ", ".join(f"{p['endpoint']} {'ok' if p['ok'] else 'untried' if p['ok'] is None else 'FAILING: ' + str(p['error'])}"
+                          for p in rep.get("peers", []))  # fmt: skip
+        lines.append(f"replicate   {rep.get('replicas')} replica(s) per step to {peers or 'no peer'}")
+        for job, r in sorted((rep.get("jobs") or {}).items()):
+            lines.append(f"  {job}: step {r['step']} {r['state']} ({', '.join(r['peers']) or 'no peer took it'})")
+    held = st.get("replicas_held")
+    if isinstance(held, dict):
+        steps = ", ".join(f"{j} {s}" for j, s in sorted((held.get("steps_held") or {}).items())) or "none"
+        room = f"{_gb(held['replica_bytes'])} of {_gb(held['replica_budget'])}"
+        lines.append(f"replicas    {room} held for peers on {held['listen']}: {steps}")
+    return lines
+
+
 def format_status(st: dict[str, Any]) -> str:
     """``ckptd status`` for people: the daemon, its memory, throughput, uploads in progress, jobs."""
     up = int(st.get("uptime_s", 0))
@@ -104,6 +122,7 @@ def format_status(st: dict[str, Any]) -> str:
     ]
     if st.get("remote"):
         lines += _format_transfers(st)
+    lines += _format_peers(st)
     lines.append(f"last error  {st.get('last_error') or 'none'}" + (f" ({st['errors']} in all)" if st.get("errors") else ""))
     if st.get("jobs"):
         lines += _format_jobs(st["jobs"])
@@ -141,6 +160,9 @@ def _parser() -> argparse.ArgumentParser:
     ls.add_argument("--root", default=None, help=ROOT_HELP)
     ls.add_argument("--job", default=None)
     ls.add_argument("--endpoint", default=None)
+
+    kg = sub.add_parser("keygen", help="make the cluster's peer key (CurveZMQ) for --peer-key: a new file, mode 0600")
+    kg.add_argument("file", help="where to write it (an existing file is never replaced)")
     return p
 
 
@@ -182,6 +204,13 @@ def _serve_parser(s: argparse.ArgumentParser) -> None:
     s.add_argument("--persist-every", type=int, default=None, help="persist one snapshot in N; the others stay in memory (default 1)")
     s.add_argument("--persist-interval", type=float, default=None, help="also persist the first snapshot T seconds after the last (0: off)")
     s.add_argument("--lagging", choices=("memory", "wait"), default=None, help="a snapshot due for disk while it is busy: wait or memory")
+    s.add_argument("--peer-listen", default=None, metavar="tcp://ADDR:PORT", help="hold other nodes' replicas; serve peers here")
+    s.add_argument("--peer", action="append", dest="peers", default=None, metavar="tcp://ADDR:PORT",
+                   help="a peer daemon to replicate steps to (repeat for more)")  # fmt: skip
+    s.add_argument("--peer-key", default=None, metavar="FILE", help="the cluster's peer key (ckptd keygen FILE), mode 0600")
+    s.add_argument("--replicas", type=int, default=None, help="peers each completed step is copied to (default 0: off)")
+    s.add_argument("--replicate-rate-limit", type=_size, default=None, help="bytes/s cap on replication (default: none)")
+    s.add_argument("--replica-budget", type=_size, default=None, help="shared memory for peers' replicas (default: half the shm budget)")
     s.add_argument(
         "--idle-priority",
         action=argparse.BooleanOptionalAction,
@@ -200,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command; its exit status. A reader that closes stdout early (``ckptd ls | head``) ends any command
     quietly with 141, as ``cat`` killed by SIGPIPE does: Python's recipe (docs.python.org/3/library/signal.html, "Note on
     SIGPIPE"), not SIGPIPE's default action, which would also kill the process on a socket the daemon's peer closed."""
-    commands = {"serve": _serve, "status": _status, "verify": _verify, "export": _export, "import": _import, "ls": _ls}
+    commands = {"serve": _serve, "status": _status, "verify": _verify, "export": _export, "import": _import, "ls": _ls, "keygen": _keygen}
     parser = _parser()  # argparse drops the help it cannot write itself
     args = parser.parse_args(argv)
     _check_checkpoint_usage(parser, args)
@@ -243,6 +272,18 @@ def _serve(args: argparse.Namespace) -> int:
     except (CheckpointError, OSError, zmq.ZMQError) as e:  # a root it cannot make or write, an endpoint it cannot bind
         print(f"ckptd serve: {e}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    from .peerkey import keygen
+
+    try:
+        key = keygen(args.file)
+    except CheckpointError as e:
+        print(f"ckptd keygen: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.file} (mode 0600), public key {key.public.decode()}; copy it to every node (--peer-key {args.file})")
     return 0
 
 

@@ -261,17 +261,24 @@ class DaemonConfig:
     persist_every: int = 1  # tiering (daemon/tiering.py): persist one snapshot in N, the others stay in memory only...
     persist_interval: float = 0.0  # ...and the first one T seconds after the last persisted one (0: no time rule)
     lagging: str = "wait"  # a snapshot due for disk while the disk is busy: "wait" (queued for disk) or "memory" (kept in memory)
+    peer_listen: str | None = None  # tcp://ADDR:PORT: hold peers' replicas (daemon/replicas.py)
+    peers: tuple[str, ...] = ()  # tcp://ADDR:PORT of peer daemons to replicate to (static: a job on one node)
+    peer_key: str | None = None  # the cluster's CurveZMQ key file (ckptd keygen), mode 0600
+    replicas: int = 0  # peers each completed step is copied to (0: no replication)
+    replicate_rate_limit: float = 0.0  # bytes/s cap on replication, 0: none
+    replica_budget: int | None = None  # shared memory set aside for peers' replicas (None: half the shm budget)
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 SERVE_KEYS = (
     "root", "endpoint", "shm_budget", "keep", "workers", "write_rate_limit", "nice", "log_level", "group", "metrics_port", "idle_priority",
-    "direct_io", "lease_timeout", "persist_every", "persist_interval", "lagging",
+    "direct_io", "lease_timeout", "persist_every", "persist_interval", "lagging", "peer_listen", "peers", "peer_key", "replicas",
+    "replicate_rate_limit", "replica_budget",
 )  # fmt: skip
-_STR_KEYS = ("root", "endpoint", "log_level", "group", "lagging")
+_STR_KEYS = ("root", "endpoint", "log_level", "group", "lagging", "peer_listen", "peer_key")
 _FLOAT_KEYS = ("lease_timeout", "persist_interval")
-_SIZE_KEYS = ("shm_budget", "write_rate_limit")
+_SIZE_KEYS = ("shm_budget", "write_rate_limit", "replicate_rate_limit", "replica_budget")
 # the [remote] table holds the bucket's RemoteConfig and these, the bucket's retention and the multi-node wait
 _REMOTE_TIER_KEYS = {"keep": ("remote_keep", 1), "keep_every": ("remote_keep_every", 0), "commit_timeout": ("commit_timeout", 1)}
 
@@ -341,6 +348,11 @@ def _from_file(path: str) -> dict[str, Any]:
                 value = parse_size(value)
             except ValueError as e:
                 raise ValueError(f"{path}: {key}: {e}") from None
+        if key == "peers":
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise ValueError(f"{path}: peers must be a list of endpoints (strings), got {value!r}")
+            out[key] = tuple(value)
+            continue
         want = str if key in _STR_KEYS else bool if key in ("idle_priority", "direct_io") else float if key in _FLOAT_KEYS else int
         if want is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
@@ -365,6 +377,24 @@ def _check_apart(root: str, remote: Any) -> None:
         )
 
 
+def _check_peers(cfg: dict[str, Any]) -> None:
+    """``ValueError`` for peer settings that cannot work: an endpoint that is not ``tcp://HOST:PORT``, more replicas
+    than peers, peer links without the cluster's key, a replica budget without a port to receive replicas on."""
+    cfg["peers"] = tuple(dict.fromkeys(cfg.get("peers") or ()))  # in order, each once
+    for what, ep in [("peer_listen", cfg.get("peer_listen"))] + [("peer", p) for p in cfg["peers"]]:
+        if ep is not None and (not isinstance(ep, str) or not re.fullmatch(r"tcp://[^\s/:]+:\d{1,5}", ep)):
+            raise ValueError(f"{what} must be tcp://HOST:PORT (peer links are TCP, encrypted with the cluster's key), got {ep!r}")
+    replicas = cfg.get("replicas", 0)
+    if replicas > len(cfg["peers"]):
+        raise ValueError(f"replicas {replicas} needs at least {replicas} peers (--peer tcp://HOST:PORT, repeated), got {len(cfg['peers'])}")
+    if (cfg.get("peer_listen") or cfg["peers"]) and not cfg.get("peer_key"):
+        raise ValueError(
+            "peer links need the cluster's key: give --peer-key FILE (make one with: ckptd keygen FILE, then copy it to every node)"
+        )
+    if cfg.get("replica_budget") is not None and not cfg.get("peer_listen"):
+        raise ValueError("replica_budget sets aside shared memory for peers' replicas: it needs --peer-listen")
+
+
 def daemon_config(flags: dict[str, Any] | None = None, config_file: str | None = None) -> DaemonConfig:
     """The daemon's settings: ``flags`` (``None`` values ignored) over ``config_file`` (TOML) over
     ``CKPTD_*`` over the defaults. Raises ``ValueError`` naming an unknown key, a wrong type, a bad
@@ -387,7 +417,7 @@ def daemon_config(flags: dict[str, Any] | None = None, config_file: str | None =
     _check_apart(cfg["root"], cfg.get("remote"))
     for key, least in (
         ("keep", 1), ("workers", 1), ("shm_budget", 1), ("write_rate_limit", 0), ("metrics_port", 0), ("lease_timeout", 1),
-        ("persist_every", 1), ("persist_interval", 0),
+        ("persist_every", 1), ("persist_interval", 0), ("replicas", 0), ("replicate_rate_limit", 0), ("replica_budget", 1),
     ):  # fmt: skip
         if cfg.get(key) is not None and not math.isfinite(cfg[key]):  # NaN compares false with every bound
             raise ValueError(f"{key} must be a finite number, got {cfg[key]!r}")
@@ -411,8 +441,10 @@ def daemon_config(flags: dict[str, Any] | None = None, config_file: str | None =
             resolve_group(cfg["group"])
         except CheckpointError as e:
             raise ValueError(str(e)) from None
+    _check_peers(cfg)
     cfg["endpoint"] = cfg.get("endpoint") or default_endpoint()
     cfg["write_rate_limit"] = float(cfg["write_rate_limit"])
+    cfg["replicate_rate_limit"] = float(cfg.get("replicate_rate_limit", 0.0))
     cfg["commit_timeout"] = float(cfg.get("commit_timeout", COMMIT_TIMEOUT_S))
     cfg["lease_timeout"] = float(cfg.get("lease_timeout", LEASE_TIMEOUT_S))
     cfg["persist_interval"] = float(cfg.get("persist_interval", 0.0))

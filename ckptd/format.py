@@ -122,6 +122,22 @@ def check_manifest_digest(raw: bytes, manifest: dict[str, Any], where: str) -> N
         raise FormatError(f"{where}: its contents do not match the digest it ends with: the manifest is damaged or was altered")
 
 
+def fill_digests(manifest: dict[str, Any], shards: dict[str, Any]) -> None:
+    """Fill a memory-tier manifest's missing checksums (``null``: :func:`build_fragment` with ``digests=False``) from
+    its shards' bytes (file name -> a buffer of the file's bytes, header included), in place: every file's header
+    checksum and every chunk's, as a persisted step's manifest has them. Checksums already there are kept."""
+    for name, ent in manifest["files"].items():
+        if ent.get("header_xxh3_64") is None:
+            buf = shards[name]
+            (n,) = struct.unpack_from("<Q", buf, 0)
+            ent["header_xxh3_64"] = digest(buf[: 8 + n])
+    for tensor in manifest["tensors"].values():
+        for c in tensor["chunks"]:
+            if c.get("xxh3_64") is None:
+                begin, end = c["byte_range"]
+                c["xxh3_64"] = digest(shards[c["file"]][begin:end])
+
+
 def digester() -> Any:
     """A streaming :func:`digest`: ``update(buf)`` part by part (releases the GIL too), then ``hexdigest()``."""
     return xxhash.xxh3_64()

@@ -162,19 +162,21 @@ _DIGEST_RE = re.compile(r"[0-9a-f]{16}")
 
 
 class Source(StrEnum):
-    """Where a restore's bytes come from: the daemon's shared memory, the local root, the bucket."""
+    """Where a restore's bytes come from: the daemon's shared memory, the local root, the bucket (or shared
+    directory), a peer daemon's replica (pulled into the local root first)."""
 
     MEMORY = "memory"
     DISK = "disk"
     BUCKET = "bucket"
+    PEER = "peer"
 
     def to_wire(self) -> str:
-        """``fetch_wait``'s spelling (protocol version 1): ``local`` / ``remote``."""
-        return {Source.DISK: "local", Source.BUCKET: "remote"}[self]
+        """``fetch_wait``'s spelling (protocol version 1): ``local`` / ``remote`` / ``peer``."""
+        return {Source.DISK: "local", Source.BUCKET: "remote", Source.PEER: "peer"}[self]
 
     @classmethod
     def from_wire(cls, value: str) -> Source:
-        return {"local": cls.DISK, "remote": cls.BUCKET}[value]
+        return {"local": cls.DISK, "remote": cls.BUCKET, "peer": cls.PEER}[value]
 
 
 EXTRA_FRAMES = {"commit": 1}  # ops followed by raw frames (commit: the tree's JSON)

@@ -53,6 +53,10 @@ PROBES = {
     "lagging": "memory",
     "log_level": "DEBUG",
     "shm_budget": "1G",
+    "peer_listen": "tcp://127.0.0.1:7100",
+    "peer_key": "/ckptd-docs-probe.key",
+    "peers": "tcp://127.0.0.1:7101",
+    "replica_budget": "1G",
 }
 BASE_ROOT = "/ckptd-docs-root"
 
@@ -108,6 +112,8 @@ def _literal(cell: str) -> Any:
 def _same(written: Any, actual: Any) -> bool:
     if isinstance(written, str) and isinstance(actual, int) and not isinstance(actual, bool):
         written = config.parse_size(written)  # sizes are written as in the file: "64M"
+    if isinstance(actual, tuple):  # a TOML list (peers) is kept as a tuple
+        actual = list(actual)
     return isinstance(written, bool) == isinstance(actual, bool) and written == actual
 
 

@@ -338,8 +338,8 @@ def test_a_local_step_removed_between_choosing_and_holding_it_is_looked_for_agai
     real = catalog.find
     calls = []
 
-    def find(job: str, step: int | None = None) -> Any:
-        found = real(job, step)
+    def find(job: str, step: int | None = None, skip: frozenset[int] = frozenset()) -> Any:
+        found = real(job, step, skip)
         calls.append(found.path)
         if len(calls) == 1:
             apply_retention(root, JOB, KeepLatest(2))  # another thread's pass, landing right after the choice

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError
@@ -53,8 +53,9 @@ class Found:
     """The step a restore reads and where it is (a local path when on disk)."""
 
     step: int
-    source: Source  # DISK or BUCKET
+    source: Source  # DISK, BUCKET or PEER
     path: str | None
+    store: ObjectStore | None = field(default=None, compare=False)  # BUCKET, PEER: where it is downloaded from
 
 
 @dataclass(frozen=True)
@@ -66,8 +67,10 @@ class InMemory:
 
 
 class StepCatalog:
-    def __init__(self, root: str, store: ObjectStore | None = None) -> None:
-        self.root, self.store = root, store
+    def __init__(self, root: str, store: ObjectStore | None = None, peers: list[ObjectStore] | None = None) -> None:
+        """``store``: the bucket or shared directory; ``peers``: the replica stores of peer daemons (``--peer``), asked
+        after both, for steps this node lost (:mod:`ckptd.storage.peer`)."""
+        self.root, self.store, self.peers = root, store, list(peers or [])
         # job -> step -> a step completed (or sealed on its way to disk) here: the newest by commit order is the
         # one hot restores read; the ones before it come back when it fails or is dropped
         self._in_memory: dict[str, dict[int, InMemory]] = {}
@@ -99,21 +102,30 @@ class StepCatalog:
 
     def where(self) -> str:
         """Where this catalog looks, for messages."""
-        return f"under {self.root}" + (f" or in {self.store.url()}" if self.store is not None else "")
+        more = [f"in {self.store.url()}"] if self.store is not None else []
+        more += [f"in the replicas of peer {p.url()}" for p in self.peers]
+        return f"under {self.root}" + "".join(f" or {m}" for m in more)
 
-    def latest_anywhere(self, job: str) -> Found | None:
-        """The latest complete step of ``job`` under the root or in the bucket, whichever was committed
-        later (the local copy when both hold it); ``None`` if neither has one. Blocks on the network.
+    def latest_anywhere(self, job: str, skip: frozenset[int] = frozenset()) -> Found | None:
+        """The latest complete step of ``job`` under the root, in the bucket or in a peer's replicas, whichever was
+        committed later (the local copy when several hold it); ``None`` if none has one. Blocks on the network.
 
         An unreachable bucket raises (naming the local step, if any): the bucket may hold a later step
         (another node saved on), and resuming from a stale local one without a word is what we exist to
-        prevent. A restore of an explicit step still works from disk."""
+        prevent. A restore of an explicit step still works from disk. ``skip``: steps found unrestorable from the bucket
+        and every peer (a restore then takes the newest one still restorable)."""
         local, path = self.latest(job)
         found = Found(local, Source.DISK, path) if local is not None and path is not None else None
+        return self._newest_of_peers(job, self._with_bucket(job, found, skip), skip)
+
+    def _with_bucket(self, job: str, found: Found | None, skip: frozenset[int] = frozenset()) -> Found | None:
+        """``found`` (the local latest, or ``None``) or the bucket's latest step, whichever was committed later."""
+        local, path = (found.step, found.path) if found is not None else (None, None)
         if self.store is None:
             return found
         try:
             complete, _ = bucket_steps_by_commit(self.store, job)
+            complete = [s for s in complete if s not in skip]
             remote = complete[-1] if complete else None
             if remote is None:
                 return found
@@ -127,23 +139,58 @@ class StepCatalog:
                 f"{e}; the bucket may hold a later step of job {job!r} than step {local} on this node's disk:"
                 f" restore step={local} explicitly to resume from it"
             ) from None
-        return Found(remote, Source.BUCKET, None)
+        return Found(remote, Source.BUCKET, None, self.store)
 
-    def find(self, job: str, step: int | None = None) -> Found:
+    def _commit_of(self, job: str, found: Found) -> int:
+        if found.path is not None:
+            return committed_at(found.path)
+        assert found.store is not None
+        return bucket_committed_at(found.store, job, found.step) or 0
+
+    def _newest_of_peers(self, job: str, found: Found | None, skip: frozenset[int] = frozenset()) -> Found | None:
+        """``found``, or a step a peer holds a replica of that was committed later. A peer that cannot be asked is
+        skipped, with a warning: peers are there for a node that was lost, and one of them may be the one lost."""
+        best = (self._commit_of(job, found), found.step) if found is not None else None
+        for peer in self.peers:
+            try:
+                complete = [s for s in bucket_steps_by_commit(peer, job)[0] if s not in skip]
+                if not complete:
+                    continue
+                mine = ((bucket_committed_at(peer, job, complete[-1]) or 0), complete[-1])
+            except CheckpointError as e:
+                log.warning("could not ask peer %s for replicas of job %s: %s", peer.url(), job, e)
+                continue
+            if best is None or mine > best:
+                best, found = mine, Found(complete[-1], Source.PEER, None, peer)
+        return found
+
+    def holders(self, job: str, step: int) -> list[ObjectStore]:
+        """The bucket and the peers that hold step ``step`` of ``job`` complete, in that order (network: worker threads)."""
+        out = []
+        for store in ([self.store] if self.store is not None else []) + self.peers:
+            try:
+                if step_complete(store, job, step):
+                    out.append(store)
+            except CheckpointError as e:
+                log.warning("could not ask %s for step %s of job %s: %s", store.url(), step, job, e)
+        return out
+
+    def find(self, job: str, step: int | None = None, skip: frozenset[int] = frozenset()) -> Found:
         """Step ``step`` of ``job`` (or the latest anywhere); raises :class:`NoStep` when neither the root nor
         the bucket has it. An explicit step is read from the local copy unless the bucket holds that number
         committed later (a rollback re-save by other nodes). Blocks on the network."""
         if step is None:
-            found = self.latest_anywhere(job)
+            found = self.latest_anywhere(job, skip)
             if found is None:
                 raise NoStep(f"job {job!r} has no committed checkpoint {self.where()}")
             return found
         path = self.complete_path(job, step)
         if path is not None and not self._replaced_in_bucket(job, step, path):
             return Found(step, Source.DISK, path)
-        if self.store is None or not step_complete(self.store, job, step):
+        holders = self.holders(job, step)
+        if not holders:
             raise NoStep(f"step {step} of job {job!r} is not a committed checkpoint {self.where()}")
-        return Found(step, Source.BUCKET, None)
+        return Found(step, Source.BUCKET if holders[0] is self.store else Source.PEER, None, holders[0])
 
     def _replaced_in_bucket(self, job: str, step: int, path: str) -> bool:
         """Whether the bucket holds step ``step`` committed after the local copy at ``path`` (a rollback re-save

@@ -17,6 +17,7 @@ import logging
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..storage import local
@@ -36,13 +37,15 @@ log = logging.getLogger("ckptd.daemon")
 
 class Completion:
     def __init__(
-        self, books: Books, persister: Persister, uploader: Uploader | None, pool: SlotPool, memory: MemoryTier | None = None
-    ) -> None:
+        self, books: Books, persister: Persister, uploader: Uploader | None, pool: SlotPool, memory: MemoryTier | None = None,
+        replicate: Callable[[str, int], None] = lambda job, step: None,
+    ) -> None:  # fmt: skip
         """``books``: the root, steps, catalog, counters, events and replies it shares (:class:`.books.Books`);
-        ``memory``: the memory tier (memory-only steps superseded by a durable one are dropped; None: no memory tier)."""
+        ``memory``: the memory tier (memory-only steps superseded by a durable one are dropped; None: no memory tier);
+        ``replicate(job, step)``: a step complete here goes to the peers (:mod:`.replicator`)."""
         self.root, self.steps, self.catalog, self.persister, self.uploader = books.root, books.steps, books.catalog, persister, uploader
         self.counters, self._events, self._answer, self.pool = books.counters, books.events, books.answer, pool
-        self.memory = memory
+        self.memory, self._replicate = memory, replicate
 
     def persist(self, slot: Slot) -> None:
         """A committed slot (just committed, or adopted at start-up) goes to a persist thread."""
@@ -180,6 +183,7 @@ class Completion:
             self.settle(key, track)
         if self.memory is not None:
             self.memory.completed(job, step, self.steps.tracks[(job, step)])
+        self._replicate(job, step)
         self.steps.forget_finished(job)
 
 

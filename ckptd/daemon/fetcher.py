@@ -21,16 +21,18 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..config import FETCH_HOLD_S, FETCHES_KEPT, MAX_FETCH_HOLDS, MAX_FETCH_HOLDS_PER_CLIENT, MAX_FETCHES_PER_CLIENT, MAX_FETCHES_PER_USER
-from ..errors import CheckpointError, ProtocolError
-from ..layout import is_complete
+from ..errors import CheckpointError, FormatError, ProtocolError
+from ..layout import MANIFEST, bucket_key, is_complete
 from ..protocol import Source
 from ..storage.local import job_lock
 from ..storage.remote import download_step
+from ..storage.store import ObjectStore
 from .catalog import Found, NoStep, StepCatalog
 from .events import Answered, ErrorReported, EventQueue, Fetched
 from .waiters import Waiter, Waiters
 
 log = logging.getLogger("ckptd.daemon")
+MAX_PASSED_OVER = 3  # latest steps a restore passes over when no source can deliver them, before it gives up
 
 
 class Fetcher:
@@ -164,16 +166,16 @@ class Fetcher:
             self._users.pop(fid, None)
             return True
 
-    def _find_held(self, fid: int, job: str, step: int | None, owner: bytes | None) -> Found:
+    def _find_held(self, fid: int, job: str, step: int | None, owner: bytes | None, skip: frozenset[int] = frozenset()) -> Found:
         """The step to read, held. The hold and the check that a local step is still there happen under the
         job's lock, where retention decides what to remove: it either saw the hold, or removed the step
         first and the step is looked for again."""
         for _ in range(3):
-            found = self.catalog.find(job, step)
+            found = self.catalog.find(job, step, skip)
             with job_lock(self.catalog.root, job):
                 with self._holds_lock:
                     self._hold(fid, (job, found.step, time.monotonic() + FETCH_HOLD_S, owner))
-                if found.source is Source.BUCKET or (found.path is not None and is_complete(found.path)):
+                if found.store is not None or (found.path is not None and is_complete(found.path)):
                     return found
         raise CheckpointError(f"job {job!r}: the step chosen to restore was removed by retention three times while it was chosen")
 
@@ -204,21 +206,18 @@ class Fetcher:
 
     def _run(self, fid: int, job: str, step: int | None, owner: bytes | None) -> None:
         """Fetch thread: the step a restore reads; a step only the bucket holds is downloaded first."""
-        want = step  # the step being looked for, once chosen
+        chosen: list[int] = []  # the steps looked for, once chosen
         report = None
         self._done((self._users.get(fid), owner))
         try:
-            found = self._find_held(fid, job, step, owner)
-            want, path = found.step, found.path
-            if found.source is Source.BUCKET:
-                path = self._download(job, found.step)
-                self._prune(job)
+            found, path = self._fetch(fid, job, step, owner, chosen)
             answer = {"state": "done", "step": found.step, "path": path, "source": found.source.to_wire(), "error": None}
         except Exception as e:  # the restore that asked gets it
             self.release(fid, owner)
             self._users.pop(fid, None)  # no hold: nothing to count it by
             answer = {"state": "failed", "step": step, "path": None, "source": None, "error": str(e)}
             if not isinstance(e, NoStep):
+                want = chosen[0] if chosen else step  # the step looked for first
                 log.error("fetch of job %s step %s failed: %s", job, want, e)
                 report = f"fetch of job {job} step {want}: {e}"
         self._events.post(Fetched(fid, answer, report))
@@ -232,8 +231,65 @@ class Fetcher:
         except OSError as e:
             log.error("retention of job %s after a download failed: %s", job, e)
 
-    def _download(self, job: str, step: int) -> str:
-        assert self.catalog.store is not None
+    def _fetch(self, fid: int, job: str, step: int | None, owner: bytes | None, chosen: list[int]) -> tuple[Found, str | None]:
+        """The step to read, held, and its directory: downloaded first where only the bucket or a peer holds it. The
+        latest step (``step`` None) that no source can deliver whole is passed over for the newest that one can,
+        saying so; an explicit step is that step or an error. ``chosen``: each step chosen, appended (for the report)."""
+        skip: frozenset[int] = frozenset()
+        failed: CheckpointError | None = None  # why the last step chosen could not be delivered
+        while True:
+            try:
+                found = self._find_held(fid, job, step, owner, skip)
+            except NoStep:
+                if failed is None:
+                    raise
+                raise CheckpointError(f"{failed}; and no earlier step of job {job!r} is restorable {self.catalog.where()}") from None
+            chosen.append(found.step)
+            if failed is not None:
+                log.error("%s; restoring step %s, the newest still restorable, instead", failed, found.step)
+                self._events.post(ErrorReported(f"job {job}: {failed}; restored step {found.step} instead"))
+            if found.store is None:
+                return found, found.path
+            try:
+                found, path = self._download_any(job, found)
+            except CheckpointError as e:
+                if step is not None or len(skip) >= MAX_PASSED_OVER:
+                    raise
+                skip, failed = skip | {found.step}, e
+                continue
+            self._prune(job)
+            return found, path
+
+    def _download_any(self, job: str, found: Found) -> tuple[Found, str]:
+        """Download ``found`` from where it was found, else from the other stores that hold it complete (the bucket,
+        other peers): a copy that fails a checksum, or a peer that stops answering, is not the end of the restore.
+        A peer's replica that fails its checksums is deleted there (it can never restore). Raises naming every
+        source tried."""
+        failed: list[str] = []
+        stores = [found.store] + [s for s in self.catalog.holders(job, found.step) if s is not found.store]
+        for store in stores:
+            assert store is not None
+            try:
+                path = self._download(store, job, found.step)
+                return Found(found.step, Source.BUCKET if store is self.catalog.store else Source.PEER, None, store), path
+            except (CheckpointError, OSError) as e:
+                failed.append(f"{store.url()}: {e}")
+                log.warning("fetch of job %s step %s from %s failed (%s)%s", job, found.step, store.url(), e,
+                            "; trying the next source" if store is not stores[-1] else "")  # fmt: skip
+                if isinstance(e, FormatError) and store is not self.catalog.store:
+                    self._discard(store, job, found.step)
+        raise CheckpointError(f"step {found.step} of job {job!r} could not be fetched from any source: {'; '.join(failed)}")
+
+    @staticmethod
+    def _discard(store: ObjectStore, job: str, step: int) -> None:
+        """A peer's replica found corrupt: its manifest goes, so that no restore picks it again."""
+        try:
+            store.delete([bucket_key(job, step, MANIFEST)])
+            log.warning("discarded the corrupt replica of job %s step %s on %s", job, step, store.url())
+        except CheckpointError as e:
+            log.warning("could not discard the corrupt replica of job %s step %s on %s: %s", job, step, store.url(), e)
+
+    def _download(self, store: ObjectStore, job: str, step: int) -> str:
         done = [0]
         self.current = (job, step, done)
 
@@ -241,9 +297,9 @@ class Fetcher:
             done[0] += n
 
         try:
-            log.info("fetching job %s step %s from the bucket", job, step)
+            log.info("fetching job %s step %s from %s", job, step, store.url())
             t0 = time.monotonic()
-            path = download_step(self.catalog.store, self.catalog.root, job, step, progress)
+            path = download_step(store, self.catalog.root, job, step, progress)
             log.info("fetched job %s step %s: %.2f GB in %.1f s", job, step, done[0] / 1e9, time.monotonic() - t0)
             return path
         finally:

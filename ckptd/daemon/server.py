@@ -26,8 +26,10 @@ import zmq
 from .. import shm, version
 from ..config import HOUSEKEEPING_S, WAIT_CAP_S, DaemonConfig, default_shm_budget
 from ..errors import CheckpointError, ProtocolError
+from ..peerkey import PeerKey, load_key
 from ..protocol import EXTRA_FRAMES, Source, decode_request, reply_error, reply_ok
 from ..storage import local
+from ..storage.peer import Pacer, PeerStore
 from ..storage.retention import AnyOf, Protect, RetentionPolicy
 from ..storage.store import ObjectStore, open_store
 from . import inbox, recovery
@@ -45,6 +47,8 @@ from .growth import Grower
 from .memtier import MemoryTier, TierHooks
 from .persister import Persister, PersistOptions, lower_priority
 from .protected import Protections
+from .replicas import ReplicaServer
+from .replicator import Replicator, source_of
 from .sdnotify import notify, watchdog_interval
 from .slots import Room, Slot, SlotPool
 from .status import Counters, build_status
@@ -96,11 +100,14 @@ class Daemon:
         self._metrics: Any = None
         self._status_snapshot: dict[str, Any] | None = None
         self.events = EventQueue(self._ctx)
-        self.catalog = StepCatalog(self.root, store if store is not None else open_store(config.remote, self.root))
+        key = load_key(config.peer_key) if config.peer_key else None  # a key others may read fails the start, naming it
+        peers = [PeerStore(ep, key) for ep in config.peers] if key is not None else []  # restores ask these (their own links)
+        self.catalog = StepCatalog(self.root, store if store is not None else open_store(config.remote, self.root), peers=peers)
         self.steps = StepTable(self.catalog.complete_path)
         self.tiering = Tiering(TierPolicy(config.persist_every, config.persist_interval, config.lagging))
         budget = config.shm_budget if config.shm_budget is not None else default_shm_budget()
         segments = shm.SegmentDir(self.root, file_mode=self.access.file_mode, gid=self.access.gid)
+        budget, self.replica_server = self._replica_server(config, key, segments, budget)
         self.grower = Grower(segments, self.events)  # new segments are made off the loop
         self.pool = SlotPool(
             segments, budget, on_grant=self._grant, lease_timeout=config.lease_timeout, grow=self.grower.submit,
@@ -111,8 +118,31 @@ class Daemon:
         )  # fmt: skip
         self._req_peers: collections.OrderedDict[bytes, None] = collections.OrderedDict()  # REQ sockets: replies need a delimiter
         self.clock = CommitClock(self.catalog, self.pool)
+        self.replicator: Replicator | None = None
+        if key is not None and config.replicas > 0:
+            pacer = Pacer(config.replicate_rate_limit)
+            links = [PeerStore(ep, key, pacer=pacer) for ep in config.peers]  # the replication thread's own links
+            self.replicator = Replicator(links, config.replicas, lambda name: segments.open_owned(name))
         self._wire_storage(config, segments)
         self._wire_steps()
+
+    def _replica_server(
+        self, config: DaemonConfig, key: PeerKey | None, segments: shm.SegmentDir, budget: int
+    ) -> tuple[int, ReplicaServer | None]:
+        """With ``--peer-listen``: the replica store, and the rest of the shared-memory budget, the slot pool's."""
+        if config.peer_listen is None or key is None:
+            return budget, None
+        share = config.replica_budget if config.replica_budget is not None else budget // 2
+        if share >= budget:
+            raise CheckpointError(
+                f"replica_budget ({share} bytes) leaves nothing of the shm budget ({budget} bytes) for this node's own snapshots"
+            )
+        return budget - share, ReplicaServer(self._ctx, config.peer_listen, key, segments, share)
+
+    def _replicate(self, job: str, step: int) -> None:
+        """A step complete here goes to the peers (with ``--replicas``)."""
+        if self.replicator is not None and (src := source_of(job, step, self.catalog, self.pool.holdings)) is not None:
+            self.replicator.submit(src)
 
     def _wire_storage(self, config: DaemonConfig, segments: shm.SegmentDir) -> None:
         """The components that persist, upload, fetch and keep steps. Every one gets what it calls when it is made; an
@@ -150,7 +180,7 @@ class Daemon:
                 protected=lambda job, step: bool(self.protections.policy(job).keeps([step])),
             ),
         )  # fmt: skip
-        self.completion = Completion(books, self.persister, self.uploader, self.pool, memory=self.memtier)
+        self.completion = Completion(books, self.persister, self.uploader, self.pool, memory=self.memtier, replicate=self._replicate)
         self.admission = Admission(
             self.root, self.steps, self.pool.holdings, self.completion.settle, writing=self.persister.writing,
             give_up=self.uploader.give_up if self.uploader is not None else None, drop_memory=self.memtier.drop,
@@ -175,6 +205,8 @@ class Daemon:
             self._sock_id = identity(self.endpoint)
             self.connections = ConnectionGuard(self._sock, self.endpoint, ConnectionCaps.for_limit(raise_open_files_limit()))
             self._serve_metrics()  # before recovery: a port taken fails the start before any work is queued
+            if self.replica_server is not None:
+                self.replica_server.start()  # likewise
             self.fetcher.check_store()  # off the loop: READY must not wait for the network
             self.protections.load(self.catalog.jobs())  # before recovery's retention passes
             recovery.recover(self.pool, self.steps, self.persister, self.uploader, self.root, self.catalog.jobs(), self.completion.persist)
@@ -247,6 +279,8 @@ class Daemon:
         """Persist what is staged, finish uploads (a start that failed leaves its queued catch-up to the next
         start), then let go of everything; the root's lock last."""
         notify("STOPPING=1")
+        if self.replicator is not None:
+            self.replicator.shutdown()
         self.memtier.shutdown()
         self._drain()  # steps sealed into memory meanwhile
         self.memtier.persist_all()  # each job's newest memory-only step
@@ -266,6 +300,10 @@ class Daemon:
             self._metrics.server_close()
         if self.catalog.store is not None:
             self.catalog.store.close()
+        for peer in self.catalog.peers:
+            peer.close()
+        if self.replica_server is not None:
+            self.replica_server.shutdown()  # its segments go before the pool lets the segment directory go
         self.pool.close()
         if self.connections is not None:
             self.connections.close()
@@ -373,7 +411,7 @@ class Daemon:
         return self.steps.wait((msg["job"], msg["step"]), ident, msg["id"], self._deadline(msg["timeout"]), msg["persist"])
 
     def _op_latest(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any] | None:
-        if self.catalog.store is not None:  # the bucket may hold a later step (a replaced node, a multi-node job)
+        if self.catalog.store is not None or self.catalog.peers:  # the bucket or a peer may hold a later step (a replaced node)
             self.fetcher.latest(msg["job"], ident, msg["id"], msg["uid"])
             return None
         step, path = self.catalog.latest(msg["job"])

@@ -94,5 +94,7 @@ def build_status(d: Daemon) -> dict[str, Any]:
         "upload_backlog": [list(x) for x in d.uploader.backlog()] if d.uploader is not None else [],
         "fetching": d.fetcher.progress(),
         "connections": _connections(d),
+        "replication": d.replicator.summary() if d.replicator is not None else None,  # what this node sends to peers
+        "replicas_held": d.replica_server.summary() if d.replica_server is not None else None,  # what peers sent here
         **dataclasses.asdict(c),
     }

@@ -1,0 +1,268 @@
+"""Replication to a peer daemon (issue 38): its throughput against the floor, what it costs a training loop, and a
+restore after a node loss from a peer against one from disk and from a shared directory. Every daemon is a process
+on this machine, peers on loopback TCP.
+
+    .venv/bin/python benchmarks/replication.py [--mib 1024] [--params 5.5e6] [--steps 48] [--every 4] [--rounds 3]
+
+1. **Throughput.** ``--mib`` of bytes (four shards) put into a peer's replica store (:mod:`ckptd.storage.peer`:
+   CurveZMQ, 4 MiB chunks each with its XXH3-64, checked by the peer before it acknowledges, 8 in flight, held in its
+   shared memory), against the floor: the same bytes in the same chunks over a plain ZeroMQ DEALER/ROUTER pair on
+   loopback, 8 in flight, acknowledged, no encryption, no checksum, copied into one preallocated buffer. Alternating,
+   ``--rounds`` times each; medians.
+2. **Training loop.** ``training_loop.py``'s loop (forward, backward, AdamW; a snapshot every ``--every`` steps, memory
+   tier, nothing persisted within the run) through a daemon with ``--replicas 1`` and through one without, each round
+   against its own baseline loop; overhead per checkpoint, the median of the rounds. On this one machine the peer's
+   receiving competes for the same cores as the trainer: on a cluster it is another node's work.
+3. **Restore after a node loss.** The newest step of that loop restored by a replacement daemon (empty root, empty
+   shared memory) from the peer's replica, against the same step restored from the local disk and from a shared
+   directory (``--remote-path``, a local directory standing in for one every node mounts); each ``--rounds`` times.
+
+Prints a table; writes ``bench-out/replication.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import zmq
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import training_loop as tl  # noqa: E402
+from _harness import DaemonProcess, alternate, loop_state, machine_info, write_json  # noqa: E402
+
+import ckptd  # noqa: E402
+from ckptd import peerwire, shm  # noqa: E402
+from ckptd.client.rpc import Channel  # noqa: E402
+from ckptd.daemon.replicas import ReplicaServer  # noqa: E402
+from ckptd.peerkey import keygen  # noqa: E402
+from ckptd.storage.peer import WINDOW, PeerStore  # noqa: E402
+
+JOB = "repl"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------- 1. throughput
+
+
+def plain_copy(data: memoryview, chunk: int = peerwire.CHUNK_BYTES) -> float:
+    """Seconds to move ``data`` over a plain ZeroMQ pair on loopback, chunked and acknowledged as replication is."""
+    ctx = zmq.Context()
+    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    sink = bytearray(len(data))
+
+    def serve() -> None:
+        got = 0
+        while got < len(data):
+            ident, off, frame = router.recv_multipart(copy=False)
+            o = int(off.bytes)
+            sink[o : o + len(frame.buffer)] = frame.buffer
+            got += len(frame.buffer)
+            router.send_multipart([ident.bytes, b"ok"])
+
+    th = threading.Thread(target=serve)
+    th.start()
+    t0 = time.perf_counter()
+    pending = 0
+    for off in range(0, len(data), chunk):
+        dealer.send_multipart([str(off).encode(), data[off : off + chunk]], copy=False)
+        pending += 1
+        if pending >= WINDOW:
+            dealer.recv()
+            pending -= 1
+    for _ in range(pending):
+        dealer.recv()
+    dt = time.perf_counter() - t0
+    th.join()
+    router.close(0)
+    dealer.close(0)
+    ctx.term()
+    return dt
+
+
+def throughput(args: argparse.Namespace, work: str) -> dict[str, Any]:
+    key = keygen(os.path.join(work, "tp.key"))
+    nbytes = args.mib << 20
+    data = memoryview(os.urandom(nbytes))
+    root = os.path.join(work, "tp-root")
+    os.makedirs(root)
+    ctx = zmq.Context()
+    segments = shm.SegmentDir(root)
+    server = ReplicaServer(ctx, "tcp://127.0.0.1:*", key, segments, budget=2 * nbytes + (64 << 20))
+    server.start()
+    store = PeerStore(f"tcp://127.0.0.1:{server.port}", key)
+    times: dict[str, list[float]] = {"ckptd replication": [], "plain ZeroMQ copy (floor)": []}
+    per = nbytes // 4
+
+    def replicate() -> None:
+        t0 = time.perf_counter()
+        for i in range(4):
+            store.put_bytes(f"{JOB}/step-1/rank-{i:05d}.safetensors", data[i * per : (i + 1) * per])
+        times["ckptd replication"].append(time.perf_counter() - t0)
+
+    try:
+        for r in range(args.rounds + 1):  # round 0: untimed
+            alternate(r, replicate, lambda: times["plain ZeroMQ copy (floor)"].append(plain_copy(data)))
+            if r == 0:
+                for v in times.values():
+                    v.clear()
+    finally:
+        store.close()
+        server.shutdown()
+        segments.close()
+        ctx.term()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "bytes": nbytes,
+        "seconds": times,
+        "gb_per_s": {k: nbytes / v / 1e9 for k, v in med.items()},
+        "ratio_to_floor": med["ckptd replication"] / med["plain ZeroMQ copy (floor)"],
+    }
+
+
+# ---------------------------------------------------------------------------- 2. the training loop, 3. restores
+
+
+def loop_overhead(args: argparse.Namespace, plain: DaemonProcess, replicating: DaemonProcess) -> tuple[dict[str, Any], Any, Any]:
+    """The loop through each daemon (memory tier, nothing persisted in the run); its summary, the model and the
+    optimizer as the last snapshot of the replicating daemon's job saved them."""
+    model, optim, x, _ = loop_state(args.params, args.batch)
+    tl.run_loop(model, optim, x, 3, args.every, None)  # warm-up
+    far = 1_000_000
+    with (
+        ckptd.Client(endpoint=plain.endpoint, job=JOB, persist_every=far) as c0,
+        ckptd.Client(endpoint=replicating.endpoint, job=JOB, persist_every=far) as c1,
+    ):
+        for c in (c0, c1):
+            c.prepare(model, optim)
+        modes = [
+            ("memory tier, no replication", lambda first: tl.measure(model, optim, x, args, c0, False, first, True)),
+            ("memory tier, --replicas 1", lambda first: tl.measure(model, optim, x, args, c1, False, first, True)),
+        ]
+        runs, _, base_steps = tl.run_rounds(modes, args, model, optim, x)
+    n_ckpt = args.steps // args.every
+    quiet = statistics.median(base_steps)
+    return {m: tl.summarize(got, n_ckpt, quiet) for m, got in runs.items()} | {"quiet_step_s": quiet}, model, optim
+
+
+def wait_replicated(d: DaemonProcess, timeout: float = 300.0) -> int:
+    """The step the daemon's newest replication of the job sent (waiting for one to be replicated, and its queue to empty)."""
+    deadline = time.monotonic() + timeout
+    with ckptd.Client(endpoint=d.endpoint, job="probe") as c:
+        while True:
+            rep = c.status()["replication"]
+            got = rep["jobs"].get(JOB)
+            if got is not None and not rep["queued"] and rep["current"] is None:
+                if got["state"] != "replicated":
+                    raise RuntimeError(f"the newest step was not replicated: {rep}")
+                return got["step"]
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"replication did not finish: {rep}")
+            time.sleep(0.2)
+
+
+def timed_restore(endpoint: str, args: argparse.Namespace, step: int) -> tuple[float, str]:
+    model, optim, _, _ = loop_state(args.params, args.batch)
+    with ckptd.Client(endpoint=endpoint, job=JOB) as c:
+        t0 = time.perf_counter()
+        c.restore(model, optim, step=step, hot=False)
+        return time.perf_counter() - t0, c.last_restore["source"]
+
+
+def restores(args: argparse.Namespace, work: str, key: str, peer_url: str, step: int, shared: str) -> dict[str, Any]:
+    """The step restored by fresh daemons: from the peer, from the shared directory, and from its local copy."""
+    out: dict[str, list[float]] = {"from the peer's replica": [], "from the shared directory": [], "from local disk": []}
+    sources: dict[str, str] = {}
+    for _ in range(args.rounds):
+        for label, extra in (("from the peer's replica", ["--peer", peer_url, "--peer-key", key]),
+                             ("from the shared directory", ["--remote-path", shared])):  # fmt: skip
+            base = tempfile.mkdtemp(prefix="ckrs", dir=work)
+            d = DaemonProcess(os.path.join(base, "root"), f"ipc://{base}/d.sock", os.path.join(base, "d.log"), extra)
+            try:
+                d.wait_ready()
+                dt, sources[label] = timed_restore(d.endpoint, args, step)
+                out[label].append(dt)
+                dt, sources["from local disk"] = timed_restore(d.endpoint, args, step)  # now in this root
+                out["from local disk"].append(dt)
+            finally:
+                d.stop()
+                shutil.rmtree(base, ignore_errors=True)
+    return {"seconds": out, "median_s": {k: statistics.median(v) for k, v in out.items()}, "sources": sources}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = tl.loop_parser(__doc__, "bench-out/replication.json")
+    p.add_argument("--mib", type=int, default=1024, help="bytes replicated in the throughput part (MiB, default 1024)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.set_defaults(params=5.5e6, steps=48, every=4)
+    args = p.parse_args(argv)
+    work = tempfile.mkdtemp(prefix="ckrep")
+    daemons: list[DaemonProcess] = []
+    try:
+        tp = throughput(args, work)
+        key = os.path.join(work, "cluster.key")
+        keygen(key)
+        peer_url = f"tcp://127.0.0.1:{free_port()}"
+        shared = os.path.join(work, "shared")
+        os.makedirs(shared)
+
+        def daemon(name: str, *extra: str) -> DaemonProcess:
+            d = DaemonProcess(os.path.join(work, name), f"ipc://{work}/{name}.sock", os.path.join(work, f"{name}.log"), list(extra))
+            daemons.append(d)
+            d.wait_ready()
+            return d
+
+        daemon("peer", "--peer-listen", peer_url, "--peer-key", key)
+        plain = daemon("plain")
+        replicating = daemon("node", "--peer", peer_url, "--peer-key", key, "--replicas", "1", "--remote-path", shared)
+        loop, model, optim = loop_overhead(args, plain, replicating)
+        step = wait_replicated(replicating)
+        with Channel(replicating.endpoint, 600) as rpc:  # the step persisted, into the shared directory too: the third source
+            got = rpc.call("wait", job=JOB, step=step, timeout=600, persist=True)
+            if got.get("state") != "durable":
+                raise RuntimeError(f"step {step} did not become durable: {got}")
+        rs = restores(args, work, key, peer_url, step, shared)
+    finally:
+        for d in daemons:
+            d.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    report(args, tp, loop, rs, step)
+    return 0
+
+
+def report(args: argparse.Namespace, tp: dict[str, Any], loop: dict[str, Any], rs: dict[str, Any], step: int) -> None:
+    print(f"## Replication to a peer daemon (loopback), torch threads {machine_info().get('torch_threads')}\n")
+    print(f"Throughput, {tp['bytes'] / 2**20:.0f} MiB, median of {args.rounds}:\n\n| path | GB/s |\n|---|---:|")
+    for k, v in tp["gb_per_s"].items():
+        print(f"| {k} | {v:.2f} |")
+    print(f"\nreplication / floor (time): {tp['ratio_to_floor']:.2f}x\n")
+    print(f"Training loop ({args.params / 1e6:.1f} M params + AdamW, a snapshot every {args.every} of {args.steps} steps,"
+          f" {args.rounds} rounds; quiet step {loop['quiet_step_s'] * 1e3:.1f} ms):\n")  # fmt: skip
+    print("| mode | overhead per checkpoint (ms): median (rounds) |\n|---|---:|")
+    for mode, r in loop.items():
+        if mode != "quiet_step_s":
+            print(f"| {mode} | {r['overhead_per_ckpt_s'] * 1e3:.1f} ({' '.join(f'{o * 1e3:.1f}' for o in r['overheads_s'])}) |")
+    print(f"\nRestore of step {step} by a replacement daemon (empty root), median of {args.rounds}:\n")
+    print("| source | seconds | Restored.source |\n|---|---:|---|")
+    for k, v in rs["median_s"].items():
+        print(f"| {k} | {v:.3f} | {rs['sources'].get(k)} |")
+    write_json(args.json, {"args": vars(args), "machine": machine_info(), "throughput": tp, "loop": loop, "restore": rs, "step": step})
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+"""Replication: every step that completes on this node is copied into K peer daemons' memory, off the training path.
+
+Once a step is complete here (in the memory tier, or durable on disk), :meth:`Replicator.submit` queues it and the
+replication thread sends it to ``replicas`` peers (``--peer``, in the order given: the first K that take it; a peer
+that is down or refuses is skipped for the next, and the step counts as *degraded* if fewer than K took it). A step
+goes to a peer as it would go to a bucket: its shard files, then its manifest last (:mod:`ckptd.storage.peer`), so
+the peer holds it complete or not at all. A memory-only step's manifest has no checksums; they are computed here,
+from the shared memory that holds the shards, before anything is sent, and the step is sent only if its slots still
+hold it once every shard is out (a slot reused meanwhile ends the attempt: the manifest never goes, and a newer step
+is on its way anyway). A durable step is sent from its files.
+
+Nothing here can slow a snapshot: the thread only reads shared memory and files the daemon holds, a job keeps only
+its newest queued step (an older one not yet sent is skipped: it is superseded), and the link is paced
+(``--replicate-rate-limit``). ``summary()`` is what ``ckptd status`` shows.
+
+The queue and the results are under one lock: :meth:`submit` and :meth:`summary` run on the daemon's loop.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+import logging
+import mmap
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import CheckpointError
+from ..format import commit_time, encode_manifest, fill_digests
+from ..layout import MANIFEST, bucket_key, shard_name
+from ..storage.local import committed_at
+from ..storage.peer import PeerStore
+from ..storage.remote import upload_step
+from .catalog import StepCatalog
+from .holdings import Holdings
+
+log = logging.getLogger("ckptd.daemon")
+MIN_BACKOFF_S = 5.0  # a peer that failed is skipped for this long, doubling after each failure...
+MAX_BACKOFF_S = 60.0  # ...up to this
+
+
+@dataclass(frozen=True)
+class ReplicaSource:
+    """A step complete on this node, as the replicator reads it: a durable step's directory (``path``), or a
+    memory-only step's manifest (checksums null) and, per shard file, its segment and size. ``unchanged()``: the
+    memory-only step's slots still hold it (read on the replication thread)."""
+
+    job: str
+    step: int
+    committed_at: int
+    path: str | None = None
+    manifest: dict[str, Any] | None = None
+    shards: dict[str, tuple[str, int]] = field(default_factory=dict)
+    unchanged: Callable[[], bool] = lambda: True
+
+
+class Superseded(CheckpointError):
+    """A memory-only step's slots were reused while it was sent: the replica is abandoned."""
+
+
+@dataclass
+class PeerState:
+    endpoint: str
+    ok: bool | None = None  # None: not tried yet
+    error: str | None = None
+    bytes_sent: int = 0
+    steps: dict[str, int] = field(default_factory=dict)  # job -> newest step it took
+    retry_at: float = 0.0  # a peer that failed is not asked again before this (monotonic)
+    backoff: float = 0.0
+
+    def failed(self, error: str, now: float) -> None:
+        self.ok, self.error = False, error
+        self.backoff = min(MAX_BACKOFF_S, max(MIN_BACKOFF_S, 2 * self.backoff))
+        self.retry_at = now + self.backoff
+
+    def took(self, job: str, step: int) -> None:
+        self.ok, self.error, self.backoff, self.retry_at = True, None, 0.0, 0.0
+        self.steps[job] = step
+
+
+class Replicator:
+    def __init__(self, peers: list[PeerStore], replicas: int, open_segment: Callable[[str], int]) -> None:
+        """``peers``: the stores of the peers to use, in order; ``replicas``: how many of them each step goes to;
+        ``open_segment(name)``: a read-only fd of one of this daemon's segments."""
+        self.peers, self.replicas, self._open = peers, replicas, open_segment
+        self._lock = threading.Condition()
+        self._queue: collections.OrderedDict[str, ReplicaSource] = collections.OrderedDict()  # job -> newest step to send
+        self._sent: dict[tuple[str, int], int] = {}  # (job, step) -> committed_at sent (or being sent)
+        self._newest: dict[str, int] = {}  # job -> the newest committed_at sent (or being sent)
+        self.current: tuple[str, int] | None = None
+        self.state = {p.endpoint: PeerState(p.endpoint) for p in peers}
+        self.results: dict[str, dict[str, Any]] = {}  # job -> its newest step's outcome
+        self.counters = collections.Counter[str]()
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name="ckptd-replicate", daemon=True)
+        self._thread.start()
+
+    def submit(self, src: ReplicaSource) -> None:
+        """Queue a step complete on this node (a step already sent with that commit is not sent again)."""
+        with self._lock:
+            if self._sent.get((src.job, src.step)) == src.committed_at or src.committed_at < self._newest.get(src.job, -1):
+                return  # sent already, or older than a step of the job sent (a step persisted after a later one sealed)
+            old = self._queue.pop(src.job, None)
+            if old is not None:
+                self.counters["superseded"] += 1
+            self._queue[src.job] = src
+            self._lock.notify()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop after the step being sent (waiting ``timeout`` s at most); queued steps are not sent."""
+        with self._lock:
+            self._running = False
+            self._queue.clear()
+            self._lock.notify()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("replication of %s was still under way at shutdown; abandoned", self.current)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while self._running and not self._queue:
+                        self._lock.wait()
+                    if not self._running:
+                        return
+                    _, src = self._queue.popitem(last=False)
+                    self._sent[(src.job, src.step)] = src.committed_at
+                    self._newest[src.job] = max(src.committed_at, self._newest.get(src.job, -1))
+                    self.current = (src.job, src.step)
+                try:
+                    self._replicate(src)
+                except Exception:  # a bug must not end replication for every later step
+                    log.exception("replicating job %s step %s failed", src.job, src.step)
+                finally:
+                    self.current = None
+        finally:
+            for p in self.peers:
+                p.close()
+
+    def _replicate(self, src: ReplicaSource) -> None:
+        t0 = time.monotonic()
+        with _Prepared(src, self._open) as prepared:
+            took: list[str] = []
+            for peer in self.peers:
+                st = self.state[peer.endpoint]
+                if len(took) >= self.replicas or st.retry_at > time.monotonic():
+                    continue
+                try:
+                    st.bytes_sent += prepared.send(peer)
+                except Superseded as e:
+                    log.info("replication of job %s step %s abandoned: %s", src.job, src.step, e)
+                    self.counters["superseded"] += 1
+                    return
+                except (CheckpointError, OSError) as e:
+                    st.failed(str(e), time.monotonic())
+                    self.counters["peer_failures"] += 1
+                    log.warning("peer %s did not take job %s step %s (%s); not asked again for %.0f s", peer.endpoint, src.job,
+                                src.step, e, st.backoff)  # fmt: skip
+                    continue
+                st.took(src.job, src.step)
+                took.append(peer.endpoint)
+        state = "replicated" if len(took) >= self.replicas else "degraded"
+        self.counters[f"steps_{state}"] += 1
+        with self._lock:
+            self.results[src.job] = {"step": src.step, "state": state, "peers": took, "seconds": round(time.monotonic() - t0, 3)}
+        (log.info if state == "replicated" else log.warning)("job %s step %s %s to %s", src.job, src.step, state, took or "no peer")
+
+    def summary(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "replicas": self.replicas,
+                "queued": {j: s.step for j, s in self._queue.items()},
+                "current": list(self.current) if self.current else None,
+                "jobs": {j: dict(r) for j, r in self.results.items()},
+                "peers": [
+                    {"endpoint": p.endpoint, "ok": p.ok, "error": p.error, "bytes_sent": p.bytes_sent, "steps": dict(p.steps)}
+                    for p in self.state.values()
+                ],
+                **dict(self.counters),
+            }
+
+
+class _Prepared:
+    """A step ready to send to any number of peers: a memory-only step's segments mapped and its checksums computed
+    once (the mappings are let go on exit)."""
+
+    def __init__(self, src: ReplicaSource, open_segment: Callable[[str], int]) -> None:
+        self.src, self._open = src, open_segment
+        self._maps: list[mmap.mmap] = []
+        self.views: dict[str, memoryview] = {}
+        self.manifest: bytes | None = None
+
+    def __enter__(self) -> _Prepared:
+        if self.src.path is not None:
+            return self
+        try:
+            for name, (segment, size) in self.src.shards.items():
+                fd = self._open(segment)
+                try:
+                    mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+                finally:
+                    os.close(fd)
+                self._maps.append(mm)
+                self.views[name] = memoryview(mm)[:size]
+            manifest = copy.deepcopy(self.src.manifest)
+            assert manifest is not None
+            fill_digests(manifest, self.views)
+            self.manifest = encode_manifest(manifest)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for v in self.views.values():
+            v.release()
+        self.views.clear()
+        for mm in self._maps:
+            with contextlib.suppress(BufferError):  # a frame libzmq still holds (sent without a copy): closed once freed
+                mm.close()
+        self._maps.clear()
+
+    def send(self, peer: PeerStore) -> int:
+        """Send the step to ``peer``, manifest last; the bytes sent."""
+        src = self.src
+        if src.path is not None:
+            return upload_step(peer, src.path, src.job, src.step)
+        assert self.manifest is not None
+        peer.delete([bucket_key(src.job, src.step, MANIFEST)])  # a step saved again (a rollback) is incomplete until sent whole
+        total = 0
+        for name in sorted(self.views):
+            peer.put_bytes(bucket_key(src.job, src.step, name), self.views[name])
+            total += len(self.views[name])
+        if not src.unchanged():
+            raise Superseded(f"its shared memory was reused for a later snapshot while job {src.job} step {src.step} was sent")
+        peer.put_bytes(bucket_key(src.job, src.step, MANIFEST), self.manifest)
+        return total + len(self.manifest)
+
+
+def source_of(job: str, step: int, catalog: StepCatalog, holdings: Holdings) -> ReplicaSource | None:
+    """Step ``step`` of ``job``, just complete here, as the replicator reads it: from its directory once durable, else
+    from the slots that hold it in the memory tier; ``None`` for a step this node does not hold whole (a multi-node
+    step: the bucket or the shared directory completes those)."""
+    path = catalog.complete_path(job, step)
+    if path is not None:
+        return ReplicaSource(job, step, committed_at(path), path=path)
+    mem = next((m for m in catalog.in_memory_all(job) if m.step == step and m.manifest is not None), None)
+    held = holdings.of(job, step)
+    if mem is None or mem.manifest is None or not held:
+        return None
+    files = mem.manifest["files"]
+    if sorted(files) != sorted(shard_name(r) for r in held):
+        return None
+    shards = {shard_name(rank): (slot.name, files[shard_name(rank)]["size"]) for rank, slot in held.items()}
+    marks = [(slot, slot.holds) for slot in held.values()]  # a slot reused since no longer holds this shard
+    return ReplicaSource(
+        job, step, commit_time(mem.manifest), manifest=mem.manifest, shards=shards, unchanged=lambda: all(s.holds == h for s, h in marks)
+    )
