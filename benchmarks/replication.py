@@ -4,11 +4,12 @@ on this machine, peers on loopback TCP.
 
     .venv/bin/python benchmarks/replication.py [--mib 1024] [--params 5.5e6] [--steps 48] [--every 4] [--rounds 3]
 
-1. **Throughput.** ``--mib`` of bytes (four shards) put into a peer's replica store (:mod:`ckptd.storage.peer`:
-   CurveZMQ, 4 MiB chunks each with its XXH3-64, checked by the peer before it acknowledges, 8 in flight, held in its
-   shared memory), against the floor: the same bytes in the same chunks over a plain ZeroMQ DEALER/ROUTER pair on
-   loopback, 8 in flight, acknowledged, no encryption, no checksum, copied into one preallocated buffer. Alternating,
-   ``--rounds`` times each; medians.
+1. **Throughput.** ``--mib`` of bytes (four shards) put into a peer daemon's replica store (:mod:`ckptd.storage.peer`
+   to a ``ckptd serve --peer-listen`` process: CurveZMQ, 4 MiB chunks each with its XXH3-64, checked by the peer
+   before it acknowledges, 8 in flight, held in its shared memory), against the floor: the same bytes in the same
+   chunks over a plain ZeroMQ DEALER/ROUTER pair on loopback (two threads of this process), 8 in flight,
+   acknowledged, no checksum, copied into one preallocated buffer; and that floor with CurveZMQ on (what encryption
+   alone costs: every byte of a peer link is encrypted). Alternating, ``--rounds`` times each; medians.
 2. **Training loop.** ``training_loop.py``'s loop (forward, backward, AdamW; a snapshot every ``--every`` steps, memory
    tier, nothing persisted within the run) through a daemon with ``--replicas 1`` and through one without, each round
    against its own baseline loop; overhead per checkpoint, the median of the rounds. On this one machine the peer's
@@ -40,10 +41,9 @@ import training_loop as tl  # noqa: E402
 from _harness import DaemonProcess, alternate, loop_state, machine_info, write_json  # noqa: E402
 
 import ckptd  # noqa: E402
-from ckptd import peerwire, shm  # noqa: E402
+from ckptd import peerwire  # noqa: E402
 from ckptd.client.rpc import Channel  # noqa: E402
-from ckptd.daemon.replicas import ReplicaServer  # noqa: E402
-from ckptd.peerkey import keygen  # noqa: E402
+from ckptd.peerkey import PeerKey, keygen, load_key  # noqa: E402
 from ckptd.storage.peer import WINDOW, PeerStore  # noqa: E402
 
 JOB = "repl"
@@ -58,10 +58,14 @@ def free_port() -> int:
 # ---------------------------------------------------------------------------- 1. throughput
 
 
-def plain_copy(data: memoryview, chunk: int = peerwire.CHUNK_BYTES) -> float:
-    """Seconds to move ``data`` over a plain ZeroMQ pair on loopback, chunked and acknowledged as replication is."""
+def plain_copy(data: memoryview, key: PeerKey | None = None, chunk: int = peerwire.CHUNK_BYTES) -> float:
+    """Seconds to move ``data`` over a plain ZeroMQ pair on loopback, chunked and acknowledged as replication is
+    (``key``: encrypted with CurveZMQ, as a peer link is, and nothing else of it)."""
     ctx = zmq.Context()
     router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    if key is not None:
+        router.curve_server, router.curve_secretkey, router.curve_publickey = True, key.secret, key.public
+        dealer.curve_secretkey, dealer.curve_publickey, dealer.curve_serverkey = key.secret, key.public, key.public
     port = router.bind_to_random_port("tcp://127.0.0.1")
     dealer.connect(f"tcp://127.0.0.1:{port}")
     sink = bytearray(len(data))
@@ -95,18 +99,19 @@ def plain_copy(data: memoryview, chunk: int = peerwire.CHUNK_BYTES) -> float:
     return dt
 
 
-def throughput(args: argparse.Namespace, work: str) -> dict[str, Any]:
-    key = keygen(os.path.join(work, "tp.key"))
+def throughput(args: argparse.Namespace, work: str, key_path: str) -> dict[str, Any]:
+    """``--mib`` put into a peer daemon's replica store (a ``ckptd serve --peer-listen`` process) in four objects,
+    against :func:`plain_copy` of the same bytes, without and with encryption; alternating, round 0 untimed."""
+    key = load_key(key_path)
     nbytes = args.mib << 20
     data = memoryview(os.urandom(nbytes))
-    root = os.path.join(work, "tp-root")
-    os.makedirs(root)
-    ctx = zmq.Context()
-    segments = shm.SegmentDir(root)
-    server = ReplicaServer(ctx, "tcp://127.0.0.1:*", key, segments, budget=2 * nbytes + (64 << 20))
-    server.start()
-    store = PeerStore(f"tcp://127.0.0.1:{server.port}", key)
-    times: dict[str, list[float]] = {"ckptd replication": [], "plain ZeroMQ copy (floor)": []}
+    url = f"tcp://127.0.0.1:{free_port()}"
+    budget = [f"--replica-budget={3 * nbytes}", f"--shm-budget={4 * nbytes + (1 << 30)}"]
+    peer = DaemonProcess(os.path.join(work, "tp"), f"ipc://{work}/tp.sock", os.path.join(work, "tp.log"),
+                         ["--peer-listen", url, "--peer-key", key_path, *budget])  # fmt: skip
+    store = PeerStore(url, key)
+    floor, curve = "plain ZeroMQ copy (floor)", "ZeroMQ copy with CurveZMQ (floor + encryption)"
+    times: dict[str, list[float]] = {"ckptd replication": [], floor: [], curve: []}
     per = nbytes // 4
 
     def replicate() -> None:
@@ -116,22 +121,23 @@ def throughput(args: argparse.Namespace, work: str) -> dict[str, Any]:
         times["ckptd replication"].append(time.perf_counter() - t0)
 
     try:
+        peer.wait_ready()
         for r in range(args.rounds + 1):  # round 0: untimed
-            alternate(r, replicate, lambda: times["plain ZeroMQ copy (floor)"].append(plain_copy(data)))
+            alternate(r, replicate, lambda: times[floor].append(plain_copy(data)))
+            times[curve].append(plain_copy(data, key))
             if r == 0:
                 for v in times.values():
                     v.clear()
     finally:
         store.close()
-        server.shutdown()
-        segments.close()
-        ctx.term()
+        peer.stop()
     med = {k: statistics.median(v) for k, v in times.items()}
     return {
         "bytes": nbytes,
         "seconds": times,
         "gb_per_s": {k: nbytes / v / 1e9 for k, v in med.items()},
-        "ratio_to_floor": med["ckptd replication"] / med["plain ZeroMQ copy (floor)"],
+        "ratio_to_floor": med["ckptd replication"] / med[floor],
+        "ratio_to_encrypted_floor": med["ckptd replication"] / med[curve],
     }
 
 
@@ -214,9 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     work = tempfile.mkdtemp(prefix="ckrep")
     daemons: list[DaemonProcess] = []
     try:
-        tp = throughput(args, work)
         key = os.path.join(work, "cluster.key")
         keygen(key)
+        tp = throughput(args, work, key)
         peer_url = f"tcp://127.0.0.1:{free_port()}"
         shared = os.path.join(work, "shared")
         os.makedirs(shared)
@@ -250,7 +256,7 @@ def report(args: argparse.Namespace, tp: dict[str, Any], loop: dict[str, Any], r
     print(f"Throughput, {tp['bytes'] / 2**20:.0f} MiB, median of {args.rounds}:\n\n| path | GB/s |\n|---|---:|")
     for k, v in tp["gb_per_s"].items():
         print(f"| {k} | {v:.2f} |")
-    print(f"\nreplication / floor (time): {tp['ratio_to_floor']:.2f}x\n")
+    print(f"\nreplication / floor (time): {tp['ratio_to_floor']:.2f}x; / the encrypted floor: {tp['ratio_to_encrypted_floor']:.2f}x\n")
     print(f"Training loop ({args.params / 1e6:.1f} M params + AdamW, a snapshot every {args.every} of {args.steps} steps,"
           f" {args.rounds} rounds; quiet step {loop['quiet_step_s'] * 1e3:.1f} ms):\n")  # fmt: skip
     print("| mode | overhead per checkpoint (ms): median (rounds) |\n|---|---:|")

@@ -442,6 +442,32 @@ def build_manifest(job: str, step: int, world_size: int, frags: list[dict[str, A
     } | _attempt_fields(attempts.pop() if len(attempts) == 1 else None)
 
 
+def fragments_of(manifest: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """Each rank's fragment of a single-node step, rebuilt from its manifest (rank -> fragment): what a step persisted
+    on one node keeps beside its shards, for a step that was never persisted (a memory-tier step sent to a peer, where
+    the bucket tier bounds a manifest by its fragments' sizes). ``replicas`` is empty: the sample digests of chunks
+    several ranks hold are not in a manifest (they were checked when it was built)."""
+    files = {name: ent["rank"] for name, ent in manifest["files"].items()}
+    chunks: dict[int, list[dict[str, Any]]] = {rank: [] for rank in files.values()}
+    for key, t in manifest["tensors"].items():
+        for c in t["chunks"]:
+            chunks[files[c["file"]]].append(
+                {"name": c["name"], "key": key, "dtype": t["dtype"], "sizes": c["sizes"], "global_shape": t["shape"],
+                 "offsets": c["offsets"], "byte_range": c["byte_range"], "xxh3_64": c["xxh3_64"]}
+            )  # fmt: skip
+    trees = {r["rank"]: r["tree"] for r in manifest["ranks"]}
+    attempt = attempt_of(manifest)
+    return {
+        rank: {
+            "format_version": FORMAT_VERSION, "kind": "ckptd-fragment", "job": manifest["job"], "step": manifest["step"],
+            "rank": rank, "world_size": manifest["world_size"], "local_world_size": manifest["world_size"], "file": name,
+            "size": manifest["files"][name]["size"], "header_xxh3_64": manifest["files"][name]["header_xxh3_64"],
+            "chunks": chunks[rank], "replicas": {}, "committed_at": manifest.get("committed_at", 0), "tree": trees.get(rank),
+        } | _attempt_fields(attempt)
+        for name, rank in files.items()
+    }  # fmt: skip
+
+
 Attempt = tuple[int, int | None]  # (launch, the step it had restored): see attempt_of
 
 

@@ -33,16 +33,14 @@ class Peer:
     """A replica store serving on a loopback port, and what it needs: a context, a segment directory."""
 
     def __init__(self, root: Path, key, budget: int = 64 << 20) -> None:  # noqa: ANN001
-        self.ctx = zmq.Context()
         self.segments = shm.SegmentDir(str(root))
-        self.server = ReplicaServer(self.ctx, "tcp://127.0.0.1:*", key, self.segments, budget)
+        self.server = ReplicaServer("tcp://127.0.0.1:*", key, self.segments, budget)
         self.server.start()
         self.endpoint = f"tcp://127.0.0.1:{self.server.port}"
 
     def close(self) -> None:
         self.server.shutdown()
         self.segments.close()
-        self.ctx.term()
 
 
 @pytest.fixture
@@ -165,6 +163,14 @@ def test_a_completed_step_replaces_the_jobs_older_replica(store: PeerStore, peer
         store.put_bytes(f"j/step-{step}/manifest.json", b"{}")
     store.put_bytes("other/step-1/manifest.json", b"{}")
     assert store.list("") == ["j/step-2/manifest.json", "j/step-2/rank-00000.safetensors", "other/step-1/manifest.json"]
+
+
+def test_an_incomplete_step_its_sender_moved_on_from_is_dropped_once_a_later_one_completes(store: PeerStore) -> None:
+    store.put_bytes("j/step-7/rank-00000.safetensors", b"superseded while it was sent")
+    store.put_bytes("other/step-1/rank-00000.safetensors", b"another job's, still arriving")
+    store.put_bytes("j/step-8/rank-00000.safetensors", b"x")
+    store.put_bytes("j/step-8/manifest.json", b"{}")
+    assert store.list("") == ["j/step-8/manifest.json", "j/step-8/rank-00000.safetensors", "other/step-1/rank-00000.safetensors"]
 
 
 def test_a_put_past_the_replica_budget_is_refused_and_takes_nothing(tmp_path: Path, key) -> None:  # noqa: ANN001
@@ -321,6 +327,15 @@ def test_a_step_goes_up_and_comes_back_verified_and_a_corrupt_replica_is_caught(
         src = c.snapshot(model, optim, step=4, blocking=True).wait()  # a complete step, as the daemon writes it
     upload_step(store, src, "job", 4)
     got = download_step(store, str(tmp_path / "dst"), "job", 4)
+    from ckptd.format import fragments_of
+
+    manifest = json.loads(Path(src, "manifest.json").read_bytes())
+    on_disk = json.loads(Path(src, "rank-00000.json").read_bytes())  # the fragment the persist thread wrote
+    rebuilt = fragments_of(manifest)[0]  # what a memory-only step's replica carries instead
+    assert {k: v for k, v in rebuilt.items() if k not in ("replicas", "chunks")} == {
+        k: v for k, v in on_disk.items() if k not in ("replicas", "chunks")
+    }
+    assert sorted(rebuilt["chunks"], key=lambda c: c["name"]) == sorted(on_disk["chunks"], key=lambda c: c["name"])
     names = [n for n in os.listdir(got) if not n.startswith(".")]  # the manifest and the files it lists
     assert "manifest.json" in names and any(n.endswith(".safetensors") for n in names)
     for name in names:

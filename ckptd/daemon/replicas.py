@@ -27,6 +27,7 @@ import mmap
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +58,7 @@ class Obj:
     mm: mmap.mmap | None = None
     data: bytearray | None = None
     tag: str = ""
+    seq: int = 0  # publication order
 
     def view(self) -> memoryview:
         return memoryview(self.mm if self.mm is not None else self.data)[: self.size]  # type: ignore[arg-type]
@@ -88,9 +90,12 @@ class _OnlyTheClusterKey:
 class ReplicaServer:
     """Serves ``listen`` (``tcp://ADDR:PORT``) on its own thread: :meth:`start`, then :meth:`shutdown`."""
 
-    def __init__(self, ctx: zmq.Context, listen: str, key: PeerKey, segments: shm.SegmentDir, budget: int) -> None:
+    def __init__(self, listen: str, key: PeerKey, segments: shm.SegmentDir, budget: int,
+                 initializer: Callable[[], None] = lambda: None) -> None:  # fmt: skip
+        """``initializer``: run first on the thread (the daemon's lowers its priority: the thread, and the ZeroMQ and
+        ZAP threads it starts, which decrypt every byte, yield the CPU to training)."""
         self.listen, self.budget = listen, budget
-        self._ctx, self._key, self._segments = ctx, key, segments
+        self._key, self._segments, self._init = key, segments, initializer
         self._lock = threading.Lock()  # objects, uploads and counters: the thread writes, status reads
         self.objects: dict[str, Obj] = {}
         self.uploads: dict[int, Upload] = {}
@@ -100,37 +105,21 @@ class ReplicaServer:
         self._tags = itertools.count(1)
         self._running = False
         self._thread: threading.Thread | None = None
-        self._auth: Any = None
-        self._sock: zmq.Socket | None = None
+        self._bound = threading.Event()
+        self._bind_error: str | None = None
         self.port: int | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        """Bind (an address taken fails the daemon's start, naming it) and serve on the thread."""
-        from zmq.auth.thread import ThreadAuthenticator
-
-        self._auth = ThreadAuthenticator(self._ctx, log=logging.getLogger("ckptd.zap"))
-        self._auth.start()
-        self._auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=_OnlyTheClusterKey(self._key.public))
-        s = self._ctx.socket(zmq.ROUTER)
-        s.linger = 0
-        s.curve_server = True
-        s.curve_secretkey, s.curve_publickey = self._key.secret, self._key.public
-        s.zap_domain = ZAP_DOMAIN.encode()
-        s.router_mandatory = False
-        s.rcvhwm = s.sndhwm = 64
-        try:
-            s.bind(self.listen)
-        except zmq.ZMQError as e:
-            s.close(0)
-            self._auth.stop()
-            raise CheckpointError(f"cannot listen for peers on {self.listen}: {e.strerror}") from None
-        endpoint = s.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.port = int(endpoint.rsplit(":", 1)[1]) if endpoint.startswith("tcp://") else None
-        self._sock, self._running = s, True
+        """Start the thread and wait until it is bound: an address taken fails the daemon's start, naming it."""
+        self._running = True
         self._thread = threading.Thread(target=self._serve, name="ckptd-peers", daemon=True)
         self._thread.start()
+        self._bound.wait()
+        if self._bind_error is not None:
+            self._thread.join()
+            raise CheckpointError(f"cannot listen for peers on {self.listen}: {self._bind_error}")
         log.info("listening for peers on %s (replica budget %.2f GB)", self.listen, self.budget / 1e9)
 
     def shutdown(self) -> None:
@@ -138,10 +127,6 @@ class ReplicaServer:
         self._running = False
         if self._thread is not None:
             self._thread.join()
-        if self._sock is not None:
-            self._sock.close(0)
-        if self._auth is not None:
-            self._auth.stop()
         with self._lock:
             for up in self.uploads.values():
                 self._free(up.obj)
@@ -151,9 +136,49 @@ class ReplicaServer:
             self.objects.clear()
             self.used = 0
 
+    def _bind(self, ctx: zmq.Context) -> tuple[zmq.Socket, Any] | None:
+        """The server socket, bound, behind the ZAP check; ``None`` (and ``_bind_error`` set) if it cannot bind."""
+        from zmq.auth.thread import ThreadAuthenticator
+
+        auth = ThreadAuthenticator(ctx, log=logging.getLogger("ckptd.zap"))
+        auth.start()
+        auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=_OnlyTheClusterKey(self._key.public))
+        s = ctx.socket(zmq.ROUTER)
+        s.linger = 0
+        s.curve_server = True
+        s.curve_secretkey, s.curve_publickey = self._key.secret, self._key.public
+        s.zap_domain = ZAP_DOMAIN.encode()
+        s.rcvhwm = s.sndhwm = 64
+        try:
+            s.bind(self.listen)
+        except zmq.ZMQError as e:
+            s.close(0)
+            auth.stop()
+            self._bind_error = e.strerror
+            return None
+        endpoint = s.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.port = int(endpoint.rsplit(":", 1)[1]) if endpoint.startswith("tcp://") else None
+        return s, auth
+
     def _serve(self) -> None:
-        sock = self._sock
-        assert sock is not None
+        self._init()
+        ctx = zmq.Context()  # its own I/O thread, started from this one: it inherits this thread's priority
+        try:
+            bound = self._bind(ctx)
+            self._bound.set()
+            if bound is None:
+                return
+            sock, auth = bound
+            try:
+                self._loop(sock)
+            finally:
+                sock.close(0)
+                auth.stop()
+        finally:
+            self._bound.set()
+            ctx.term()
+
+    def _loop(self, sock: zmq.Socket) -> None:
         last_sweep = time.monotonic()
         while self._running:
             if sock.poll(POLL_MS):
@@ -227,7 +252,8 @@ class ReplicaServer:
 
     def _publish(self, key: str, obj: Obj) -> str:
         """``obj`` becomes ``key`` (replacing one of that key); a manifest makes the job's other complete steps go."""
-        obj.tag = f"{next(self._tags):x}"
+        obj.seq = next(self._tags)
+        obj.tag = f"{obj.seq:x}"
         with self._lock:
             old = self.objects.pop(key, None)
             if old is not None:
@@ -239,15 +265,24 @@ class ReplicaServer:
         return obj.tag
 
     def _drop_others(self, manifest_key: str) -> None:
-        """A step of a job completed here: of the job's complete steps only the one committed last stays (lock held)."""
+        """A step of a job completed here: of the job's complete steps only the one committed last stays, and the
+        job's incomplete steps whose every object came before this step's first are dropped: their sender moved on
+        (a step superseded while it was sent). Lock held."""
         job = manifest_key.split("/", 1)[0]
-        done = {k: self._order(k) for k in self.objects if k.startswith(job + "/") and k.endswith("/" + MANIFEST) and k.count("/") == 2}
+        steps: dict[str, list[str]] = {}
+        for k in self.objects:
+            if k.startswith(job + "/"):
+                steps.setdefault(k.split("/")[1], []).append(k)
+        done = {part: self._order(f"{job}/{part}/{MANIFEST}") for part, keys in steps.items() if f"{job}/{part}/{MANIFEST}" in keys}
         keep = max(done, key=done.__getitem__)
-        for key in done.keys() - {keep}:
-            prefix = key.removesuffix(MANIFEST)
-            for k in [k for k in self.objects if k.startswith(prefix)]:
-                self._free(self.objects.pop(k))
-            log.info("replica %s replaced by %s, committed later", prefix[:-1], keep.removesuffix("/" + MANIFEST))
+        first = min(self.objects[k].seq for k in steps[manifest_key.split("/")[1]])
+        for part, keys in steps.items():
+            stale = part in done and part != keep
+            abandoned = part not in done and max(self.objects[k].seq for k in keys) < first
+            if stale or abandoned:
+                for k in keys:
+                    self._free(self.objects.pop(k))
+                log.info("replica of %s %s dropped: %s", job, part, f"{keep} was committed later" if stale else "never completed")
 
     def _order(self, manifest_key: str) -> tuple[int, int]:
         """A complete step's place in commit order: its manifest's ``committed_at``, then its number."""

@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CheckpointError
-from ..format import commit_time, encode_manifest, fill_digests
-from ..layout import MANIFEST, bucket_key, shard_name
+from ..format import commit_time, encode_manifest, fill_digests, fragments_of
+from ..layout import MANIFEST, bucket_key, fragment_name, shard_name
+from ..protocol import encode
 from ..storage.local import committed_at
 from ..storage.peer import PeerStore
 from ..storage.remote import upload_step
@@ -84,10 +85,13 @@ class PeerState:
 
 
 class Replicator:
-    def __init__(self, peers: list[PeerStore], replicas: int, open_segment: Callable[[str], int]) -> None:
-        """``peers``: the stores of the peers to use, in order; ``replicas``: how many of them each step goes to;
-        ``open_segment(name)``: a read-only fd of one of this daemon's segments."""
-        self.peers, self.replicas, self._open = peers, replicas, open_segment
+    def __init__(self, peers: list[PeerStore], replicas: int, open_segment: Callable[[str], int],
+                 initializer: Callable[[], None] = lambda: None) -> None:  # fmt: skip
+        """``peers``: the stores of the peers to use, in order (each with a context of its own, its sockets made on the
+        replication thread); ``replicas``: how many of them each step goes to; ``open_segment(name)``: a read-only fd
+        of one of this daemon's segments; ``initializer``: run first on the thread (the daemon's lowers its priority,
+        and the ZeroMQ threads it starts, which encrypt every byte, inherit it)."""
+        self.peers, self.replicas, self._open, self._init = peers, replicas, open_segment, initializer
         self._lock = threading.Condition()
         self._queue: collections.OrderedDict[str, ReplicaSource] = collections.OrderedDict()  # job -> newest step to send
         self._sent: dict[tuple[str, int], int] = {}  # (job, step) -> committed_at sent (or being sent)
@@ -122,6 +126,7 @@ class Replicator:
             log.warning("replication of %s was still under way at shutdown; abandoned", self.current)
 
     def _run(self) -> None:
+        self._init()
         try:
             while True:
                 with self._lock:
@@ -195,6 +200,7 @@ class _Prepared:
         self._maps: list[mmap.mmap] = []
         self.views: dict[str, memoryview] = {}
         self.manifest: bytes | None = None
+        self.fragments: dict[str, bytes] = {}
 
     def __enter__(self) -> _Prepared:
         if self.src.path is not None:
@@ -212,6 +218,8 @@ class _Prepared:
             assert manifest is not None
             fill_digests(manifest, self.views)
             self.manifest = encode_manifest(manifest)
+            # beside the shards, as a persisted step has them (the bucket tier bounds a manifest by its fragments)
+            self.fragments = {fragment_name(rank): encode(frag) for rank, frag in fragments_of(manifest).items()}
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -237,6 +245,9 @@ class _Prepared:
         for name in sorted(self.views):
             peer.put_bytes(bucket_key(src.job, src.step, name), self.views[name])
             total += len(self.views[name])
+        for name, doc in sorted(self.fragments.items()):
+            peer.put_bytes(bucket_key(src.job, src.step, name), doc)
+            total += len(doc)
         if not src.unchanged():
             raise Superseded(f"its shared memory was reused for a later snapshot while job {src.job} step {src.step} was sent")
         peer.put_bytes(bucket_key(src.job, src.step, MANIFEST), self.manifest)

@@ -122,7 +122,8 @@ class Daemon:
         if key is not None and config.replicas > 0:
             pacer = Pacer(config.replicate_rate_limit)
             links = [PeerStore(ep, key, pacer=pacer) for ep in config.peers]  # the replication thread's own links
-            self.replicator = Replicator(links, config.replicas, lambda name: segments.open_owned(name))
+            background = lower_priority(config.nice, config.idle_priority)  # sending yields the CPU to training
+            self.replicator = Replicator(links, config.replicas, lambda name: segments.open_owned(name), initializer=background)
         self._wire_storage(config, segments)
         self._wire_steps()
 
@@ -137,7 +138,8 @@ class Daemon:
             raise CheckpointError(
                 f"replica_budget ({share} bytes) leaves nothing of the shm budget ({budget} bytes) for this node's own snapshots"
             )
-        return budget - share, ReplicaServer(self._ctx, config.peer_listen, key, segments, share)
+        background = lower_priority(config.nice, config.idle_priority)  # receiving yields the CPU to training
+        return budget - share, ReplicaServer(config.peer_listen, key, segments, share, initializer=background)
 
     def _replicate(self, job: str, step: int) -> None:
         """A step complete here goes to the peers (with ``--replicas``)."""

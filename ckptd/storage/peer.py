@@ -15,6 +15,7 @@ Any thread: one lock serializes the socket's requests.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import os
@@ -143,9 +144,11 @@ class PeerStore:
             os.close(fd)
 
     def put_bytes(self, rel: str, data: Any) -> None:
-        """Also a ``memoryview`` (of a shared-memory segment: sent without a copy into a ``bytes``)."""
+        """Also a ``memoryview`` of memory others may write meanwhile (a shared-memory segment): each chunk is copied
+        out before its checksum is taken, so the bytes sent are the bytes checksummed (the caller checks afterwards
+        that the memory still held what it meant to send)."""
         view = memoryview(data).cast("B")
-        self._put(rel, len(view), lambda off, n: view[off : off + n], None)
+        self._put(rel, len(view), lambda off, n: bytes(view[off : off + n]), None)
 
     def put_bytes_if(self, rel: str, data: bytes, tag: str | None) -> bool:
         raise CheckpointError("a peer's replica store takes no conditional writes (multi-node steps complete through the bucket)")
@@ -204,15 +207,20 @@ class PeerStore:
 
     def _get(self, rel: str, offset: int, length: int) -> tuple[bytes, int]:
         """Up to ``length`` bytes of ``rel`` from ``offset``, checked against the checksum the peer sent, and its size."""
+        with self._lock:
+            return self._received(rel, length, self._send("get", key=rel, offset=offset, length=min(length, peerwire.CHUNK_BYTES)))
+
+    def _received(self, rel: str, length: int, rid: int) -> tuple[bytes, int]:
+        """The answer to get request ``rid`` (at most ``length`` bytes of ``rel``), checked; lock held."""
         try:
-            msg, data = self._call("get", key=rel, offset=offset, length=min(length, peerwire.CHUNK_BYTES))
+            msg, data = self._recv(rid)
         except PeerError as e:
             if "no object" in str(e):
                 raise FileNotFoundError(rel) from None
             raise
         size = msg.get("size")
         if data is None or type(size) is not int or len(data) > length or msg.get("xxh3") != digest(data):
-            raise PeerError(f"peer {self.endpoint} sent {rel} at {offset} damaged (its checksum does not match)")
+            raise PeerError(f"peer {self.endpoint} sent {rel} damaged (its checksum does not match)")
         return data, size
 
     def get_head(self, rel: str, nbytes: int) -> tuple[bytes, int]:
@@ -231,20 +239,12 @@ class PeerStore:
         return head
 
     def get_file(self, rel: str, path: str, progress: Progress | None = None, limit: int | None = None) -> None:
+        """Chunk by chunk, :data:`WINDOW` requests in flight, each chunk checked against its checksum as it arrives."""
         tmp = f"{path}.part"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            pos, size = 0, None
-            while size is None or pos < size:
-                data, size = self._get(rel, pos, peerwire.CHUNK_BYTES)
-                if limit is not None and size > limit:
-                    raise FormatError(f"{self.url(rel)} is {size} bytes, more than the {limit} it may be")
-                if not data and pos < size:
-                    raise PeerError(f"peer {self.endpoint} sent nothing of {rel} at {pos} of {size}")
-                os.pwrite(fd, data, pos)
-                pos += len(data)
-                if progress is not None:
-                    progress(len(data))
+            with self._lock:
+                self._pull(rel, fd, progress, limit)
             os.fsync(fd)
         except BaseException:
             os.close(fd)
@@ -252,6 +252,30 @@ class PeerStore:
             raise
         os.close(fd)
         os.rename(tmp, path)
+
+    def _pull(self, rel: str, fd: int, progress: Progress | None, limit: int | None) -> None:
+        chunk = peerwire.CHUNK_BYTES
+        data, size = self._received(rel, chunk, self._send("get", key=rel, offset=0, length=chunk))
+        if limit is not None and size > limit:
+            raise FormatError(f"{self.url(rel)} is {size} bytes, more than the {limit} it may be")
+        pending: collections.deque[tuple[int, int, int]] = collections.deque()
+        pos = ask = len(data)
+        os.pwrite(fd, data, 0)
+        if progress is not None:
+            progress(len(data))
+        while pos < size:
+            while ask < size and len(pending) < WINDOW:
+                n = min(chunk, size - ask)
+                pending.append((self._send("get", key=rel, offset=ask, length=n), ask, n))
+                ask += n
+            rid, off, n = pending.popleft()
+            data, now = self._received(rel, n, rid)
+            if now != size or len(data) != n:
+                raise PeerError(f"peer {self.endpoint}: {rel} changed while it was read ({size} bytes, then {now})")
+            os.pwrite(fd, data, off)
+            pos += n
+            if progress is not None:
+                progress(n)
 
     def delete(self, rels: list[str]) -> None:
         for i in range(0, len(rels), peerwire.MAX_DELETE):
