@@ -366,7 +366,7 @@ def _checkpoint(args: argparse.Namespace) -> str:
         except CheckpointError as e:
             named = not os.path.lexists(args.ckpt) and os.sep not in args.ckpt
             raise CheckpointError(f"{e}{f' (to name a job as `ckptd ls` lists it: --job {args.ckpt})' if named else ''}") from None
-    root, memory = _find_root(args.root, args.endpoint)
+    root, memory, _ = _find_root(args.root, args.endpoint)
     _find_job(root, args.job, memory)
     job, step, kept = args.job, args.step, memory.get(args.job, [])
     in_memory = f"; in the daemon's memory only, not persisted: step {', '.join(map(str, kept))}" if kept else ""
@@ -412,27 +412,38 @@ def _protected(root: str, job: str) -> dict[int, str]:
     return {step: ", ".join(n) if len(n) < 3 else f"{n[0]} and {len(n) - 1} more" for step, n in by_step.items()}
 
 
-def _find_root(root: str | None, endpoint: str | None) -> tuple[str, dict[str, list[int]]]:
+def _copies(rep: dict[str, Any], step: int) -> str:
+    """``ls``: what became of ``step``'s copy to peers, if it is the job's newest step sent (``rep``, from status)."""
+    if rep.get("step") != step:
+        return ""
+    return f"  {rep['state']}" + (f" to {', '.join(rep['peers'])}" if rep.get("peers") else "")
+
+
+def _find_root(root: str | None, endpoint: str | None) -> tuple[str, dict[str, list[int]], dict[str, dict[str, Any]]]:
     """The checkpoint root ``ls``, ``verify --job`` and ``export --job`` read: ``--root``, else the running daemon's, with
-    each job's memory-only steps (only the daemon knows them; none with ``--root``).
+    each job's memory-only steps and the outcome of its newest step's replication to peers (only the daemon knows
+    them; none with ``--root``).
 
     Raises:
         CheckpointError: no root to read, saying why."""
     memory: dict[str, list[int]] = {}
+    replicated: dict[str, dict[str, Any]] = {}
     if root is None:
         from .client.rpc import Channel
 
         try:
             with Channel(endpoint or default_endpoint(), STATUS_TIMEOUT_S) as rpc:
                 root = rpc.call("hello")["root"]
-                memory = {j: info.get("memory_only", []) for j, info in rpc.call("status")["jobs"].items()}
+                jobs = rpc.call("status")["jobs"]
+                memory = {j: info.get("memory_only", []) for j, info in jobs.items()}
+                replicated = {j: info["replicated"] for j, info in jobs.items() if isinstance(info.get("replicated"), dict)}
         except CheckpointError as e:
             raise CheckpointError(f"no --root given and {e}") from None
     elif not os.path.isdir(root):
         raise CheckpointError(f"{root} is not a directory (give the daemon's --root)")
     if not os.access(root, os.R_OK | os.X_OK):
         raise CheckpointError(f"cannot read {root} as this user (the daemon's root is private to it and its --group)")
-    return root, memory
+    return root, memory, replicated
 
 
 def _find_job(root: str, job: str, memory: dict[str, list[int]]) -> None:
@@ -454,7 +465,7 @@ def _ls(args: argparse.Namespace) -> int:
     from .validate import read_manifest
 
     try:
-        root, memory = _find_root(args.root, args.endpoint)
+        root, memory, replicated = _find_root(args.root, args.endpoint)
         if args.job:
             _find_job(root, args.job, memory)
     except CheckpointError as e:
@@ -462,8 +473,9 @@ def _ls(args: argparse.Namespace) -> int:
         return 1
     print(f"{'job':<20} {'step':>8} {'size':>10} {'ranks':>5}  {'layout':<34} created")
     for j in [args.job] if args.job else sorted(set(list_jobs(root)) | {j for j, steps in memory.items() if steps}):
+        rep = replicated.get(j) or {}
         for step in memory.get(j, []):
-            print(f"{j:<20} {step:>8}  memory only (the daemon holds it in shared memory; not persisted)")
+            print(f"{j:<20} {step:>8}  memory only (the daemon holds it in shared memory; not persisted){_copies(rep, step)}")
         latest, protected = latest_step(root, j)[0], _protected(root, j)
         for step in steps_by_commit(root, j):  # oldest commit first: after a rollback the latest is not the highest
             try:
@@ -476,5 +488,5 @@ def _ls(args: argparse.Namespace) -> int:
             layout = f"{len(m['tensors'])} tensors, {sharded} sharded"
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.get("created_unix", 0)))
             mark = ("  <- latest" if step == latest else "") + (f"  protected by {protected[step]}" if step in protected else "")
-            print(f"{j:<20} {step:>8} {size / 1e9:>8.3f}GB {m['world_size']:>5}  {layout:<34} {when}{mark}")
+            print(f"{j:<20} {step:>8} {size / 1e9:>8.3f}GB {m['world_size']:>5}  {layout:<34} {when}{mark}{_copies(rep, step)}")
     return 0

@@ -41,6 +41,11 @@ Ops (who sends them: the trainer's client, on whichever of its threads needs the
     ``dropped``: a memory-only step the tiering policy dropped before anyone asked. ``failed`` with
     ``"unknown": true``: the daemon has no record of the step and it is not on disk (it restarted since).
     ``persist`` (optional, default true): false answers a memory-only step as it is (``memory``).
+``replicated`` ``{job, step, timeout}`` → ``{"state": "pending"|"replicated"|"degraded"|"superseded"|"not_replicated",
+    "step", "peers", "reason"}``: what became of the step's copy to the daemon's peers (``--replicas K``), held up to
+    ``timeout`` seconds while it is ``pending``; ``degraded``: fewer than K peers took it (``peers`` those that did);
+    ``superseded``: a later step of the job completed before this one was sent, and went instead. Refused by a
+    daemon that replicates nothing.
 ``promote`` ``{job, step}`` → ``{"step"}``: before a restore, the step to wait for: ``step`` (null: the
     job's newest step every rank committed) if it is still pending or held in the memory tier only;
     null when the durable steps answer. With ``persist`` (optional, default true; false for a restore
@@ -113,6 +118,7 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     },  # fmt: skip
     "release": {"segment": _STR, "lease": _STR},
     "wait": {"job": _STR, "step": _INT, "timeout": _NUM},
+    "replicated": {"job": _STR, "step": _INT, "timeout": _NUM},
     "latest": {"job": _STR},
     "status": {},
     "hot_open": {"job": _STR, "step": (int, type(None)), "pid": _INT},

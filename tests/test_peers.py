@@ -289,6 +289,37 @@ def test_a_peer_that_is_down_is_an_error_naming_it_not_a_hang(key) -> None:  # n
     assert time.monotonic() - t0 < 10
 
 
+def test_a_peer_that_vanishes_mid_stream_is_an_error_in_seconds_and_its_partial_object_never_appears(
+    tmp_path: Path, key  # noqa: ANN001
+) -> None:
+    import threading
+
+    root = tmp_path / "vanishing"
+    root.mkdir()
+    p = Peer(root, key)
+    s = PeerStore(p.endpoint, key, pacer=Pacer(8 << 20), timeout=2.0)  # 64 MiB at 8 MiB/s: 8 s if nothing happens
+    errors: list[BaseException] = []
+
+    def put() -> None:
+        try:
+            s.put_bytes("j/step-1/rank-00000.safetensors", bytes(64 << 20))
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    th = threading.Thread(target=put)
+    th.start()
+    deadline = time.monotonic() + 10
+    while p.server.summary()["bytes_received"] == 0:  # streaming
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    p.close()  # the peer's daemon is gone, its half-received object with it
+    th.join(30)
+    s.close()
+    assert not th.is_alive() and time.monotonic() - t0 < 15
+    assert len(errors) == 1 and isinstance(errors[0], PeerError) and p.endpoint in str(errors[0])
+
+
 def test_the_pacer_keeps_to_its_rate() -> None:
     now = [0.0]
     slept: list[float] = []

@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -118,6 +120,8 @@ def test_a_lost_node_restores_its_newest_memory_only_step_from_a_peer(nodes: Nod
     st = replicated(a, JOB, 5)
     assert st["replication"]["jobs"][JOB]["state"] == "replicated"
     assert st["jobs"][JOB]["latest"] == 1  # the first step went to disk; 2..5 stayed in memory only
+    ls = subprocess.run([sys.executable, "-m", "ckptd", "ls", "--endpoint", a.endpoint], capture_output=True, text=True, check=True)
+    assert f"5  memory only (the daemon holds it in shared memory; not persisted)  replicated to {nodes.url('b')}" in ls.stdout
     with b.client("probe") as c:
         held = c.status()["replicas_held"]
     assert held["steps_held"] == {JOB: [5]} and held["replica_bytes"] > 0
@@ -191,11 +195,32 @@ def test_a_peer_that_is_down_or_holds_another_key_never_fails_a_snapshot(nodes: 
             t0 = time.monotonic()
             path = c.snapshot(model, optim, step=step).wait(timeout=60)
             assert time.monotonic() - t0 < 30 and os.path.isdir(path)  # durable, whatever the peers do
-    st = replicated(a, JOB, 3, timeout=120)
+        assert c.snapshot(model, optim, step=4).wait_replicated(60) == {"state": "degraded", "peers": [], "reason": None}
+    st = replicated(a, JOB, 4, timeout=120)
     rep = st["replication"]
     assert rep["jobs"][JOB]["state"] == "degraded" and rep["jobs"][JOB]["peers"] == []
     assert all(p["ok"] is False and p["error"] for p in rep["peers"])
     assert st["last_error"] is None  # a peer down is degraded replication, not an error of the checkpoints
+
+
+def test_a_snapshot_can_wait_for_its_replication(nodes: Nodes, make_daemon) -> None:  # noqa: ANN001
+    nodes.peer("b")
+    a = nodes.node("a", ["b"])
+    model, optim = make_model()
+    with a.client(JOB, persist_every=1000) as c:
+        train_step(model, optim, 1)
+        first = c.snapshot(model, optim, step=1)
+        assert first.wait_replicated(60) == {"state": "replicated", "peers": [nodes.url("b")], "reason": None}
+        handles = []
+        for step in range(2, 6):  # in a burst: the thread sends the newest queued, the ones it skipped are superseded
+            train_step(model, optim, step)
+            handles.append(c.snapshot(model, optim, step=step))
+        outcomes = [h.wait_replicated(60)["state"] for h in handles]
+        assert outcomes[-1] == "replicated" and set(outcomes) <= {"replicated", "superseded"}
+    with make_daemon(sub="plain").client(JOB) as c:  # a daemon that replicates nothing says so
+        h = c.snapshot(model, optim, step=9)
+        with pytest.raises(Exception, match="replicates nothing"):
+            h.wait_replicated(10)
 
 
 def test_peer_settings_that_cannot_work_are_refused_at_start(nodes: Nodes, short_tmp: Path) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, StepDropped, StepUnknown
 
@@ -117,6 +117,33 @@ class SnapshotHandle:
                 raise TimeoutError(f"step {self.step} of job {self.job} not durable after {timeout} s")
         self._reported = True
         raise CheckpointError(f"step {self.step} of job {self.job} failed: {self._failed}")
+
+    def wait_replicated(self, timeout: float | None = None) -> dict[str, Any]:
+        """Block until the daemon has copied the step to its peers (``ckptd serve --replicas K``), or judged it.
+
+        Independent of :meth:`wait`: a memory-only step is replicated without being persisted.
+
+        Args:
+            timeout: Seconds to wait in all, or ``None`` for no limit.
+
+        Returns:
+            A dict of ``state``, ``peers`` and ``reason``. ``state`` is ``"replicated"`` (K peers verified the step and
+            hold it, named in ``peers``), ``"degraded"`` (fewer did: a peer down, full or refusing; ``peers`` those that hold it),
+            ``"superseded"`` (a later step of the job completed before this one was sent, and went instead) or
+            ``"not_replicated"`` (``reason`` says why: a step that spans nodes).
+
+        Raises:
+            CheckpointError: The copy failed, or the daemon replicates nothing.
+            TimeoutError: No outcome after ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.wait_copied(timeout)
+        while True:
+            left = 30.0 if deadline is None else max(0.0, min(30.0, deadline - time.monotonic()))
+            rep = self.client._rpc.call("replicated", rpc_timeout=left + 10.0, job=self.job, step=self.step, timeout=left)
+            if rep["state"] != "pending":
+                return {"state": rep["state"], "peers": rep["peers"], "reason": rep.get("reason")}
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"step {self.step} of job {self.job} not replicated after {timeout} s")
 
     def __repr__(self) -> str:
         return f"SnapshotHandle(job={self.job!r}, step={self.step}, copied={self.copied()})"

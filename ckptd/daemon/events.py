@@ -96,13 +96,25 @@ class Fetched:
 
 
 @dataclass(frozen=True)
+class Replicated:
+    """The replication thread is done with a step: ``state`` ``replicated`` (K peers hold it, verified), ``degraded``
+    (fewer took it), ``superseded`` (a later step of the job went instead) or ``not_replicated`` (``reason``)."""
+
+    job: str
+    step: int
+    state: str
+    peers: tuple[str, ...] = ()
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
 class ErrorReported:
     """A worker's error that belongs to no request (the bucket is unreachable at start-up)."""
 
     message: str
 
 
-Event = ShardPersisted | Uploaded | Fetched | ErrorReported
+Event = ShardPersisted | Uploaded | Fetched | ErrorReported | Replicated
 
 
 class EventQueue:

@@ -38,7 +38,9 @@ from ..storage.local import committed_at
 from ..storage.peer import PeerStore
 from ..storage.remote import upload_step
 from .catalog import StepCatalog
+from .events import Replicated
 from .holdings import Holdings
+from .waiters import Waiter, Waiters
 
 log = logging.getLogger("ckptd.daemon")
 MIN_BACKOFF_S = 5.0  # a peer that failed is skipped for this long, doubling after each failure...
@@ -86,12 +88,13 @@ class PeerState:
 
 class Replicator:
     def __init__(self, peers: list[PeerStore], replicas: int, open_segment: Callable[[str], int],
-                 initializer: Callable[[], None] = lambda: None) -> None:  # fmt: skip
+                 report: Callable[[Replicated], None], initializer: Callable[[], None] = lambda: None) -> None:  # fmt: skip
         """``peers``: the stores of the peers to use, in order (each with a context of its own, its sockets made on the
         replication thread); ``replicas``: how many of them each step goes to; ``open_segment(name)``: a read-only fd
-        of one of this daemon's segments; ``initializer``: run first on the thread (the daemon's lowers its priority,
-        and the ZeroMQ threads it starts, which encrypt every byte, inherit it)."""
-        self.peers, self.replicas, self._open, self._init = peers, replicas, open_segment, initializer
+        of one of this daemon's segments; ``report``: what became of each step submitted (any thread: the daemon posts
+        it to its loop); ``initializer``: run first on the thread (the daemon's lowers its priority, and the ZeroMQ
+        threads it starts, which encrypt every byte, inherit it)."""
+        self.peers, self.replicas, self._open, self._init, self._report = peers, replicas, open_segment, initializer, report
         self._lock = threading.Condition()
         self._queue: collections.OrderedDict[str, ReplicaSource] = collections.OrderedDict()  # job -> newest step to send
         self._sent: dict[tuple[str, int], int] = {}  # (job, step) -> committed_at sent (or being sent)
@@ -107,11 +110,15 @@ class Replicator:
     def submit(self, src: ReplicaSource) -> None:
         """Queue a step complete on this node (a step already sent with that commit is not sent again)."""
         with self._lock:
-            if self._sent.get((src.job, src.step)) == src.committed_at or src.committed_at < self._newest.get(src.job, -1):
-                return  # sent already, or older than a step of the job sent (a step persisted after a later one sealed)
+            if self._sent.get((src.job, src.step)) == src.committed_at:
+                return  # sent already (a memory-only step, now persisted)
+            if src.committed_at < self._newest.get(src.job, -1):  # a step persisted after a later one was sealed
+                self._report(Replicated(src.job, src.step, "superseded"))
+                return
             old = self._queue.pop(src.job, None)
             if old is not None:
                 self.counters["superseded"] += 1
+                self._report(Replicated(old.job, old.step, "superseded"))
             self._queue[src.job] = src
             self._lock.notify()
 
@@ -140,8 +147,9 @@ class Replicator:
                     self.current = (src.job, src.step)
                 try:
                     self._replicate(src)
-                except Exception:  # a bug must not end replication for every later step
+                except Exception as e:  # a bug must not end replication for every later step
                     log.exception("replicating job %s step %s failed", src.job, src.step)
+                    self._report(Replicated(src.job, src.step, "not_replicated", reason=f"{type(e).__name__}: {e}"))
                 finally:
                     self.current = None
         finally:
@@ -161,6 +169,7 @@ class Replicator:
                 except Superseded as e:
                     log.info("replication of job %s step %s abandoned: %s", src.job, src.step, e)
                     self.counters["superseded"] += 1
+                    self._report(Replicated(src.job, src.step, "superseded", tuple(took)))
                     return
                 except (CheckpointError, OSError) as e:
                     st.failed(str(e), time.monotonic())
@@ -172,6 +181,7 @@ class Replicator:
                 took.append(peer.endpoint)
         state = "replicated" if len(took) >= self.replicas else "degraded"
         self.counters[f"steps_{state}"] += 1
+        self._report(Replicated(src.job, src.step, state, tuple(took)))
         with self._lock:
             self.results[src.job] = {"step": src.step, "state": state, "peers": took, "seconds": round(time.monotonic() - t0, 3)}
         (log.info if state == "replicated" else log.warning)("job %s step %s %s to %s", src.job, src.step, state, took or "no peer")
@@ -273,3 +283,35 @@ def source_of(job: str, step: int, catalog: StepCatalog, holdings: Holdings) -> 
     return ReplicaSource(
         job, step, commit_time(mem.manifest), manifest=mem.manifest, shards=shards, unchanged=lambda: all(s.holds == h for s, h in marks)
     )
+
+
+class Outcomes:
+    """What became of each step's replication (the newest :data:`KEPT`), and the ``replicated`` requests held until it
+    is known. Main thread only."""
+
+    KEPT = 4096
+
+    def __init__(self) -> None:
+        self._known: collections.OrderedDict[tuple[str, int], dict[str, Any]] = collections.OrderedDict()
+        self.waiters: Waiters[tuple[str, int]] = Waiters()
+
+    def wait(self, job: str, step: int, ident: bytes, req_id: Any, deadline: float) -> dict[str, Any] | None:
+        """The step's outcome if known, else ``None`` (the request is held until it is, or ``deadline``)."""
+        known = self._known.get((job, step))
+        if known is not None:
+            return dict(known)
+        self.waiters.add((job, step), ident, req_id, deadline)
+        return None
+
+    def done(self, ev: Replicated) -> list[tuple[Waiter, dict[str, Any]]]:
+        """An outcome: recorded, and the replies of the requests that waited for it."""
+        answer = {"state": ev.state, "step": ev.step, "peers": list(ev.peers), "reason": ev.reason}
+        self._known[(ev.job, ev.step)] = answer
+        self._known.move_to_end((ev.job, ev.step))
+        while len(self._known) > self.KEPT:
+            self._known.popitem(last=False)
+        return [(w, dict(answer)) for w in self.waiters.pop((ev.job, ev.step))]
+
+    def due(self, now: float) -> list[tuple[Waiter, dict[str, Any]]]:
+        """Requests whose deadline passed: answered ``pending``."""
+        return [(w, {"state": "pending", "step": key[1], "peers": [], "reason": None}) for key, w in self.waiters.due(now)]

@@ -41,14 +41,14 @@ from .commits import Commits
 from .completion import Completion
 from .connections import ConnectionCaps, ConnectionGuard, raise_open_files_limit
 from .endpoint import bind, check_endpoint, identity, unlink_own
-from .events import Answered, ErrorReported, EventQueue, Fetched, ShardPersisted, ShardSealed, SlotCreated, Uploaded
+from .events import Answered, ErrorReported, EventQueue, Fetched, Replicated, ShardPersisted, ShardSealed, SlotCreated, Uploaded
 from .fetcher import Fetcher
 from .growth import Grower
 from .memtier import MemoryTier, TierHooks
 from .persister import Persister, PersistOptions, lower_priority
 from .protected import Protections
 from .replicas import ReplicaServer
-from .replicator import Replicator, source_of
+from .replicator import Outcomes, Replicator, source_of
 from .sdnotify import notify, watchdog_interval
 from .slots import Room, Slot, SlotPool
 from .status import Counters, build_status
@@ -60,8 +60,8 @@ from .waiters import Waiter
 log = logging.getLogger("ckptd.daemon")
 # the requests a client may send: each is handled by the server's method _op_<name>
 OPS = (
-    "hello", "status", "alloc", "release", "commit", "wait", "latest", "hot_open", "hot_close", "fetch", "fetch_wait", "fetch_close",
-    "promote", "protect", "unprotect",
+    "hello", "status", "alloc", "release", "commit", "wait", "replicated", "latest", "hot_open", "hot_close", "fetch", "fetch_wait",
+    "fetch_close", "promote", "protect", "unprotect",
 )  # fmt: skip
 
 Handler = Callable[[bytes, dict[str, Any]], "dict[str, Any] | None"]  # None: the reply is sent later
@@ -123,7 +123,10 @@ class Daemon:
             pacer = Pacer(config.replicate_rate_limit)
             links = [PeerStore(ep, key, pacer=pacer) for ep in config.peers]  # the replication thread's own links
             background = lower_priority(config.nice, config.idle_priority)  # sending yields the CPU to training
-            self.replicator = Replicator(links, config.replicas, lambda name: segments.open_owned(name), initializer=background)
+            self.replicator = Replicator(
+                links, config.replicas, lambda name: segments.open_owned(name), self.events.post, initializer=background
+            )
+        self.replication = Outcomes()
         self._wire_storage(config, segments)
         self._wire_steps()
 
@@ -143,8 +146,14 @@ class Daemon:
 
     def _replicate(self, job: str, step: int) -> None:
         """A step complete here goes to the peers (with ``--replicas``)."""
-        if self.replicator is not None and (src := source_of(job, step, self.catalog, self.pool.holdings)) is not None:
-            self.replicator.submit(src)
+        if self.replicator is None:
+            return
+        src = source_of(job, step, self.catalog, self.pool.holdings)
+        if src is None:
+            why = "a step that spans nodes completes through the bucket or shared directory; it is not replicated to peers"
+            self.events.post(Replicated(job, step, "not_replicated", reason=why))
+            return
+        self.replicator.submit(src)
 
     def _wire_storage(self, config: DaemonConfig, segments: shm.SegmentDir) -> None:
         """The components that persist, upload, fetch and keep steps. Every one gets what it calls when it is made; an
@@ -197,6 +206,7 @@ class Daemon:
             ErrorReported: lambda ev: self.counters.error(ev.message),
             SlotCreated: lambda ev: self.pool.created(ev.token, ev.name, ev.size, ev.error),
             Answered: self._on_answered,
+            Replicated: lambda ev: self._answer(self.replication.done(ev)),
         }
 
     # ------------------------------------------------------------------ lifecycle
@@ -412,6 +422,11 @@ class Daemon:
             self.memtier.want_durable(msg["job"], msg["step"])
         return self.steps.wait((msg["job"], msg["step"]), ident, msg["id"], self._deadline(msg["timeout"]), msg["persist"])
 
+    def _op_replicated(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any] | None:
+        if self.replicator is None:
+            raise CheckpointError("this daemon replicates nothing: start it with --replicas K and --peer tcp://HOST:PORT")
+        return self.replication.wait(msg["job"], msg["step"], ident, msg["id"], self._deadline(msg["timeout"]))
+
     def _op_latest(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any] | None:
         if self.catalog.store is not None or self.catalog.peers:  # the bucket or a peer may hold a later step (a replaced node)
             self.fetcher.latest(msg["job"], ident, msg["id"], msg["uid"])
@@ -477,3 +492,4 @@ class Daemon:
         self.catalog.prune(self.pool.holdings.steps())  # manifests of steps whose slots were reused go
         self._answer(self.fetcher.due(now))
         self._answer(self.steps.due(now))
+        self._answer(self.replication.due(now))

@@ -69,6 +69,9 @@ def _jobs(d: Daemon) -> dict[str, Any]:
             job(name)["in_memory"] = step  # a hot restore can read it (if every rank's shard is held)
     for name, steps in d.steps.memory_steps().items():
         job(name)["memory_only"] = steps  # complete in shared memory, not persisted
+    if d.replicator is not None:
+        for name, outcome in d.replicator.summary()["jobs"].items():
+            job(name)["replicated"] = {k: outcome[k] for k in ("step", "state", "peers")}  # the newest step sent to peers
     return jobs
 
 
