@@ -69,7 +69,8 @@ Ops (who sends them: the trainer's client, on whichever of its threads needs the
     under the root or in the bucket, downloading it into the root if only the bucket has it, on a
     daemon thread. ``fetch_wait`` ``{fetch, timeout}`` → ``{"state": "pending"|"done"|"failed",
     "step", "path", "source": "local"|"remote", "error"}``, held up to ``timeout`` seconds
-    (``source``: the wire's spelling of :class:`Source` ``disk`` / ``bucket``). The step is held from
+    (``source``: the wire's spelling of :class:`Source` ``disk`` / ``bucket`` / ``peer``; ``passed_over``, when present:
+    why the latest step, which no source could deliver whole, was passed over for the step answered). The step is held from
     local retention until ``fetch_close`` ``{fetch}`` → ``{"released": bool}`` (an hour at most). Only the
     socket that asked for a fetch may wait for it or close it.
 ``protect`` ``{job, step, name}`` → ``{"protected", "before"}``: retention keeps ``step`` of ``job`` (on local

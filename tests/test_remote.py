@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -116,11 +117,14 @@ def test_corrupt_object_is_caught_by_its_checksum(make_daemon, short_tmp: Path, 
     with d.client("bad") as c:
         m2, o2 = make(seed=9)
         url = f"s3://{s3_bucket.bucket}/{s3_bucket.prefix}/bad/step-2/rank-00000.safetensors"
-        with pytest.raises(CheckpointError, match=rf"step 2 of job bad in the bucket is corrupt: {url}: checksum mismatch in tensor '"):
-            c.restore(m2, o2)
-        assert sorted(os.listdir(Path(d.root) / "bad")) == []  # nothing of the corrupt step entered the root
-        c.restore(m2, o2, step=1)  # an older step is still good
+        corrupt = rf"step 2 of job bad in the bucket is corrupt: {url}: checksum mismatch in tensor '"
+        with pytest.raises(CheckpointError, match=corrupt):
+            c.restore(m2, o2, step=2)  # asked for by number: that step, or why not
+        assert not (Path(d.root) / "bad" / "step-2").exists()  # nothing of the corrupt step entered the root
+        c.restore(m2, o2)  # the latest: the corrupt step is passed over for the newest one still restorable, saying so
+        assert c.last_restore["step"] == 1
         assert_same(full_state(m2, o2), want1)
+        assert re.search(corrupt, c.status()["last_error"]) and "restoring step 1, the newest still restorable" in c.status()["last_error"]
 
 
 def test_an_object_bigger_than_its_manifest_says_is_refused_as_it_arrives(
@@ -142,10 +146,11 @@ def test_an_object_bigger_than_its_manifest_says_is_refused_as_it_arrives(
     with d.client("big") as c:
         url = f"s3://{s3_bucket.bucket}/{key}"
         with pytest.raises(CheckpointError, match=rf"{url} is larger than the {size} bytes expected"):
-            c.restore(*make(seed=9))
+            c.restore(*make(seed=9), step=2)
         assert sorted(os.listdir(Path(d.root) / "big")) == []  # no .fetch directory, no step
         m1, o1 = make(seed=9)
-        c.restore(m1, o1, step=1)
+        c.restore(m1, o1)  # the latest passed over for the newest step still restorable
+        assert c.last_restore["step"] == 1
         assert_same(full_state(m1, o1), want1)
     monkeypatch.setattr(remote, "MAX_DOCUMENT_BYTES", 100)
     with S3Store(s3_bucket) as store:

@@ -60,6 +60,8 @@ def fetch(rpc: Channel, job: str, step: int | None) -> dict[str, Any]:
     while True:
         rep = rpc.call("fetch_wait", rpc_timeout=rpc.timeout + FETCH_POLL_S + 5.0, fetch=fid, timeout=FETCH_POLL_S)
         if rep["state"] == "done":
+            if rep.get("passed_over"):  # the latest step could not be delivered whole: an earlier one is restored
+                log.warning("restore of job %s: %s", job, rep["passed_over"])
             return {**rep, "fetch": fid}
         if rep["state"] == "failed":
             raise CheckpointError(rep["error"])

@@ -210,8 +210,10 @@ class Fetcher:
         report = None
         self._done((self._users.get(fid), owner))
         try:
-            found, path = self._fetch(fid, job, step, owner, chosen)
+            found, path, passed = self._fetch(fid, job, step, owner, chosen)
             answer = {"state": "done", "step": found.step, "path": path, "source": found.source.to_wire(), "error": None}
+            if passed is not None:
+                answer["passed_over"] = passed
         except Exception as e:  # the restore that asked gets it
             self.release(fid, owner)
             self._users.pop(fid, None)  # no hold: nothing to count it by
@@ -231,10 +233,11 @@ class Fetcher:
         except OSError as e:
             log.error("retention of job %s after a download failed: %s", job, e)
 
-    def _fetch(self, fid: int, job: str, step: int | None, owner: bytes | None, chosen: list[int]) -> tuple[Found, str | None]:
-        """The step to read, held, and its directory: downloaded first where only the bucket or a peer holds it. The
-        latest step (``step`` None) that no source can deliver whole is passed over for the newest that one can,
-        saying so; an explicit step is that step or an error. ``chosen``: each step chosen, appended (for the report)."""
+    def _fetch(self, fid: int, job: str, step: int | None, owner: bytes | None, chosen: list[int]) -> tuple[Found, str | None, str | None]:
+        """The step to read, held, its directory (downloaded first where only the bucket or a peer holds it) and why a
+        later one was passed over. The latest step (``step`` None) that no source can deliver whole is passed over for
+        the newest that one can, saying so; an explicit step is that step or an error. ``chosen``: each step chosen,
+        appended (for the report)."""
         skip: frozenset[int] = frozenset()
         failed: CheckpointError | None = None  # why the last step chosen could not be delivered
         while True:
@@ -245,11 +248,12 @@ class Fetcher:
                     raise
                 raise CheckpointError(f"{failed}; and no earlier step of job {job!r} is restorable {self.catalog.where()}") from None
             chosen.append(found.step)
-            if failed is not None:
-                log.error("%s; restoring step %s, the newest still restorable, instead", failed, found.step)
-                self._events.post(ErrorReported(f"job {job}: {failed}; restored step {found.step} instead"))
+            passed = None if failed is None else f"{failed}; restoring step {found.step}, the newest still restorable, instead"
+            if passed is not None:
+                log.error("%s", passed)
+                self._events.post(ErrorReported(f"job {job}: {passed}"))
             if found.store is None:
-                return found, found.path
+                return found, found.path, passed
             try:
                 found, path = self._download_any(job, found)
             except CheckpointError as e:
@@ -258,7 +262,7 @@ class Fetcher:
                 skip, failed = skip | {found.step}, e
                 continue
             self._prune(job)
-            return found, path
+            return found, path, passed
 
     def _download_any(self, job: str, found: Found) -> tuple[Found, str]:
         """Download ``found`` from where it was found, else from the other stores that hold it complete (the bucket,

@@ -147,6 +147,10 @@ class Replicator:
                     self.current = (src.job, src.step)
                 try:
                     self._replicate(src)
+                except Superseded as e:  # its slots were reused before it could be read
+                    log.info("replication of job %s step %s abandoned: %s", src.job, src.step, e)
+                    self.counters["superseded"] += 1
+                    self._report(Replicated(src.job, src.step, "superseded"))
                 except Exception as e:  # a bug must not end replication for every later step
                     log.exception("replicating job %s step %s failed", src.job, src.step)
                     self._report(Replicated(src.job, src.step, "not_replicated", reason=f"{type(e).__name__}: {e}"))
@@ -217,7 +221,12 @@ class _Prepared:
             return self
         try:
             for name, (segment, size) in self.src.shards.items():
-                fd = self._open(segment)
+                try:
+                    fd = self._open(segment)
+                except (CheckpointError, OSError):
+                    if not self.src.unchanged():
+                        raise Superseded(f"the shared memory of job {self.src.job} step {self.src.step} was reused") from None
+                    raise
                 try:
                     mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
                 finally:
@@ -248,7 +257,12 @@ class _Prepared:
         """Send the step to ``peer``, manifest last; the bytes sent."""
         src = self.src
         if src.path is not None:
-            return upload_step(peer, src.path, src.job, src.step)
+            try:
+                return upload_step(peer, src.path, src.job, src.step)
+            except (CheckpointError, OSError):
+                if not os.path.isdir(src.path):  # local retention removed it meanwhile: a later step is there
+                    raise Superseded(f"job {src.job} step {src.step} was removed by retention while it was sent") from None
+                raise
         assert self.manifest is not None
         peer.delete([bucket_key(src.job, src.step, MANIFEST)])  # a step saved again (a rollback) is incomplete until sent whole
         total = 0
