@@ -239,3 +239,27 @@ def test_peer_settings_that_cannot_work_are_refused_at_start(nodes: Nodes, short
         d = nodes.make(*args, start=False, sub=f"bad{i}")
         with pytest.raises(RuntimeError, match=match):
             d.start()
+
+
+@pytest.mark.multiproc
+def test_a_two_rank_fsdp2_memory_only_step_comes_back_from_a_peer_on_two_ranks_and_in_one_process(nodes: Nodes, short_tmp: Path) -> None:
+    from _dist import run_ranks
+    from _memtier_workers import restore_from_daemon
+    from _models import make
+    from safetensors.torch import load_file
+    from test_memory_tier_dist import held_save
+
+    nodes.peer("b")
+    a = nodes.node("a", ["b"])
+    job = "rep2"
+    with held_save(a, short_tmp, "fsdp2", job) as expected:  # steps 1..3, sharded over two gloo ranks; 3 in memory only
+        assert replicated(a, job, 3)["replication"]["jobs"][job]["state"] == "replicated"
+    lose(a)
+    a2 = nodes.node("a2", ["b"])
+    outs = run_ranks(2, restore_from_daemon, "fsdp2", a2.endpoint, job, expected, True)  # rank 0 compares bit for bit
+    assert [(o["step"], o["extra"]) for o in outs] == [(3, {"rank": r}) for r in range(2)]
+    assert {o["source"] for o in outs} <= {"peer", "disk"} and "peer" in {o["source"] for o in outs}
+    model, optim = make(seed=7)  # one process, a plain model: another world size and layout
+    with a2.client(job) as c:
+        assert c.restore(model, optim) == {"rank": 0} and c.last_restore["step"] == 3
+    assert_same(full_state(model, optim), load_file(expected))
