@@ -1,5 +1,5 @@
 """Replication to a peer daemon (issue 38): its throughput against the floor, what it costs a training loop, and a
-restore after a node loss from a peer against one from disk and from a shared directory. Every daemon is a process
+restore after a node loss from a peer against one from disk and from a bucket (moto S3). Every daemon is a process
 on this machine, peers on loopback TCP.
 
     .venv/bin/python benchmarks/replication.py [--mib 1024] [--params 5.5e6] [--steps 48] [--every 4] [--rounds 3]
@@ -15,8 +15,8 @@ on this machine, peers on loopback TCP.
    against its own baseline loop; overhead per checkpoint, the median of the rounds. On this one machine the peer's
    receiving competes for the same cores as the trainer: on a cluster it is another node's work.
 3. **Restore after a node loss.** The newest step of that loop restored by a replacement daemon (empty root, empty
-   shared memory) from the peer's replica, against the same step restored from the local disk and from a shared
-   directory (``--remote-path``, a local directory standing in for one every node mounts); each ``--rounds`` times.
+   shared memory) from the peer's replica, against the same step restored from the bucket (moto's S3 server on
+   loopback, ``tests/s3server.py``; install it with ``.[test]``) and from the local disk; each ``--rounds`` times.
 
 Prints a table; writes ``bench-out/replication.json``.
 """
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pathlib
 import shutil
 import socket
 import statistics
@@ -37,8 +38,10 @@ from typing import Any
 import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 import training_loop as tl  # noqa: E402
 from _harness import DaemonProcess, alternate, loop_state, machine_info, write_json  # noqa: E402
+from s3server import S3_UNSET_ENV, MotoServer, s3_test_env  # noqa: E402
 
 import ckptd  # noqa: E402
 from ckptd import peerwire  # noqa: E402
@@ -190,13 +193,14 @@ def timed_restore(endpoint: str, args: argparse.Namespace, step: int) -> tuple[f
         return time.perf_counter() - t0, c.last_restore["source"]
 
 
-def restores(args: argparse.Namespace, work: str, key: str, peer_url: str, step: int, shared: str) -> dict[str, Any]:
-    """The step restored by fresh daemons: from the peer, from the shared directory, and from its local copy."""
-    out: dict[str, list[float]] = {"from the peer's replica": [], "from the shared directory": [], "from local disk": []}
+def restores(args: argparse.Namespace, work: str, key: str, peer_url: str, step: int, bucket: str) -> dict[str, Any]:
+    """The step restored by fresh daemons: from the peer, from the bucket (``bucket``: the config file naming it),
+    and from its local copy."""
+    out: dict[str, list[float]] = {"from the peer's replica": [], "from the bucket (moto S3)": [], "from local disk": []}
     sources: dict[str, str] = {}
     for _ in range(args.rounds):
         for label, extra in (("from the peer's replica", ["--peer", peer_url, "--peer-key", key]),
-                             ("from the shared directory", ["--remote-path", shared])):  # fmt: skip
+                             ("from the bucket (moto S3)", ["--config", bucket])):  # fmt: skip
             base = tempfile.mkdtemp(prefix="ckrs", dir=work)
             d = DaemonProcess(os.path.join(base, "root"), f"ipc://{base}/d.sock", os.path.join(base, "d.log"), extra)
             try:
@@ -211,6 +215,20 @@ def restores(args: argparse.Namespace, work: str, key: str, peer_url: str, step:
     return {"seconds": out, "median_s": {k: statistics.median(v) for k, v in out.items()}, "sources": sources}
 
 
+def s3_bucket(moto: MotoServer, work: str) -> str:
+    """Start moto's S3 server, make a bucket on it, and return a daemon config file naming it. The dummy credentials go
+    into this process's environment, which the daemons inherit."""
+    for name in S3_UNSET_ENV:
+        os.environ.pop(name, None)
+    os.environ.update(s3_test_env(os.environ))
+    moto.start()
+    moto.client().create_bucket(Bucket="ckptd-bench")
+    path = os.path.join(work, "bucket.toml")
+    with open(path, "w") as f:
+        f.write(f'[remote]\nbucket = "ckptd-bench"\nprefix = "bench"\nendpoint_url = "{moto.endpoint_url}"\nregion = "us-east-1"\n')
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     p = tl.loop_parser(__doc__, "bench-out/replication.json")
     p.add_argument("--mib", type=int, default=1024, help="bytes replicated in the throughput part (MiB, default 1024)")
@@ -219,13 +237,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     work = tempfile.mkdtemp(prefix="ckrep")
     daemons: list[DaemonProcess] = []
+    moto = MotoServer(pathlib.Path(work) / "moto.log")
     try:
         key = os.path.join(work, "cluster.key")
         keygen(key)
         tp = throughput(args, work, key)
         peer_url = f"tcp://127.0.0.1:{free_port()}"
-        shared = os.path.join(work, "shared")
-        os.makedirs(shared)
+        bucket = s3_bucket(moto, work)
 
         def daemon(name: str, *extra: str) -> DaemonProcess:
             d = DaemonProcess(os.path.join(work, name), f"ipc://{work}/{name}.sock", os.path.join(work, f"{name}.log"), list(extra))
@@ -235,17 +253,18 @@ def main(argv: list[str] | None = None) -> int:
 
         daemon("peer", "--peer-listen", peer_url, "--peer-key", key)
         plain = daemon("plain")
-        replicating = daemon("node", "--peer", peer_url, "--peer-key", key, "--replicas", "1", "--remote-path", shared)
+        replicating = daemon("node", "--peer", peer_url, "--peer-key", key, "--replicas", "1", "--config", bucket)
         loop, model, optim = loop_overhead(args, plain, replicating)
         step = wait_replicated(replicating)
-        with Channel(replicating.endpoint, 600) as rpc:  # the step persisted, into the shared directory too: the third source
+        with Channel(replicating.endpoint, 600) as rpc:  # the step persisted, into the bucket too: the third source
             got = rpc.call("wait", job=JOB, step=step, timeout=600, persist=True)
             if got.get("state") != "durable":
                 raise RuntimeError(f"step {step} did not become durable: {got}")
-        rs = restores(args, work, key, peer_url, step, shared)
+        rs = restores(args, work, key, peer_url, step, bucket)
     finally:
         for d in daemons:
             d.stop()
+        moto.stop()
         shutil.rmtree(work, ignore_errors=True)
     report(args, tp, loop, rs, step)
     return 0

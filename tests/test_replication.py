@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -201,6 +202,30 @@ def test_a_peer_that_is_down_or_holds_another_key_never_fails_a_snapshot(nodes: 
     assert rep["jobs"][JOB]["state"] == "degraded" and rep["jobs"][JOB]["peers"] == []
     assert all(p["ok"] is False and p["error"] for p in rep["peers"])
     assert st["last_error"] is None  # a peer down is degraded replication, not an error of the checkpoints
+
+
+def test_a_peer_that_stalls_never_holds_up_a_snapshot_and_replication_resumes_when_it_answers(nodes: Nodes) -> None:
+    b = nodes.peer("b")
+    a = nodes.node("a", ["b"])
+    model, optim = make_model()
+    with a.client(JOB, persist_every=1000) as c:
+        train_step(model, optim, 1)
+        assert c.snapshot(model, optim, step=1).wait_replicated(60)["state"] == "replicated"
+        os.kill(b.proc.pid, signal.SIGSTOP)  # alive, its port open, answering nothing: the slowest peer there is
+        try:
+            for step in range(2, 8):
+                train_step(model, optim, step)
+                c.snapshot(model, optim, step=step).wait_copied()
+            with a.rpc() as rpc:  # step 7 complete in A's memory while its replication waits on B
+                assert rpc.call("wait", job=JOB, step=7, timeout=30, persist=False)["state"] == "memory"
+            st = c.status()
+            assert st["jobs"][JOB]["memory_only"] == [7] and st["replication"]["jobs"][JOB]["step"] == 1
+        finally:
+            os.kill(b.proc.pid, signal.SIGCONT)
+        final = replicated(a, JOB, 7, timeout=120)["replication"]["jobs"][JOB]
+        assert final["state"] == "replicated" and final["peers"] == [nodes.url("b")], final
+    with b.client("probe") as cl:
+        assert cl.status()["replicas_held"]["steps_held"] == {JOB: [7]}
 
 
 def test_a_snapshot_can_wait_for_its_replication(nodes: Nodes, make_daemon) -> None:  # noqa: ANN001
