@@ -9,7 +9,17 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from .errors import CheckpointError, DaemonUnavailable, DiskFull, FormatError, ProtocolError, StepDropped, StepUnknown, UnsupportedState
+from .errors import (
+    CheckpointError,
+    DaemonUnavailable,
+    DiskFull,
+    FormatError,
+    HeldInMemory,
+    ProtocolError,
+    StepDropped,
+    StepUnknown,
+    UnsupportedState,
+)  # fmt: skip
 from .version import __version__ as __version__
 
 if TYPE_CHECKING:
@@ -39,6 +49,7 @@ __all__ = [
     "FormatError",
     "ProtocolError",
     "StepDropped",
+    "HeldInMemory",
     "StepUnknown",
     "UnsupportedState",
     "Restored",

@@ -104,6 +104,12 @@ def _format_peers(st: dict[str, Any]) -> list[str]:
         steps = ", ".join(f"{j} {s}" for j, s in sorted((held.get("steps_held") or {}).items())) or "none"
         room = f"{_gb(held['replica_bytes'])} of {_gb(held['replica_budget'])}"
         lines.append(f"replicas    {room} held for peers on {held['listen']}: {steps}")
+    mesh = st.get("mesh")
+    if isinstance(mesh, dict):
+        for job, ring in sorted((mesh.get("rings") or {}).items()):
+            r = (mesh.get("jobs") or {}).get(job)
+            sent = f"; step {r['step']} {r['state']} ({', '.join(r['peers']) or 'no daemon took it'})" if r else ""
+            lines.append(f"spans       {job}: {len(ring)} daemons, this one {mesh['me']}{sent}")
     return lines
 
 
@@ -204,11 +210,12 @@ def _serve_parser(s: argparse.ArgumentParser) -> None:
     s.add_argument("--persist-every", type=int, default=None, help="persist one snapshot in N; the others stay in memory (default 1)")
     s.add_argument("--persist-interval", type=float, default=None, help="also persist the first snapshot T seconds after the last (0: off)")
     s.add_argument("--lagging", choices=("memory", "wait"), default=None, help="a snapshot due for disk while it is busy: wait or memory")
-    s.add_argument("--peer-listen", default=None, metavar="tcp://ADDR:PORT", help="hold other nodes' replicas; serve peers here")
+    s.add_argument("--peer-listen", default=None, metavar="tcp://ADDR:PORT",
+                   help="hold other nodes' replicas, and the steps of jobs that span nodes; serve peers here")  # fmt: skip
     s.add_argument("--peer", action="append", dest="peers", default=None, metavar="tcp://ADDR:PORT",
                    help="a peer daemon to replicate steps to (repeat for more)")  # fmt: skip
     s.add_argument("--peer-key", default=None, metavar="FILE", help="the cluster's peer key (ckptd keygen FILE), mode 0600")
-    s.add_argument("--replicas", type=int, default=None, help="peers each completed step is copied to (default 0: off)")
+    s.add_argument("--replicas", type=int, default=None, help="peers each step (or a node's part) is copied to (default 0: off)")
     s.add_argument("--replicate-rate-limit", type=_size, default=None, help="bytes/s cap on replication (default: none)")
     s.add_argument("--replica-budget", type=_size, default=None, help="shared memory for peers' replicas (default: half the shm budget)")
     s.add_argument(

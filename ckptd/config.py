@@ -377,16 +377,23 @@ def _check_apart(root: str, remote: Any) -> None:
         )
 
 
+PEER_ADDRESS_RE = re.compile(r"tcp://[^\s/:]{1,253}:\d{1,5}")  # a peer link's endpoint: tcp://HOST:PORT
+
+
 def _check_peers(cfg: dict[str, Any]) -> None:
     """``ValueError`` for peer settings that cannot work: an endpoint that is not ``tcp://HOST:PORT``, more replicas
-    than peers, peer links without the cluster's key, a replica budget without a port to receive replicas on."""
+    than peers (without ``--peer-listen``, where a job that spans nodes names its own), peer links without the cluster's
+    key, a replica budget without a port to receive replicas on."""
     cfg["peers"] = tuple(dict.fromkeys(cfg.get("peers") or ()))  # in order, each once
     for what, ep in [("peer_listen", cfg.get("peer_listen"))] + [("peer", p) for p in cfg["peers"]]:
-        if ep is not None and (not isinstance(ep, str) or not re.fullmatch(r"tcp://[^\s/:]+:\d{1,5}", ep)):
+        if ep is not None and (not isinstance(ep, str) or not PEER_ADDRESS_RE.fullmatch(ep)):
             raise ValueError(f"{what} must be tcp://HOST:PORT (peer links are TCP, encrypted with the cluster's key), got {ep!r}")
     replicas = cfg.get("replicas", 0)
-    if replicas > len(cfg["peers"]):
-        raise ValueError(f"replicas {replicas} needs at least {replicas} peers (--peer tcp://HOST:PORT, repeated), got {len(cfg['peers'])}")
+    if cfg["peers"] and replicas > len(cfg["peers"]) or replicas and not cfg["peers"] and not cfg.get("peer_listen"):
+        raise ValueError(
+            f"replicas {replicas} needs at least {replicas} peers (--peer tcp://HOST:PORT, repeated), got {len(cfg['peers'])};"
+            " or --peer-listen, for jobs that span nodes (their ranks name the daemons)"
+        )
     if (cfg.get("peer_listen") or cfg["peers"]) and not cfg.get("peer_key"):
         raise ValueError(
             "peer links need the cluster's key: give --peer-key FILE (make one with: ckptd keygen FILE, then copy it to every node)"

@@ -32,6 +32,11 @@ class StepDropped(CheckpointError):
     later step was complete, or shared memory was full), as the job's tiering policy allows."""
 
 
+class HeldInMemory(CheckpointError):
+    """A step of a job that spans nodes is complete in the memory of the job's daemons and their replicas, and that is
+    all it will be: without a bucket or a shared directory there is nowhere every node can read it from on disk."""
+
+
 class StepUnknown(CheckpointError):
     """The daemon has no record of a snapshot's step and the step is not on disk: the daemon restarted since
     the step was committed, and retention removed it, the memory tier dropped it, or it was lost."""

@@ -46,6 +46,10 @@ Ops (who sends them: the trainer's client, on whichever of its threads needs the
     ``timeout`` seconds while it is ``pending``; ``degraded``: fewer than K peers took it (``peers`` those that did);
     ``superseded``: a later step of the job completed before this one was sent, and went instead. Refused by a
     daemon that replicates nothing.
+``ring`` ``{job, ring}`` → ``{"used", "reason"}``: a rank of a job that spans nodes names the daemons that serve the
+    job (``ring``: their peer addresses, ``tcp://HOST:PORT``, in the order of the ranks they serve; 2..:data:`MAX_RING`,
+    distinct): with peer links the daemon keeps the job's steps in their memory (:mod:`ckptd.daemon.mesh`); ``used``
+    false, and why, where it cannot (no peer links, or its own address is not in the ring).
 ``promote`` ``{job, step}`` → ``{"step"}``: before a restore, the step to wait for: ``step`` (null: the
     job's newest step every rank committed) if it is still pending or held in the memory tier only;
     null when the durable steps answer. With ``persist`` (optional, default true; false for a restore
@@ -89,7 +93,7 @@ from enum import StrEnum
 from functools import cache
 from typing import Any
 
-from .config import MAX_LOCAL_WORLD_SIZE, MAX_NAME_BYTES, MAX_PROTECTED_NAME, MAX_STEP, MAX_WORLD_SIZE, validate_job
+from .config import MAX_LOCAL_WORLD_SIZE, MAX_NAME_BYTES, MAX_PROTECTED_NAME, MAX_STEP, MAX_WORLD_SIZE, PEER_ADDRESS_RE, validate_job
 from .errors import ProtocolError
 
 PROTOCOL_VERSION = 1
@@ -97,6 +101,7 @@ MAX_MESSAGE_BYTES = 64 << 20
 MAX_ID = (1 << 63) - 1
 MAX_NBYTES = 1 << 50  # one rank's shard
 MAX_REPLICAS = 1 << 20
+MAX_RING = 4096  # daemons (nodes) one job's ring may name
 
 _INT = (int,)
 _NUM = (int, float)
@@ -130,6 +135,7 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     "promote": {"job": _STR, "step": (int, type(None))},
     "protect": {"job": _STR, "step": _INT, "name": _STR},
     "unprotect": {"job": _STR, "name": _STR},
+    "ring": {"job": _STR, "ring": (list,)},
 }
 # fields a request may leave out, and what they then are
 OPTIONAL: dict[str, dict[str, tuple[tuple[type, ...], Any]]] = {
@@ -335,6 +341,12 @@ def _check_value(what: str, name: str, val: Any) -> None:  # noqa: C901 - one ca
         raise ProtocolError(f"{what}: field 'segment' is longer than {MAX_NAME_BYTES} characters")
     elif name == "segments" and (len(val) > MAX_LOCAL_WORLD_SIZE or not all(isinstance(v, str) and len(v) <= MAX_NAME_BYTES for v in val)):
         raise ProtocolError(f"{what}: field 'segments' must be at most {MAX_LOCAL_WORLD_SIZE} segment names")
+    elif name == "ring" and (
+        not 2 <= len(val) <= MAX_RING
+        or not all(isinstance(v, str) and PEER_ADDRESS_RE.fullmatch(v) for v in val)
+        or len(set(val)) < len(val)
+    ):
+        raise ProtocolError(f"{what}: 'ring' must list 2..{MAX_RING} distinct daemons' peer addresses, each tcp://HOST:PORT")
     elif name == "replicas" and (
         len(val) > MAX_REPLICAS or not all(len(k) <= 4096 and isinstance(d, str) and _DIGEST_RE.fullmatch(d) for k, d in val.items())
     ):

@@ -256,10 +256,14 @@ def resave_multinode(rank: int, world: int, kind: str, endpoints: list[str], job
     return {"path": path}
 
 
-def restore_via_daemon(rank: int, world: int, kind: str, endpoint: str, job: str, expected: str) -> dict[str, Any]:
-    """Restore the newest step through ``endpoint``'s daemon (which may fetch it from the bucket)."""
+def restore_via_daemon(rank: int, world: int, kind: str, endpoint: str | list[str], job: str, expected: str) -> dict[str, Any]:
+    """Restore the newest step through ``endpoint``'s daemon (which may fetch it from the bucket, or from the job's
+    daemons); a list of endpoints: the ranks spread over that many "nodes", each through its node's daemon."""
+    endpoints = endpoint if isinstance(endpoint, list) else [endpoint]
+    if len(endpoints) > 1:
+        os.environ["LOCAL_WORLD_SIZE"] = str(world // len(endpoints))  # what torchrun sets on each node
     model, optim = build(kind, seed=7)
-    with ckptd.Client(endpoint=endpoint, job=job) as c:
+    with ckptd.Client(endpoint=endpoints[rank * len(endpoints) // world], job=job) as c:
         extra = c.restore(model, optim)
         last = c.last_restore
     got = full_state(model, optim)  # a collective: every rank
@@ -281,3 +285,31 @@ def snapshot_multinode_no_wait(rank: int, world: int, kind: str, endpoints: list
     if rank == 0:
         _save_expected(expected, want)
     return {}
+
+
+def save_mesh(rank: int, world: int, kind: str, endpoints: list[str], job: str, expected: str, steps: list[int]) -> dict[str, Any]:
+    """Ranks spread over ``len(endpoints)`` "nodes" whose daemons hold a job's steps in each other's memory (no bucket):
+    snapshot ``steps``; rank 0 writes the state of the last one. Returns what became of the last step's replication and
+    of a wait for durability."""
+    from ckptd.client.rpc import Channel
+
+    per_node = world // len(endpoints)
+    os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
+    model, optim = build(kind)
+    endpoint = endpoints[rank // per_node]
+    with ckptd.Client(endpoint=endpoint, job=job) as c:
+        for step in steps:
+            train_step(model, optim, step + 100 * rank)
+            handle = c.snapshot(model, optim, step=step, extra={"rank": rank, "step": step})
+        with Channel(endpoint, 120) as rpc:
+            memory = rpc.call("wait", job=job, step=steps[-1], timeout=60, persist=False)["state"]
+        replicated = handle.wait_replicated(120)
+        try:
+            handle.wait(60)
+            durable = "durable"
+        except ckptd.HeldInMemory:
+            durable = "held in memory"
+    want = full_state(model, optim)  # a collective: every rank
+    if rank == 0:
+        _save_expected(expected, want)
+    return {"memory": memory, "replicated": replicated, "durable": durable}

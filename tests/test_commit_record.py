@@ -198,7 +198,7 @@ class _Tier:
     def set_job(self, *args: Any) -> None:
         pass
 
-    def decide(self, *args: Any) -> None:
+    def decide(self, *args: Any, **kw: Any) -> None:
         pass
 
     def seal(self, slot: Slot) -> None:

@@ -290,7 +290,8 @@ def test_a_peer_that_is_down_is_an_error_naming_it_not_a_hang(key) -> None:  # n
 
 
 def test_a_peer_that_vanishes_mid_stream_is_an_error_in_seconds_and_its_partial_object_never_appears(
-    tmp_path: Path, key  # noqa: ANN001
+    tmp_path: Path,
+    key,  # noqa: ANN001
 ) -> None:
     import threading
 

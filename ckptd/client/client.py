@@ -20,7 +20,7 @@ import torch
 from ..config import ALLOC_TIMEOUT_S, CLIENT_TIMEOUT_S, MAX_PREPARED_SLOTS, default_endpoint, env_float
 from ..errors import CheckpointError, DaemonUnavailable
 from ..protocol import MAX_MESSAGE_BYTES
-from .agree import shared
+from .agree import collective, shared
 from .calls import DaemonRequests
 from .copy import Behind, CopyGuard, EarlyCopy, SlotMaps, fill, join_all
 from .guarded import TornCopy, hookable, optimizer_storages, torch_optimizer
@@ -28,6 +28,7 @@ from .handle import Pending, SnapshotHandle
 from .load import Rename, Restored, restore_state
 from .options import JobName, check_not_saved, check_step, dist_rank_world, local_world_size, overlap_setting, tier_settings
 from .restore import Source, restore_from_daemon, restored
+from .ring import gather_ring, tell_ring
 from .rpc import Channel
 from .sizing import projected_items
 from .spare import SpareWarmer, lease_many
@@ -81,6 +82,8 @@ class Client(DaemonRequests):
         self._closed = False
         self.early_copies = 0  # snapshots copied before returning whose copy overlapped the capture check (and held)
         self.last_restore: dict[str, Any] | None = None  # {step, path, source: memory | disk | bucket}
+        self._ring: list[str] | None = None  # the daemons of a job that spans nodes (:mod:`.ring`), once gathered
+        self._ring_gathered = False
         self._torn = False  # a background copy saw its sources written outside optimizer.step(): copy before returning
 
     # ------------------------------------------------------------------ snapshot
@@ -129,6 +132,7 @@ class Client(DaemonRequests):
                 early.join()
                 self._release(early.segment)
             raise
+        self._name_ring(world)
         handle = SnapshotHandle(self, step)
         segment, tree_json = None, None
         if early is not None:
@@ -155,6 +159,15 @@ class Client(DaemonRequests):
         self._pending.track(handle)
         self._spare.start(torch.cuda.current_device() if staged.any_cuda else None)  # a spare announced: mapped ahead
         return handle
+
+    def _name_ring(self, world: int) -> None:
+        """A job that spans nodes tells its daemon the job's daemons (:mod:`.ring`): gathered once (a collective, as the
+        plan before it: every rank is here), told at every snapshot (a restarted daemon learns it again)."""
+        if not self._ring_gathered and world > 1:
+            self._ring_gathered = True
+            self._ring = gather_ring(self._rpc)
+        if self._ring:
+            tell_ring(self._rpc, self.job, self._ring)
 
     def _overlaps(self, staged: Staged) -> bool:
         """Whether the default mode copies ``staged`` behind the next step (:func:`.options.overlap_setting`)."""
@@ -376,6 +389,8 @@ class Client(DaemonRequests):
         if path is not None:
             extra, self.last_restore = restore_state(path, model, optim, rank, **how), restored(None, path, Source.DISK)
         else:
+            if collective(strict):  # a job that spans nodes: its daemons find its steps in each other's memory
+                self._name_ring(dist_rank_world()[1])
             extra, self.last_restore = restore_from_daemon(self._rpc, self.job, model, optim, rank, step=step, hot=hot, how=how)
             self.restored_at(extra.step)
         return extra

@@ -11,7 +11,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CheckpointError, StepDropped, StepUnknown
+from ..errors import CheckpointError, HeldInMemory, StepDropped, StepUnknown
 
 if TYPE_CHECKING:
     from .client import Client
@@ -90,6 +90,8 @@ class SnapshotHandle:
 
         Raises:
             StepDropped: The memory tier dropped the step before anyone asked for it durable, as the job's policy allows.
+            HeldInMemory: The step spans nodes, no bucket or shared directory is configured: it stays in the memory of the
+                job's daemons and their replicas (:mod:`ckptd.daemon.mesh`).
             StepUnknown: A daemon restarted since the commit has no record of the step, and it is not on disk.
             CheckpointError: The copy or the daemon failed, naming the cause.
             TimeoutError: The step was not durable after ``timeout`` seconds."""
@@ -106,6 +108,13 @@ class SnapshotHandle:
             if rep["state"] == "dropped":
                 self._reported = True
                 raise StepDropped(f"step {self.step} of job {self.job} is not durable: {rep['error']}")
+            if rep["state"] == "memory" and rep.get("peers_only"):
+                self._reported = True
+                raise HeldInMemory(
+                    f"step {self.step} of job {self.job} spans nodes and is complete in the memory of the job's daemons and"
+                    " their replicas, but not durable: no bucket or shared directory is configured (wait_replicated() says"
+                    " where its copies are)"
+                )
             if rep["state"] == "failed" and rep.get("unknown"):  # the daemon restarted since: Client.wait() judges it
                 self._reported = True
                 raise StepUnknown(f"step {self.step} of job {self.job}: {rep['error']} (the daemon restarted since it was committed)")
@@ -192,6 +201,8 @@ class Pending:
                 unknown.clear()
             except StepDropped:  # kept in memory only and dropped, as the job's tiering policy allows: not an error here
                 log.debug("step %s of job %s was dropped from memory, not persisted", h.step, self.job)
+            except HeldInMemory as e:  # as durable as this job's daemons make it
+                log.info("%s", e)
             except StepUnknown as e:
                 unknown.append(e)
             except CheckpointError:

@@ -87,7 +87,7 @@ def settled(rpc: Channel, job: str, step: int | None, *, persist: bool) -> int |
         return step
     while True:
         rep = rpc.call("wait", rpc_timeout=rpc.timeout + FETCH_POLL_S + 5.0, job=job, step=newest, timeout=FETCH_POLL_S, persist=persist)
-        if rep["state"] == "durable" or (rep["state"] == "memory" and not persist):
+        if rep["state"] == "durable" or (rep["state"] == "memory" and (not persist or rep.get("peers_only"))):
             return newest
         if rep["state"] in ("failed", "dropped"):
             if step is not None:

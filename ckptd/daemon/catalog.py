@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -67,10 +67,14 @@ class InMemory:
 
 
 class StepCatalog:
-    def __init__(self, root: str, store: ObjectStore | None = None, peers: list[ObjectStore] | None = None) -> None:
+    def __init__(
+        self, root: str, store: ObjectStore | None = None, peers: list[ObjectStore] | None = None,
+        ring: Callable[[str], ObjectStore | None] = lambda job: None,
+    ) -> None:  # fmt: skip
         """``store``: the bucket or shared directory; ``peers``: the replica stores of peer daemons (``--peer``), asked
-        after both, for steps this node lost (:mod:`ckptd.storage.peer`)."""
-        self.root, self.store, self.peers = root, store, list(peers or [])
+        after both, for steps this node lost (:mod:`ckptd.storage.peer`); ``ring(job)``: the replica stores of the
+        daemons a job that spans nodes named, read as one (:mod:`.mesh`), or ``None``."""
+        self.root, self.store, self.peers, self.ring = root, store, list(peers or []), ring
         # job -> step -> a step completed (or sealed on its way to disk) here: the newest by commit order is the
         # one hot restores read; the ones before it come back when it fails or is dropped
         self._in_memory: dict[str, dict[int, InMemory]] = {}
@@ -100,10 +104,10 @@ class StepCatalog:
         """Complete steps of ``job`` in the bucket (network: worker threads only); none without one."""
         return remote_steps(self.store, job)[0] if self.store is not None else []
 
-    def where(self) -> str:
-        """Where this catalog looks, for messages."""
+    def where(self, job: str | None = None) -> str:
+        """Where this catalog looks (for ``job``), for messages."""
         more = [f"in {self.store.url()}"] if self.store is not None else []
-        more += [f"in the replicas of peer {p.url()}" for p in self.peers]
+        more += [f"in the replicas of peer {p.url()}" for p in (self.peers if job is None else self._peers_of(job))]
         return f"under {self.root}" + "".join(f" or {m}" for m in more)
 
     def latest_anywhere(self, job: str, skip: frozenset[int] = frozenset()) -> Found | None:
@@ -151,7 +155,7 @@ class StepCatalog:
         """``found``, or a step a peer holds a replica of that was committed later. A peer that cannot be asked is
         skipped, with a warning: peers are there for a node that was lost, and one of them may be the one lost."""
         best = (self._commit_of(job, found), found.step) if found is not None else None
-        for peer in self.peers:
+        for peer in self._peers_of(job):
             try:
                 complete = [s for s in bucket_steps_by_commit(peer, job)[0] if s not in skip]
                 if not complete:
@@ -164,10 +168,15 @@ class StepCatalog:
                 best, found = mine, Found(complete[-1], Source.PEER, None, peer)
         return found
 
+    def _peers_of(self, job: str) -> list[ObjectStore]:
+        """The peers asked for ``job``'s steps: ``--peer``'s, then the job's own daemons (if it named them)."""
+        ring = self.ring(job)
+        return self.peers + ([ring] if ring is not None else [])
+
     def holders(self, job: str, step: int) -> list[ObjectStore]:
         """The bucket and the peers that hold step ``step`` of ``job`` complete, in that order (network: worker threads)."""
         out = []
-        for store in ([self.store] if self.store is not None else []) + self.peers:
+        for store in ([self.store] if self.store is not None else []) + self._peers_of(job):
             try:
                 if step_complete(store, job, step):
                     out.append(store)
@@ -182,14 +191,14 @@ class StepCatalog:
         if step is None:
             found = self.latest_anywhere(job, skip)
             if found is None:
-                raise NoStep(f"job {job!r} has no committed checkpoint {self.where()}")
+                raise NoStep(f"job {job!r} has no committed checkpoint {self.where(job)}")
             return found
         path = self.complete_path(job, step)
         if path is not None and not self._replaced_in_bucket(job, step, path):
             return Found(step, Source.DISK, path)
         holders = self.holders(job, step)
         if not holders:
-            raise NoStep(f"step {step} of job {job!r} is not a committed checkpoint {self.where()}")
+            raise NoStep(f"step {step} of job {job!r} is not a committed checkpoint {self.where(job)}")
         return Found(step, Source.BUCKET if holders[0] is self.store else Source.PEER, None, holders[0])
 
     def _replaced_in_bucket(self, job: str, step: int, path: str) -> bool:

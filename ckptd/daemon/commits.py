@@ -12,6 +12,7 @@ Main thread only (the daemon's loop).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import ProtocolError
@@ -42,10 +43,13 @@ class Commits:
         tiering: Tiering,
         memory: MemoryTier,
         completion: Completion,
+        mesh_ready: Callable[[str], bool] = lambda job: False,
     ) -> None:
-        """``books``: the root, steps and catalog it reads (:class:`.books.Books`); ``clock``: the commit order."""
+        """``books``: the root, steps and catalog it reads (:class:`.books.Books`); ``clock``: the commit order;
+        ``mesh_ready(job)``: the job's steps that span nodes can complete in its daemons' memory (:mod:`.mesh`)."""
         self.root, self.pool, self.catalog, self.steps, self.clock = books.root, pool, books.catalog, books.steps, clock
         self.admission, self.tiering, self.memory, self.completion = admission, tiering, memory, completion
+        self.mesh_ready = mesh_ready
 
     def commit(self, msg: dict[str, Any]) -> None:
         """Take a validated ``commit`` request (:mod:`ckptd.protocol`), or raise :class:`ProtocolError` saying why not."""
@@ -53,7 +57,7 @@ class Commits:
         job, step, rank, ws, lws = msg["job"], msg["step"], msg["rank"], msg["world_size"], msg["local_world_size"]
         track = self.admission.admit(job, step, rank, ws, lws, msg["peer"], msg["after"], msg["run"])
         self.tiering.set_job(job, msg["persist_every"], msg["persist_interval"])
-        self.memory.decide(job, step, track, lws < ws)
+        self.memory.decide(job, step, track, lws < ws, mesh=lws < ws and self.catalog.store is None)
         record = self._record(msg, track)
         self.pool.segments.write_record(slot.name, record)  # from here on the shard survives any crash
         self.pool.commit(slot, record, len(record.tree))
@@ -61,7 +65,7 @@ class Commits:
         self.admission.committed(job, step, rank, msg["peer"], msg["run"])
         if track.tier == "disk":
             self.completion.persist(slot)
-        if lws == ws:  # sealed into the memory tier (or, bound for disk, readable by a hot restore at once)
+        if lws == ws or track.mesh:  # sealed into the memory tier (or, bound for disk, readable by a hot restore at once)
             self.memory.seal(slot)
 
     def _checked(self, msg: dict[str, Any]) -> Slot:
@@ -73,11 +77,12 @@ class Commits:
             raise ProtocolError(f"commit for {job}/{step}/rank {rank} does not match the lease of {slot.name}")
         if msg["nbytes"] > slot.size:
             raise ProtocolError(f"commit of {msg['nbytes']} bytes exceeds segment size {slot.size}")
-        if lws < ws and self.catalog.store is None:
+        if lws < ws and self.catalog.store is None and not self.mesh_ready(job):
             raise ProtocolError(
                 f"step {step} of job {job} spans several nodes ({lws} of {ws} ranks on this one):"
-                " a multi-node job is committed through a bucket or a shared directory every node mounts; configure [remote]"
-                " (bucket = ... or path = ...) or --remote-path on every node's daemon"
+                " a multi-node job is committed through a bucket or a shared directory every node mounts, or in the memory of"
+                " the job's daemons; configure [remote] (bucket = ... or path = ...) or --remote-path on every node's daemon,"
+                " or --peer-listen, --peer-key and --replicas on every node's daemon"
             )
         return slot
 

@@ -47,6 +47,7 @@ class ShardSealed:
     error: str | None = None
     manifest: dict[str, Any] | None = None  # this shard was the last: the step is complete in memory
     attempt: int = 0  # the step's attempt (:attr:`~ckptd.daemon.steps.StepTrack.attempt`) the shard was committed to
+    node_part: dict[int, dict[str, Any]] | None = None  # a step that spans nodes: this shard was this node's last (fragments)
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,19 @@ class Replicated:
     state: str
     peers: tuple[str, ...] = ()
     reason: str | None = None
+
+
+@dataclass(frozen=True)
+class MeshComplete:
+    """A step that spans nodes is complete in the memory of its job's daemons (:mod:`.mesh`): this daemon's replica
+    store holds every rank's fragment of attempt ``folder`` and the ``manifest`` it built from them; or ``error``, why
+    they do not make a checkpoint."""
+
+    job: str
+    step: int
+    folder: str
+    manifest: dict[str, Any] | None = None
+    error: str | None = None
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from ..errors import CheckpointError, FormatError, ProtocolError
 from ..layout import MANIFEST, bucket_key, is_complete
 from ..protocol import Source
 from ..storage.local import job_lock
+from ..storage.peer import PeerUnion
 from ..storage.remote import download_step
 from ..storage.store import ObjectStore
 from .catalog import Found, NoStep, StepCatalog
@@ -246,7 +247,7 @@ class Fetcher:
             except NoStep:
                 if failed is None:
                     raise
-                raise CheckpointError(f"{failed}; and no earlier step of job {job!r} is restorable {self.catalog.where()}") from None
+                raise CheckpointError(f"{failed}; and no earlier step of job {job!r} is restorable {self.catalog.where(job)}") from None
             chosen.append(found.step)
             passed = None if failed is None else f"{failed}; restoring step {found.step}, the newest still restorable, instead"
             if passed is not None:
@@ -270,7 +271,10 @@ class Fetcher:
         A peer's replica that fails its checksums is deleted there (it can never restore). Raises naming every
         source tried."""
         failed: list[str] = []
-        stores = [found.store] + [s for s in self.catalog.holders(job, found.step) if s is not found.store]
+        assert found.store is not None
+        stores = [found.store] + [s for s in self.catalog.holders(job, found.step) if s.url() != found.store.url()]
+        # the job's daemons read as one: once through each daemon first (a corrupt copy is one daemon's)
+        stores = [r for s in stores for r in (s.rotations() if isinstance(s, PeerUnion) else [s])]
         for store in stores:
             assert store is not None
             try:

@@ -27,21 +27,24 @@ Main thread only (the daemon's loop), except :meth:`MemoryTier._seal` on the sea
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import FormatError
-from ..format import ShardOf, build_fragment, build_manifest, commit_time, parse_header
-from ..layout import shard_name
-from ..protocol import CommitRecord
+from ..format import ShardOf, attempt_of, build_fragment, build_manifest, commit_time, parse_header
+from ..layout import attempt_folder, shard_name
+from ..protocol import CommitRecord, encode
 from ..storage import local
 from ..storage.local import committed_at
 from .books import Books
-from .events import ShardSealed
+from .events import MeshComplete, ShardSealed
+from .mesh import NodePart
 from .persister import parse_tree
 from .slots import Slot, SlotPool, SlotState
 from .steps import StepKey, StepState, StepTrack
@@ -52,6 +55,7 @@ log = logging.getLogger("ckptd.daemon")
 DEATH_CHECK_S = 2.0  # how often the runs holding memory-only steps are checked for being gone
 PERSIST_RETRY_S = 60.0  # a gone run's step that failed to persist (a full disk) is tried again after this,
 PERSIST_RETRY_MAX_S = 3600.0  # doubled after each failure, up to this
+MESH_GRACE_S = 120.0  # a step that spans nodes, sealed here, whose run ended: the other nodes' fragments may come this long
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,8 @@ class TierHooks:
     ``persist(slot)``: hand a committed slot to the persist threads; ``settle(key, track)``: answer a step's waiters
     and clean up after its state changed; ``after_complete(job, step)``: what follows a step's completion (it calls
     :meth:`MemoryTier.completed`); ``run_gone(job)``: every process that committed the job's steps in its current run
-    is gone; ``protected(job, step)``: a name keeps the step (:mod:`.protected`).
+    is gone; ``protected(job, step)``: a name keeps the step (:mod:`.protected`); ``publish(part)``: this node's part of
+    a step that spans nodes, sealed, goes to the job's daemons (:meth:`.mesh.Mesh.publish`).
     """
 
     persist: Callable[[Slot], None]
@@ -69,6 +74,7 @@ class TierHooks:
     after_complete: Callable[[str, int], None]
     run_gone: Callable[[str], bool]
     protected: Callable[[str, int], bool] = lambda job, step: False
+    publish: Callable[[NodePart], None] = lambda part: None
 
 
 class MemoryTier:
@@ -78,7 +84,7 @@ class MemoryTier:
         :meth:`sealing`): the daemon passes those to the pool."""
         self.steps, self.pool, self.catalog, self.tiering, self.counters = books.steps, pool, books.catalog, tiering, books.counters
         self._events, self._persist, self._settle, self._run_gone = books.events, hooks.persist, hooks.settle, hooks.run_gone
-        self._after_complete, self._answer = hooks.after_complete, books.answer
+        self._after_complete, self._answer, self._publish = hooks.after_complete, books.answer, hooks.publish
         self._exec = ThreadPoolExecutor(1, thread_name_prefix="ckptd-seal")
         self._lock = threading.Lock()
         # seal thread: fragments of steps being sealed, per attempt (job, step, attempt)
@@ -88,10 +94,13 @@ class MemoryTier:
 
     # ------------------------------------------------------------------ committing
 
-    def decide(self, job: str, step: int, track: StepTrack, multi_node: bool) -> None:
+    def decide(self, job: str, step: int, track: StepTrack, multi_node: bool, mesh: bool = False) -> None:
         """A step's first commit: its tier (a crash-recovered step is always persisted, and so is a number a name
-        protects: a rolled-back run's re-save of it replaces the old step on disk, :mod:`.protected`)."""
-        if not track.committed:
+        protects: a rolled-back run's re-save of it replaces the old step on disk, :mod:`.protected`). ``mesh``: a step
+        that spans nodes completes in the memory of the job's daemons (:mod:`.mesh`), never persisted."""
+        if not track.committed and mesh:
+            track.tier, track.mesh = Tier.MEMORY.value, True
+        elif not track.committed:
             always = multi_node or track.recovered or self.protected(job, step)
             tier = self.tiering.decide(job, disk_busy=self.steps.disk_busy(job), multi_node=always)
             track.tier = tier.value
@@ -101,37 +110,53 @@ class MemoryTier:
         that a hot restore reads it at once)."""
         rec = slot.committed()
         track = self.steps.shard_started((rec.job, rec.step))  # (a committed slot's step is tracked)
-        self._exec.submit(self._seal, slot.name, rec, track.attempt)
+        self._exec.submit(self._seal, slot.name, rec, track.attempt, track.mesh)
 
-    def _seal(self, name: str, rec: CommitRecord, attempt: int) -> None:
+    def _seal(self, name: str, rec: CommitRecord, attempt: int, mesh: bool = False) -> None:
+        """``mesh``: this node's part of a step that spans nodes: its fragments carry their checksums (other nodes
+        verify what they are sent, and a restore what it reads), and it is sealed once this node's ranks are."""
         job, step, rank, ws = rec.job, rec.step, rec.rank, rec.world_size
         key = (job, step, attempt)
         try:
-            fd = self.pool.segments.open_owned(name)
-            try:
-                head = local.read_header(fd, rec.nbytes)
-            finally:
-                os.close(fd)
-            layout = parse_header(head, rec.nbytes)
-            if layout.file_size != rec.nbytes:
-                raise FormatError(f"staged shard is {rec.nbytes} bytes but its header describes {layout.file_size}")
-            of = ShardOf(
-                job=job, step=step, rank=rank, world_size=ws, local_world_size=rec.local_world_size, replicas=rec.replicas,
-                tree=parse_tree(rec.tree), committed_at=rec.committed_at, run=rec.run, after=rec.after,
-            )  # fmt: skip
-            frag = build_fragment(of, head, layout, digests=False)
-            manifest = None
+            frag = self._fragment(name, rec, mesh)
+            manifest, part = None, None
             with self._lock:
                 got = self._frags.setdefault(key, {})
                 got[rank] = frag
-                if len(got) == ws:
+                if len(got) == (rec.local_world_size if mesh else ws):
                     del self._frags[key]
-                    manifest = build_manifest(job, step, ws, list(got.values()))
-            event = ShardSealed(name, job, step, rank, None, manifest, attempt)
+                    if mesh:
+                        part = dict(got)
+                    else:
+                        manifest = build_manifest(job, step, ws, list(got.values()))
+            event = ShardSealed(name, job, step, rank, None, manifest, attempt, part)
         except Exception as e:  # reported to the step's waiters, never swallowed
             log.error("sealing %s (job %s step %s rank %s) failed: %s", name, job, step, rank, e)
             event = ShardSealed(name, job, step, rank, f"{e}", None, attempt)
         self._events.post(event)
+
+    def _fragment(self, name: str, rec: CommitRecord, digests: bool) -> dict[str, Any]:
+        """The fragment of the shard staged in segment ``name``: from its header alone, or (``digests``) from all of it."""
+        fd = self.pool.segments.open_owned(name)
+        try:
+            head = local.read_header(fd, rec.nbytes)
+            layout = parse_header(head, rec.nbytes)
+            if layout.file_size != rec.nbytes:
+                raise FormatError(f"staged shard is {rec.nbytes} bytes but its header describes {layout.file_size}")
+            of = ShardOf(
+                job=rec.job, step=rec.step, rank=rec.rank, world_size=rec.world_size, local_world_size=rec.local_world_size,
+                replicas=rec.replicas, tree=parse_tree(rec.tree), committed_at=rec.committed_at, run=rec.run, after=rec.after,
+            )  # fmt: skip
+            if not digests:
+                return build_fragment(of, head, layout, digests=False)
+            with mmap.mmap(fd, rec.nbytes, prot=mmap.PROT_READ) as mm:
+                view = memoryview(mm)
+                try:
+                    return build_fragment(of, view, layout)
+                finally:
+                    view.release()
+        finally:
+            os.close(fd)
 
     def on_sealed(self, ev: ShardSealed) -> None:
         key = (ev.job, ev.step)
@@ -155,6 +180,8 @@ class MemoryTier:
             self._settle(key, track)
             return
         self.pool.holdings.hold(slot, (ev.job, ev.step, ev.rank))
+        if ev.node_part is not None:
+            self._node_sealed(key, track, ev.node_part)
         if ev.manifest is None:
             if self.pool.deferred:  # a request held back while this slot was committed may be served now
                 self.pool.retry_deferred()
@@ -171,6 +198,45 @@ class MemoryTier:
         # persisted first if someone asked: completing it may retry a deferred alloc that would drop it
         if track.promote or (self.tiering.owed(ev.job) and not self.steps.disk_busy(ev.job)):
             self.promote(key)
+        self._after_complete(ev.job, ev.step)
+        self._answer(self.steps.answered_sealed(key))
+        self._settle(key, track)
+
+    def _node_sealed(self, key: StepKey, track: StepTrack, frags: dict[int, dict[str, Any]]) -> None:
+        """This node's ranks of a step that spans nodes are sealed: their part goes to the job's daemons, and the step
+        completes once every rank's fragment is in this daemon's replica store (:meth:`completed_across`)."""
+        held = self.pool.holdings.of(*key)
+        if set(frags) != track.committed or set(held) != set(frags):
+            self.steps.fail(key, "the sealed shards are not those of the ranks that committed (a stale attempt's)")
+            self._settle(key, track)
+            return
+        attempts = {attempt_of(f) for f in frags.values()}
+        run, after = attempts.pop() if len(attempts) == 1 and None not in attempts else (None, None)
+        if run is None:
+            self.steps.fail(key, "the sealed shards name different attempts")
+            self._settle(key, track)
+            return
+        track.mesh_folder, track.mesh_sealed_at = attempt_folder(run, after), time.monotonic()
+        marks = [(slot, slot.holds) for slot in held.values()]  # a slot reused since no longer holds this shard
+        self._publish(NodePart(
+            key[0], key[1], track.mesh_folder, {r: (held[r].name, f["size"]) for r, f in frags.items()},
+            {r: encode(f) for r, f in frags.items()}, unchanged=lambda: all(s.holds == h for s, h in marks),
+        ))  # fmt: skip
+
+    def completed_across(self, ev: MeshComplete) -> None:
+        """A step that spans nodes is complete in the memory of the job's daemons (or, ``ev.error``, cannot be)."""
+        key = (ev.job, ev.step)
+        track = self.steps.get(key)
+        if track is None or not track.mesh or track.state is not StepState.PENDING or track.mesh_folder != ev.folder:
+            return  # another attempt's, or complete already (a late fragment), or this node's part never sealed
+        if ev.error is not None or ev.manifest is None:
+            if self.steps.fail(key, f"its ranks' fragments do not make a checkpoint: {ev.error}"):
+                self.counters.error(f"job {ev.job} step {ev.step}: {ev.error}")
+            self._settle(key, track)
+            return
+        self.steps.sealed(key)
+        self.catalog.note_memory(ev.job, ev.step, ev.manifest)
+        self.counters.memory_steps += 1
         self._after_complete(ev.job, ev.step)
         self._answer(self.steps.answered_sealed(key))
         self._settle(key, track)
@@ -273,6 +339,8 @@ class MemoryTier:
         track = self.steps.get((job, step))
         if track is None or track.tier != Tier.MEMORY.value or track.state not in (StepState.PENDING, StepState.MEMORY):
             return None
+        if track.mesh:  # spans nodes, no bucket: there is nowhere to persist it that every node reads
+            return None
         if track.state is StepState.PENDING:
             track.promote = True
         else:
@@ -348,7 +416,10 @@ class MemoryTier:
             if not self._run_gone(job):
                 continue
             for s, t in self.steps.of_job(job, StepState.PENDING):
-                if t.tier == Tier.MEMORY.value and not t.all_committed and self.steps.abandon((job, s), "abandoned: its run ended"):
+                # a step that spans nodes whose other parts never came (their nodes' runs ended too) holds its slots
+                stale = t.mesh and t.mesh_folder is not None and now - t.mesh_sealed_at > MESH_GRACE_S
+                memory = t.tier == Tier.MEMORY.value and (not t.all_committed or stale)
+                if memory and self.steps.abandon((job, s), "abandoned: its run ended"):
                     self._settle((job, s), t)  # its ranks that committed hold slots: freed
             newest = self.steps.of_job(job, StepState.MEMORY)
             last = newest[-1][1] if newest else None
@@ -387,6 +458,9 @@ class MemoryTier:
         if entry.manifest is None or (entry.tier is Tier.DISK and not os.path.isdir(entry.path)):
             return {"step": None, "reason": f"step {entry.step} of job {job!r} is no longer on disk"}
         held = self.pool.holdings.of(job, entry.step)
+        track = self.steps.get((job, entry.step))
+        if track is not None and track.mesh:
+            return {"step": None, "reason": f"step {entry.step} of job {job!r} spans nodes: it is read through the job's daemons"}
         missing = sorted(set(range(entry.manifest["world_size"])) - set(held))
         if missing:
             return {"step": None, "reason": f"the shards of ranks {missing[:8]} of step {entry.step} are no longer in memory"}

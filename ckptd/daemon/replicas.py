@@ -91,11 +91,12 @@ class ReplicaServer:
     """Serves ``listen`` (``tcp://ADDR:PORT``) on its own thread: :meth:`start`, then :meth:`shutdown`."""
 
     def __init__(self, listen: str, key: PeerKey, segments: shm.SegmentDir, budget: int,
-                 initializer: Callable[[], None] = lambda: None) -> None:  # fmt: skip
+                 initializer: Callable[[], None] = lambda: None, published: Callable[[str], None] = lambda key: None) -> None:  # fmt: skip
         """``initializer``: run first on the thread (the daemon's lowers its priority: the thread, and the ZeroMQ and
-        ZAP threads it starts, which decrypt every byte, yield the CPU to training)."""
+        ZAP threads it starts, which decrypt every byte, yield the CPU to training). ``published(key)``: called once an
+        object is in place, on the thread that put it (:meth:`.mesh.Mesh.published` decides there)."""
         self.listen, self.budget = listen, budget
-        self._key, self._segments, self._init = key, segments, initializer
+        self._key, self._segments, self._init, self._published = key, segments, initializer, published
         self._lock = threading.Lock()  # objects, uploads and counters: the thread writes, status reads
         self.objects: dict[str, Obj] = {}
         self.uploads: dict[int, Upload] = {}
@@ -262,7 +263,38 @@ class ReplicaServer:
             self.counters["objects_received"] += 1
             if key.endswith("/" + MANIFEST) and key.count("/") == 2:
                 self._drop_others(key)
+        self._published(key)
         return obj.tag
+
+    # ------------------------------------------------------------------ this daemon's own objects (any thread)
+
+    def adopt_segment(self, key: str, segment: str, size: int) -> None:
+        """Serve ``size`` bytes of this daemon's own segment ``segment`` as ``key``, by reference (no copy, nothing of
+        the replica budget): a node's own part of a step that spans nodes, in the slots that hold it. A slot reused
+        meanwhile serves other bytes: the reader's checksums catch that, as for any damaged copy."""
+        fd = self._segments.open_owned(segment)
+        try:
+            mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        self._publish(peerwire.check_key(key), Obj(size, 0, mm=mm))
+
+    def adopt_bytes(self, key: str, data: bytes) -> None:
+        """Keep ``data`` as ``key`` (a fragment or a manifest this daemon made), within the replica budget."""
+        obj = self._make(len(data))
+        obj.view()[:] = data
+        self._publish(peerwire.check_key(key), obj)
+
+    def read(self, key: str, limit: int) -> bytes | None:
+        """The bytes of ``key`` (at most ``limit``: a bigger object is ``None``, as is a missing one)."""
+        with self._lock:
+            obj = self.objects.get(key)
+            return None if obj is None or obj.size > limit else bytes(obj.view())
+
+    def names(self, prefix: str) -> set[str]:
+        """The keys held under ``prefix``."""
+        with self._lock:
+            return {k for k in self.objects if k.startswith(prefix)}
 
     def _drop_others(self, manifest_key: str) -> None:
         """A step of a job completed here: of the job's complete steps only the one committed last stays, and the
@@ -354,12 +386,12 @@ class ReplicaServer:
         return {"objects": found}, None
 
     def _op_get(self, ident: bytes, msg: dict[str, Any], data: bytes | None) -> tuple[dict[str, Any], bytes | None]:
-        with self._lock:
+        with self._lock:  # copied under the lock: another thread may let the object go (a later step of its job, adopted)
             obj = self.objects.get(msg["key"])
-        if obj is None:
-            raise CheckpointError(f"no object {msg['key']} here")
-        start = min(msg["offset"], obj.size)
-        out = bytes(obj.view()[start : start + min(msg["length"], peerwire.CHUNK_BYTES)])
+            if obj is None:
+                raise CheckpointError(f"no object {msg['key']} here")
+            start = min(msg["offset"], obj.size)
+            out = bytes(obj.view()[start : start + min(msg["length"], peerwire.CHUNK_BYTES)])
         return {"size": obj.size, "tag": obj.tag, "xxh3": digest(out)}, out
 
     def _op_delete(self, ident: bytes, msg: dict[str, Any], data: bytes | None) -> tuple[dict[str, Any], bytes | None]:

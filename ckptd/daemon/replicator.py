@@ -24,7 +24,6 @@ import copy
 import logging
 import mmap
 import os
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ from ..storage.remote import upload_step
 from .catalog import StepCatalog
 from .events import Replicated
 from .holdings import Holdings
+from .sending import NewestPerJob, Superseded
 from .waiters import Waiter, Waiters
 
 log = logging.getLogger("ckptd.daemon")
@@ -62,10 +62,6 @@ class ReplicaSource:
     unchanged: Callable[[], bool] = lambda: True
 
 
-class Superseded(CheckpointError):
-    """A memory-only step's slots were reused while it was sent: the replica is abandoned."""
-
-
 @dataclass
 class PeerState:
     endpoint: str
@@ -86,7 +82,7 @@ class PeerState:
         self.steps[job] = step
 
 
-class Replicator:
+class Replicator(NewestPerJob[ReplicaSource]):
     def __init__(self, peers: list[PeerStore], replicas: int, open_segment: Callable[[str], int],
                  report: Callable[[Replicated], None], initializer: Callable[[], None] = lambda: None) -> None:  # fmt: skip
         """``peers``: the stores of the peers to use, in order (each with a context of its own, its sockets made on the
@@ -94,18 +90,11 @@ class Replicator:
         of one of this daemon's segments; ``report``: what became of each step submitted (any thread: the daemon posts
         it to its loop); ``initializer``: run first on the thread (the daemon's lowers its priority, and the ZeroMQ
         threads it starts, which encrypt every byte, inherit it)."""
-        self.peers, self.replicas, self._open, self._init, self._report = peers, replicas, open_segment, initializer, report
-        self._lock = threading.Condition()
-        self._queue: collections.OrderedDict[str, ReplicaSource] = collections.OrderedDict()  # job -> newest step to send
+        self.peers, self.replicas, self._open = peers, replicas, open_segment
         self._sent: dict[tuple[str, int], int] = {}  # (job, step) -> committed_at sent (or being sent)
         self._newest: dict[str, int] = {}  # job -> the newest committed_at sent (or being sent)
-        self.current: tuple[str, int] | None = None
         self.state = {p.endpoint: PeerState(p.endpoint) for p in peers}
-        self.results: dict[str, dict[str, Any]] = {}  # job -> its newest step's outcome
-        self.counters = collections.Counter[str]()
-        self._running = True
-        self._thread = threading.Thread(target=self._run, name="ckptd-replicate", daemon=True)
-        self._thread.start()
+        super().__init__("ckptd-replicate", report, initializer)
 
     def submit(self, src: ReplicaSource) -> None:
         """Queue a step complete on this node (a step already sent with that commit is not sent again)."""
@@ -115,52 +104,17 @@ class Replicator:
             if src.committed_at < self._newest.get(src.job, -1):  # a step persisted after a later one was sealed
                 self._report(Replicated(src.job, src.step, "superseded"))
                 return
-            old = self._queue.pop(src.job, None)
-            if old is not None:
-                self.counters["superseded"] += 1
-                self._report(Replicated(old.job, old.step, "superseded"))
-            self._queue[src.job] = src
-            self._lock.notify()
+            self._enqueue(src)
 
-    def shutdown(self, timeout: float = 5.0) -> None:
-        """Stop after the step being sent (waiting ``timeout`` s at most); queued steps are not sent."""
-        with self._lock:
-            self._running = False
-            self._queue.clear()
-            self._lock.notify()
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            log.warning("replication of %s was still under way at shutdown; abandoned", self.current)
+    def _taken(self, src: ReplicaSource) -> None:
+        self._sent[(src.job, src.step)] = src.committed_at
+        self._newest[src.job] = max(src.committed_at, self._newest.get(src.job, -1))
 
-    def _run(self) -> None:
-        self._init()
-        try:
-            while True:
-                with self._lock:
-                    while self._running and not self._queue:
-                        self._lock.wait()
-                    if not self._running:
-                        return
-                    _, src = self._queue.popitem(last=False)
-                    self._sent[(src.job, src.step)] = src.committed_at
-                    self._newest[src.job] = max(src.committed_at, self._newest.get(src.job, -1))
-                    self.current = (src.job, src.step)
-                try:
-                    self._replicate(src)
-                except Superseded as e:  # its slots were reused before it could be read
-                    log.info("replication of job %s step %s abandoned: %s", src.job, src.step, e)
-                    self.counters["superseded"] += 1
-                    self._report(Replicated(src.job, src.step, "superseded"))
-                except Exception as e:  # a bug must not end replication for every later step
-                    log.exception("replicating job %s step %s failed", src.job, src.step)
-                    self._report(Replicated(src.job, src.step, "not_replicated", reason=f"{type(e).__name__}: {e}"))
-                finally:
-                    self.current = None
-        finally:
-            for p in self.peers:
-                p.close()
+    def _closing(self) -> None:
+        for p in self.peers:
+            p.close()
 
-    def _replicate(self, src: ReplicaSource) -> None:
+    def _send(self, src: ReplicaSource) -> None:
         t0 = time.monotonic()
         with _Prepared(src, self._open) as prepared:
             took: list[str] = []
@@ -183,12 +137,7 @@ class Replicator:
                     continue
                 st.took(src.job, src.step)
                 took.append(peer.endpoint)
-        state = "replicated" if len(took) >= self.replicas else "degraded"
-        self.counters[f"steps_{state}"] += 1
-        self._report(Replicated(src.job, src.step, state, tuple(took)))
-        with self._lock:
-            self.results[src.job] = {"step": src.step, "state": state, "peers": took, "seconds": round(time.monotonic() - t0, 3)}
-        (log.info if state == "replicated" else log.warning)("job %s step %s %s to %s", src.job, src.step, state, took or "no peer")
+        self._done(src, "replicated" if len(took) >= self.replicas else "degraded", took, time.monotonic() - t0)
 
     def summary(self) -> dict[str, Any]:
         with self._lock:

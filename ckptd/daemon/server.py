@@ -41,10 +41,22 @@ from .commits import Commits
 from .completion import Completion
 from .connections import ConnectionCaps, ConnectionGuard, raise_open_files_limit
 from .endpoint import bind, check_endpoint, identity, unlink_own
-from .events import Answered, ErrorReported, EventQueue, Fetched, Replicated, ShardPersisted, ShardSealed, SlotCreated, Uploaded
+from .events import (
+    Answered,
+    ErrorReported,
+    EventQueue,
+    Fetched,
+    MeshComplete,
+    Replicated,
+    ShardPersisted,
+    ShardSealed,
+    SlotCreated,
+    Uploaded,
+)  # fmt: skip
 from .fetcher import Fetcher
 from .growth import Grower
 from .memtier import MemoryTier, TierHooks
+from .mesh import Mesh, advertised
 from .persister import Persister, PersistOptions, lower_priority
 from .protected import Protections
 from .replicas import ReplicaServer
@@ -61,7 +73,7 @@ log = logging.getLogger("ckptd.daemon")
 # the requests a client may send: each is handled by the server's method _op_<name>
 OPS = (
     "hello", "status", "alloc", "release", "commit", "wait", "replicated", "latest", "hot_open", "hot_close", "fetch", "fetch_wait",
-    "fetch_close", "promote", "protect", "unprotect",
+    "fetch_close", "promote", "protect", "unprotect", "ring",
 )  # fmt: skip
 
 Handler = Callable[[bytes, dict[str, Any]], "dict[str, Any] | None"]  # None: the reply is sent later
@@ -102,7 +114,10 @@ class Daemon:
         self.events = EventQueue(self._ctx)
         key = load_key(config.peer_key) if config.peer_key else None  # a key others may read fails the start, naming it
         peers = [PeerStore(ep, key) for ep in config.peers] if key is not None else []  # restores ask these (their own links)
-        self.catalog = StepCatalog(self.root, store if store is not None else open_store(config.remote, self.root), peers=peers)
+        self.catalog = StepCatalog(
+            self.root, store if store is not None else open_store(config.remote, self.root), peers=peers,
+            ring=lambda job: self.mesh.union(job) if self.mesh is not None else None,
+        )  # fmt: skip
         self.steps = StepTable(self.catalog.complete_path)
         self.tiering = Tiering(TierPolicy(config.persist_every, config.persist_interval, config.lagging))
         budget = config.shm_budget if config.shm_budget is not None else default_shm_budget()
@@ -119,13 +134,20 @@ class Daemon:
         self._req_peers: collections.OrderedDict[bytes, None] = collections.OrderedDict()  # REQ sockets: replies need a delimiter
         self.clock = CommitClock(self.catalog, self.pool)
         self.replicator: Replicator | None = None
+        self.mesh: Mesh | None = None
         if key is not None and config.replicas > 0:
             pacer = Pacer(config.replicate_rate_limit)
-            links = [PeerStore(ep, key, pacer=pacer) for ep in config.peers]  # the replication thread's own links
             background = lower_priority(config.nice, config.idle_priority)  # sending yields the CPU to training
-            self.replicator = Replicator(
-                links, config.replicas, lambda name: segments.open_owned(name), self.events.post, initializer=background
-            )
+            if config.peers:
+                links = [PeerStore(ep, key, pacer=pacer) for ep in config.peers]  # the replication thread's own links
+                self.replicator = Replicator(
+                    links, config.replicas, lambda name: segments.open_owned(name), self.events.post, initializer=background
+                )
+            if self.replica_server is not None:  # a job that spans nodes names its daemons: they hold its steps
+                self.mesh = Mesh(
+                    advertised(config.peer_listen or "", None), key, self.replica_server, config.replicas, report=self.events.post,
+                    open_segment=lambda name: segments.open_owned(name), pacer=pacer, initializer=background,
+                )  # fmt: skip
         self.replication = Outcomes()
         self._wire_storage(config, segments)
         self._wire_steps()
@@ -142,11 +164,16 @@ class Daemon:
                 f"replica_budget ({share} bytes) leaves nothing of the shm budget ({budget} bytes) for this node's own snapshots"
             )
         background = lower_priority(config.nice, config.idle_priority)  # receiving yields the CPU to training
-        return budget - share, ReplicaServer(config.peer_listen, key, segments, share, initializer=background)
+        server = ReplicaServer(
+            config.peer_listen, key, segments, share, initializer=background,
+            published=lambda name: self.mesh.published(name) if self.mesh is not None else None,
+        )  # fmt: skip
+        return budget - share, server
 
     def _replicate(self, job: str, step: int) -> None:
         """A step complete here goes to the peers (with ``--replicas``)."""
-        if self.replicator is None:
+        track = self.steps.get((job, step))
+        if self.replicator is None or (track is not None and track.mesh):  # the mesh replicates those (and reports)
             return
         src = source_of(job, step, self.catalog, self.pool.holdings)
         if src is None:
@@ -189,6 +216,7 @@ class Daemon:
                 after_complete=lambda job, step: self.completion.after_complete(job, step),
                 run_gone=lambda job: self.admission.run_gone(job),
                 protected=lambda job, step: bool(self.protections.policy(job).keeps([step])),
+                publish=lambda part: self.mesh.publish(part) if self.mesh is not None else None,
             ),
         )  # fmt: skip
         self.completion = Completion(books, self.persister, self.uploader, self.pool, memory=self.memtier, replicate=self._replicate)
@@ -196,7 +224,10 @@ class Daemon:
             self.root, self.steps, self.pool.holdings, self.completion.settle, writing=self.persister.writing,
             give_up=self.uploader.give_up if self.uploader is not None else None, drop_memory=self.memtier.drop,
         )  # fmt: skip
-        self.commits = Commits(books, self.pool, self.clock, self.admission, self.tiering, self.memtier, self.completion)
+        self.commits = Commits(
+            books, self.pool, self.clock, self.admission, self.tiering, self.memtier, self.completion,
+            mesh_ready=lambda job: self.mesh is not None and self.mesh.ready(job),
+        )  # fmt: skip
         self._ops: dict[str, Handler] = {op: getattr(self, f"_op_{op}") for op in OPS}
         self._on_event: dict[type, Callable[[Any], None]] = {
             ShardPersisted: self.completion.on_persisted,
@@ -207,6 +238,7 @@ class Daemon:
             SlotCreated: lambda ev: self.pool.created(ev.token, ev.name, ev.size, ev.error),
             Answered: self._on_answered,
             Replicated: lambda ev: self._answer(self.replication.done(ev)),
+            MeshComplete: self.memtier.completed_across,
         }
 
     # ------------------------------------------------------------------ lifecycle
@@ -293,6 +325,8 @@ class Daemon:
         notify("STOPPING=1")
         if self.replicator is not None:
             self.replicator.shutdown()
+        if self.mesh is not None:
+            self.mesh.shutdown()
         self.memtier.shutdown()
         self._drain()  # steps sealed into memory meanwhile
         self.memtier.persist_all()  # each job's newest memory-only step
@@ -400,7 +434,8 @@ class Daemon:
 
     def _op_hello(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
         tiering = dataclasses.asdict(self.tiering.policy)  # prepare() sizes the slot pool by it
-        return {"server_version": version.__version__, "root": self.root, "pid": os.getpid(), "tiering": tiering}  # and instance
+        peer = self.mesh.me if self.mesh is not None else None  # the ranks of a job that spans nodes tell every daemon its ring
+        return {"server_version": version.__version__, "root": self.root, "pid": os.getpid(), "tiering": tiering, "peer": peer}
 
     def _op_status(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
         return build_status(self)
@@ -422,13 +457,22 @@ class Daemon:
             self.memtier.want_durable(msg["job"], msg["step"])
         return self.steps.wait((msg["job"], msg["step"]), ident, msg["id"], self._deadline(msg["timeout"]), msg["persist"])
 
+    def _op_ring(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
+        """A rank of a job that spans nodes names the daemons that serve it (:mod:`.mesh`)."""
+        if self.mesh is None:
+            return {"used": False, "reason": "this daemon holds no steps for other nodes (--peer-listen, --peer-key, --replicas)"}
+        why = self.mesh.set_ring(msg["job"], msg["ring"])
+        if why is not None:
+            log.warning("%s", why)
+        return {"used": why is None, "reason": why}
+
     def _op_replicated(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any] | None:
-        if self.replicator is None:
+        if self.replicator is None and self.mesh is None:
             raise CheckpointError("this daemon replicates nothing: start it with --replicas K and --peer tcp://HOST:PORT")
         return self.replication.wait(msg["job"], msg["step"], ident, msg["id"], self._deadline(msg["timeout"]))
 
     def _op_latest(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any] | None:
-        if self.catalog.store is not None or self.catalog.peers:  # the bucket or a peer may hold a later step (a replaced node)
+        if self.catalog.store is not None or self.catalog.peers or self.catalog.ring(msg["job"]) is not None:  # a later step elsewhere
             self.fetcher.latest(msg["job"], ident, msg["id"], msg["uid"])
             return None
         step, path = self.catalog.latest(msg["job"])

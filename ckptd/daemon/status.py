@@ -69,8 +69,8 @@ def _jobs(d: Daemon) -> dict[str, Any]:
             job(name)["in_memory"] = step  # a hot restore can read it (if every rank's shard is held)
     for name, steps in d.steps.memory_steps().items():
         job(name)["memory_only"] = steps  # complete in shared memory, not persisted
-    if d.replicator is not None:
-        for name, outcome in d.replicator.summary()["jobs"].items():
+    for sender in (d.replicator, d.mesh):
+        for name, outcome in (sender.summary()["jobs"] if sender is not None else {}).items():
             job(name)["replicated"] = {k: outcome[k] for k in ("step", "state", "peers")}  # the newest step sent to peers
     return jobs
 
@@ -99,5 +99,6 @@ def build_status(d: Daemon) -> dict[str, Any]:
         "connections": _connections(d),
         "replication": d.replicator.summary() if d.replicator is not None else None,  # what this node sends to peers
         "replicas_held": d.replica_server.summary() if d.replica_server is not None else None,  # what peers sent here
+        "mesh": d.mesh.summary() if d.mesh is not None else None,  # the jobs that span nodes, and their parts sent
         **dataclasses.asdict(c),
     }

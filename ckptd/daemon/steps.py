@@ -69,6 +69,9 @@ class StepTrack:
     persist_failures: int = 0  # attempts that failed: the automatic retries back off
     replaces: bool = False  # a rolled-back run's re-save of a number complete on disk: it takes the old step's place
     replaces_at: int = 0  # ... whose committed_at this is (its own commits are stamped later)
+    mesh: bool = False  # spans nodes and completes in the memory of the job's daemons (:mod:`.mesh`): never persisted
+    mesh_folder: str | None = None  # ... its attempt's folder, once this node's part is sealed
+    mesh_sealed_at: float = 0.0  # ... and when (monotonic)
     # this track's own number: a step number saved again (abandoned, rolled back) is a new attempt, and work
     # still in flight for an earlier one (a seal) must not count toward this one
     attempt: int = field(default_factory=lambda: next(_ATTEMPTS))
@@ -87,8 +90,8 @@ class StepTrack:
         return len(self.committed) >= (self.local_world_size or self.world_size)
 
     def answer(self) -> dict[str, Any]:
-        """The ``wait`` reply for this step."""
-        return {"state": self.state.value, "path": self.path, "error": self.error}
+        """The ``wait`` reply for this step (``peers_only``: in memory, and never persisted: :attr:`mesh`)."""
+        return {"state": self.state.value, "path": self.path, "error": self.error, **({"peers_only": True} if self.mesh else {})}
 
 
 class StepTable:

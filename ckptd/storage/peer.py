@@ -15,9 +15,12 @@ Any thread: one lock serializes the socket's requests.
 
 from __future__ import annotations
 
+import abc
 import collections
 import contextlib
+import errno
 import itertools
+import logging
 import os
 import threading
 import time
@@ -31,6 +34,8 @@ from ..errors import CheckpointError, FormatError, ProtocolError
 from ..format import digest
 from ..peerkey import PeerKey
 from .store import Progress
+
+log = logging.getLogger("ckptd.daemon")
 
 WINDOW = 8  # chunks in flight per upload
 TIMEOUT_S = 30.0  # the longest a peer may take to answer one request
@@ -61,7 +66,24 @@ class Pacer:
             self._sleep(ahead)
 
 
-class PeerStore:
+class _Listed(abc.ABC):
+    """The listings of an ObjectStore, from its ``list_sized``."""
+
+    @abc.abstractmethod
+    def list_sized(self, rel_prefix: str = "") -> dict[str, tuple[str, int]]:
+        """Every object under ``rel_prefix``: key -> (tag, size)."""
+
+    def list_tagged(self, rel_prefix: str = "") -> dict[str, str]:
+        return {k: tag for k, (tag, _) in self.list_sized(rel_prefix).items()}
+
+    def list(self, rel_prefix: str = "") -> list[str]:
+        return sorted(self.list_sized(rel_prefix))
+
+    def exists(self, rel: str) -> bool:
+        return rel in self.list_sized(rel)
+
+
+class PeerStore(_Listed):
     """The replica store of the daemon at ``endpoint`` (``tcp://HOST:PORT``, its ``--peer-listen``)."""
 
     def __init__(self, endpoint: str, key: PeerKey, *, pacer: Pacer | None = None, timeout: float = TIMEOUT_S,
@@ -196,15 +218,6 @@ class PeerStore:
             out[peerwire.check_key(key)] = (val[0], val[1])
         return out
 
-    def list_tagged(self, rel_prefix: str = "") -> dict[str, str]:
-        return {k: tag for k, (tag, _) in self.list_sized(rel_prefix).items()}
-
-    def list(self, rel_prefix: str = "") -> list[str]:
-        return sorted(self.list_sized(rel_prefix))
-
-    def exists(self, rel: str) -> bool:
-        return rel in self.list_sized(rel)
-
     def _get(self, rel: str, offset: int, length: int) -> tuple[bytes, int]:
         """Up to ``length`` bytes of ``rel`` from ``offset``, checked against the checksum the peer sent, and its size."""
         with self._lock:
@@ -289,3 +302,97 @@ class PeerStore:
             self._reset()
         if self._own_ctx:
             self._ctx.term()
+
+
+class PeerUnion(_Listed):
+    """The replica stores of a job's daemons read as one store: a step that spans nodes (:mod:`ckptd.daemon.mesh`) has
+    its manifest and fragments on every daemon of the job and each node's shards on that node and its next K, so no one
+    of them holds it whole. A listing merges theirs (a name several hold keeps the first's tag and size; a daemon that
+    cannot be asked is skipped with a warning: the node lost is one of them); a read goes to the first daemon that
+    listed the name and to the next on any error. Verifying what comes back is the reader's
+    (:func:`~ckptd.storage.remote.download_step`), as for a bucket. Read-only. Any thread."""
+
+    def __init__(self, stores: list[PeerStore]) -> None:
+        self.stores = list(stores)
+        self._lock = threading.Lock()
+        self._where: dict[str, list[PeerStore]] = {}  # name -> the daemons that listed it, by the latest listing
+
+    def url(self, rel: str = "") -> str:
+        ring = ",".join(s.endpoint.removeprefix("tcp://") for s in self.stores)
+        return f"peers:{ring}/{rel}" if rel else f"peers:{ring}"
+
+    def check(self) -> None:
+        self.list_sized("")
+
+    def rotations(self) -> list[PeerUnion]:
+        """This union, then the same daemons asked in each other order of precedence: a step that failed its checksums
+        read through one is read again through the next, each file from another daemon first (a bad copy is one
+        daemon's; another may hold the same file whole)."""
+        return [self] + [PeerUnion(self.stores[k:] + self.stores[:k]) for k in range(1, len(self.stores))]
+
+    def list_sized(self, rel_prefix: str = "") -> dict[str, tuple[str, int]]:
+        out: dict[str, tuple[str, int]] = {}
+        where: dict[str, list[PeerStore]] = {}
+        errors = []
+        for store in self.stores:
+            try:
+                listed = store.list_sized(rel_prefix)
+            except CheckpointError as e:
+                errors.append(str(e))
+                continue
+            for name, got in listed.items():
+                out.setdefault(name, got)
+                where.setdefault(name, []).append(store)
+        if len(errors) == len(self.stores):
+            raise PeerError(f"no daemon of the job answered: {'; '.join(errors)}")
+        with self._lock:
+            self._where.update(where)
+        return out
+
+    def _read(self, rel: str, read: Callable[[PeerStore], Any]) -> Any:
+        """``read(store)`` from the daemons that listed ``rel`` (every daemon when none did yet), the next after a failure."""
+        with self._lock:
+            listed = list(self._where.get(rel, ()))
+        errors: list[str] = []
+        for store in listed + [s for s in self.stores if s not in listed]:
+            try:
+                return read(store)
+            except FileNotFoundError:
+                continue
+            except CheckpointError as e:
+                errors.append(str(e))
+        if errors:
+            raise PeerError(f"no daemon of the job could send {rel}: {'; '.join(errors)}")
+        raise FileNotFoundError(errno.ENOENT, f"no daemon of the job ({', '.join(s.endpoint for s in self.stores)}) holds it", rel)
+
+    def get_head(self, rel: str, nbytes: int) -> tuple[bytes, int]:
+        return self._read(rel, lambda s: s.get_head(rel, nbytes))
+
+    def get_bytes(self, rel: str, limit: int | None = None) -> bytes:
+        return self._read(rel, lambda s: s.get_bytes(rel, limit))
+
+    def get_file(self, rel: str, path: str, progress: Progress | None = None, limit: int | None = None) -> None:
+        self._read(rel, lambda s: s.get_file(rel, path, progress, limit))
+
+    def delete(self, rels: list[str]) -> None:
+        """Nothing is deleted: a step read whole through the union that fails its checksums came from several daemons,
+        and which copy is bad is not known (each daemon's own copy of its part is, most likely, good)."""
+        log.warning("a step read from the daemons %s failed verification; their copies are kept", self.url())
+
+    def put_file(self, rel: str, path: str, progress: Progress | None = None) -> None:
+        raise CheckpointError("the job's daemons are read here as one store: nothing is written through it")
+
+    def put_bytes(self, rel: str, data: Any) -> None:
+        raise CheckpointError("the job's daemons are read here as one store: nothing is written through it")
+
+    def put_bytes_if(self, rel: str, data: bytes, tag: str | None) -> bool:
+        raise CheckpointError("the job's daemons are read here as one store: nothing is written through it")
+
+    def delete_if(self, rel: str, tag: str) -> bool:
+        raise CheckpointError("the job's daemons are read here as one store: no conditional deletes")
+
+    def abort_unfinished(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        """The stores are the caller's (:class:`~ckptd.daemon.mesh.Mesh` keeps one link per daemon)."""
