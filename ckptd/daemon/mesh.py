@@ -7,8 +7,10 @@ ring, and has no bucket or shared directory, keeps the job's steps in this tier:
 
 1. it seals its own ranks' shards, checksums included (:meth:`.memtier.MemoryTier.seal`), and publishes its part of
    the step (:meth:`Mesh.publish`; the mesh thread): its own replica store serves its shards by reference (the held
-   slots: no copy) and keeps its fragments; the next K daemons of the ring get a copy of both (the shards, then the
-   fragments: a fragment there means its shard is there); every other daemon of the ring gets the fragments;
+   slots: no copy); the next K daemons of the ring get a copy (the shards, then the fragments: a fragment there means
+   its shard is there); then its own replica store and every other daemon of the ring get the fragments. A node's
+   fragments reach no daemon before its part reached its next K, so a step complete anywhere has K + 1 copies of every
+   part (fewer only where a daemon refused one: the step is then reported *degraded*);
 2. a daemon whose replica store holds every rank's fragment of the attempt merges them into the step's manifest (the
    same merge and checks as the bucket's, :func:`ckptd.format.build_manifest`) and keeps it beside them: the step is
    complete in memory on that node (:class:`~.events.MeshComplete`), and the replica store lets the job's older steps
@@ -148,8 +150,6 @@ class Mesh(NewestPerJob[NodePart]):
             self._server.adopt_segment(shard_keys[rank], segment, size)
         if not part.unchanged():
             raise Superseded("its shared memory was reused for a later snapshot before it was published")
-        for rank, doc in sorted(part.fragments.items()):
-            self._server.adopt_bytes(frag_keys[rank], doc)
         took, fragments_only = [], [a for a in ring if a != self.me and a not in successors]
         with _Mapped(part, self._open) as views:
             for addr in successors:
@@ -166,6 +166,9 @@ class Mesh(NewestPerJob[NodePart]):
                     log.warning("daemon %s did not take job %s step %s's part from this node: %s", addr, part.job, part.step, e)
                     self.counters["peer_failures"] += 1
                     fragments_only.append(addr)  # it may still complete the step, its own part being there
+        # the fragments last, here too: a step complete on any daemon has every node's part at its next K daemons
+        for rank, doc in sorted(part.fragments.items()):
+            self._server.adopt_bytes(frag_keys[rank], doc)
         for addr in fragments_only:
             try:
                 self._put_fragments(addr, part, frag_keys)
