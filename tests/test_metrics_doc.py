@@ -9,7 +9,14 @@ from conftest import REPO
 
 from ckptd.daemon.metrics import StatusCollector
 
-STATUS = {"slots": {"free": 1}, "jobs": {"j": {"latest": 3, "uploaded": 2, "in_flight": [4]}}, "uploading": {"bytes_done": 1}}
+STATUS = {
+    "slots": {"free": 1},
+    "jobs": {"j": {"latest": 3, "uploaded": 2, "in_flight": [4], "replicated": {"step": 3, "state": "replicated", "peers": ["p"]}}},
+    "uploading": {"bytes_done": 1},
+    "replication": {"steps_replicated": 2, "peers": [{"endpoint": "tcp://b:7100", "ok": True}]},
+    "mesh": {"steps_degraded": 1},
+    "replicas_held": {"replica_bytes": 10, "replica_budget": 100, "bytes_received": 10},
+}
 
 
 def _served() -> dict[str, str]:

@@ -115,11 +115,19 @@ def peer_segments(d) -> list[str]:  # noqa: ANN001
 
 
 def test_a_lost_node_restores_its_newest_memory_only_step_from_a_peer(nodes: Nodes) -> None:
+    from test_observe import _free_port, _scrape
+
     b = nodes.peer("b")
-    a = nodes.node("a", ["b"])
+    port = _free_port()
+    a = nodes.node("a", ["b"], 1, "--metrics-port", str(port))
     states = train_and_snapshot(a, range(1, 6))
     st = replicated(a, JOB, 5)
     assert st["replication"]["jobs"][JOB]["state"] == "replicated"
+    deadline = time.monotonic() + 10  # the scrape reads a snapshot the daemon refreshes every 0.5 s
+    while (got := _scrape(port)).get(f'ckptd_replicated_step{{job="{JOB}"}}') != 5:
+        assert time.monotonic() < deadline, got
+        time.sleep(0.2)
+    assert got[f'ckptd_peer_up{{peer="{nodes.url("b")}"}}'] == 1 and got['ckptd_replication_steps_total{outcome="replicated"}'] >= 1
     assert st["jobs"][JOB]["latest"] == 1  # the first step went to disk; 2..5 stayed in memory only
     ls = subprocess.run([sys.executable, "-m", "ckptd", "ls", "--endpoint", a.endpoint], capture_output=True, text=True, check=True)
     assert f"5  memory only (the daemon holds it in shared memory; not persisted)  replicated to {nodes.url('b')}" in ls.stdout

@@ -11,6 +11,9 @@ gauges    ``up``, ``uptime_seconds``, ``shm_budget_bytes``, ``shm_bytes``, ``sta
           ``slots{state}``, ``deferred_allocs``, ``upload_backlog_steps``, ``upload_in_progress_bytes``,
           ``upload_in_progress_total_bytes``, and per job: ``latest_step{job}``,
           ``uploaded_step{job}``, ``in_flight_steps{job}``
+peers     counters ``replication_steps_total{outcome}``, ``replication_peer_failures_total``,
+          ``replica_bytes_received_total``; gauges ``replica_bytes``, ``replica_budget_bytes``, ``peer_up{peer}``,
+          ``replicated_step{job}`` (:mod:`.replicator`, :mod:`.mesh`, :mod:`.replicas`)
 """
 
 from __future__ import annotations
@@ -88,6 +91,35 @@ class StatusCollector:
                 elif v is not None:
                     fam.add_metric([job], float(v))
         yield from per_job.values()
+        yield from _peers(st)
+
+
+def _peers(st: dict[str, Any]) -> Iterator[Any]:
+    """Replication to peers (``--peer`` and the job's daemons together) and the replicas held for them."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    senders = [s for s in (st.get("replication"), st.get("mesh")) if isinstance(s, dict)]
+    steps = CounterMetricFamily("ckptd_replication_steps", "steps sent to peers, by outcome", labels=["outcome"])
+    for outcome, key in (("replicated", "steps_replicated"), ("degraded", "steps_degraded"), ("superseded", "superseded")):
+        steps.add_metric([outcome], float(sum(s.get(key, 0) for s in senders)))
+    yield steps
+    failures = float(sum(s.get("peer_failures", 0) for s in senders))
+    yield CounterMetricFamily("ckptd_replication_peer_failures", "sends to a peer that failed", value=failures)
+    held = {k: float(v) for k, v in (st.get("replicas_held") or {}).items() if isinstance(v, int)}
+    yield CounterMetricFamily("ckptd_replica_bytes_received", "bytes of replicas received from peers", value=held.get("bytes_received", 0))
+    yield GaugeMetricFamily("ckptd_replica_bytes", "shared memory held for peers' replicas", value=held.get("replica_bytes", 0))
+    yield GaugeMetricFamily("ckptd_replica_budget_bytes", "memory set aside for peers' replicas", value=held.get("replica_budget", 0))
+    up = GaugeMetricFamily("ckptd_peer_up", "1 while a --peer takes steps, 0 while it fails", labels=["peer"])
+    for p in (st.get("replication") or {}).get("peers", []):
+        if p.get("ok") is not None:
+            up.add_metric([p["endpoint"]], 1.0 if p["ok"] else 0.0)
+    yield up
+    newest = GaugeMetricFamily("ckptd_replicated_step", "newest step K peers took", labels=["job"])
+    for job, info in sorted((st.get("jobs") or {}).items()):
+        rep = info.get("replicated")
+        if rep and rep.get("state") == "replicated":
+            newest.add_metric([job], float(rep["step"]))
+    yield newest
 
 
 class _BoundedServer(socketserver.ThreadingMixIn, WSGIServer):
