@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -53,6 +55,8 @@ def test_a_lost_node_loses_no_step_of_a_job_that_spans_nodes(make_daemon, short_
         assert st["jobs"][JOB]["memory_only"] == [5] and st["jobs"][JOB].get("latest") is None  # nothing on disk
         assert st["replicas_held"]["steps_held"] == {JOB: [5]}  # the manifest, beside its own part and the other's copy
         assert st["mesh"]["rings"] == {JOB: ring.urls} and st["last_error"] is None
+    shown = subprocess.run([sys.executable, "-m", "ckptd", "status", "--endpoint", ring.nodes[0].endpoint], capture_output=True, text=True)
+    assert f"spans       {JOB}: 2 daemons, this one {ring.urls[0]}; step 5 replicated ({ring.urls[1]})" in shown.stdout, shown
     lose(ring.nodes[1])
     if world == 2:  # a replacement: empty root, empty shared memory; here on another address (a new host), there the same
         ring.urls[1] = f"tcp://127.0.0.1:{free_port()}"
