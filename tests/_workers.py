@@ -287,7 +287,9 @@ def snapshot_multinode_no_wait(rank: int, world: int, kind: str, endpoints: list
     return {}
 
 
-def save_mesh(rank: int, world: int, kind: str, endpoints: list[str], job: str, expected: str, steps: list[int]) -> dict[str, Any]:
+def save_mesh(
+    rank: int, world: int, kind: str, endpoints: list[str], job: str, expected: str, steps: list[int], every: int | None = None
+) -> dict[str, Any]:
     """Ranks spread over ``len(endpoints)`` "nodes" whose daemons hold a job's steps in each other's memory (no bucket):
     snapshot ``steps``; rank 0 writes the state of the last one. Returns what became of the last step's replication and
     of a wait for durability."""
@@ -297,7 +299,7 @@ def save_mesh(rank: int, world: int, kind: str, endpoints: list[str], job: str, 
     os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
     model, optim = build(kind)
     endpoint = endpoints[rank // per_node]
-    with ckptd.Client(endpoint=endpoint, job=job) as c:
+    with ckptd.Client(endpoint=endpoint, job=job, persist_every=every) as c:
         for step in steps:
             train_step(model, optim, step + 100 * rank)
             handle = c.snapshot(model, optim, step=step, extra={"rank": rank, "step": step})

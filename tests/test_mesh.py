@@ -8,15 +8,19 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from _dist import run_ranks
 from _workers import restore_via_daemon, save_mesh
+from test_remote import remote_toml
 from test_replication import free_port, lose
 
 from ckptd import shm
 from ckptd.peerkey import keygen
+from ckptd.storage.remote import remote_steps
+from ckptd.storage.s3 import RemoteConfig, S3Store
 
 pytestmark = pytest.mark.multiproc
 JOB = "mesh"
@@ -25,15 +29,24 @@ JOB = "mesh"
 class Ring:
     """Daemons as nodes that hold each other's parts of a job's steps (``--peer-listen``, ``--replicas``)."""
 
-    def __init__(self, make_daemon, tmp: Path, n: int) -> None:  # noqa: ANN001
-        self.make, self.key = make_daemon, str(tmp / "cluster.key")
+    def __init__(self, make_daemon, tmp: Path, n: int, *extra: str) -> None:  # noqa: ANN001
+        self.make, self.key, self.extra = make_daemon, str(tmp / "cluster.key"), extra
         keygen(self.key)
         self.urls = [f"tcp://127.0.0.1:{free_port()}" for _ in range(n)]
         self.nodes = [self.start(i) for i in range(n)]
 
     def start(self, i: int, sub: str | None = None):  # noqa: ANN201
         return self.make(
-            "--peer-listen", self.urls[i], "--peer-key", self.key, "--replicas", "1", "--shm-budget", "512M", sub=sub or f"node{i}"
+            "--peer-listen",
+            self.urls[i],
+            "--peer-key",
+            self.key,
+            "--replicas",
+            "1",
+            "--shm-budget",
+            "512M",
+            *self.extra,
+            sub=sub or f"node{i}",
         )
 
     @property
@@ -70,6 +83,11 @@ def test_a_lost_node_loses_no_step_of_a_job_that_spans_nodes(make_daemon, short_
     # and into another layout: three FSDP1 ranks on the surviving node (the step is on its disk now)
     outs = run_ranks(3, restore_via_daemon, "fsdp1", ring.nodes[0].endpoint, JOB, expected)
     assert [o["step"] for o in outs] == [5, 5, 5]
+
+
+def status_of(d) -> dict:  # noqa: ANN001
+    with d.client("probe") as c:
+        return c.status()
 
 
 def held_segment(d, job: str, step: int, rank: int) -> str:  # noqa: ANN001
@@ -130,3 +148,30 @@ def test_the_ring_a_rank_names_is_checked(make_daemon, short_tmp: Path) -> None:
     with plain.rpc() as rpc:
         got = rpc.call("ring", job=JOB, ring=[ring.urls[0], other])
         assert got["used"] is False and "--peer-listen" in got["reason"]
+
+
+def test_with_a_bucket_the_steps_numbered_a_multiple_of_n_go_through_it_the_others_stay_in_memory(
+    make_daemon,
+    short_tmp: Path,
+    s3_bucket: RemoteConfig,  # noqa: ANN001
+) -> None:
+    conf = remote_toml(short_tmp / "r.toml", s3_bucket, commit_timeout=120)
+    ring = Ring(make_daemon, short_tmp, 2, "--config", conf)
+    expected = str(short_tmp / "expected.safetensors")
+    outs = run_ranks(2, save_mesh, "fsdp2", ring.endpoints, JOB, expected, [1, 2, 3, 4, 5], 3)
+    assert [o["durable"] for o in outs] == ["held in memory"] * 2 and [o["memory"] for o in outs] == ["memory"] * 2
+    with S3Store(s3_bucket) as store:  # 3, a multiple of persist_every (nobody waited for its upload); 1, 2, 4, 5 in memory only
+        deadline = time.monotonic() + 120
+        while (found := remote_steps(store, JOB)) != ([3], []):
+            assert time.monotonic() < deadline and found in (([], []), ([], [3])), found
+            time.sleep(0.2)
+    for node in ring.nodes:
+        deadline = time.monotonic() + 60  # the node that did not write the manifest sees it at its next poll
+        while (st := status_of(node))["jobs"][JOB].get("uploaded") != 3:
+            assert time.monotonic() < deadline, st
+            time.sleep(0.2)
+        assert st["jobs"][JOB]["memory_only"] == [5] and st["last_error"] is None
+    lose(ring.nodes[1])
+    ring.nodes[1] = ring.start(1, sub="node1b")
+    outs = run_ranks(2, restore_via_daemon, "fsdp2", ring.endpoints, JOB, expected)  # the newest: 5, from the daemons
+    assert [o["step"] for o in outs] == [5, 5] and [o["source"] for o in outs] == ["peer", "peer"]

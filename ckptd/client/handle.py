@@ -112,8 +112,9 @@ class SnapshotHandle:
                 self._reported = True
                 raise HeldInMemory(
                     f"step {self.step} of job {self.job} spans nodes and is complete in the memory of the job's daemons and"
-                    " their replicas, but not durable: no bucket or shared directory is configured (wait_replicated() says"
-                    " where its copies are)"
+                    " their replicas, and is not persisted: a job that spans nodes persists only the steps whose number is a"
+                    " multiple of persist_every, through a bucket or shared directory, if one is configured"
+                    " (wait_replicated() says where its copies are)"
                 )
             if rep["state"] == "failed" and rep.get("unknown"):  # the daemon restarted since: Client.wait() judges it
                 self._reported = True

@@ -57,7 +57,8 @@ class Commits:
         job, step, rank, ws, lws = msg["job"], msg["step"], msg["rank"], msg["world_size"], msg["local_world_size"]
         track = self.admission.admit(job, step, rank, ws, lws, msg["peer"], msg["after"], msg["run"])
         self.tiering.set_job(job, msg["persist_every"], msg["persist_interval"])
-        self.memory.decide(job, step, track, lws < ws, mesh=lws < ws and self.catalog.store is None)
+        mesh = lws < ws and self.mesh_ready(job)
+        self.memory.decide(job, step, track, lws < ws, mesh=mesh, bucket=self.catalog.store is not None)
         record = self._record(msg, track)
         self.pool.segments.write_record(slot.name, record)  # from here on the shard survives any crash
         self.pool.commit(slot, record, len(record.tree))

@@ -94,11 +94,13 @@ class MemoryTier:
 
     # ------------------------------------------------------------------ committing
 
-    def decide(self, job: str, step: int, track: StepTrack, multi_node: bool, mesh: bool = False) -> None:
+    def decide(self, job: str, step: int, track: StepTrack, multi_node: bool, mesh: bool = False, bucket: bool = False) -> None:
         """A step's first commit: its tier (a crash-recovered step is always persisted, and so is a number a name
         protects: a rolled-back run's re-save of it replaces the old step on disk, :mod:`.protected`). ``mesh``: a step
-        that spans nodes completes in the memory of the job's daemons (:mod:`.mesh`), never persisted."""
-        if not track.committed and mesh:
+        that spans nodes may complete in the memory of the job's daemons (:mod:`.mesh`), where it is never persisted;
+        with a ``bucket`` (or shared directory) too, the numbers :meth:`.tiering.Tiering.persists_across` names go there."""
+        across = bucket and (track.recovered or self.protected(job, step) or self.tiering.persists_across(job, step))
+        if not track.committed and mesh and not across:
             track.tier, track.mesh = Tier.MEMORY.value, True
         elif not track.committed:
             always = multi_node or track.recovered or self.protected(job, step)

@@ -1,9 +1,10 @@
-"""The job's daemons as one memory tier: a step that spans nodes completes in their memory, without a bucket.
+"""The job's daemons as one memory tier: a step that spans nodes completes in their memory, no bucket needed.
 
 The ranks of a job that spans nodes tell their daemon which daemons serve the job: its *ring*, every rank's daemon's
 peer address in rank order (:mod:`ckptd.client.ring`, gathered at the job's first snapshot and at a restore; the
 ``ring`` request). A daemon with peer links (``--peer-listen``, ``--peer-key``, ``--replicas K``) that knows its job's
-ring, and has no bucket or shared directory, keeps the job's steps in this tier:
+ring keeps the job's steps in this tier (with a bucket or shared directory, all but those whose number is a multiple
+of the job's ``persist_every``, which go there: :meth:`.tiering.Tiering.persists_across`):
 
 1. it seals its own ranks' shards, checksums included (:meth:`.memtier.MemoryTier.seal`), and publishes its part of
    the step (:meth:`Mesh.publish`; the mesh thread): its own replica store serves its shards by reference (the held
@@ -18,9 +19,8 @@ ring, and has no bucket or shared directory, keeps the job's steps in this tier:
 3. a restore reads the ring's replica stores as one (:class:`~ckptd.storage.peer.PeerUnion`): the step committed last
    whose every file some daemon still holds, downloaded and verified as from a bucket, into any layout.
 
-A node lost loses its own copy of its part; its next K daemons hold another. Such a step is never persisted: without
-a bucket or shared directory there is nowhere every node can read it from (a job that has one keeps using it, every
-step). Fragments go to every daemon of the ring: a step costs each node ``n - 1`` small messages.
+A node lost loses its own copy of its part; its next K daemons hold another. A step kept here is never persisted
+later. Fragments go to every daemon of the ring: a step costs each node ``n - 1`` small messages.
 """
 
 from __future__ import annotations

@@ -103,6 +103,13 @@ class Tiering:
         self.persisted(job)
         return Tier.DISK
 
+    def persists_across(self, job: str, step: int) -> bool:
+        """Whether step ``step`` of a job that spans nodes, kept in its daemons' memory, goes through the bucket instead:
+        a number that is a multiple of the job's N (every node decides alike, from the number alone; N of 1: every step,
+        and ``persist_interval`` does not apply: the nodes' clocks would decide differently)."""
+        every = self.policy_of(job).persist_every
+        return every <= 1 or step % every == 0
+
     def owed(self, job: str) -> bool:
         """A step of ``job`` was due for disk while it was busy: persist the newest once it is free."""
         st = self._jobs.get(job)
