@@ -381,3 +381,19 @@ def test_a_step_goes_up_and_comes_back_verified_and_a_corrupt_replica_is_caught(
     with pytest.raises(CheckpointError, match="corrupt"):
         download_step(store, str(tmp_path / "dst2"), "job", 4)
     assert not (tmp_path / "dst2" / "job" / "step-4").exists()
+
+
+def test_a_step_completed_after_a_later_one_was_queued_never_takes_its_place() -> None:
+    """A durable step (persisted slowly) completes after a memory-only step committed later: the later one stays queued
+    and the earlier one is superseded (it once replaced the later one, which was then never sent)."""
+    from ckptd.daemon.events import Replicated
+    from ckptd.daemon.replicator import ReplicaSource, Replicator
+
+    reported: list[Replicated] = []
+    r = Replicator([], 1, lambda name: -1, reported.append)
+    r.shutdown()  # the thread gone: what is queued stays there to be looked at
+    r.submit(ReplicaSource("j", 4, committed_at=40, manifest={}))
+    r.submit(ReplicaSource("j", 3, committed_at=30, path="/nonexistent"))
+    assert [s.step for s in r._queue.values()] == [4] and reported == [Replicated("j", 3, "superseded")]
+    r.submit(ReplicaSource("j", 5, committed_at=50, manifest={}))  # a later one still replaces it
+    assert [s.step for s in r._queue.values()] == [5] and reported[-1] == Replicated("j", 4, "superseded")

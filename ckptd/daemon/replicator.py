@@ -101,7 +101,9 @@ class Replicator(NewestPerJob[ReplicaSource]):
         with self._lock:
             if self._sent.get((src.job, src.step)) == src.committed_at:
                 return  # sent already (a memory-only step, now persisted)
-            if src.committed_at < self._newest.get(src.job, -1):  # a step persisted after a later one was sealed
+            queued = self._queue.get(src.job)
+            if src.committed_at < max(self._newest.get(src.job, -1), queued.committed_at if queued is not None else -1):
+                # a step persisted after a later one was sealed (and taken, or queued: it stays queued, never replaced)
                 self._report(Replicated(src.job, src.step, "superseded"))
                 return
             self._enqueue(src)
