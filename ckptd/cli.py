@@ -363,9 +363,8 @@ def _export(args: argparse.Namespace) -> int:
 def _checkpoint(args: argparse.Namespace) -> str:
     """The step directory ``verify`` or ``export`` reads: the path given (a step, or a job directory: its latest step),
     or ``--job``'s ``--step`` (else its latest complete step) under the root ``ckptd ls`` lists."""
-    from .client.reader import resolve_step_dir
     from .layout import complete_steps, is_complete, step_dir
-    from .storage.local import latest_step
+    from .storage.local import latest_step, resolve_step_dir
 
     if args.job is None:
         try:

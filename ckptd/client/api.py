@@ -23,11 +23,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..storage.local import resolve_step_dir
 from .client import Client
 from .copy import join_all
 from .default import current
 from .plan import collective_device
-from .reader import CheckpointReader, resolve_step_dir
+from .reader import CheckpointReader
 from .restore import OpenStep
 from .restore import open_step as _open_step
 from .restore import settled as _settled

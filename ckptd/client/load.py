@@ -39,11 +39,12 @@ import torch
 from ..errors import CheckpointError, FormatError
 from ..format import dtype_from_name
 from ..state import TAG, join_key, key_names, keys_tagged, local_chunks, split_key, unflatten
+from ..storage.local import resolve_step_dir
 from ..storage.verify import stale_check
 from ..validate import gc_paused
 from .agree import agree, collective, fail_early, failed, gather, raise_failure
 from .capture import local_tensor, no_optimizer_init, refuse_meta, refuse_unnamed
-from .reader import CheckpointReader, Piece, resolve_step_dir
+from .reader import CheckpointReader, Piece
 from .rename import Rename, listed, rename_keys, rename_root, saved_names, say_unmatched
 from .saved import MISSING, Saved, children, holds_tensor
 

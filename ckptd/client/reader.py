@@ -25,8 +25,7 @@ from .. import shm
 from ..coverage import check_coverage
 from ..errors import CheckpointError, FormatError
 from ..format import digest, dtype_from_name, files_dir
-from ..layout import MANIFEST, is_complete
-from ..storage.local import latest_step
+from ..layout import MANIFEST
 from ..validate import read_manifest, validate_manifest
 from .hotread import Flat, HotRead, pread_into
 from .hotreg import read_registered
@@ -425,14 +424,3 @@ def _forget_locals(exc: BaseException | None) -> None:
         seen.add(id(e))
         traceback.clear_frames(e.__traceback__)
         todo += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
-
-
-def resolve_step_dir(path: str) -> str:
-    """Accept a step directory, or a job directory (then its ``latest`` committed step)."""
-    if is_complete(path):
-        return path
-    if os.path.isdir(path):
-        _, d = latest_step(os.path.dirname(os.path.abspath(path)), os.path.basename(os.path.abspath(path)))
-        if d is not None:
-            return d
-    raise CheckpointError(f"{path} is neither a committed ckptd step directory nor a job directory with one")

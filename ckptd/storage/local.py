@@ -485,6 +485,18 @@ def latest_step(root: str, job: str) -> tuple[int | None, str | None]:
     return last, step_dir(root, job, last)
 
 
+def resolve_step_dir(path: str) -> str:
+    """Accept a step directory, or a job directory (then its ``latest`` committed step). No torch: ``ckptd verify``
+    and ``export`` resolve their argument with it."""
+    if is_complete(path):
+        return path
+    if os.path.isdir(path):
+        _, d = latest_step(os.path.dirname(os.path.abspath(path)), os.path.basename(os.path.abspath(path)))
+        if d is not None:
+            return d
+    raise CheckpointError(f"{path} is neither a committed ckptd step directory nor a job directory with one")
+
+
 def remove_partial(root: str, job: str, step: int) -> None:
     shutil.rmtree(tmp_dir(root, job, step), ignore_errors=True)
 

@@ -27,11 +27,12 @@ from typing import IO
 
 import torch
 
-from ..client.reader import CheckpointReader, resolve_step_dir
+from ..client.reader import CheckpointReader
 from ..client.weights import nbytes, write_safetensors
 from ..errors import CheckpointError
 from ..format import dtype_from_name
 from ..state import split_key
+from ..storage.local import resolve_step_dir
 
 WHAT = ("model", "optim", "all")
 FORMATS = ("safetensors", "torch", "hf")
