@@ -321,8 +321,15 @@ def test_a_dcp_metadata_that_does_not_cover_its_tensors_is_refused_before_anythi
         import_dcp(d, job="planted", step=1, endpoint=daemon.endpoint)
     with daemon.client("planted") as c:
         assert c.latest() is None  # nothing was committed
+
+
+def test_the_import_command_refuses_an_unsound_dcp_metadata_with_exit_1_and_commits_nothing(daemon, short_tmp) -> None:  # noqa: ANN001
+    """What ``ckptd import`` says of one of the unsound covers above (each costs the command ~3 s of importing torch)."""
+    d = _planted(short_tmp, _half)
     out = _cli("import", d, "--job", "planted", "--step", "1", "--endpoint", daemon.endpoint)
-    assert out.returncode == 1 and "refusing to import it" in out.stderr, out.stderr
+    assert out.returncode == 1 and "refusing to import it" in out.stderr and "chunks cover 32 of 64 elements" in out.stderr, out.stderr
+    with daemon.client("planted") as c:
+        assert c.latest() is None
 
 
 def test_a_tensor_saved_in_chunks_that_cover_it_exactly_imports(short_tmp) -> None:  # noqa: ANN001
