@@ -2,8 +2,8 @@
 
 The ranks are forked from a forkserver that imported torch once per test process: a spawned rank spent
 3-4 s of CPU importing torch before its first line, which made most of the suite's time on 2 cores. A
-forked rank inherits the forkserver's environment, not the caller's: the caller's environment and working
-directory at the call are handed to each rank and set before the body runs, as a spawned rank would have them.
+forked rank inherits the forkserver's environment, not the caller's: the caller's environment at the call is
+handed to each rank and set before the body is imported (multiprocessing sets its working directory and sys.path).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def _entry(rank: int, world: int, tmp: str, where: tuple[str, str], args: tuple[
 
 
 def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 150.0, expect_exit: int = 0) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` spawned ranks; return each rank's JSON result."""
+    """Run ``fn(rank, world, *args)`` on ``world`` forked ranks; return each rank's JSON result."""
     tmp = tempfile.mkdtemp(prefix="ckr")
     ctx = _context()
     env = dict(os.environ)
