@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import (
     CheckpointError,
+    DaemonBusy,
     DaemonUnavailable,
     DiskFull,
     FormatError,
@@ -44,6 +45,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "CheckpointError",
     "Client",
+    "DaemonBusy",
     "DaemonUnavailable",
     "DiskFull",
     "FormatError",

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 CLIENT_TIMEOUT_S = 30.0  # CKPTD_TIMEOUT: each request to the daemon
 COLLECTIVE_TIMEOUT_S = 1800.0  # CKPTD_COLLECTIVE_TIMEOUT: a rank waits this long for the others at snapshot()/prepare()
 ALLOC_TIMEOUT_S = 600.0  # CKPTD_ALLOC_TIMEOUT: an alloc held back while the memory budget is full
+BUSY_RETRY_S = 30.0  # a request the daemon answers busy (an earlier attempt at the step in flight) is asked again this long
 
 # the daemon (ckptd serve): see DaemonConfig for the settable ones
 KEEP = 3

@@ -15,6 +15,12 @@ class ProtocolError(CheckpointError):
     """A message to or from the daemon is malformed or refused."""
 
 
+class DaemonBusy(ProtocolError):
+    """The daemon is still busy with an earlier attempt at the same step (one of its shards is being written, queued
+    or sealed) and refused a new attempt for now. The client asks again for a while (``BUSY_RETRY_S``); a user sees
+    this only when the earlier attempt outlasts that."""
+
+
 class FormatError(CheckpointError):
     """A shard file or manifest on disk is malformed, of an unknown version, or corrupt."""
 

@@ -23,7 +23,7 @@ from ckptd.daemon.access import Access
 from ckptd.daemon.admission import Admission
 from ckptd.daemon.endpoint import bind
 from ckptd.daemon.steps import StepState, StepTable
-from ckptd.errors import ProtocolError
+from ckptd.errors import CheckpointError, DaemonBusy, ProtocolError
 from ckptd.format import build_layout
 from ckptd.protocol import MAX_MESSAGE_BYTES, request
 
@@ -60,9 +60,9 @@ class Wire:
         self.s.send_multipart([request(op, next(self.ids), **fields), *frames])
         return self.reply(within)
 
-    def save(self, job: str, step: int, data: bytes, *, ws: int = 1, **commit: Any) -> dict[str, Any]:
-        """Rank 0's alloc, copy and commit of ``data`` as ``step``: the commit's reply (a refused lease is released)."""
-        lease = self.call("alloc", job=job, rank=0, world_size=ws, step=step, nbytes=len(data), pid=os.getpid())
+    def save(self, job: str, step: int, data: bytes, *, ws: int = 1, rank: int = 0, **commit: Any) -> dict[str, Any]:
+        """``rank``'s alloc, copy and commit of ``data`` as ``step``: the commit's reply (a refused lease is released)."""
+        lease = self.call("alloc", job=job, rank=rank, world_size=ws, step=step, nbytes=len(data), pid=os.getpid())
         assert lease["ok"], lease
         fd = os.open(shm.path_of(lease["segment"]), os.O_RDWR)
         try:
@@ -71,7 +71,7 @@ class Wire:
         finally:
             os.close(fd)
         rep = self.call(
-            "commit", b"{}", job=job, rank=0, world_size=ws, local_world_size=ws, step=step, segment=lease["segment"],
+            "commit", b"{}", job=job, rank=rank, world_size=ws, local_world_size=ws, step=step, segment=lease["segment"],
             lease=lease["lease"], nbytes=len(data), replicas={}, **commit,
         )  # fmt: skip
         if not rep["ok"]:
@@ -199,7 +199,7 @@ def test_a_relaunch_saves_again_a_step_number_whose_shard_failed(daemon, wires) 
     # a new attempt, saying to retry (a real relaunch comes seconds later): so does this one, for a while
     def relaunch() -> dict[str, Any] | None:
         rep = w.save("j", 5, shard(), run=2)
-        return None if not rep["ok"] and "still being written; retry" in rep["error"] else rep
+        return None if not rep["ok"] and rep["code"] == "busy" and "still being written; retry" in rep["error"] else rep
 
     rep = until(relaunch, what="the failed attempt's shards to be done with")
     assert rep["ok"], rep
@@ -207,6 +207,52 @@ def test_a_relaunch_saves_again_a_step_number_whose_shard_failed(daemon, wires) 
     rep = w.save("j", 5, shard(), run=3)  # complete now: only a run that rolled back past it saves it again
     assert not rep["ok"] and "already committed and this client restored no step" in rep["error"], rep
     assert w.save("j", 5, shard(), run=3, after=1)["ok"] and w.state("j", 5)["state"] == "durable"
+
+
+def test_a_relaunchs_snapshot_waits_out_an_earlier_attempt_still_being_written(make_daemon, wires, caplog) -> None:  # noqa: ANN001
+    # the user's relaunch, moments after step 4 failed on rank 1 while rank 0's shard still goes to a throttled disk:
+    # the daemon answers its commit busy (it changed nothing), and the client asks again until the shard is written
+    import torch
+
+    import ckptd
+
+    d = make_daemon("--write-rate-limit", "1M")
+    w = wires(d.endpoint)
+    assert w.save("r", 4, shard(1 << 20), ws=2, run=1)["ok"]  # rank 0: 4 MiB, about 4 s to write at 1 MB/s
+    assert w.save("r", 4, b"\0" * 4096, ws=2, rank=1, run=1)["ok"]  # rank 1: not a shard, the step fails at once
+    assert w.state("r", 4)["state"] == "failed"
+    probe = w.save("r", 4, shard(), run=2)
+    assert not probe["ok"] and probe["code"] == "busy" and "still being written; retry" in probe["error"], probe
+    assert w.state("r", 4)["state"] == "failed"  # the busy answer changed nothing
+
+    model = torch.nn.Linear(8, 8)
+    with caplog.at_level("INFO", logger="ckptd.client"), ckptd.Client(d.endpoint, job="r") as c:
+        c.snapshot(model, step=4, blocking=True).wait()
+        assert any("still being written; retry; asking again" in r.getMessage() for r in caplog.records)
+        fresh = torch.nn.Linear(8, 8)
+        assert c.restore(fresh).step == 4
+    assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
+
+
+def test_a_commit_refused_busy_for_longer_than_the_client_asks_raises_daemon_busy(make_daemon, wires, monkeypatch) -> None:  # noqa: ANN001
+    import torch
+
+    import ckptd
+    from ckptd.client import rpc
+
+    monkeypatch.setattr(rpc, "BUSY_RETRY_S", 0.5)
+    d = make_daemon("--write-rate-limit", "1M")
+    w = wires(d.endpoint)
+    assert w.save("r", 4, shard(2 << 20), ws=2, run=1)["ok"]  # about 8 s to write
+    assert w.save("r", 4, b"\0" * 4096, ws=2, rank=1, run=1)["ok"]
+    assert w.state("r", 4)["state"] == "failed"
+    with ckptd.Client(d.endpoint, job="r") as c:
+        with pytest.raises(CheckpointError, match=r"still being written; retry; asked again for 0.5 s$") as e:
+            c.snapshot(torch.nn.Linear(8, 8), step=4, blocking=True).wait()
+        assert isinstance(e.value.__cause__, DaemonBusy), repr(e.value.__cause__)
+        assert c.snapshot(torch.nn.Linear(8, 8), step=5, blocking=True).wait() is not None  # the next step is not held up
+    st = w.call("status")
+    assert st["slots"].get("leased", 0) == 0, st  # the refused attempt's slot was given back
 
 
 def test_a_failed_step_still_being_written_is_not_started_afresh_by_a_relaunch(tmp_path: Path) -> None:
@@ -217,7 +263,7 @@ def test_a_failed_step_still_being_written_is_not_started_afresh_by_a_relaunch(t
     steps.record_commit(("j", 4), track, 0, 2, 1)
     track.inflight = 1
     assert steps.fail(("j", 4), "no space left on device")
-    with pytest.raises(ProtocolError, match="still being written; retry"):
+    with pytest.raises(DaemonBusy, match="still being written; retry"):
         adm.admit("j", 4, 0, 2, 2, peer=None, after=None, run=2)
     track.inflight = 0
     with pytest.raises(ProtocolError, match="already failed: no space left on device"):
@@ -226,7 +272,7 @@ def test_a_failed_step_still_being_written_is_not_started_afresh_by_a_relaunch(t
     assert fresh is not track and fresh.committed == set() and fresh.state is StepState.PENDING
     adm.writing = lambda job, step: 1  # an earlier attempt's shard still queued for a persist thread
     steps.tracks[("j", 4)] = track
-    with pytest.raises(ProtocolError, match="retry"):
+    with pytest.raises(DaemonBusy, match="retry"):
         adm.admit("j", 4, 0, 2, 2, peer=None, after=None, run=3)
 
 

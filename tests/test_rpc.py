@@ -336,6 +336,34 @@ def test_reply_with_another_requests_id_is_skipped(router: tuple[ScriptedRouter,
         assert len(out) == 1 and isinstance(out[0], DaemonUnavailable), out
 
 
+def _refuse_with(r: ScriptedRouter, ident: bytes, req_id: int, code: str) -> None:
+    r.sock.send_multipart([ident, encode({"v": PROTOCOL_VERSION, "id": req_id, "ok": False, "code": code, "error": f"said {code}"})])
+
+
+def test_a_busy_reply_is_asked_again_and_a_refusal_is_not(router: tuple[ScriptedRouter, str]) -> None:
+    r, endpoint = router
+    with Channel(endpoint, 5.0) as ch:
+        t, out = _call_in_thread(ch, "commit", step=7)
+        asked = []
+        for _ in range(3):  # busy twice (an earlier attempt still in flight), then taken
+            ident, req = r.next()
+            asked.append(req)
+            if len(asked) < 3:
+                _refuse_with(r, ident, req["id"], "busy")
+            else:
+                r.send(ident, req["id"])
+        t.join(HANG)
+        assert out == [{"v": PROTOCOL_VERSION, "id": asked[-1]["id"], "ok": True}], out
+        assert [(q["op"], q["step"]) for q in asked] == [("commit", 7)] * 3 and len({q["id"] for q in asked}) == 3
+
+        t, out = _call_in_thread(ch, "commit", step=8)  # refused: raised at once, never asked again
+        ident, req = r.next()
+        _refuse_with(r, ident, req["id"], "refused")
+        t.join(HANG)
+        assert len(out) == 1 and type(out[0]) is ProtocolError and str(out[0]) == "daemon refused commit: said refused", out
+        assert not r.sock.poll(300)
+
+
 def test_late_reply_without_id_is_not_the_next_answer(router: tuple[ScriptedRouter, str]) -> None:
     """A reply that carries no id (the daemon's bad-request form) arrives after its request timed out:
     the next request of the same thread must get its own reply, not that one."""

@@ -14,6 +14,7 @@ check: use them on trusted networks only.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import stat
 import threading
@@ -23,8 +24,8 @@ from typing import Any, NoReturn
 
 import zmq
 
-from ..config import per_user_endpoint, trusted_group, validate_endpoint
-from ..errors import CheckpointError, DaemonUnavailable, ProtocolError
+from ..config import BUSY_RETRY_S, per_user_endpoint, trusted_group, validate_endpoint
+from ..errors import CheckpointError, DaemonBusy, DaemonUnavailable, ProtocolError
 from ..protocol import decode_reply, hello_reply, request
 
 
@@ -144,6 +145,8 @@ def _refuse(endpoint: str, problem: str, st: os.stat_result, hint: str | None = 
     raise CheckpointError(f"refusing to connect to {endpoint}: {problem} ({owner}, {mode}), so it may not be your ckptd daemon; {hint}")
 
 
+log = logging.getLogger("ckptd.client")
+
 _PROBE_S = 2.0  # the longest a hello probe is given where the time is short: a live daemon answers it at once
 
 # asked again of a restarted daemon: no harm twice (protecting a name moves it to the same step again)
@@ -188,10 +191,24 @@ class Channel:
         if self.closed:
             raise CheckpointError("client is closed")
         try:
-            return self._call(op, rpc_timeout, frames, fields)
+            return self._asked_again(op, rpc_timeout, frames, fields)
         except zmq.ZMQError as e:  # e.g. the context's socket limit: an error naming it, never a bare ZMQError
             self._drop_socket()
             raise DaemonUnavailable(f"cannot talk to the ckptd daemon at {self.endpoint} (op {op}): {e}") from None
+
+    def _asked_again(self, op: str, rpc_timeout: float | None, frames: tuple[bytes, ...], fields: dict[str, Any]) -> dict[str, Any]:
+        """:meth:`_call`, asked again while the daemon answers ``busy`` (it changed nothing: a shard of an earlier attempt
+        at the step is still in flight, for about one shard's write), for :data:`BUSY_RETRY_S` at most."""
+        until, pause = time.monotonic() + BUSY_RETRY_S, 0.05
+        while True:
+            try:
+                return self._call(op, rpc_timeout, frames, fields)
+            except DaemonBusy as e:
+                if time.monotonic() + pause > until:
+                    raise DaemonBusy(f"{e}; asked again for {BUSY_RETRY_S:g} s") from None
+                log.info("%s; asking again in %.2f s", e, pause)
+                time.sleep(pause)
+                pause = min(pause * 2, 1.0)
 
     def _call(self, op: str, rpc_timeout: float | None, frames: tuple[bytes, ...], fields: dict[str, Any]) -> dict[str, Any]:
         timeout = self.timeout if rpc_timeout is None else rpc_timeout
@@ -242,7 +259,7 @@ class Channel:
             if rep.get("id") not in (req_id, None):
                 continue  # stale reply to an earlier, abandoned request
             if not rep["ok"]:
-                raise ProtocolError(f"daemon refused {op}: {rep.get('error')}")
+                raise (DaemonBusy if rep.get("code") == "busy" else ProtocolError)(f"daemon refused {op}: {rep.get('error')}")
             if rep.get("instance") not in (None, (self.daemon or {}).get("instance")):
                 self._who()  # the first answer, or one from a daemon that replaced the one before: of the same root?
             return rep

@@ -35,7 +35,7 @@ import logging
 import os
 from collections.abc import Callable
 
-from ..errors import ProtocolError
+from ..errors import DaemonBusy, ProtocolError
 from ..layout import step_dir
 from ..storage import local
 from ..storage.local import committed_at
@@ -114,7 +114,7 @@ class Admission:
         if track is not None and track.state in (StepState.FAILED, StepState.DROPPED) and (track.abandoned or _another(track, run)):
             # abandoned, or failed (a shard that could not be written) and saved again by a relaunch
             if track.inflight or self.writing(job, step):
-                raise ProtocolError(f"step {step} of job {job}: an earlier attempt's shards are still being written; retry")
+                raise _busy(job, step)
             self.steps.drop(key)  # a new attempt starts afresh
         replacing = os.path.isdir(step_dir(self.root, job, step))
         old_at = committed_at(step_dir(self.root, job, step)) if replacing else 0
@@ -179,9 +179,14 @@ class Admission:
         if track is not None and track.state is StepState.MEMORY:
             return  # a re-save held in memory (its old step goes when it is sealed): check_commit refuses this
         if track is not None and self.writing(job, step):  # an earlier re-save that failed still writes into step-N.tmp
-            raise ProtocolError(f"step {step} of job {job}: an earlier attempt's shards are still being written; retry")
+            raise _busy(job, step)
         self.steps.drop((job, step))  # the old step's track (or its attempt's, finalized, event not yet handled)
         self.holdings.forget(job, step)  # hot restores read the old step from disk until it is replaced
         if multi_node:
             local.retire_step(self.root, job, step, old_at)
         log.info("job %s: step %s is saved again by a run rolled back to step %s; it replaces the old one when complete", job, step, after)
+
+
+def _busy(job: str, step: int) -> DaemonBusy:
+    """A new attempt at ``step`` while a shard of an earlier one is still in flight: answered ``busy``, which the client asks again."""
+    return DaemonBusy(f"step {step} of job {job}: an earlier attempt's shards are still being written; retry")

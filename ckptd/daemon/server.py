@@ -25,7 +25,7 @@ import zmq
 
 from .. import shm, version
 from ..config import HOUSEKEEPING_S, WAIT_CAP_S, DaemonConfig, default_shm_budget
-from ..errors import CheckpointError, ProtocolError
+from ..errors import CheckpointError, DaemonBusy, ProtocolError
 from ..peerkey import PeerKey, load_key
 from ..protocol import EXTRA_FRAMES, Source, decode_request, reply_error, reply_ok
 from ..storage import local
@@ -392,8 +392,8 @@ class Daemon:
             return
         try:
             out = self._ops[msg["op"]](ident, msg)
-        except CheckpointError as e:
-            self._send(ident, reply_error(msg["id"], "refused", str(e)))
+        except CheckpointError as e:  # busy: refused for now, the client asks again (an earlier attempt is in flight)
+            self._send(ident, reply_error(msg["id"], "busy" if isinstance(e, DaemonBusy) else "refused", str(e)))
             return
         except Exception as e:  # a bug or an OS error must not take the daemon down
             log.exception("op %s failed", msg["op"])
