@@ -12,7 +12,7 @@ import pytest
 
 from ckptd.daemon.admission import Admission, started
 from ckptd.daemon.steps import StepState, StepTable
-from ckptd.errors import ProtocolError
+from ckptd.errors import DaemonBusy, ProtocolError
 
 
 class _Holdings:
@@ -41,7 +41,7 @@ def test_a_dead_runs_step_that_every_rank_committed_is_not_abandoned(tmp_path: A
     track = steps.adopt(("j", 4), 2, 2)
     track.committed |= {0, 1}
     track.inflight = 2  # being made durable
-    with pytest.raises(ProtocolError, match="saved by a previous run, is still being made durable"):
+    with pytest.raises(DaemonBusy, match="saved by a previous run, is still being made durable"):
         adm.admit("j", 4, 0, 2, 2, peer=None, after=None, run=5)
     assert track.state is StepState.PENDING
 

@@ -26,7 +26,7 @@ from ckptd.daemon.events import ShardPersisted, Uploaded
 from ckptd.daemon.slots import SlotState
 from ckptd.daemon.status import Counters
 from ckptd.daemon.steps import StepState
-from ckptd.errors import ProtocolError
+from ckptd.errors import DaemonBusy, ProtocolError
 from ckptd.layout import MANIFEST, fragment_name, fragments_present, node_parts, shard_name, step_dir, tmp_dir
 from ckptd.storage.local import latest_step, read_latest
 from ckptd.storage.retention import Protect
@@ -490,7 +490,7 @@ def test_a_dead_runs_multi_node_step_still_being_written_here_is_refused_for_a_m
     for r in (0, 1):
         rig.commit(22, r, 4, shard(22, r, 4), lws=2, run=11)
     admission = Admission(rig.root, rig.steps, rig.pool.holdings, rig.completion.settle, give_up=rig.uploader.give_up)
-    with pytest.raises(ProtocolError, match="is still being made durable"):
+    with pytest.raises(DaemonBusy, match="is still being made durable"):
         admission.admit(JOB, 22, 0, 4, 2, peer=None, after=19, run=22)
     rig.pump(2)
     assert rig.uploader.given_up == [] and len(rig.uploader.nodes) == 1

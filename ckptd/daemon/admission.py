@@ -100,8 +100,8 @@ class Admission:
             # this node's whole part of a dead run's multi-node step, gone to the uploader in a directory of its own: the
             # run's other nodes will never complete it (the bucket would keep it a chimera of runs otherwise), given up
             handed = track.all_committed and track.local_world_size < track.world_size and not track.inflight
-            if track.all_committed and (not handed or self.give_up is None):
-                raise ProtocolError(
+            if track.all_committed and (not handed or self.give_up is None):  # busy: the client asks again until it is durable
+                raise DaemonBusy(
                     f"step {step} of job {job}, saved by a previous run, is still being made durable: restore it, or save it"
                     " again in a moment"
                 )
