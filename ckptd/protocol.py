@@ -8,8 +8,9 @@ missing fields, wrong types and values out of bounds (pids within the kernel's `
 sizes up to :data:`~ckptd.config.MAX_WORLD_SIZE`, ranks below the world size, short strings) are
 refused with ``code`` ``"bad_request"``; nothing is guessed. A request the daemon will not take is refused
 with ``"refused"``; one it cannot take yet, having changed nothing (a ``commit`` starting a new attempt at a step while a
-shard of an earlier attempt is still being written, queued or sealed), with ``"busy"``: the client asks again. A bug's
-error is ``"internal"``. A REQ socket's empty delimiter frame is accepted, and its replies carry one.
+shard of an earlier attempt is still being written, queued or sealed, or while a dead run's step is still being made
+durable), with ``"busy"``: the client asks again. A bug's error is ``"internal"``. A REQ socket's empty delimiter
+frame is accepted, and its replies carry one.
 
 Ops (who sends them: the trainer's client, on whichever of its threads needs the answer):
 

@@ -186,8 +186,8 @@ class Channel:
         self._finalizer.atexit = False
 
     def call(self, op: str, rpc_timeout: float | None = None, frames: tuple[bytes, ...] = (), **fields: Any) -> dict[str, Any]:
-        """Send one request and wait for its reply; raise :class:`ProtocolError` on an error reply and
-        :class:`DaemonUnavailable` when no answer comes in time."""
+        """Send one request and wait for its reply; raise :class:`ProtocolError` on an error reply (one answered ``busy``
+        is asked again first, :meth:`_asked_again`) and :class:`DaemonUnavailable` when no answer comes in time."""
         if self.closed:
             raise CheckpointError("client is closed")
         try:
@@ -197,8 +197,8 @@ class Channel:
             raise DaemonUnavailable(f"cannot talk to the ckptd daemon at {self.endpoint} (op {op}): {e}") from None
 
     def _asked_again(self, op: str, rpc_timeout: float | None, frames: tuple[bytes, ...], fields: dict[str, Any]) -> dict[str, Any]:
-        """:meth:`_call`, asked again while the daemon answers ``busy`` (it changed nothing: a shard of an earlier attempt
-        at the step is still in flight, for about one shard's write), for :data:`BUSY_RETRY_S` at most."""
+        """:meth:`_call`, asked again while the daemon answers ``busy`` (it changed nothing: an earlier attempt at the step
+        is still being written, queued, sealed or made durable), for :data:`BUSY_RETRY_S` at most."""
         until, pause = time.monotonic() + BUSY_RETRY_S, 0.05
         while True:
             try:
