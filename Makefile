@@ -7,7 +7,8 @@ TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 # pytest workers for `make test`: most tests wait on daemons, disks and sockets more than they compute (the suite
 # kept about 1.3 of the 2 CI cores busy, ranks not counted), so three workers on the 2-core CI machine took 912 s
-# where two had taken 1,024 s (that run lacked two changes worth ~20 s); TEST_WORKERS=0 runs it in one process
+# where two had taken 1,024 s (that run lacked two changes worth ~20 s); four gained nothing over three (983 s
+# against 981 s, one fresh clone, one after the other); TEST_WORKERS=0 runs it in one process
 TEST_WORKERS ?= 3
 
 .PHONY: install demo test docs lint bench bench-gpu device-wheels clean systemd-analyze sshfs
