@@ -209,6 +209,17 @@ def test_a_relaunch_saves_again_a_step_number_whose_shard_failed(daemon, wires) 
     assert w.save("j", 5, shard(), run=3, after=1)["ok"] and w.state("j", 5)["state"] == "durable"
 
 
+def _failed_while_rank_0_writes(make_daemon, wires, mib: int) -> tuple[Any, Wire]:  # noqa: ANN001
+    """A daemon writing at 1 MB/s, and step 4 of job ``r`` (run 1, 2 ranks) failed while rank 0's ``mib``-MiB shard
+    is still being written, for about ``mib`` seconds: rank 1's commit was not a shard."""
+    d = make_daemon("--write-rate-limit", "1M")
+    w = wires(d.endpoint)
+    assert w.save("r", 4, shard(mib << 18), ws=2, run=1)["ok"]
+    assert w.save("r", 4, b"\0" * 4096, ws=2, rank=1, run=1)["ok"]  # not a shard: the step fails at once
+    assert w.state("r", 4)["state"] == "failed"
+    return d, w
+
+
 def test_a_relaunchs_snapshot_waits_out_an_earlier_attempt_still_being_written(make_daemon, wires, caplog) -> None:  # noqa: ANN001
     # the user's relaunch, moments after step 4 failed on rank 1 while rank 0's shard still goes to a throttled disk:
     # the daemon answers its commit busy (it changed nothing), and the client asks again until the shard is written
@@ -216,11 +227,7 @@ def test_a_relaunchs_snapshot_waits_out_an_earlier_attempt_still_being_written(m
 
     import ckptd
 
-    d = make_daemon("--write-rate-limit", "1M")
-    w = wires(d.endpoint)
-    assert w.save("r", 4, shard(1 << 20), ws=2, run=1)["ok"]  # rank 0: 4 MiB, about 4 s to write at 1 MB/s
-    assert w.save("r", 4, b"\0" * 4096, ws=2, rank=1, run=1)["ok"]  # rank 1: not a shard, the step fails at once
-    assert w.state("r", 4)["state"] == "failed"
+    d, w = _failed_while_rank_0_writes(make_daemon, wires, 4)
     probe = w.save("r", 4, shard(), run=2)
     assert not probe["ok"] and probe["code"] == "busy" and "still being written; retry" in probe["error"], probe
     assert w.state("r", 4)["state"] == "failed"  # the busy answer changed nothing
@@ -241,11 +248,7 @@ def test_a_commit_refused_busy_for_longer_than_the_client_asks_raises_daemon_bus
     from ckptd.client import rpc
 
     monkeypatch.setattr(rpc, "BUSY_RETRY_S", 0.5)
-    d = make_daemon("--write-rate-limit", "1M")
-    w = wires(d.endpoint)
-    assert w.save("r", 4, shard(2 << 20), ws=2, run=1)["ok"]  # about 8 s to write
-    assert w.save("r", 4, b"\0" * 4096, ws=2, rank=1, run=1)["ok"]
-    assert w.state("r", 4)["state"] == "failed"
+    d, w = _failed_while_rank_0_writes(make_daemon, wires, 8)
     with ckptd.Client(d.endpoint, job="r") as c:
         with pytest.raises(CheckpointError, match=r"still being written; retry; asked again for 0.5 s$") as e:
             c.snapshot(torch.nn.Linear(8, 8), step=4, blocking=True).wait()
